@@ -1,0 +1,222 @@
+"""GPU leases: who may hold bulk device memory on which GPU, and when.
+
+The supervisor keeps one lease per GPU (DESIGN.md, "Colocation: the memory handoff").
+A role must hold a GPU's lease to grow memory there; it releases the lease after
+offloading and reports the bytes it still keeps. A release that keeps more than the
+caller allows is an error naming the role and the amount, so a colocation bug surfaces
+at the handoff instead of as an out-of-memory error in the next holder.
+
+Some memory legitimately outlives a lease: the actor keeps its bf16 weights on the GPU
+for the weight sync while the engines hold the lease. Such a *residual* is allowed up
+to `may_keep`, remembered, reported in the next grant, and shrunk with `report()` as the
+previous holder frees it. A residual can never grow: only the lease holder grows memory.
+
+With fake GPUs (runtime.fakegpu) the table mirrors each lease into the fake device, so
+the device refuses growth by anyone else, and checks every reported byte count against
+the device's exact ledger.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable, Mapping
+
+if TYPE_CHECKING:
+    from runtime.fakegpu import FakeDevice
+
+
+class LeaseError(RuntimeError):
+    """A lease was granted, released or reported against the colocation rules."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Grant:
+    gpu: int
+    holder: str
+    residuals: dict[str, int]  # bytes that earlier holders still keep on this GPU, by holder
+
+
+def format_bytes(nbytes: int) -> str:
+    """Human-readable size with binary units: '0 B', '512 B', '1.5 KiB', '3.2 GiB'."""
+    if abs(nbytes) < 1024:
+        return f"{nbytes} B"
+    size = float(nbytes)
+    for unit in ("KiB", "MiB", "GiB", "TiB"):
+        size /= 1024
+        if abs(size) < 1024 or unit == "TiB":
+            break
+    return f"{size:.1f} {unit}"
+
+
+def _exact(nbytes: int) -> str:
+    # Two different byte counts can format alike ("3.2 GiB"); a mismatch needs the exact ones.
+    return format_bytes(nbytes) if nbytes < 1024 else f"{format_bytes(nbytes)} ({nbytes} B)"
+
+
+class LeaseTable:
+    """In-memory lease table of the supervisor; thread-safe.
+
+    `on_event("lease", gpu=, holder=, action=, bytes_left=, residuals=)` is called after
+    every change, under the table's lock so events arrive in the order of the changes.
+    `action` is "acquire" (bytes_left None), "release" or "report"; `residuals` maps the
+    holders that keep memory on that GPU without holding its lease to their bytes.
+    """
+
+    def __init__(self, gpus: list[int], *, on_event: Callable[..., object] | None = None,
+                 fake_devices: dict[int, FakeDevice] | None = None):
+        if len(set(gpus)) != len(gpus):
+            raise ValueError(f"gpus={gpus} has duplicates; each GPU has exactly one lease")
+        unknown = sorted(set(fake_devices or {}) - set(gpus))
+        if unknown:
+            raise ValueError(f"fake_devices has gpus {unknown} that are not in gpus={gpus}")
+        self._holders: dict[int, str | None] = {gpu: None for gpu in gpus}
+        self._residuals: dict[int, dict[str, int]] = {gpu: {} for gpu in gpus}
+        self._on_event = on_event
+        self._fake_devices = dict(fake_devices or {})
+        self._lock = threading.RLock()
+
+    def holder(self, gpu: int) -> str | None:
+        with self._lock:
+            self._check_gpu(gpu)
+            return self._holders[gpu]
+
+    def snapshot(self) -> dict[int, dict]:
+        """{gpu: {"holder": str | None, "residuals": {holder: bytes}}}."""
+        with self._lock:
+            return {gpu: {"holder": self._holders[gpu], "residuals": dict(self._residuals[gpu])}
+                    for gpu in self._holders}
+
+    def acquire(self, gpu: int, holder: str) -> Grant:
+        """Grant `gpu`'s lease to `holder`; a lease that is held (by anyone) is a LeaseError."""
+        with self._lock:
+            self._check_gpu(gpu)
+            error = self._acquire_error(gpu, holder)
+            if error:
+                raise LeaseError(error)
+            return self._grant(gpu, holder)
+
+    def release(self, gpu: int, holder: str, bytes_left: int, *, may_keep: int = 0) -> None:
+        """End `holder`'s lease on `gpu`, which still keeps `bytes_left` there.
+
+        LeaseError, and the lease stays with `holder`, when `holder` does not hold it or
+        bytes_left exceeds may_keep. The bytes left become a residual of `holder`.
+        """
+        with self._lock:
+            self._check_gpu(gpu)
+            error = self._release_error(gpu, holder, bytes_left, may_keep)
+            if error:
+                raise LeaseError(error)
+            self._end(gpu, holder, bytes_left)
+
+    def report(self, gpu: int, holder: str, nbytes: int) -> None:
+        """Update the residual `holder` keeps on `gpu` after releasing it; it may only shrink."""
+        with self._lock:
+            self._check_gpu(gpu)
+            if self._holders[gpu] == holder:
+                raise LeaseError(f"{holder!r} holds gpu {gpu}: report() tracks the residual of a "
+                                 f"released lease; end the lease with release()")
+            residual = self._residuals[gpu].get(holder, 0)
+            if nbytes > residual:
+                raise LeaseError(
+                    f"{holder!r} reported {format_bytes(nbytes)} on gpu {gpu}, more than its "
+                    f"residual {format_bytes(residual)}: only the lease holder "
+                    f"({self._holders[gpu]!r}) may grow memory")
+            error = self._ledger_error(gpu, holder, nbytes)
+            if error:
+                raise LeaseError(error)
+            if nbytes:
+                self._residuals[gpu][holder] = nbytes
+            else:
+                self._residuals[gpu].pop(holder, None)
+            self._emit(gpu, holder, "report", nbytes)
+
+    def acquire_all(self, gpus: list[int], holder: str) -> list[Grant]:
+        """Grant every lease in `gpus` to `holder`, or none of them (LeaseError naming each conflict)."""
+        with self._lock:
+            self._check_group(gpus)
+            errors = [e for gpu in gpus if (e := self._acquire_error(gpu, holder))]
+            if errors:
+                raise LeaseError("; ".join(errors))
+            return [self._grant(gpu, holder) for gpu in gpus]
+
+    def release_all(self, gpus: list[int], holder: str, bytes_left_by_gpu: Mapping[int, int], *,
+                    may_keep: int | Mapping[int, int] = 0) -> None:
+        """Release every lease in `gpus`, or none of them (LeaseError naming each problem).
+
+        `may_keep` is one allowance for every GPU or an allowance per GPU.
+        """
+        with self._lock:
+            self._check_group(gpus)
+            if sorted(bytes_left_by_gpu) != sorted(gpus):
+                raise ValueError(f"bytes_left_by_gpu has gpus {sorted(bytes_left_by_gpu)}; "
+                                 f"expected exactly gpus={sorted(gpus)}")
+            keep = may_keep if isinstance(may_keep, Mapping) else {gpu: may_keep for gpu in gpus}
+            errors = [e for gpu in gpus
+                      if (e := self._release_error(gpu, holder, bytes_left_by_gpu[gpu], keep.get(gpu, 0)))]
+            if errors:
+                raise LeaseError("; ".join(errors))
+            for gpu in gpus:
+                self._end(gpu, holder, bytes_left_by_gpu[gpu])
+
+    def _check_gpu(self, gpu: int) -> None:
+        if gpu not in self._holders:
+            raise ValueError(f"gpu={gpu} has no lease; leased gpus: {sorted(self._holders)}")
+
+    def _check_group(self, gpus: list[int]) -> None:
+        if len(set(gpus)) != len(gpus):
+            raise ValueError(f"gpus={gpus} has duplicates")
+        for gpu in gpus:
+            self._check_gpu(gpu)
+
+    def _acquire_error(self, gpu: int, holder: str) -> str | None:
+        current = self._holders[gpu]
+        if current is None:
+            return None
+        if current == holder:
+            return f"cannot grant gpu {gpu} to {holder!r}: {holder!r} already holds it"
+        return f"cannot grant gpu {gpu} to {holder!r}: it is held by {current!r}"
+
+    def _release_error(self, gpu: int, holder: str, bytes_left: int, may_keep: int) -> str | None:
+        current = self._holders[gpu]
+        if current != holder:
+            held = "nobody holds it" if current is None else f"it is held by {current!r}"
+            return f"{holder!r} cannot release gpu {gpu}: {held}"
+        ledger_error = self._ledger_error(gpu, holder, bytes_left)
+        if ledger_error:
+            return ledger_error
+        if bytes_left > may_keep:
+            return (f"{holder} released gpu {gpu} with {format_bytes(bytes_left)} still allocated "
+                    f"(allowed {format_bytes(may_keep)}): its offload missed something")
+        return None
+
+    def _ledger_error(self, gpu: int, holder: str, nbytes: int) -> str | None:
+        device = self._fake_devices.get(gpu)
+        if device is None:
+            return None
+        actual = device.usage(holder=holder)
+        if actual == nbytes:
+            return None
+        return (f"{holder!r} reported {_exact(nbytes)} on gpu {gpu} but the fake device "
+                f"ledger shows {_exact(actual)}: its memory report is wrong")
+
+    def _grant(self, gpu: int, holder: str) -> Grant:
+        self._holders[gpu] = holder
+        self._residuals[gpu].pop(holder, None)  # memory it kept is held memory again
+        if gpu in self._fake_devices:
+            self._fake_devices[gpu].set_lease_holder(holder)
+        self._emit(gpu, holder, "acquire", None)
+        return Grant(gpu=gpu, holder=holder, residuals=dict(self._residuals[gpu]))
+
+    def _end(self, gpu: int, holder: str, bytes_left: int) -> None:
+        self._holders[gpu] = None
+        if bytes_left:
+            self._residuals[gpu][holder] = bytes_left
+        if gpu in self._fake_devices:
+            self._fake_devices[gpu].set_lease_holder(None)
+        self._emit(gpu, holder, "release", bytes_left)
+
+    def _emit(self, gpu: int, holder: str, action: str, bytes_left: int | None) -> None:
+        if self._on_event is not None:
+            self._on_event("lease", gpu=gpu, holder=holder, action=action, bytes_left=bytes_left,
+                           residuals=dict(self._residuals[gpu]))

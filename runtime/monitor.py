@@ -1,0 +1,200 @@
+"""Live view of a run: `python -m runtime.monitor RUN_DIR [--json] [--once]`.
+
+Attaches read-only through runtime.events.follow_events, so it can start before, during
+or after the job; the table is rebuilt from the whole event history. It exits 0 when the
+job ends, 2 when RUN_DIR is not a run dir.
+
+  --json   print each event as one JSON line instead of the table
+  --once   show what has been logged so far and exit instead of following
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from rich.console import Console, Group
+from rich.live import Live
+from rich.panel import Panel
+from rich.table import Table
+
+from runtime.events import SUPERVISOR_FILE, follow_events, read_events
+from runtime.memory import format_bytes
+
+
+@dataclass(kw_only=True)
+class RoleRow:
+    name: str
+    incarnation: int = 0
+    state: str = "starting"
+    gpus: list[int] = field(default_factory=list)
+    pid: int | None = None
+    rss_bytes: int | None = None
+    cpu: float | None = None
+    calls_total: int = 0
+    calls_per_s: float | None = None  # between the last two role_stats of this incarnation
+    errors_total: int = 0
+    restarts: int = 0
+    last_error: str | None = None
+    stats_ts: float | None = None  # ts of the role_stats that calls_total came from
+
+
+class MonitorState:
+    """The table model: a pure reduction of events (see runtime.events for the vocabulary).
+
+    Rates use the events' own timestamps, so replaying a history gives the numbers that
+    were shown live.
+    """
+
+    def __init__(self) -> None:
+        self.roles: dict[str, RoleRow] = {}
+        self.leases: dict[int, dict] = {}  # gpu -> {"holder": str | None, "residuals": {holder: bytes}}
+        self.step: int | None = None
+        self.metrics: dict = {}
+        self.supervisor_pid: int | None = None
+        self.num_rejected = 0
+        self.last_rejected: str | None = None
+        self.ended = False
+        self.shutdown_reason: str | None = None
+        self.last_seq = 0
+
+    def apply(self, event: dict) -> None:
+        self.last_seq = event["seq"]
+        handler = getattr(self, f"_on_{event['event']}", None)
+        if handler is not None:  # events this view does not show (socket) only advance seq
+            handler(event)
+
+    def _row(self, event: dict) -> RoleRow:
+        row = self.roles.setdefault(event["role"], RoleRow(name=event["role"]))
+        for name in ("incarnation", "pid", "gpus"):
+            if event.get(name) is not None:
+                setattr(row, name, event[name])
+        return row
+
+    def _on_supervisor_started(self, event: dict) -> None:
+        self.supervisor_pid = event.get("pid")
+
+    def _on_spawned(self, event: dict) -> None:
+        row = self._row(event)
+        row.state = "starting"
+        # A new incarnation starts its counters from zero.
+        row.rss_bytes = row.cpu = row.calls_per_s = row.stats_ts = None
+        row.calls_total = row.errors_total = 0
+
+    def _on_state(self, event: dict) -> None:
+        self._row(event).state = event["new"]
+
+    def _on_died(self, event: dict) -> None:
+        row = self._row(event)
+        row.state = "dead"
+        row.last_error = event.get("error") or f"exit code {event.get('exitcode')}"
+
+    def _on_restarted(self, event: dict) -> None:
+        self._row(event).restarts += 1
+
+    def _on_hung(self, event: dict) -> None:
+        row = self._row(event)
+        row.state = "hung"
+        row.last_error = f"no heartbeat for {event.get('silent_s', 0):.0f} s"
+
+    def _on_role_stats(self, event: dict) -> None:
+        for name, stats in event["roles"].items():
+            row = self.roles.setdefault(name, RoleRow(name=name))
+            calls = stats.get("calls_total", 0)
+            if row.stats_ts is not None and event["ts"] > row.stats_ts and calls >= row.calls_total:
+                row.calls_per_s = (calls - row.calls_total) / (event["ts"] - row.stats_ts)
+            row.calls_total, row.stats_ts = calls, event["ts"]
+            row.rss_bytes = stats.get("rss_bytes")
+            row.cpu = stats.get("cpu")
+            row.errors_total = stats.get("errors_total", 0)
+
+    def _on_lease(self, event: dict) -> None:
+        lease = self.leases.setdefault(event["gpu"], {"holder": None, "residuals": {}})
+        if event["action"] == "acquire":
+            lease["holder"] = event["holder"]
+        elif event["action"] == "release":
+            lease["holder"] = None
+        lease["residuals"] = dict(event.get("residuals") or {})
+
+    def _on_metrics(self, event: dict) -> None:
+        self.step = event.get("step")
+        self.metrics = dict(event.get("metrics") or {})
+
+    def _on_rejected(self, event: dict) -> None:
+        self.num_rejected += 1
+        self.last_rejected = f"{event.get('socket', '?')}: {event.get('reason', '?')}"
+
+    def _on_shutdown(self, event: dict) -> None:
+        self.ended = True
+        self.shutdown_reason = event.get("reason")
+
+
+def render(state: MonitorState, run_dir: str) -> Group:
+    status = f"ended ({state.shutdown_reason})" if state.ended else "running"
+    table = Table(title=f"{run_dir} — {status} — event {state.last_seq}", expand=True)
+    for column in ("role", "inc", "state", "gpus", "pid", "rss", "calls/s", "errors", "restarts", "last error"):
+        table.add_column(column, overflow="fold")
+    for row in state.roles.values():
+        table.add_row(
+            row.name, str(row.incarnation), row.state, ",".join(map(str, row.gpus)) or "-",
+            _or_dash(row.pid), format_bytes(row.rss_bytes) if row.rss_bytes is not None else "-",
+            f"{row.calls_per_s:.1f}" if row.calls_per_s is not None else "-",
+            str(row.errors_total), str(row.restarts), row.last_error or "")
+    lines = []
+    if state.step is not None:
+        values = "  ".join(f"{name}={_number(value)}" for name, value in state.metrics.items())
+        lines.append(f"step {state.step}: {values}")
+    for gpu in sorted(state.leases):
+        lease = state.leases[gpu]
+        residuals = ", ".join(f"{h} keeps {format_bytes(b)}" for h, b in lease["residuals"].items())
+        lines.append(f"gpu {gpu}: lease {lease['holder'] or 'free'}" + (f" ({residuals})" if residuals else ""))
+    if state.num_rejected:
+        lines.append(f"rejected frames: {state.num_rejected} (last: {state.last_rejected})")
+    return Group(table, Panel("\n".join(lines) or "no metrics or leases yet", title="training"))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m runtime.monitor", description=__doc__.splitlines()[0])
+    parser.add_argument("run_dir")
+    parser.add_argument("--json", action="store_true", help="print one JSON event per line")
+    parser.add_argument("--once", action="store_true", help="show the events so far and exit")
+    args = parser.parse_args(argv)
+    if not (Path(args.run_dir) / SUPERVISOR_FILE).exists():
+        print(f"error: {args.run_dir} has no {SUPERVISOR_FILE}; pass the run_dir of a Tandem job "
+              f"(the supervisor writes it when it starts)", file=sys.stderr)
+        return 2
+    events = read_events(args.run_dir) if args.once else follow_events(args.run_dir)
+    try:
+        if args.json:
+            for event in events:
+                print(json.dumps(event), flush=True)
+            return 0
+        state = MonitorState()
+        console = Console()
+        if args.once:
+            for event in events:
+                state.apply(event)
+            console.print(render(state, args.run_dir))
+            return 0
+        with Live(render(state, args.run_dir), console=console, refresh_per_second=4) as live:
+            for event in events:
+                state.apply(event)
+                live.update(render(state, args.run_dir))
+        return 0
+    except KeyboardInterrupt:
+        return 130
+
+
+def _or_dash(value: object) -> str:
+    return "-" if value is None else str(value)
+
+
+def _number(value: object) -> str:
+    return f"{value:.4g}" if isinstance(value, float) else str(value)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,518 @@
+"""The supervisor: spawns role processes, watches them, restarts them, stops them.
+
+Roles just work and crash; the supervisor owns the child specs (restart type, group),
+the strategy and the restart limit, as in Erlang/OTP:
+
+- ``one_for_one``: restart the dead child alone (stateless roles).
+- ``one_for_all``: restart every member of the child's named group (a colocated GPU
+  group whose members share IPC handles and NCCL state).
+- ``temporary``: never restart; callers get ActorDied.
+
+Death is seen from the process sentinel; hangs from missed heartbeats. Past the
+restart intensity (``max_restarts`` within ``restart_window_s``), or when a child dies
+before it was ever ready, the supervisor stops everything and raises SupervisionFailed
+with the role's error file. Shutdown: SIGTERM to all at once, a grace period, SIGKILL
+to each child's process group.
+"""
+
+from __future__ import annotations
+
+import collections
+import multiprocessing
+import os
+import secrets
+import shutil
+import signal
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Sequence
+
+import msgpack
+import psutil
+import zmq
+
+from runtime import shm, wire
+from runtime.actor import endpoints_of
+from runtime.child import ChildBoot, child_main, control_message
+from runtime.errors import ActorDied, SupervisionFailed
+from runtime.events import EventBus, watch_socket
+from runtime.fakegpu import create_fake_devices
+from runtime.handle import ActorGroup, ActorHandle, Address, Caller, Directory
+from runtime.memory import LeaseTable
+
+RESTART_POLICIES = ("one_for_one", "one_for_all", "temporary")
+MAX_IPC_PATH = 100  # sun_path is 108 bytes on Linux
+_env_lock = threading.Lock()  # os.environ is patched around Process.start()
+
+
+@dataclass(frozen=True)
+class ChildSpec:
+    name: str
+    cls: type
+    init_frames: list[bytes]
+    gpus: tuple[int, ...]
+    restart: str
+    group: str | None
+    env: dict[str, str]
+
+
+@dataclass
+class _Child:
+    spec: ChildSpec
+    incarnation: int
+    process: Any = None
+    endpoint: str = ""
+    state: str = "starting"  # starting -> ready -> dead
+    started_at: float = field(default_factory=time.monotonic)
+    last_beat: float | None = None
+    stats: dict = field(default_factory=dict)
+    ever_ready: bool = False
+    restarts: int = 0
+
+    @property
+    def endpoint_id(self) -> str:
+        return f"{self.spec.name}#{self.incarnation}"
+
+
+class Supervisor:
+    """Owns the role processes of one run. Use as a context manager."""
+
+    def __init__(self, run_dir: str | os.PathLike, *, heartbeat_interval: float = 1.0,
+                 heartbeat_timeout: float | None = None, max_restarts: int = 3,
+                 restart_window_s: float = 60.0, shutdown_grace_s: float = 5.0,
+                 ready_timeout_s: float = 300.0, transport: str = "ipc", host: str = "127.0.0.1",
+                 max_message_bytes: int = 4 << 30, fake_gpus: int = 0,
+                 fake_gpu_bytes: int = 80 << 30, stats_interval_s: float = 1.0):
+        if transport not in ("ipc", "tcp"):
+            raise ValueError(f"transport={transport!r}: allowed values are 'ipc' and 'tcp'")
+        if heartbeat_interval <= 0:
+            raise ValueError(f"heartbeat_interval={heartbeat_interval}: must be > 0 seconds")
+        self.run_dir = Path(run_dir).resolve()
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        (self.run_dir / "errors").mkdir(exist_ok=True)
+        self.heartbeat_interval = heartbeat_interval
+        self.heartbeat_timeout = heartbeat_timeout or 5 * heartbeat_interval
+        self.max_restarts, self.restart_window_s = max_restarts, restart_window_s
+        self.shutdown_grace_s, self.ready_timeout_s = shutdown_grace_s, ready_timeout_s
+        self.stats_interval_s = stats_interval_s
+        self.transport, self.host = transport, host
+        self.run_id = secrets.token_hex(4)
+        self.sock_dir = self._make_socket_dir()
+        self.cfg = wire.WireConfig(token=secrets.token_hex(16), max_message_bytes=max_message_bytes,
+                                   shm_prefix=f"tandem-{self.run_id}" if transport == "ipc" else None)
+
+        self.bus = EventBus(self.run_dir, socket_dir=self.sock_dir)
+        self._ctx = zmq.Context()
+        self._control = self._ctx.socket(zmq.ROUTER)
+        self._control.setsockopt(zmq.LINGER, 0)
+        self.control_endpoint = self._bind(self._control, "control")
+        self._control_watch = watch_socket(self._control, self.bus, "control")
+        self.directory = Directory()
+        self.caller = Caller(self._ctx, self.cfg, "supervisor", self.directory)
+
+        self.fake_gpu_dir = None
+        fake_devices = None
+        if fake_gpus:
+            self.fake_gpu_dir = str(self.run_dir / "fakegpu")
+            fake_devices = {d.index: d for d in create_fake_devices(self.fake_gpu_dir, fake_gpus, fake_gpu_bytes)}
+        self.leases = LeaseTable(sorted(fake_devices) if fake_devices else [],
+                                 on_event=self.bus.publish, fake_devices=fake_devices)
+
+        self._children: dict[str, _Child] = {}
+        self._lock = threading.RLock()          # guards _children and restart bookkeeping
+        self._restart_times: collections.deque[float] = collections.deque()
+        self._failure: SupervisionFailed | None = None
+        self._stopping = False  # no more restarts
+        self._closed = False
+        self._wake_fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+        self._mp = multiprocessing.get_context("spawn")
+        self.bus.publish("supervisor_started", pid=os.getpid(), run_dir=str(self.run_dir))
+        self._thread = threading.Thread(target=self._watch, name="tandem-supervisor", daemon=True)
+        self._thread.start()
+
+    # -- public API -----------------------------------------------------------------------
+    def __enter__(self) -> "Supervisor":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        self.shutdown()
+        if exc_type is None:
+            self.check()
+
+    def spawn(self, name: str, cls: type, *args, gpus: Sequence[int] = (), restart: str = "one_for_one",
+              group: str | None = None, env: dict[str, str] | None = None, **kwargs) -> ActorHandle:
+        """Start ``cls(*args, **kwargs)`` in a new process; returns at once with its handle.
+
+        Calls made before the actor is ready wait in its mailbox queue.
+        """
+        self.check()
+        if restart not in RESTART_POLICIES:
+            raise ValueError(f"restart={restart!r}: allowed values are {', '.join(RESTART_POLICIES)}")
+        if restart == "one_for_all" and not group:
+            raise ValueError(f"{name}: restart='one_for_all' needs group=NAME (the members restarted together)")
+        if not name or "#" in name or "/" in name:
+            raise ValueError(f"actor name {name!r}: must be non-empty without '#' or '/'")
+        init = wire.encode(wire.WireConfig(token=self.cfg.token), {
+            "kind": "init", "id": 0, "src": "supervisor", "dst": name, "method": "__init__",
+            "inc": 0, "deadline": None}, [list(args), kwargs])
+        spec = ChildSpec(name, cls, [bytes(f) for f in init.frames], tuple(int(g) for g in gpus),
+                         restart, group, dict(env or {}))
+        with self._lock:
+            if name in self._children:
+                raise ValueError(f"an actor named {name!r} already exists")
+            child = _Child(spec, incarnation=0)
+            self._children[name] = child
+            self._start(child)
+        return self.handle(name)
+
+    def handle(self, name: str) -> ActorHandle:
+        child = self._children[name]
+        return ActorHandle(name, child.spec.cls.__name__, endpoints_of(child.spec.cls), self.caller,
+                           killer=self.kill)
+
+    def group(self, handles_or_names: Sequence[ActorHandle | str]) -> ActorGroup:
+        return ActorGroup(h if isinstance(h, ActorHandle) else self.handle(h) for h in handles_or_names)
+
+    def wait_ready(self, names: Sequence[str] | None = None, timeout: float = 300.0) -> None:
+        """Block until the named actors (default: all) are ready; raises if one dies starting."""
+        until = time.monotonic() + timeout
+        names = list(names or self._children)
+        while True:
+            self.check()
+            with self._lock:
+                pending = [n for n in names if self._children[n].state != "ready"]
+            if not pending:
+                return
+            if time.monotonic() > until:
+                raise TimeoutError(f"actors not ready after {timeout} s: {', '.join(pending)}")
+            time.sleep(0.01)
+
+    def kill(self, name: str, sig: int = signal.SIGKILL) -> None:
+        with self._lock:
+            proc = self._children[name].process
+        if proc is not None and proc.pid:
+            os.kill(proc.pid, sig)
+
+    def pid(self, name: str) -> int:
+        return self._children[name].process.pid
+
+    def publish(self, event: str, **fields) -> None:
+        """Publish an event of the training loop (e.g. ``metrics``) on the run's bus."""
+        self.bus.publish(event, **fields)
+
+    def check(self) -> None:
+        """Raise SupervisionFailed if the supervisor gave up."""
+        if self._failure is not None:
+            raise self._failure
+
+    def shutdown(self) -> None:
+        """SIGTERM every child at once, wait the grace period, SIGKILL what is left."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = self._stopping = True
+            children = list(self._children.values())
+        self._wake()
+        self._thread.join(timeout=5)
+        self._stop_children(children, reason="supervisor shutdown")
+        self.caller.close()
+        self._control.disable_monitor()
+        self._control_watch.join(timeout=2)  # it publishes on the bus, which closes next
+        self._control.close(linger=0)
+        self.bus.close()
+        self._ctx.term()
+        if self.cfg.shm_prefix:
+            self.cfg._pool.close()
+            shm.remove_all(self.cfg.shm_prefix)
+        if self.sock_dir != str(self.run_dir / "sockets"):
+            shutil.rmtree(self.sock_dir, ignore_errors=True)
+        os.close(self._wake_fd)
+
+    # -- starting ---------------------------------------------------------------------------
+    def _make_socket_dir(self) -> str:
+        d = self.run_dir / "sockets"
+        if len(str(d)) + 32 > MAX_IPC_PATH:  # a long run dir would overflow sun_path
+            return tempfile.mkdtemp(prefix="tandem-")  # mode 0700
+        d.mkdir(mode=0o700, exist_ok=True)
+        os.chmod(d, 0o700)
+        return str(d)
+
+    def _bind(self, sock: zmq.Socket, name: str) -> str:
+        if self.transport == "tcp":
+            port = sock.bind_to_random_port(f"tcp://{self.host}")
+            return f"tcp://{self.host}:{port}"
+        ep = f"ipc://{self.sock_dir}/{name}.sock"
+        sock.bind(ep)
+        return ep
+
+    def _mailbox_endpoint(self, child: _Child) -> str:
+        if self.transport == "tcp":
+            # the child binds; pick a free port now so the address is known before it boots
+            with zmq.Context.instance().socket(zmq.ROUTER) as probe:
+                port = probe.bind_to_random_port(f"tcp://{self.host}")
+            return f"tcp://{self.host}:{port}"
+        return f"ipc://{self.sock_dir}/{child.spec.name}.{child.incarnation}.sock"
+
+    def _start(self, child: _Child) -> None:
+        spec = child.spec
+        endpoint = self._mailbox_endpoint(child)
+        peers = tuple((c.spec.name, c.incarnation, c.endpoint)
+                      for c in self._children.values() if c is not child and c.state != "dead")
+        boot = ChildBoot(
+            name=spec.name, incarnation=child.incarnation, cls=spec.cls, init_frames=spec.init_frames,
+            run_dir=str(self.run_dir), gpus=spec.gpus, mailbox=endpoint, control=self.control_endpoint,
+            token=self.cfg.token, max_message_bytes=self.cfg.max_message_bytes,
+            shm_prefix=self.cfg.shm_prefix, heartbeat_interval=self.heartbeat_interval,
+            parent_pid=os.getpid(), error_file=self._error_file(child), peers=peers)
+        env = {"CUDA_VISIBLE_DEVICES": ",".join(map(str, spec.gpus)), "CUDA_DEVICE_ORDER": "PCI_BUS_ID",
+               **({"TANDEM_FAKE_GPU_DIR": self.fake_gpu_dir} if self.fake_gpu_dir else {}), **spec.env}
+        proc = self._mp.Process(target=child_main, args=(boot,), name=f"tandem:{spec.name}", daemon=False)
+        with _env_lock:  # the spawned interpreter inherits os.environ: set it before any import
+            saved = {k: os.environ.get(k) for k in env}
+            os.environ.update(env)
+            try:
+                proc.start()
+            finally:
+                for k, v in saved.items():
+                    if v is None:
+                        os.environ.pop(k, None)
+                    else:
+                        os.environ[k] = v
+        child.process, child.endpoint = proc, endpoint
+        child.state, child.started_at, child.last_beat = "starting", time.monotonic(), None
+        self.directory.update(Address(spec.name, child.incarnation, endpoint))
+        self._notify_children({"what": "started", "name": spec.name, "inc": child.incarnation,
+                               "endpoint": endpoint})
+        self.bus.publish("spawned", role=spec.name, incarnation=child.incarnation, pid=proc.pid,
+                         gpus=list(spec.gpus), restart=spec.restart, group=spec.group)
+        self._wake()
+
+    def _error_file(self, child: _Child) -> str:
+        return str(self.run_dir / "errors" / f"{child.spec.name}.{child.incarnation}.txt")
+
+    # -- watching ---------------------------------------------------------------------------
+    def _wake(self) -> None:
+        try:
+            os.eventfd_write(self._wake_fd, 1)
+        except OSError:
+            pass
+
+    def _watch(self) -> None:
+        """The supervisor thread: control messages, sentinels, heartbeats, stats."""
+        next_stats = time.monotonic() + self.stats_interval_s
+        while not self._stopping:
+            poller = zmq.Poller()
+            poller.register(self._control, zmq.POLLIN)
+            poller.register(self._wake_fd, zmq.POLLIN)
+            with self._lock:
+                live = {c.process.sentinel: c for c in self._children.values()
+                        if c.state != "dead" and c.process is not None}
+            for fd in live:
+                poller.register(fd, zmq.POLLIN)
+            for sock, _ in poller.poll(100):
+                if sock is self._control:
+                    self._drain_control()
+                elif sock == self._wake_fd:
+                    os.eventfd_read(self._wake_fd)
+                elif sock in live and not self._stopping:
+                    self._on_death(live[sock], reason=_exit_reason(live[sock].process))
+            if self._stopping:
+                break
+            self._check_heartbeats()
+            if time.monotonic() >= next_stats:
+                self._publish_stats()
+                next_stats = time.monotonic() + self.stats_interval_s
+
+    def _drain_control(self) -> None:
+        while True:
+            try:
+                ident, kind, token, payload = self._control.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            except ValueError:
+                self.bus.publish("rejected", role="supervisor", reason="malformed control message")
+                continue
+            if not secrets.compare_digest(token, self.cfg.token.encode()):
+                self.bus.publish("rejected", role="supervisor", reason="bad token on control socket")
+                continue
+            try:
+                data = msgpack.unpackb(payload, raw=False)
+                name, inc = ident.decode().split("#")[:2]
+                child = self._children.get(name)
+            except Exception:
+                self.bus.publish("rejected", role="supervisor", reason="malformed control payload")
+                continue
+            if child is None or int(inc) != child.incarnation or child.state == "dead":
+                continue  # a message from a dead incarnation
+            if kind == b"heartbeat":
+                child.last_beat = time.monotonic()
+                child.stats = data
+            elif kind == b"ready":
+                child.state, child.ever_ready = "ready", True
+                self.bus.publish("ready", role=name, incarnation=child.incarnation, pid=data["pid"],
+                                 gpus=list(child.spec.gpus))
+            elif kind == b"event":
+                event = data.pop("event")
+                self.bus.publish(event, **{"role": name, "incarnation": child.incarnation,
+                                           "pid": child.process.pid, **data})
+
+    def _check_heartbeats(self) -> None:
+        now = time.monotonic()
+        with self._lock:
+            children = [c for c in self._children.values() if c.state != "dead"]
+        for c in children:
+            if c.last_beat is not None and now - c.last_beat > self.heartbeat_timeout:
+                self.bus.publish("hung", role=c.spec.name, incarnation=c.incarnation, pid=c.process.pid,
+                                 silent_s=round(now - c.last_beat, 3))
+                _kill_tree(c.process.pid)
+                c.process.join(timeout=5)
+                self._on_death(c, reason=f"hung: no heartbeat for {now - c.last_beat:.1f} s "
+                                         f"(heartbeat_timeout={self.heartbeat_timeout} s); killed")
+            elif c.last_beat is None and now - c.started_at > self.ready_timeout_s:
+                _kill_tree(c.process.pid)
+                c.process.join(timeout=5)
+                self._on_death(c, reason=f"did not start within ready_timeout_s={self.ready_timeout_s}")
+
+    def _publish_stats(self) -> None:
+        roles = {}
+        with self._lock:
+            children = [c for c in self._children.values() if c.state != "dead"]
+        for c in children:
+            try:
+                p = psutil.Process(c.process.pid)
+                rss, cpu = p.memory_info().rss, p.cpu_percent(None)
+            except psutil.Error:
+                continue
+            roles[c.spec.name] = {"incarnation": c.incarnation, "pid": c.process.pid, "rss_bytes": rss,
+                                  "cpu": cpu, "calls_total": c.stats.get("calls", 0),
+                                  "errors_total": c.stats.get("errors", 0),
+                                  "rejected_total": c.stats.get("rejected", 0)}
+        self.bus.publish("role_stats", roles=roles)
+
+    # -- death and restarts ---------------------------------------------------------------
+    def _on_death(self, child: _Child, reason: str) -> None:
+        with self._lock:
+            if child.state == "dead":
+                return
+            child.state = "dead"
+        spec = child.spec
+        err_file = self._error_file(child)
+        err_text = _read_text(err_file)
+        err = ActorDied(spec.name, child.incarnation, reason, err_file if err_text else None, err_text)
+        self.directory.mark_dead(spec.name, child.incarnation, err)
+        self.caller.fail_destination(spec.name, child.incarnation, err)
+        self.caller.forget_endpoint(child.endpoint)
+        self._notify_children({"what": "died", "name": spec.name, "inc": child.incarnation,
+                               "reason": reason, "endpoint": child.endpoint,
+                               "error_file": err_file if err_text else None})
+        self.bus.publish("died", role=spec.name, incarnation=child.incarnation, pid=child.process.pid,
+                         gpus=list(spec.gpus), reason=reason, error_file=err_file if err_text else None)
+        if self._stopping or spec.restart == "temporary":
+            return
+        if not child.ever_ready:
+            self._give_up(f"actor {spec.name!r} died while starting ({reason}); not restarting it, "
+                          "since a start-up failure usually repeats", err_file, err_text)
+            return
+        now = time.monotonic()
+        self._restart_times.append(now)
+        while self._restart_times and now - self._restart_times[0] > self.restart_window_s:
+            self._restart_times.popleft()
+        if len(self._restart_times) > self.max_restarts:
+            self._give_up(f"restart intensity exceeded: {len(self._restart_times)} restarts within "
+                          f"{self.restart_window_s} s (max_restarts={self.max_restarts}); "
+                          f"last death: {spec.name!r}: {reason}", err_file, err_text)
+            return
+        if spec.restart == "one_for_all":
+            members = [c for c in self._children.values() if c.spec.group == spec.group]
+            self._stop_children([c for c in members if c.state != "dead"],
+                                reason=f"restarting group {spec.group!r} after {spec.name!r} died")
+        else:
+            members = [child]
+        for c in members:
+            self._restart(c, reason)
+
+    def _restart(self, child: _Child, reason: str) -> None:
+        with self._lock:
+            child.incarnation += 1
+            child.restarts += 1
+            self._start(child)
+        self.bus.publish("restarted", role=child.spec.name, incarnation=child.incarnation,
+                         pid=child.process.pid, gpus=list(child.spec.gpus), reason=reason,
+                         restarts=child.restarts)
+
+    def _give_up(self, message: str, err_file: str, err_text: str | None) -> None:
+        detail = f"\n\n--- {err_file} ---\n{err_text.rstrip()}" if err_text else ""
+        self._failure = SupervisionFailed(message + detail)
+        self.bus.publish("failed", reason=message, error_file=err_file if err_text else None)
+        with self._lock:
+            self._stopping = True
+            children = list(self._children.values())
+        self._stop_children(children, reason=f"supervisor gave up: {message}")
+        self.caller.fail_all(self._failure)
+
+    def _stop_children(self, children: list[_Child], reason: str) -> None:
+        """SIGTERM all at once, wait the grace period, SIGKILL the rest (and their descendants)."""
+        live = [c for c in children if c.process is not None and c.process.exitcode is None]
+        for c in live:
+            try:
+                os.kill(c.process.pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+        until = time.monotonic() + self.shutdown_grace_s
+        for c in live:
+            c.process.join(timeout=max(0.0, until - time.monotonic()))
+        for c in children:
+            if c.process is not None:
+                _kill_tree(c.process.pid)
+                c.process.join(timeout=5)
+        for c in children:
+            if c.state != "dead":
+                c.state = "dead"
+                err = ActorDied(c.spec.name, c.incarnation, reason)
+                self.directory.mark_dead(c.spec.name, c.incarnation, err)
+                self.caller.fail_destination(c.spec.name, c.incarnation, err)
+                self.bus.publish("died", role=c.spec.name, incarnation=c.incarnation, pid=c.process.pid,
+                                 gpus=list(c.spec.gpus), reason=reason, error_file=None)
+
+    def _notify_children(self, notice: dict) -> None:
+        msg = control_message("notice", self.cfg.token, notice)
+        with self._lock:
+            targets = [c.endpoint_id for c in self._children.values() if c.state != "dead"]
+        for ident in targets:
+            try:
+                self._control.send_multipart([ident.encode(), *msg], zmq.NOBLOCK)
+            except zmq.ZMQError:
+                pass
+
+
+def _exit_reason(proc) -> str:
+    proc.join(timeout=1)
+    code = proc.exitcode
+    if code is None:
+        return "process ended"
+    if code < 0:
+        return f"killed by {signal.Signals(-code).name}"
+    return f"exited with code {code}"
+
+
+def _kill_tree(pid: int) -> None:
+    """SIGKILL a child and everything in its session (it is a session leader)."""
+    try:
+        os.killpg(pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+def _read_text(path: str, limit: int = 20000) -> str | None:
+    try:
+        text = Path(path).read_text(errors="replace")
+    except OSError:
+        return None
+    return text[-limit:] if text.strip() else None

@@ -1,0 +1,282 @@
+"""The wire format: a msgpack header followed by raw frames.
+
+A message is ``[header, frame0, frame1, ...]``. The header is a msgpack map
+``{kind, id, src, dst, method, inc, deadline, token, bufs, body}`` where ``body``
+is the msgpack-encoded payload in which every array is an ext reference to an
+entry of ``bufs = [(lib, dtype, shape, where)]``; ``where`` is a frame index, or
+a shared-memory segment name for large arrays between processes of one host.
+Arrays never pass through msgpack or pickle: frames are sent ``copy=False`` from
+64 KiB and decoded as zero-copy views.
+
+Array types are plugged in through a small codec registry so this module never
+imports torch: numpy is built in, torch tensors are recognised by their type's
+module and converted only when one is actually sent.
+"""
+
+from __future__ import annotations
+
+import math
+import secrets
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import msgpack
+import numpy as np
+
+from runtime import shm
+
+ZERO_COPY_MIN_BYTES = 64 * 1024
+EXT_ARRAY = 1
+EXT_CODEC = 2  # registered object codecs (actor handles, ...)
+
+HEADER_KEYS = ("kind", "id", "src", "dst", "method", "inc", "deadline", "token", "bufs", "body")
+
+
+class WireError(ValueError):
+    """A message that cannot be decoded: garbage, truncated, oversized, or lying about its sizes."""
+
+
+# --- array codecs -----------------------------------------------------------------
+
+def _numpy_dtype_name(arr: np.ndarray) -> str:
+    if arr.dtype.hasobject or arr.dtype.kind in "OUSVMm":
+        raise TypeError(f"numpy arrays of dtype {arr.dtype} cannot be sent: only numeric and bool dtypes travel as frames")
+    return arr.dtype.name
+
+
+def _torch_to_numpy(t) -> tuple[str, np.ndarray]:
+    """Return (torch dtype name, a numpy view of the bytes). Copies only when not contiguous."""
+    import torch
+
+    if t.device.type != "cpu":
+        raise TypeError(f"a {t.device.type} tensor cannot be sent on the wire; move it to the CPU first "
+                        "(GPU-to-GPU transfers use CUDA IPC handles, not frames)")
+    t = t.detach()
+    if not t.is_contiguous():
+        t = t.contiguous()
+    name = str(t.dtype).removeprefix("torch.")
+    if t.dtype in (torch.bfloat16, torch.float16):
+        view = t.view(torch.int16).numpy()
+    elif t.element_size() == 1 and t.dtype not in (torch.uint8, torch.int8, torch.bool):
+        view = t.view(torch.uint8).numpy()  # float8 variants
+    else:
+        view = t.numpy()
+    return name, view
+
+
+def _is_torch_tensor(obj) -> bool:
+    t = type(obj)
+    return t.__module__.startswith("torch") and t.__name__ in ("Tensor", "Parameter")
+
+
+@dataclass(frozen=True)
+class ObjectCodec:
+    """How a non-array object (e.g. an actor handle) travels: as a msgpack-able state."""
+
+    tag: str
+    cls: type
+    to_state: Callable[[Any], Any]
+    from_state: Callable[[Any, Any], Any]  # (state, receiving context) -> object
+
+
+_object_codecs: dict[str, ObjectCodec] = {}
+
+
+def register_object_codec(codec: ObjectCodec) -> None:
+    _object_codecs[codec.tag] = codec
+
+
+# --- encode / decode ------------------------------------------------------------------
+
+@dataclass
+class WireConfig:
+    """Limits and transport choices shared by every socket of a run."""
+
+    token: str
+    max_message_bytes: int = 4 << 30
+    shm_prefix: str | None = None  # None: no shared memory (e.g. across hosts)
+    shm_min_bytes: int = 1 << 20
+    _pool: shm.SegmentPool | None = field(default=None, repr=False)
+    _reader: shm.SegmentReader | None = field(default=None, repr=False)
+
+    def __post_init__(self):
+        if self.shm_prefix is not None:
+            self._pool = shm.SegmentPool(self.shm_prefix)
+            self._reader = shm.SegmentReader(self.shm_prefix)
+
+    def release(self, segments: list) -> None:
+        """Take back the segments of a message that will never be read."""
+        for name, pooled in segments:
+            self._pool.release(name, pooled)
+
+
+@dataclass
+class Encoded:
+    frames: list  # [header bytes, buffers...]
+    segments: list = field(default_factory=list)  # [(shm name, pooled)]
+
+
+def encode(cfg: WireConfig, header: dict, body: Any) -> Encoded:
+    """Encode header fields and a payload. Raises TypeError naming any unsendable type."""
+    enc = _Encoder(cfg)
+    try:
+        packed_body = msgpack.packb(body, default=enc, use_bin_type=True)
+        head = msgpack.packb(dict(header, token=cfg.token, bufs=enc.bufs, body=packed_body),
+                             use_bin_type=True)
+    except BaseException:
+        if enc.segments:
+            cfg.release(enc.segments)
+        raise
+    return Encoded([head, *enc.frames], enc.segments)
+
+
+class _Encoder:
+    """msgpack ``default`` hook collecting arrays into frames (a class: see _ExtDecoder)."""
+
+    def __init__(self, cfg: WireConfig):
+        self.cfg = cfg
+        self.bufs: list[list] = []
+        self.frames: list = []
+        self.segments: list = []
+
+    def add_array(self, lib: str, dtype: str, arr: np.ndarray) -> msgpack.ExtType:
+        data = memoryview(np.ascontiguousarray(arr)).cast("B") if arr.size else memoryview(b"")
+        if self.cfg._pool is not None and data.nbytes >= self.cfg.shm_min_bytes:
+            name, pooled = self.cfg._pool.write(data)
+            self.segments.append((name, pooled))
+            where: Any = [name, pooled]
+        else:
+            where = len(self.frames) + 1
+            self.frames.append(data)
+        self.bufs.append([lib, dtype, list(arr.shape), where, data.nbytes])
+        return msgpack.ExtType(EXT_ARRAY, msgpack.packb(len(self.bufs) - 1))
+
+    def __call__(self, obj):
+        if isinstance(obj, np.ndarray):
+            return self.add_array("numpy", _numpy_dtype_name(obj), obj)
+        if isinstance(obj, np.generic):
+            return obj.item()
+        if _is_torch_tensor(obj):
+            dtype, view = _torch_to_numpy(obj)
+            return self.add_array("torch", dtype, view)
+        for codec in _object_codecs.values():
+            if isinstance(obj, codec.cls):
+                return msgpack.ExtType(EXT_CODEC, msgpack.packb([codec.tag, codec.to_state(obj)],
+                                                                default=self))
+        raise TypeError(
+            f"cannot send an object of type {type(obj).__module__}.{type(obj).__qualname__}: "
+            "payloads may hold dict, list, tuple, str, int, float, bool, None, bytes, numpy arrays, "
+            "CPU torch tensors and actor handles; convert it (e.g. dataclasses.asdict) first")
+
+
+def decode_header(cfg: WireConfig, frames: list) -> dict:
+    """Parse and validate the header; the body stays packed until decode_body."""
+    if not frames:
+        raise WireError("empty message")
+    total = sum(len(_buf(f)) for f in frames)
+    if total > cfg.max_message_bytes:
+        raise WireError(f"message of {total} bytes exceeds max_message_bytes={cfg.max_message_bytes}")
+    try:
+        hdr = msgpack.unpackb(_buf(frames[0]), raw=False, strict_map_key=False)
+    except Exception as e:
+        raise WireError(f"header is not msgpack: {e}") from None
+    if not isinstance(hdr, dict) or any(k not in hdr for k in HEADER_KEYS):
+        raise WireError("header lacks required keys")
+    if not isinstance(hdr["bufs"], list) or not isinstance(hdr["body"], bytes):
+        raise WireError("header has malformed bufs or body")
+    return hdr
+
+
+def check_token(cfg: WireConfig, hdr: dict) -> bool:
+    tok = hdr.get("token")
+    return isinstance(tok, str) and secrets.compare_digest(tok, cfg.token)
+
+
+def decode_body(cfg: WireConfig, hdr: dict, frames: list, context: Any = None) -> Any:
+    """Rebuild the payload; arrays are zero-copy views of frames or shared memory.
+
+    ``context`` is handed to object codecs (the receiving process's caller, for handles).
+    """
+    hook = _ExtDecoder([_decode_buf(cfg, spec, frames) for spec in hdr["bufs"]], context)
+    try:
+        return msgpack.unpackb(hdr["body"], ext_hook=hook, raw=False, strict_map_key=False)
+    except WireError:
+        raise
+    except Exception as e:
+        raise WireError(f"body does not decode: {type(e).__name__}: {e}") from None
+
+
+class _ExtDecoder:
+    """msgpack ext hook. A class, not a closure: a recursive closure is a reference cycle
+    that would keep every received array (and its shared-memory segment) alive until
+    the cycle collector runs."""
+
+    def __init__(self, arrays: list, context: Any):
+        self.arrays, self.context = arrays, context
+
+    def __call__(self, code: int, data: bytes):
+        if code == EXT_ARRAY:
+            idx = msgpack.unpackb(data)
+            if not isinstance(idx, int) or not 0 <= idx < len(self.arrays):
+                raise WireError(f"array reference {idx!r} out of range")
+            return self.arrays[idx]
+        if code == EXT_CODEC:
+            tag, state = msgpack.unpackb(data, ext_hook=self, raw=False, strict_map_key=False)
+            if tag not in _object_codecs:
+                raise WireError(f"unknown object codec {tag!r}")
+            return _object_codecs[tag].from_state(state, self.context)
+        raise WireError(f"unknown ext type {code}")
+
+
+def _check_size(shape, dtype, needed: int, nbytes: int) -> None:
+    if needed != nbytes:
+        raise WireError(f"shape {shape} of {dtype} needs {needed} bytes, the buffer has {nbytes}")
+
+
+def _buf(frame) -> memoryview:
+    return frame.buffer if hasattr(frame, "buffer") else memoryview(frame)
+
+
+def _decode_buf(cfg: WireConfig, spec, frames: list):
+    if not (isinstance(spec, list) and len(spec) == 5):
+        raise WireError(f"malformed buffer spec {spec!r}")
+    lib, dtype, shape, where, nbytes = spec
+    if not (isinstance(shape, list) and all(isinstance(d, int) and d >= 0 for d in shape)):
+        raise WireError(f"malformed shape {shape!r}")
+    if not isinstance(nbytes, int) or not 0 <= nbytes <= cfg.max_message_bytes:
+        raise WireError(f"declared size {nbytes!r} is out of range (max_message_bytes={cfg.max_message_bytes})")
+    if isinstance(where, int) and not isinstance(where, bool):
+        if not 1 <= where < len(frames):
+            raise WireError(f"frame {where} is missing (message has {len(frames) - 1} frames)")
+        buf = _buf(frames[where])
+        if buf.nbytes != nbytes:
+            raise WireError(f"frame {where} holds {buf.nbytes} bytes, header says {nbytes}")
+    elif (isinstance(where, list) and len(where) == 2 and isinstance(where[0], str)
+          and isinstance(where[1], bool) and cfg._reader is not None):
+        try:
+            buf = cfg._reader.read(where[0], nbytes, where[1])
+        except shm.ShmError as e:
+            raise WireError(str(e)) from None
+    else:
+        raise WireError(f"malformed buffer location {where!r}")
+    count = math.prod(shape)
+    if lib == "numpy":
+        try:
+            dt = np.dtype(dtype)
+        except TypeError:
+            raise WireError(f"unknown numpy dtype {dtype!r}") from None
+        if dt.hasobject or dt.kind in "OUSVMm":
+            raise WireError(f"dtype {dtype!r} is not allowed on the wire")
+        _check_size(shape, dtype, count * dt.itemsize, nbytes)
+        return np.frombuffer(buf, dtype=dt).reshape(shape) if nbytes else np.empty(shape, dtype=dt)
+    if lib == "torch":
+        import torch
+
+        tdtype = getattr(torch, dtype, None) if isinstance(dtype, str) else None
+        if not isinstance(tdtype, torch.dtype):
+            raise WireError(f"unknown torch dtype {dtype!r}")
+        _check_size(shape, dtype, count * tdtype.itemsize, nbytes)
+        if nbytes == 0:
+            return torch.empty(shape, dtype=tdtype)
+        return torch.frombuffer(buf, dtype=tdtype).reshape(shape)
+    raise WireError(f"unknown array library {lib!r}")

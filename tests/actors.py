@@ -1,0 +1,104 @@
+"""Actor classes for the runtime tests (a module, so spawned children can import them)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+
+from runtime import Actor, endpoint
+
+
+class Echo(Actor):
+    def __init__(self, tag: str = "echo"):
+        self.tag = tag
+        self.log: list = []
+
+    @endpoint
+    def ping(self, x=None):
+        return x
+
+    @endpoint
+    def record(self, i):
+        self.log.append(i)
+        return i
+
+    @endpoint
+    def history(self):
+        return self.log
+
+    @endpoint
+    def sleep(self, seconds: float):
+        time.sleep(seconds)
+        return seconds
+
+    @endpoint
+    def fail(self, message: str):
+        raise ValueError(message)
+
+    @endpoint
+    def env(self, *names):
+        return {n: os.environ.get(n) for n in names}
+
+    @endpoint
+    def pid(self):
+        return os.getpid()
+
+    @endpoint
+    def exit_now(self, code: int):
+        os._exit(code)
+
+    @endpoint
+    def signal_self(self, sig: int):
+        os.kill(os.getpid(), sig)
+        time.sleep(30)
+
+    @endpoint
+    def bad_return(self):
+        return object()
+
+    @endpoint
+    async def async_double(self, x):
+        await asyncio.sleep(0.01)
+        return 2 * x
+
+    @endpoint
+    def call_peer(self, peer, x):
+        """Actor-to-actor: call another actor through a handle passed as an argument."""
+        return peer.ping(x)
+
+    @endpoint
+    def spawn_grandchild(self):
+        import subprocess
+        return subprocess.Popen(["sleep", "60"]).pid
+
+    def not_an_endpoint(self):
+        return "secret"
+
+
+class Counter(Actor):
+    """Stateful: its count restarts from zero in a new incarnation."""
+
+    def __init__(self):
+        self.n = 0
+
+    @endpoint
+    def incr(self):
+        self.n += 1
+        return self.n
+
+
+class FailsInInit(Actor):
+    def __init__(self):
+        raise RuntimeError("bad checkpoint path: /nonexistent")
+
+    @endpoint
+    def ping(self):
+        return 1
+
+
+class DiesOnCall(Actor):
+    @endpoint
+    def crash(self):
+        os.kill(os.getpid(), signal.SIGKILL)

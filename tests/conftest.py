@@ -1,0 +1,59 @@
+import os
+import time
+
+import psutil
+import pytest
+
+from runtime.supervisor import Supervisor
+
+
+def _descendants() -> list[psutil.Process]:
+    """Our descendants, less multiprocessing's resource tracker (it lives as long as pytest)."""
+    out = []
+    for p in psutil.Process().children(recursive=True):
+        try:
+            if "multiprocessing.resource_tracker" not in " ".join(p.cmdline()):
+                out.append(p)
+        except psutil.Error:
+            pass
+    return out
+
+
+@pytest.fixture(autouse=True)
+def no_orphans():
+    """Every test must leave no process behind (roles, their children, zombies aside)."""
+    before = {p.pid for p in _descendants()}
+    yield
+    deadline = time.monotonic() + 5
+    while True:
+        left = [p for p in _descendants() if p.pid not in before and _alive(p)]
+        if not left or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
+    assert not left, f"orphan processes left behind: {[(p.pid, p.cmdline()) for p in left]}"
+
+
+def _alive(p: psutil.Process) -> bool:
+    try:
+        return p.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
+@pytest.fixture
+def run_dir(tmp_path):
+    return tmp_path / "run"
+
+
+@pytest.fixture
+def sup(run_dir):
+    """A supervisor with fast heartbeats, shut down after the test."""
+    s = Supervisor(run_dir, heartbeat_interval=0.1, heartbeat_timeout=1.0, shutdown_grace_s=2.0)
+    try:
+        yield s
+    finally:
+        s.shutdown()
+
+
+def pytest_configure(config):
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
