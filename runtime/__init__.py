@@ -5,8 +5,8 @@ It knows nothing about PPO or models, and imports no torch.
 
 from runtime.actor import Actor, endpoint
 from runtime.errors import ActorDied, CallTimeout, RemoteError, SupervisionFailed
-from runtime.handle import ActorGroup, ActorHandle, Future, gather
+from runtime.handle import ActorGroup, ActorHandle, Future, as_completed, gather
 from runtime.supervisor import Supervisor
 
-__all__ = ["Actor", "endpoint", "Supervisor", "ActorHandle", "ActorGroup", "Future", "gather",
+__all__ = ["Actor", "endpoint", "Supervisor", "ActorHandle", "ActorGroup", "Future", "gather", "as_completed",
            "RemoteError", "ActorDied", "CallTimeout", "SupervisionFailed"]

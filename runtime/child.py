@@ -147,7 +147,7 @@ class _Child:
             ident, msg = frames[0], frames[1:]
             reply = self._handle(obj, endpoints, msg)
             if reply is not None:
-                mailbox.send_multipart([ident, *reply], copy=False)
+                mailbox.send_multipart([ident, *reply.frames], copy=not reply.zero_copy)
 
     def _reject(self, reason: str) -> None:
         self.rejected += 1
@@ -155,7 +155,7 @@ class _Child:
             self.publish("rejected", role=self.boot.name, incarnation=self.boot.incarnation,
                          reason=reason, count=self.rejected)
 
-    def _handle(self, obj, endpoints, msg) -> list | None:
+    def _handle(self, obj, endpoints, msg) -> wire.Encoded | None:
         try:
             hdr = wire.decode_header(self.cfg, msg)
         except wire.WireError as e:
@@ -171,7 +171,7 @@ class _Child:
                      "method": hdr["method"], "inc": self.boot.incarnation, "deadline": None}
         deadline = hdr["deadline"]
         if isinstance(deadline, (int, float)) and time.time() > deadline:
-            return wire.encode(self.cfg, dict(reply_hdr, kind="timeout"), None).frames
+            return wire.encode(self.cfg, dict(reply_hdr, kind="timeout"), None)
         self.calls += 1
         try:
             method = hdr["method"]
@@ -184,11 +184,11 @@ class _Child:
                 if self._loop is None:
                     self._loop = asyncio.new_event_loop()
                 result = self._loop.run_until_complete(result)
-            return wire.encode(self.cfg, reply_hdr, result).frames
+            return wire.encode(self.cfg, reply_hdr, result)
         except Exception as e:
             self.errors += 1
             body = {"type": type(e).__name__, "message": str(e), "traceback": traceback.format_exc()}
-            return wire.encode(self.cfg, dict(reply_hdr, kind="error"), body).frames
+            return wire.encode(self.cfg, dict(reply_hdr, kind="error"), body)
 
     # -- heartbeats and notices -------------------------------------------------------------
     def _control_loop(self) -> None:

@@ -9,19 +9,23 @@ and continues live, so a monitor attached late sees the whole run, each event on
 
 Vocabulary (fields besides event/seq/ts):
   supervisor_started  pid, run_dir
-  spawned             role, incarnation, pid, gpus
+  spawned             role, incarnation, pid, gpus, restart, group; a process was started
+  ready               role, incarnation, pid, gpus; it finished __init__ and takes calls
   state               role, incarnation, pid, gpus, old, new; the role lifecycle, one of
                       starting, ready, offloaded, training, dead
-  died                role, incarnation, pid, exitcode, error (last line of its error file)
-  restarted           role, incarnation (the new one), reason
+  died                role, incarnation, pid, gpus, reason, error_file (None when it wrote none)
+  restarted           role, incarnation (the new one), pid, gpus, reason, restarts
   hung                role, incarnation, pid, silent_s (seconds without a heartbeat)
-  role_stats          roles: {role: {rss_bytes, cpu, calls_total, errors_total}}; periodic,
-                      cpu in percent of one core, the totals count since the role started
+  failed              reason, error_file; the supervisor gave up (restart intensity, start-up)
+  role_stats          roles: {role: {incarnation, pid, rss_bytes, cpu, calls_total,
+                      errors_total, rejected_total}}; periodic, cpu in percent of one core,
+                      the totals count since that incarnation started
   lease               gpu, holder, action (acquire | release | report), bytes_left,
                       residuals {holder: bytes}; see runtime.memory.LeaseTable
   metrics             step, metrics {name: number}; one PPO training step
   socket              socket, what (connected | disconnected | accepted | closed), endpoint
-  rejected            socket, reason; a frame with a bad token or that does not decode
+  rejected            role, reason, and count from roles; a frame with a bad token or that
+                      does not decode (role "supervisor" for the control socket)
   shutdown            reason; always the last event of a run
 
 A supervisor restarted on the same run dir keeps the previous log as events.<k>.jsonl.
@@ -55,7 +59,11 @@ _SOCKET_EVENTS = {
 
 
 class EventBus:
-    """Supervisor side: publish events to the run's log file and PUB socket; thread-safe."""
+    """Supervisor side: publish events to the run's log file and PUB socket; thread-safe.
+
+    Writes <run_dir>/supervisor.json {pid, started, events_endpoint}, plus `ended` on close.
+    A run_dir whose supervisor still runs is refused (RuntimeError).
+    """
 
     def __init__(self, run_dir: str | os.PathLike, *, socket_dir: str | os.PathLike | None = None):
         """``socket_dir`` (mode 0700) defaults to ``<run_dir>/sockets``; the supervisor passes a
@@ -69,6 +77,12 @@ class EventBus:
             raise ValueError(f"the events socket path {socket_path!r} has {len(socket_path.encode())} "
                              f"bytes, the limit is {_MAX_IPC_PATH}; use a shorter run_dir or socket_dir")
         self.endpoint = f"ipc://{socket_path}"
+        info_path = self.run_dir / SUPERVISOR_FILE
+        if info_path.exists():
+            info = json.loads(info_path.read_text())
+            if "ended" not in info and _alive(info):
+                raise RuntimeError(f"run_dir {str(run_dir)!r} is in use by the supervisor with pid "
+                                   f"{info['pid']}; stop it or use another run_dir")
         self._rotate_previous_log()
         self._lock = threading.Lock()
         self._seq = 0
@@ -77,8 +91,8 @@ class EventBus:
         self._socket = self._context.socket(zmq.PUB)
         self._socket.setsockopt(zmq.LINGER, 0)
         self._socket.bind(self.endpoint)
-        _write_json_atomic(self.run_dir / SUPERVISOR_FILE,
-                           {"pid": os.getpid(), "started": time.time(), "events_endpoint": self.endpoint})
+        self._info = {"pid": os.getpid(), "started": time.time(), "events_endpoint": self.endpoint}
+        _write_json_atomic(info_path, self._info)
         self._closed = False
 
     def publish(self, event: str, **fields) -> dict:
@@ -99,6 +113,7 @@ class EventBus:
             self._socket.close()
             self._context.term()
             self._file.close()
+            _write_json_atomic(self.run_dir / SUPERVISOR_FILE, {**self._info, "ended": time.time()})
 
     def __enter__(self) -> EventBus:
         return self
@@ -147,6 +162,11 @@ def follow_events(run_dir: str | os.PathLike, *, from_start: bool = True, poll_s
         raise FileNotFoundError(f"{run_dir} has no {SUPERVISOR_FILE}: not a Tandem run dir, "
                                 f"or its supervisor has not started yet")
     info = json.loads(info_path.read_text())
+    past = [] if from_start else read_events(run_dir)  # "now" is the call, not the first next()
+    return _follow(run_dir, info, past[-1]["seq"] + 1 if past else 1, poll_s)
+
+
+def _follow(run_dir: Path, info: dict, first_seq: int, poll_s: float) -> Iterator[dict]:
     context = zmq.Context()
     socket = context.socket(zmq.SUB)
     socket.setsockopt(zmq.LINGER, 0)
@@ -157,7 +177,7 @@ def follow_events(run_dir: str | os.PathLike, *, from_start: bool = True, poll_s
         socket.connect(info["events_endpoint"])
         log = run_dir / EVENTS_FILE
         past, offset = _read_new(log, 0)
-        expected = 1 if from_start else (past[-1]["seq"] + 1 if past else 1)
+        expected = first_seq
         pending: dict[int, dict] = {}  # events not yet yielded, by seq
 
         def take(events: list[dict]) -> None:
@@ -173,14 +193,17 @@ def follow_events(run_dir: str | os.PathLike, *, from_start: bool = True, poll_s
                 yield event
                 if event["event"] == "shutdown":
                     return
+            if pending:  # a gap: missed live while the subscription was connecting
+                new, offset = _read_new(log, offset)  # the file has everything published
+                take(new)
+                if expected in pending:
+                    continue
             if socket.poll(int(poll_s * 1000)):
                 while socket.poll(0):
                     _, payload = socket.recv_multipart()
                     take([msgpack.unpackb(payload)])
-                if expected in pending:
-                    continue
-            # A gap (missed while the subscription was connecting) or a quiet socket:
-            # the file has everything that was published.
+                continue
+            # A quiet socket: catch up from the file, then see whether the supervisor is gone.
             new, offset = _read_new(log, offset)
             take(new)
             if expected not in pending and not _alive(info):

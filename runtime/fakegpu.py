@@ -71,7 +71,12 @@ def visible_fake_devices() -> list[FakeDevice]:
     visible = os.environ.get("CUDA_VISIBLE_DEVICES", "").strip()
     if not visible:
         return []
-    return [FakeDevice(root, int(index)) for index in visible.split(",")]
+    try:
+        indices = [int(index) for index in visible.split(",")]
+    except ValueError:
+        raise ValueError(f"CUDA_VISIBLE_DEVICES={visible!r} must list fake gpu indices (like '0,1') "
+                         f"when {FAKE_GPU_DIR_ENV} is set") from None
+    return [FakeDevice(root, index) for index in indices]
 
 
 class FakeDevice:

@@ -150,7 +150,7 @@ class Caller:
         with self._io_lock:
             if self._closed:
                 raise RuntimeActorError("this process's caller is closed")
-            self._socket(addr.endpoint).send_multipart(enc.frames, copy=False)
+            self._socket(addr.endpoint).send_multipart(enc.frames, copy=not enc.zero_copy)
         return fut
 
     def _socket(self, endpoint: str) -> zmq.Socket:
@@ -271,6 +271,21 @@ def gather(futures: Iterable[Future], timeout: float | None = None) -> list:
     for f in futures:
         out.append(f.result(None if until is None else max(0.0, until - time.monotonic())))
     return out
+
+
+def as_completed(futures: Iterable[Future], timeout: float | None = None):
+    """Yield futures as they finish (values or errors), pumping the caller while waiting."""
+    pending = list(futures)
+    until = None if timeout is None else time.monotonic() + timeout
+    while pending:
+        done = [f for f in pending if f.done()]
+        for f in done:
+            pending.remove(f)
+            yield f
+        if pending and not done:
+            if until is not None and time.monotonic() > until:
+                raise CallTimeout(f"{len(pending)} calls still pending after {timeout} s")
+            pending[0]._caller._pump_or_wait(pending[0], 0.01)
 
 
 # -- handles ---------------------------------------------------------------------------

@@ -56,6 +56,7 @@ class MonitorState:
         self.metrics: dict = {}
         self.supervisor_pid: int | None = None
         self.num_rejected = 0
+        self.failure: str | None = None  # why the supervisor gave up on the job
         self.last_rejected: str | None = None
         self.ended = False
         self.shutdown_reason: str | None = None
@@ -84,16 +85,20 @@ class MonitorState:
         row.rss_bytes = row.cpu = row.calls_per_s = row.stats_ts = None
         row.calls_total = row.errors_total = 0
 
+    def _on_ready(self, event: dict) -> None:
+        self._row(event).state = "ready"
+
     def _on_state(self, event: dict) -> None:
         self._row(event).state = event["new"]
 
     def _on_died(self, event: dict) -> None:
         row = self._row(event)
         row.state = "dead"
-        row.last_error = event.get("error") or f"exit code {event.get('exitcode')}"
+        row.last_error = event.get("reason")
 
     def _on_restarted(self, event: dict) -> None:
-        self._row(event).restarts += 1
+        row = self._row(event)
+        row.restarts = event.get("restarts", row.restarts + 1)
 
     def _on_hung(self, event: dict) -> None:
         row = self._row(event)
@@ -125,7 +130,10 @@ class MonitorState:
 
     def _on_rejected(self, event: dict) -> None:
         self.num_rejected += 1
-        self.last_rejected = f"{event.get('socket', '?')}: {event.get('reason', '?')}"
+        self.last_rejected = f"{event.get('role', '?')}: {event.get('reason', '?')}"
+
+    def _on_failed(self, event: dict) -> None:
+        self.failure = event.get("reason")
 
     def _on_shutdown(self, event: dict) -> None:
         self.ended = True
@@ -134,16 +142,18 @@ class MonitorState:
 
 def render(state: MonitorState, run_dir: str) -> Group:
     status = f"ended ({state.shutdown_reason})" if state.ended else "running"
-    table = Table(title=f"{run_dir} — {status} — event {state.last_seq}", expand=True)
-    for column in ("role", "inc", "state", "gpus", "pid", "rss", "calls/s", "errors", "restarts", "last error"):
-        table.add_column(column, overflow="fold")
+    table = Table(title=f"{run_dir}: {status}, {state.last_seq} events", title_justify="left")
+    for column in ("role", "inc", "state", "gpus", "pid", "rss", "calls/s", "errors", "restarts"):
+        table.add_column(column, no_wrap=True)
+    # The one column that wraps, so the others stay readable on an 80-column terminal.
+    table.add_column("last error", overflow="fold", min_width=12, ratio=1)
     for row in state.roles.values():
         table.add_row(
             row.name, str(row.incarnation), row.state, ",".join(map(str, row.gpus)) or "-",
             _or_dash(row.pid), format_bytes(row.rss_bytes) if row.rss_bytes is not None else "-",
             f"{row.calls_per_s:.1f}" if row.calls_per_s is not None else "-",
             str(row.errors_total), str(row.restarts), row.last_error or "")
-    lines = []
+    lines = [f"FAILED: {state.failure}"] if state.failure else []
     if state.step is not None:
         values = "  ".join(f"{name}={_number(value)}" for name, value in state.metrics.items())
         lines.append(f"step {state.step}: {values}")
@@ -174,6 +184,8 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         state = MonitorState()
         console = Console()
+        if not console.is_terminal:  # rich assumes 80 columns for pipes and files; too narrow
+            console = Console(width=140)
         if args.once:
             for event in events:
                 state.apply(event)

@@ -84,7 +84,7 @@ class Supervisor:
                  heartbeat_timeout: float | None = None, max_restarts: int = 3,
                  restart_window_s: float = 60.0, shutdown_grace_s: float = 5.0,
                  ready_timeout_s: float = 300.0, transport: str = "ipc", host: str = "127.0.0.1",
-                 max_message_bytes: int = 4 << 30, fake_gpus: int = 0,
+                 max_message_bytes: int = 4 << 30, gpus: Sequence[int] = (), fake_gpus: int = 0,
                  fake_gpu_bytes: int = 80 << 30, stats_interval_s: float = 1.0):
         if transport not in ("ipc", "tcp"):
             raise ValueError(f"transport={transport!r}: allowed values are 'ipc' and 'tcp'")
@@ -118,7 +118,8 @@ class Supervisor:
         if fake_gpus:
             self.fake_gpu_dir = str(self.run_dir / "fakegpu")
             fake_devices = {d.index: d for d in create_fake_devices(self.fake_gpu_dir, fake_gpus, fake_gpu_bytes)}
-        self.leases = LeaseTable(sorted(fake_devices) if fake_devices else [],
+        # one lease per GPU the job may use; fake GPUs are numbered 0..fake_gpus-1
+        self.leases = LeaseTable(sorted(fake_devices) if fake_devices else list(gpus),
                                  on_event=self.bus.publish, fake_devices=fake_devices)
 
         self._children: dict[str, _Child] = {}

@@ -115,6 +115,12 @@ class Encoded:
     frames: list  # [header bytes, buffers...]
     segments: list = field(default_factory=list)  # [(shm name, pooled)]
 
+    @property
+    def zero_copy(self) -> bool:
+        """Send with copy=False only when a frame is big: zmq.Frame objects cost more than
+        copying a small message."""
+        return any(f.nbytes >= ZERO_COPY_MIN_BYTES for f in self.frames[1:])
+
 
 def encode(cfg: WireConfig, header: dict, body: Any) -> Encoded:
     """Encode header fields and a payload. Raises TypeError naming any unsendable type."""

@@ -1,0 +1,35 @@
+"""Tandem entry point: python launch.py [--recipe NAME] [--flag value ...] [--dry-run].
+
+With no arguments it runs the `tiny_ppo` recipe on fake GPUs; `--list-recipes` lists the
+others. Configuration errors are all printed at once and exit with status 2.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+from ppo.config import ConfigError, build_parser, derived_values, parse_cli, to_dict
+from ppo.placement import format_placement, plan_placement
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = build_parser(prog="launch.py")
+    parser.add_argument("--dry-run", action="store_true", default=False,
+                        help="print the resolved config and the GPU placement; start nothing")
+    try:
+        cfg, args = parse_cli(parser, argv)
+    except ConfigError as err:
+        print(err, file=sys.stderr)
+        sys.exit(2)
+    if args.dry_run:
+        print(json.dumps({"config": to_dict(cfg), "derived": derived_values(cfg)}, indent=2))
+        print(format_placement(plan_placement(cfg)))
+        return
+    from ppo.loop import train  # imported late: it pulls in torch and the roles
+
+    train(cfg)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,1 @@
+"""PPO algorithm, config, recipes, driver loop and data — independent of processes."""

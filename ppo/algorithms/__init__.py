@@ -1,0 +1,35 @@
+"""Pure tensor math for PPO and GRPO-family training: no processes, no I/O.
+
+Every function takes [batch, response_len] tensors with a 0/1 mask of the response
+tokens that count (tool output and padding are 0), computes in float32 (float64 for
+float64 input), and gives finite results on rows that are entirely masked.
+"""
+
+from ppo.algorithms.advantages import ADVANTAGE_ESTIMATORS, compute_advantages
+from ppo.algorithms.aggregate import AGG_MODES, aggregate, masked_mean
+from ppo.algorithms.entropy import entropy_from_logits
+from ppo.algorithms.gae import compute_gae
+from ppo.algorithms.kl import KL_KINDS, kl_estimate
+from ppo.algorithms.losses import policy_loss, value_loss
+from ppo.algorithms.rewards import token_level_rewards
+from ppo.algorithms.scan import masked_discounted_cumsum
+from ppo.algorithms.whiten import masked_moments, masked_whiten, whiten_with_moments
+
+__all__ = [
+    "ADVANTAGE_ESTIMATORS",
+    "AGG_MODES",
+    "KL_KINDS",
+    "aggregate",
+    "compute_advantages",
+    "compute_gae",
+    "entropy_from_logits",
+    "kl_estimate",
+    "masked_discounted_cumsum",
+    "masked_mean",
+    "masked_moments",
+    "masked_whiten",
+    "policy_loss",
+    "token_level_rewards",
+    "value_loss",
+    "whiten_with_moments",
+]

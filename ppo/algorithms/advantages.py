@@ -1,0 +1,115 @@
+"""Advantage estimators, selected by name: PPO (GAE), GRPO, REINFORCE++ and its baseline form.
+
+Semantics follow verl's core_algos, with one deliberate difference: REINFORCE++
+returns skip masked positions like GAE does, where verl resets the running return at
+every masked token. The two agree when masks only pad the end of a response; with
+tool output inside a response, verl would cut the outcome reward off from the turns
+before the tool call.
+"""
+
+import torch
+
+from ppo.algorithms._tensors import compute_dtype, masked, valid_tokens
+from ppo.algorithms.gae import check_discount, compute_gae
+from ppo.algorithms.rewards import token_level_rewards
+from ppo.algorithms.scan import masked_discounted_cumsum
+from ppo.algorithms.whiten import masked_whiten
+
+ADVANTAGE_ESTIMATORS = ("ppo", "grpo", "reinforce_plus_plus", "reinforce_plus_plus_baseline")
+
+
+def _outcome_scores(
+    estimator: str, token_rewards: torch.Tensor | None, scores: torch.Tensor | None, valid: torch.Tensor
+) -> torch.Tensor:
+    """[B] scores: given directly, or the sum of token rewards over valid tokens (verl)."""
+    if (token_rewards is None) == (scores is None):
+        raise ValueError(f"{estimator} needs exactly one of scores [B] or token_rewards [B, T]")
+    if scores is not None:
+        if scores.shape != valid.shape[:1]:
+            raise ValueError(f"scores must be [batch] = [{valid.shape[0]}], got shape {tuple(scores.shape)}")
+        return scores.to(compute_dtype(scores))
+    return masked(token_rewards, valid, compute_dtype(token_rewards)).sum(-1)
+
+
+def _group_centered(scores: torch.Tensor, group_size: int | None, norm_by_std: bool, eps: float) -> torch.Tensor:
+    """Scores minus their group's mean, optionally over (group std + eps); groups are
+    consecutive runs of group_size rows (the samples of one prompt).
+
+    Groups of one sample use mean 0 and std 1, as verl does, so the score passes through.
+    """
+    if group_size is None or group_size < 1 or scores.shape[0] % group_size != 0:
+        raise ValueError(
+            f"group_size must be a positive divisor of the batch size {scores.shape[0]}, got {group_size}"
+        )
+    if group_size == 1:
+        return scores / (1.0 + eps) if norm_by_std else scores
+    groups = scores.view(-1, group_size)
+    centered = groups - groups.mean(-1, keepdim=True)
+    if norm_by_std:
+        centered = centered / (groups.std(-1, keepdim=True) + eps)  # unbiased std, as torch.std / verl
+    return centered.reshape(-1)
+
+
+def compute_advantages(
+    estimator: str,
+    *,
+    mask: torch.Tensor,  # [B, T]
+    token_rewards: torch.Tensor | None = None,  # [B, T], e.g. from token_level_rewards
+    scores: torch.Tensor | None = None,  # [B] outcome scores
+    values: torch.Tensor | None = None,  # [B, T] critic values, ppo only
+    group_size: int | None = None,
+    gamma: float = 1.0,
+    lam: float = 1.0,
+    norm_by_std: bool = True,
+    eps: float = 1e-6,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(advantages, returns), both [B, T] and 0 at masked positions.
+
+    ppo                           GAE(gamma, lam) on token_rewards with the critic's values;
+                                  returns are the critic's targets. Not whitened here:
+                                  whitening is a training option (masked_whiten, or
+                                  masked_moments + whiten_with_moments across ranks).
+    grpo                          per-response score minus its group mean, divided by
+                                  (group std + eps) when norm_by_std (Dr. GRPO: False);
+                                  returns = advantages.
+    reinforce_plus_plus           discounted reward-to-go (gamma) of token_rewards,
+                                  whitened over the batch; returns = the reward-to-go.
+    reinforce_plus_plus_baseline  score minus group mean, whitened over the batch;
+                                  returns = advantages.
+
+    Outcome estimators take scores, or token_rewards summed over valid tokens (so
+    reward-level KL shaping counts); reinforce_plus_plus turns scores into token
+    rewards on the last valid token. group_size: samples per prompt, consecutive rows.
+    """
+    if estimator not in ADVANTAGE_ESTIMATORS:
+        raise ValueError(f"advantage estimator must be one of {ADVANTAGE_ESTIMATORS}, got {estimator!r}")
+    check_discount(gamma, lam)
+    if values is not None and estimator != "ppo":
+        raise ValueError(f"values are the critic's and only the ppo estimator uses them, got them for {estimator}")
+    valid = valid_tokens(mask, token_rewards=token_rewards, values=values)
+
+    if estimator == "ppo":
+        if token_rewards is None or values is None or scores is not None:
+            raise ValueError("ppo needs token_rewards and values (build token rewards with token_level_rewards)")
+        advantages, returns = compute_gae(token_rewards, values, valid, gamma=gamma, lam=lam)
+        return torch.where(valid, advantages, 0.0), torch.where(valid, returns, 0.0)
+
+    if estimator == "reinforce_plus_plus":
+        if (token_rewards is None) == (scores is None):
+            raise ValueError("reinforce_plus_plus needs exactly one of scores [B] or token_rewards [B, T]")
+        if scores is not None:
+            token_rewards = token_level_rewards(scores, valid)
+        rewards = masked(token_rewards, valid, compute_dtype(token_rewards))
+        returns = torch.where(valid, masked_discounted_cumsum(rewards, valid, gamma), 0.0)
+        return masked_whiten(returns, valid), returns
+
+    centered = _group_centered(
+        _outcome_scores(estimator, token_rewards, scores, valid),
+        group_size,
+        norm_by_std=norm_by_std if estimator == "grpo" else False,
+        eps=eps,
+    )
+    advantages = torch.where(valid, centered.unsqueeze(-1), 0.0)
+    if estimator == "reinforce_plus_plus_baseline":
+        advantages = masked_whiten(advantages, valid)
+    return advantages, advantages

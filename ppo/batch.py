@@ -1,0 +1,45 @@
+"""The rollout batch: samples turned into the tensors the trainers read.
+
+Layout (N samples, R = longest response, L = longest prompt + response), all CPU tensors;
+see roles.trainer.batching for the trainer side of the same schema:
+
+    input_ids          int64 [N, L]  prompt, response, then padding
+    prompt_lens        int64 [N]
+    response_lens      int64 [N]
+    loss_mask          float [N, R]  1 on response tokens that count
+    rollout_log_probs  float [N, R]  the engine's log-probs of the sampled tokens
+    scores             float [N]     outcome rewards
+    ... and, added by the loop: old_log_probs, ref_log_probs, values/old_values,
+    advantages, returns (all [N, R])
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def build_batch(samples: list[dict], pad_id: int) -> dict:
+    n = len(samples)
+    prompt_lens = torch.tensor([len(s["prompt_ids"]) for s in samples], dtype=torch.int64)
+    response_lens = torch.tensor([len(s["response_ids"]) for s in samples], dtype=torch.int64)
+    width, r = int((prompt_lens + response_lens).max()), int(response_lens.max())
+    input_ids = torch.full((n, width), pad_id, dtype=torch.int64)
+    rollout_log_probs = torch.zeros(n, r)
+    loss_mask = torch.zeros(n, r)
+    for i, s in enumerate(samples):
+        seq = s["prompt_ids"] + s["response_ids"]
+        input_ids[i, :len(seq)] = torch.tensor(seq)
+        m = len(s["response_ids"])
+        rollout_log_probs[i, :m] = torch.tensor(s["rollout_log_probs"])
+        loss_mask[i, :m] = 1.0
+    return {"input_ids": input_ids, "prompt_lens": prompt_lens, "response_lens": response_lens,
+            "loss_mask": loss_mask, "rollout_log_probs": rollout_log_probs,
+            "scores": torch.tensor([float(s["reward"]) for s in samples])}
+
+
+TRAINER_KEYS = ("input_ids", "prompt_lens", "response_lens", "loss_mask")
+
+
+def select(batch: dict, *keys: str) -> dict:
+    """The sequence keys plus `keys`: send each role only what it reads."""
+    return {k: batch[k] for k in TRAINER_KEYS + keys}

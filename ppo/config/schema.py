@@ -1,0 +1,260 @@
+"""The typed PPO configuration: one frozen dataclass per group, nested under `PPOConfig`.
+
+Field names are unique across groups and spelled as in miles, so the command line stays flat
+(`--rollout-batch-size` sets `rollout.rollout_batch_size`). The dataclass defaults are the
+only defaults; a field's metadata carries its allowed range and help text, which the
+validator and the CLI both read. Settings that default to None either fall back to another
+field (resolved in `ppo.config.derived`) or are required, which `validate` reports.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+from typing import Any
+
+ADVANTAGE_ESTIMATORS = ("ppo", "grpo", "reinforce_plus_plus", "reinforce_plus_plus_baseline")
+KL_LOSS_TYPES = ("k1", "k2", "k3", "low_var_kl")
+# How per-token losses become one number (ppo.algorithms.aggregate): miles' default
+# sum-of-sample-mean (each sample's token mean, summed, over the global batch size), or
+# verl's token-mean, seq-mean-token-mean and seq-mean-token-sum.
+LOSS_AGG_MODES = ("sum-of-sample-mean", "token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
+OPTIMIZERS = ("adam", "sgd")
+LR_DECAY_STYLES = ("constant", "linear", "cosine")
+TRAIN_BACKENDS = ("torch", "megatron")
+ROLLOUT_BACKENDS = ("torch", "sglang")
+# Reward functions known when no registry is passed to `validate`; the reward role owns the
+# implementations and passes its own registry keys.
+RM_TYPES = ("deepscaler", "dapo", "math", "tiny_exact")
+
+# `generated:NAME` in --hf-checkpoint / --prompt-data asks the launcher to build a tiny
+# random-init model / a synthetic task instead of reading a path (no hub on CPU machines).
+GENERATED_PREFIX = "generated:"
+GENERATED_MODELS = ("tiny-qwen3",)
+GENERATED_DATASETS = ("arithmetic",)
+
+
+def knob(default: Any, help: str = "", *, choices: tuple[str, ...] | None = None,
+         ge: float | None = None, gt: float | None = None,
+         le: float | None = None, lt: float | None = None) -> Any:
+    """A config field: its default plus the allowed range that `validate` checks."""
+    bounds = {k: v for k, v in (("ge", ge), ("gt", gt), ("le", le), ("lt", lt)) if v is not None}
+    return field(default=default, metadata={"help": help, "choices": choices, **bounds})
+
+
+class ConfigError(ValueError):
+    """Every problem found in a configuration, reported at once; `.problems` holds the list."""
+
+    def __init__(self, problems: list[str]):
+        self.problems = list(problems)
+        lines = "\n".join(f"  - {p}" for p in self.problems)
+        super().__init__(f"invalid configuration ({len(self.problems)} problem"
+                         f"{'' if len(self.problems) == 1 else 's'}):\n{lines}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class CheckpointConfig:
+    hf_checkpoint: str | None = knob(
+        None, "HF checkpoint dir (weights for the torch backends, tokenizer and engine config "
+        "always); 'generated:tiny-qwen3' builds a tiny random model. Required.")
+    ref_load: str | None = knob(None, "reference model checkpoint (megatron torch_dist); also the "
+                                "initial weights when --load holds no checkpoint")
+    load: str | None = knob(None, "checkpoint dir to resume the actor from")
+    save: str | None = knob(None, "checkpoint dir for the actor")
+    save_interval: int | None = knob(None, "save every N rollouts", ge=1)
+    save_hf: str | None = knob(None, "also save HF weights to this path "
+                               "('{rollout_id}' is filled in)")
+    critic_load: str | None = knob(None, "critic checkpoint to start from; falls back to --load")
+    critic_save: str | None = knob(None, "critic checkpoint dir; falls back to --save + '_critic'")
+
+
+@dataclass(frozen=True, kw_only=True)
+class RolloutConfig:
+    prompt_data: str | None = knob(None, "prompt jsonl; 'generated:arithmetic' builds a synthetic "
+                                   "task. Required.")
+    input_key: str = knob("input", "jsonl key of the prompt")
+    label_key: str | None = knob(None, "jsonl key of the label given to the reward function")
+    apply_chat_template: bool = knob(False, "format prompts with the tokenizer's chat template")
+    rollout_batch_size: int | None = knob(None, "prompts per rollout. Required.", ge=1)
+    n_samples_per_prompt: int = knob(1, "responses sampled per prompt", ge=1)
+    rollout_max_prompt_len: int | None = knob(None, "drop prompts longer than this", ge=1)
+    rollout_max_response_len: int | None = knob(None, "max new tokens per response", ge=1)
+    rollout_temperature: float = knob(1.0, ge=0.0)
+    rollout_top_p: float = knob(1.0, gt=0.0, le=1.0)
+    rollout_top_k: int = knob(-1, "-1 disables top-k")
+    rollout_stop_token_ids: tuple[int, ...] | None = knob(None, "extra stop token ids", ge=0)
+    num_rollout: int | None = knob(None, "number of PPO iterations. Required.", ge=1)
+    rollout_seed: int = knob(42, "seed of prompt shuffling and sampling")
+    rollout_shuffle: bool = knob(False, "shuffle prompts each epoch")
+
+
+@dataclass(frozen=True, kw_only=True)
+class RewardConfig:
+    rm_type: str | None = knob(None, "built-in reward function (required unless --custom-rm-path)")
+    custom_rm_path: str | None = knob(None, "import path of a custom reward function; replaces "
+                                      "--rm-type")
+    num_reward_workers: int = knob(1, "reward scorer processes (CPU)", ge=1)
+    reward_timeout: float = knob(30.0, "seconds allowed to score one sample", gt=0.0)
+
+
+@dataclass(frozen=True, kw_only=True)
+class PPOAlgoConfig:
+    advantage_estimator: str = knob("grpo", "'ppo' adds a critic and uses GAE",
+                                    choices=ADVANTAGE_ESTIMATORS)
+    gamma: float = knob(1.0, "GAE discount", ge=0.0, le=1.0)
+    lambd: float = knob(1.0, "GAE lambda", ge=0.0, le=1.0)
+    eps_clip: float = knob(0.2, "PPO ratio clip range", gt=0.0, lt=1.0)
+    eps_clip_high: float | None = knob(None, "upper clip range; falls back to --eps-clip", gt=0.0)
+    eps_clip_c: float | None = knob(None, "dual-clip PPO lower bound (off when unset)", gt=1.0)
+    value_clip: float = knob(0.2, "critic value clip range", gt=0.0)
+    use_kl_loss: bool = knob(False, "add a KL(actor || ref) term to the policy loss")
+    kl_loss_coef: float = knob(0.0, "weight of the KL loss term", ge=0.0)
+    kl_loss_type: str = knob("k1", choices=KL_LOSS_TYPES)
+    kl_coef: float = knob(0.0, "reward-level KL penalty, applied before advantages", ge=0.0)
+    entropy_coef: float = knob(0.0, "entropy bonus weight", ge=0.0)
+    normalize_advantages: bool = knob(False, "whiten advantages over the batch")
+    num_critic_only_steps: int = knob(0, "first N rollouts train only the critic (value warm-up)",
+                                      ge=0)
+    loss_agg_mode: str = knob("sum-of-sample-mean", choices=LOSS_AGG_MODES)
+    num_steps_per_rollout: int | None = knob(
+        None, "optimizer steps per rollout; sets the global batch size when that is unset", ge=1)
+
+
+@dataclass(frozen=True, kw_only=True)
+class OptimizerConfig:
+    optimizer: str = knob("adam", choices=OPTIMIZERS)
+    lr: float = knob(1e-6, "actor learning rate", gt=0.0)
+    min_lr: float = knob(0.0, "floor of the decayed learning rate", ge=0.0)
+    lr_decay_style: str = knob("linear", choices=LR_DECAY_STYLES)
+    lr_warmup_iters: int = knob(0, "linear warm-up steps", ge=0)
+    weight_decay: float = knob(0.01, ge=0.0)
+    adam_beta1: float = knob(0.9, ge=0.0, lt=1.0)
+    adam_beta2: float = knob(0.999, ge=0.0, lt=1.0)
+    clip_grad: float = knob(1.0, "gradient norm clip (0 disables)", ge=0.0)
+    critic_lr: float | None = knob(None, "falls back to --lr", gt=0.0)
+    critic_weight_decay: float | None = knob(None, "falls back to --weight-decay", ge=0.0)
+    critic_lr_warmup_iters: int | None = knob(None, "falls back to --lr-warmup-iters", ge=0)
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainingConfig:
+    train_backend: str = knob("megatron", choices=TRAIN_BACKENDS)
+    global_batch_size: int | None = knob(
+        None, "samples per optimizer step; unset: rollout samples / --num-steps-per-rollout "
+        "(one step per rollout when both are unset)", ge=1)
+    micro_batch_size: int = knob(1, "samples per forward pass (ignored with dynamic batching)",
+                                 ge=1)
+    use_dynamic_batch_size: bool = knob(False, "pack micro batches up to --max-tokens-per-gpu")
+    max_tokens_per_gpu: int | None = knob(None, "token budget per micro batch and GPU", ge=1)
+    seed: int = knob(1234, "seed of model init and training")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ParallelismConfig:
+    """The actor's model parallelism; the critic always inherits it (as in miles)."""
+
+    tensor_model_parallel_size: int = knob(1, ge=1)
+    pipeline_model_parallel_size: int = knob(1, ge=1)
+    context_parallel_size: int = knob(1, ge=1)
+
+
+@dataclass(frozen=True, kw_only=True)
+class EngineConfig:
+    rollout_backend: str = knob("sglang", choices=ROLLOUT_BACKENDS)
+    rollout_num_gpus_per_engine: int = knob(1, "GPUs per engine (the engine's TP size)", ge=1)
+    sglang_mem_fraction_static: float | None = knob(None, "sglang's default when unset",
+                                                    gt=0.0, lt=1.0)
+    sglang_max_running_requests: int | None = knob(None, "sglang's default when unset", ge=1)
+    update_weight_buffer_size: int = knob(512 * 1024**2, "bytes per weight-sync bucket", ge=1)
+    check_weight_update_equal: bool = knob(False, "verify engine weights after each sync (slow)")
+
+
+@dataclass(frozen=True, kw_only=True)
+class PlacementConfig:
+    """Where roles run. The critic has no flags: it sits on the actor's GPUs (as in miles)."""
+
+    actor_num_nodes: int = knob(1, ge=1)
+    actor_num_gpus_per_node: int = knob(8, ge=1)
+    num_gpus_per_node: int = knob(8, "GPUs each node has", ge=1)
+    rollout_num_gpus: int | None = knob(
+        None, "GPUs for engines; with --colocate it is the actor's GPU count", ge=1)
+    colocate: bool = knob(False, "actor, critic and engines share GPUs, offloading in turn")
+    offload_train: bool | None = knob(
+        None, "offload trainers while engines generate; on with --colocate or a critic")
+    offload_rollout: bool | None = knob(
+        None, "release engine weights and KV cache while trainers run; on with --colocate")
+    fake_gpus: bool = knob(False, "CPU run: roles compute on the CPU with fake GPU memory ledgers")
+
+
+@dataclass(frozen=True, kw_only=True)
+class LoggingConfig:
+    run_dir: str = knob("runs/ppo", "logs, events, config.json and error files go here")
+    use_tensorboard: bool = knob(False)
+    use_wandb: bool = knob(False)
+    wandb_project: str | None = knob(None)
+    dump_samples: bool = knob(False, "write each rollout's samples to run_dir as jsonl")
+    log_interval: int = knob(1, "log metrics every N rollouts", ge=1)
+
+
+@dataclass(frozen=True, kw_only=True)
+class PPOConfig:
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    ppo: PPOAlgoConfig = field(default_factory=PPOAlgoConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    training: TrainingConfig = field(default_factory=TrainingConfig)
+    parallelism: ParallelismConfig = field(default_factory=ParallelismConfig)
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    placement: PlacementConfig = field(default_factory=PlacementConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+
+
+@dataclass(frozen=True)
+class FieldSpec:
+    """One leaf field of `PPOConfig`, seen flat: `group.name` <-> `--name-with-dashes`."""
+
+    group: str
+    name: str
+    kind: type  # bool, int, float, str, or tuple (a tuple of ints)
+    optional: bool
+    meta: typing.Mapping[str, Any]
+
+    @property
+    def flag(self) -> str:
+        return "--" + self.name.replace("_", "-")
+
+    @property
+    def path(self) -> str:
+        return f"{self.group}.{self.name}"
+
+
+def _split_type(tp: Any) -> tuple[type, bool]:
+    optional = False
+    if isinstance(tp, types.UnionType):
+        args = [a for a in tp.__args__ if a is not type(None)]
+        assert len(args) == 1, f"unsupported config type {tp}"
+        tp, optional = args[0], True
+    if typing.get_origin(tp) is tuple:
+        assert typing.get_args(tp) == (int, ...), f"unsupported config type {tp}"
+        tp = tuple
+    assert tp in (bool, int, float, str, tuple), f"unsupported config type {tp}"
+    return tp, optional
+
+
+def _index_fields() -> dict[str, FieldSpec]:
+    index: dict[str, FieldSpec] = {}
+    for group in dataclasses.fields(PPOConfig):
+        group_cls = group.default_factory
+        hints = typing.get_type_hints(group_cls)
+        for f in dataclasses.fields(group_cls):
+            assert f.name not in index, f"config field {f.name} is defined twice"
+            kind, optional = _split_type(hints[f.name])
+            index[f.name] = FieldSpec(group.name, f.name, kind, optional, f.metadata)
+    return index
+
+
+# Flat name -> spec, in declaration order; the CLI, the validator and (de)serialisation use it.
+FIELDS: dict[str, FieldSpec] = _index_fields()

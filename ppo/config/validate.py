@@ -1,0 +1,318 @@
+"""`validate(cfg)`: every problem of a configuration, each naming the flag, the field, the value
+and what is allowed, so one run of the CLI reports them all.
+
+Field-local rules (types, choices, ranges) come from the metadata in `schema`; the rules
+below them relate fields to each other. The PPO rules follow miles (critic on the actor's
+GPUs with its parallelism, colocation offloads the trainers, engines tile the GPUs), except
+where Tandem's iteration order lifts one: ref log-probs exist before the critic computes its
+targets, so reward-level KL (--kl-coef) is allowed with --advantage-estimator ppo.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from ppo.config import derived as d
+from ppo.config.schema import (
+    FIELDS,
+    GENERATED_DATASETS,
+    GENERATED_MODELS,
+    GENERATED_PREFIX,
+    RM_TYPES,
+    ConfigError,
+    FieldSpec,
+    PPOConfig,
+)
+
+
+def validate(cfg: PPOConfig, *, rm_types: Sequence[str] = RM_TYPES) -> list[str]:
+    """All problems of `cfg` (empty when it is valid). `rm_types` are the known --rm-type names."""
+    problems, broken = [], set()
+    for spec in FIELDS.values():
+        if problem := _check_field(spec, _value(cfg, spec)):
+            problems.append(problem)
+            broken.add(spec.name)
+    if any(not _type_ok(FIELDS[n].kind, _value(cfg, FIELDS[n])) for n in broken):
+        return problems  # the rules below would compare a string with a number
+    problems += (_required(cfg, rm_types) + _sampling(cfg) + _algorithm(cfg) + _optimizer(cfg)
+                 + _backends(cfg) + _outputs(cfg))
+    if not broken & _DIVISORS:  # these rules divide by those fields
+        problems += _placement(cfg) + _batches(cfg)
+    return problems
+
+
+_DIVISORS = {
+    "tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size",
+    "actor_num_nodes", "actor_num_gpus_per_node", "rollout_num_gpus_per_engine",
+    "rollout_batch_size", "n_samples_per_prompt", "num_steps_per_rollout",
+    "global_batch_size", "micro_batch_size",
+}
+
+
+def ensure_valid(cfg: PPOConfig, *, rm_types: Sequence[str] = RM_TYPES) -> PPOConfig:
+    """`cfg` itself, or ConfigError listing every problem."""
+    problems = validate(cfg, rm_types=rm_types)
+    if problems:
+        raise ConfigError(problems)
+    return cfg
+
+
+def describe(spec: FieldSpec, value: Any) -> str:
+    """How a problem names a setting: the flag as typed, then the field it lands in."""
+    if spec.kind is bool and isinstance(value, bool):
+        return f"{spec.flag if value else '--no-' + spec.flag[2:]} ({spec.path})"
+    if isinstance(value, tuple):
+        value = " ".join(map(str, value))
+    return f"{spec.flag} {value!r} ({spec.path})"
+
+
+def allowed(spec: FieldSpec) -> str:
+    """The allowed values of a field in words, e.g. 'in (0, 1)' or 'one of: k1, k2'."""
+    m = spec.meta
+    if m.get("choices"):
+        return "one of: " + ", ".join(m["choices"])
+    low = f"({m['gt']}" if "gt" in m else f"[{m['ge']}" if "ge" in m else None
+    high = f"{m['lt']})" if "lt" in m else f"{m['le']}]" if "le" in m else None
+    if low and high:
+        return f"in {low}, {high}"
+    if low:
+        return f"{'>' if low[0] == '(' else '>='} {low[1:]}"
+    if high:
+        return f"{'<' if high[-1] == ')' else '<='} {high[:-1]}"
+    return ""
+
+
+def _value(cfg: PPOConfig, spec: FieldSpec) -> Any:
+    return getattr(getattr(cfg, spec.group), spec.name)
+
+
+def _type_ok(kind: type, value: Any) -> bool:
+    if kind is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if kind is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if kind is tuple:
+        return isinstance(value, tuple) and all(_type_ok(int, v) for v in value)
+    return isinstance(value, kind)
+
+
+def _in_range(spec: FieldSpec, x: Any) -> bool:
+    m = spec.meta
+    if m.get("choices") and x not in m["choices"]:
+        return False
+    return not (("ge" in m and not x >= m["ge"]) or ("gt" in m and not x > m["gt"])
+                or ("le" in m and not x <= m["le"]) or ("lt" in m and not x < m["lt"]))
+
+
+def _check_field(spec: FieldSpec, value: Any) -> str | None:
+    if value is None:
+        return None if spec.optional else f"{spec.flag} (field {spec.path}) must not be None"
+    if not _type_ok(spec.kind, value):
+        kind = "a tuple of ints" if spec.kind is tuple else spec.kind.__name__
+        return f"{describe(spec, value)}: expected {kind}, got {type(value).__name__}"
+    items = value if spec.kind is tuple else (value,)
+    if not all(_in_range(spec, x) for x in items):
+        return f"{describe(spec, value)}: must be {allowed(spec)}"
+    return None
+
+
+def _bad(name: str, value: Any, reason: str) -> str:
+    return f"{describe(FIELDS[name], value)}: {reason}"
+
+
+def _set_but(name: str, value: Any, rest: str) -> str:
+    """slime's fix-it phrasing: '--x 1 (group.x) is set but --y is not enabled. Please add --y'."""
+    return f"{describe(FIELDS[name], value)} is set but {rest}"
+
+
+def _generated(name: str, value: str, known: tuple[str, ...]) -> list[str]:
+    if not value.startswith(GENERATED_PREFIX) or value[len(GENERATED_PREFIX):] in known:
+        return []
+    options = ", ".join(GENERATED_PREFIX + k for k in known)
+    return [_bad(name, value, f"must be a path or one of: {options}")]
+
+
+def _required(cfg: PPOConfig, rm_types: Sequence[str]) -> list[str]:
+    out = []
+    for name, hint in (("hf_checkpoint", "PATH (or generated:tiny-qwen3)"),
+                       ("prompt_data", "PATH (or generated:arithmetic)"),
+                       ("rollout_batch_size", "N"), ("num_rollout", "N")):
+        if _value(cfg, FIELDS[name]) is None:
+            out.append(f"{FIELDS[name].flag} ({FIELDS[name].path}) is required. "
+                       f"Please add {FIELDS[name].flag} {hint}")
+    if cfg.checkpoint.hf_checkpoint is not None:
+        out += _generated("hf_checkpoint", cfg.checkpoint.hf_checkpoint, GENERATED_MODELS)
+    if cfg.rollout.prompt_data is not None:
+        out += _generated("prompt_data", cfg.rollout.prompt_data, GENERATED_DATASETS)
+    r = cfg.reward
+    if r.custom_rm_path is None:  # a custom reward function replaces --rm-type
+        if r.rm_type is None:
+            out.append("--rm-type (reward.rm_type) is not set. Please add --rm-type "
+                       f"(one of: {', '.join(rm_types)}) or --custom-rm-path")
+        elif r.rm_type not in rm_types:
+            out.append(_bad("rm_type", r.rm_type, f"must be one of: {', '.join(rm_types)}"))
+    return out
+
+
+def _sampling(cfg: PPOConfig) -> list[str]:
+    top_k = cfg.rollout.rollout_top_k
+    if top_k == -1 or top_k >= 1:
+        return []
+    return [_bad("rollout_top_k", top_k, "must be -1 (off) or >= 1")]
+
+
+def _algorithm(cfg: PPOConfig) -> list[str]:
+    p, out = cfg.ppo, []
+    if p.kl_loss_coef != 0 and not p.use_kl_loss:
+        out.append(_set_but("kl_loss_coef", p.kl_loss_coef,
+                            "--use-kl-loss is not enabled. Please add --use-kl-loss"))
+    if p.kl_coef != 0 and p.use_kl_loss and p.kl_loss_coef != 0:
+        out.append(_bad("kl_coef", p.kl_coef,
+                        f"--kl-coef and --kl-loss-coef {p.kl_loss_coef} are both set; the KL "
+                        "penalty would count twice. Please set one of them to 0"))
+    if p.advantage_estimator.startswith("reinforce_plus_plus") and not p.normalize_advantages:
+        out.append(_bad("advantage_estimator", p.advantage_estimator,
+                        "needs advantage normalization. Please add --normalize-advantages"))
+    if (p.advantage_estimator in ("grpo", "reinforce_plus_plus_baseline")
+            and cfg.rollout.n_samples_per_prompt < 2):
+        out.append(_bad("n_samples_per_prompt", cfg.rollout.n_samples_per_prompt,
+                        f"--advantage-estimator {p.advantage_estimator} takes its baseline from "
+                        "the other samples of a prompt. Please set --n-samples-per-prompt >= 2"))
+    if p.num_critic_only_steps > 0:
+        if not d.uses_critic(cfg):
+            out.append(_set_but("num_critic_only_steps", p.num_critic_only_steps,
+                                f"--advantage-estimator is {p.advantage_estimator}, which has "
+                                "no critic. Please add --advantage-estimator ppo or set "
+                                "--num-critic-only-steps 0"))
+        elif (cfg.rollout.num_rollout is not None
+              and p.num_critic_only_steps >= cfg.rollout.num_rollout):
+            out.append(_bad("num_critic_only_steps", p.num_critic_only_steps,
+                            f"must be < --num-rollout {cfg.rollout.num_rollout}, "
+                            "or the actor never trains"))
+    return out
+
+
+def _optimizer(cfg: PPOConfig) -> list[str]:
+    o, out = cfg.optimizer, []
+    if 0 < o.lr < o.min_lr:  # a non-positive --lr is already reported
+        out.append(_bad("min_lr", o.min_lr, f"must be <= --lr {o.lr}"))
+    if o.critic_lr is not None and d.uses_critic(cfg) and 0 < o.critic_lr < o.min_lr:
+        out.append(_bad("min_lr", o.min_lr, f"must be <= --critic-lr {o.critic_lr}"))
+    return out
+
+
+def _backends(cfg: PPOConfig) -> list[str]:
+    t, c, out = cfg.training, cfg.checkpoint, []
+    if t.use_dynamic_batch_size and t.max_tokens_per_gpu is None:
+        out.append("--use-dynamic-batch-size is set but --max-tokens-per-gpu "
+                   "(training.max_tokens_per_gpu) is not. Please add --max-tokens-per-gpu N")
+    if t.train_backend == "torch":
+        for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size",
+                     "context_parallel_size"):
+            if (size := getattr(cfg.parallelism, name)) > 1:
+                out.append(_bad(name, size, "needs --train-backend megatron "
+                                "(the torch backend is data parallel only)"))
+    if t.train_backend == "megatron":
+        if d.needs_ref(cfg) and c.ref_load is None:
+            term = "--kl-coef" if cfg.ppo.kl_coef != 0 else "--use-kl-loss"
+            out.append(f"{term} is set but --ref-load (checkpoint.ref_load) is not. "
+                       "Please add --ref-load PATH (megatron torch_dist)")
+        elif c.load is None and c.ref_load is None:
+            out.append("--train-backend megatron starts from a megatron checkpoint but neither "
+                       "--load nor --ref-load (checkpoint.ref_load) is set. Please add --ref-load "
+                       "PATH (torch_dist)")
+    if cfg.engine.rollout_backend == "torch" and cfg.engine.rollout_num_gpus_per_engine != 1:
+        out.append(_bad("rollout_num_gpus_per_engine", cfg.engine.rollout_num_gpus_per_engine,
+                        "must be 1 with --rollout-backend torch (a torch engine is one device)"))
+    if cfg.placement.fake_gpus:
+        for name, value in (("train_backend", t.train_backend),
+                            ("rollout_backend", cfg.engine.rollout_backend)):
+            if value != "torch":
+                out.append(_set_but("fake_gpus", True, f"--{name.replace('_', '-')} is "
+                                    f"{value!r}, which needs real GPUs. Please add "
+                                    f"--{name.replace('_', '-')} torch"))
+    return out
+
+
+def _placement(cfg: PPOConfig) -> list[str]:
+    p, e, out = cfg.placement, cfg.engine, []
+    actor_gpus = d.actor_num_gpus(cfg)
+    if p.actor_num_gpus_per_node > p.num_gpus_per_node:
+        out.append(_bad("actor_num_gpus_per_node", p.actor_num_gpus_per_node,
+                        f"must be <= --num-gpus-per-node {p.num_gpus_per_node}"))
+    if actor_gpus % d.model_parallel_size(cfg):
+        out.append(f"--actor-num-nodes {p.actor_num_nodes} x --actor-num-gpus-per-node "
+                   f"{p.actor_num_gpus_per_node} = {actor_gpus} actor GPUs (shared by the critic) "
+                   f"must be divisible by TP x PP x CP = {d.model_parallel_size(cfg)}")
+    if p.colocate:
+        for name in ("offload_train", "offload_rollout"):
+            if getattr(p, name) is False:
+                out.append(_bad(name, False, "--colocate shares each GPU between engines and "
+                                "trainers, which take turns by offloading. Please remove "
+                                f"--no-{name.replace('_', '-')} (or --colocate)"))
+        if p.rollout_num_gpus is not None and p.rollout_num_gpus != actor_gpus:
+            out.append(_bad("rollout_num_gpus", p.rollout_num_gpus,
+                            f"with --colocate the engines run on the actor's {actor_gpus} GPUs. "
+                            f"Please remove --rollout-num-gpus or set it to {actor_gpus}"))
+        if p.actor_num_gpus_per_node % e.rollout_num_gpus_per_engine:
+            out.append(_bad("rollout_num_gpus_per_engine", e.rollout_num_gpus_per_engine,
+                            "with --colocate it must divide --actor-num-gpus-per-node "
+                            f"{p.actor_num_gpus_per_node} so engines do not straddle nodes"))
+    elif p.rollout_num_gpus is None:
+        out.append("--rollout-num-gpus (placement.rollout_num_gpus) is not set. Please add "
+                   "--rollout-num-gpus N (or --colocate to share the actor's GPUs)")
+    rollout_gpus = d.rollout_num_gpus(cfg)
+    if rollout_gpus is not None and rollout_gpus % e.rollout_num_gpus_per_engine:
+        out.append(_bad("rollout_num_gpus_per_engine", e.rollout_num_gpus_per_engine,
+                        f"must divide the {rollout_gpus} rollout GPUs so engines tile them"))
+    if e.rollout_num_gpus_per_engine > p.num_gpus_per_node:
+        out.append(_bad("rollout_num_gpus_per_engine", e.rollout_num_gpus_per_engine,
+                        f"must be <= --num-gpus-per-node {p.num_gpus_per_node} "
+                        "(an engine stays on one node)"))
+    return out
+
+
+def _batches(cfg: PPOConfig) -> list[str]:
+    r, t, out = cfg.rollout, cfg.training, []
+    if r.rollout_batch_size is None:
+        return out  # reported as required
+    samples = d.samples_per_rollout(cfg)
+    per_rollout = (f"--rollout-batch-size {r.rollout_batch_size} x --n-samples-per-prompt "
+                   f"{r.n_samples_per_prompt} = {samples} samples")
+    steps = cfg.ppo.num_steps_per_rollout
+    if steps is not None:
+        if samples % steps:
+            out.append(_bad("num_steps_per_rollout", steps, f"must divide the {per_rollout}"))
+        elif t.global_batch_size is not None and t.global_batch_size != samples // steps:
+            out.append(_bad("global_batch_size", t.global_batch_size,
+                            f"disagrees with {per_rollout} / --num-steps-per-rollout {steps} = "
+                            f"{samples // steps}. Please set only one of the two"))
+        if out:
+            return out
+    gbs = d.global_batch_size(cfg)
+    if samples % gbs:
+        out.append(f"{per_rollout} must be divisible by the global batch size {gbs} "
+                   "(--global-batch-size, training.global_batch_size)")
+    if d.actor_num_gpus(cfg) % d.model_parallel_size(cfg):
+        return out  # no data-parallel size to check against; reported by _placement
+    dp = d.data_parallel_size(cfg)
+    if gbs % dp:
+        out.append(f"the global batch size {gbs} (--global-batch-size, "
+                   f"training.global_batch_size) must be divisible by the {dp} data-parallel ranks")
+    elif not t.use_dynamic_batch_size and gbs % (dp * t.micro_batch_size):
+        out.append(_bad("micro_batch_size", t.micro_batch_size,
+                        f"the global batch size {gbs} must be divisible by {dp} data-parallel "
+                        f"ranks x --micro-batch-size {t.micro_batch_size}"))
+    return out
+
+
+def _outputs(cfg: PPOConfig) -> list[str]:
+    out = []
+    if cfg.checkpoint.save_interval is not None and cfg.checkpoint.save is None:
+        out.append("--save-interval is set but --save (checkpoint.save) is not. "
+                   "Please add --save PATH")
+    if cfg.logging.use_wandb and cfg.logging.wandb_project is None:
+        out.append("--use-wandb is set but --wandb-project (logging.wandb_project) is not. "
+                   "Please add --wandb-project NAME")
+    return out

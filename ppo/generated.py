@@ -1,0 +1,73 @@
+"""Resolve `generated:NAME` models and datasets into files in the run directory.
+
+CPU runs have no model or dataset hub, so `tiny_ppo` asks for a generated model and task:
+the model is a random-init tiny Qwen3 written as an ordinary HF checkpoint (and then
+loaded back by the same code that loads Qwen3-4B), the task a jsonl of prompt/label pairs.
+
+A random model never emits "digit, EOS", so its reward would be zero forever and PPO would
+have nothing to learn from. Like any RL post-training, we start from a model that knows
+the answer *format* but not the answers: a few hundred teacher-forced steps on
+"prompt -> a random digit, EOS". It answers right about one time in ten, by chance, and
+PPO has to learn the arithmetic itself.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import torch
+
+from ppo.config import PPOConfig
+from ppo.config.schema import GENERATED_PREFIX
+from ppo.tasks import TASKS
+
+NUM_TASK_PROMPTS = 512
+WARM_START_STEPS = 300
+
+
+def resolve_paths(cfg: PPOConfig, run_dir: Path) -> tuple[str, str]:
+    """(hf_checkpoint dir, prompt jsonl) for the run, generating them when asked."""
+    data = cfg.rollout.prompt_data
+    if data.startswith(GENERATED_PREFIX):
+        task = data.removeprefix(GENERATED_PREFIX)
+        data = TASKS[task].write(run_dir / "data" / f"{task}.jsonl", num_prompts=NUM_TASK_PROMPTS,
+                                 seed=cfg.rollout.rollout_seed)
+    ckpt = cfg.checkpoint.hf_checkpoint
+    if ckpt.startswith(GENERATED_PREFIX):
+        ckpt = str(run_dir / "model" / ckpt.removeprefix(GENERATED_PREFIX))
+        if not (Path(ckpt) / "config.json").exists():
+            _build_tiny_model(ckpt, data, seed=cfg.training.seed)
+    return ckpt, data
+
+
+def _build_tiny_model(path: str, prompt_file: str, *, seed: int) -> None:
+    from ppo.tiny_model import build_tiny_checkpoint, load_causal_lm, load_tokenizer
+
+    build_tiny_checkpoint(path, seed=seed)
+    model, tok = load_causal_lm(path, "float32"), load_tokenizer(path)
+    prompts = [json.loads(line)["prompt"] for line in Path(prompt_file).read_text().splitlines()]
+    _teach_answer_format(model, tok, prompts, seed=seed)
+    model.save_pretrained(path, safe_serialization=True)
+
+
+def _teach_answer_format(model, tok, prompts: list[str], *, seed: int, batch: int = 32) -> None:
+    """Teacher-force "prompt -> random digit, EOS" (answers are random: format only)."""
+    rng = random.Random(seed)
+    digits = [tok.convert_tokens_to_ids(str(d)) for d in range(10)]
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    model.train()
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        for _ in range(WARM_START_STEPS):
+            rows = [tok.encode(rng.choice(prompts), add_special_tokens=False)
+                    + [rng.choice(digits), tok.eos_token_id] for _ in range(batch)]
+            ids = torch.tensor(rows)  # all prompts have the same length: "a+b="
+            labels = torch.full_like(ids, -100)
+            labels[:, -2:] = ids[:, -2:]
+            loss = model(input_ids=ids, labels=labels).loss
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    model.eval()

@@ -1,0 +1,135 @@
+"""A PPO job's processes: the run directory, the supervisor and the roles, built from a config.
+
+Roles start in dependency order: reward scorers (CPU), then the engines (they load their
+weights on spawn, so each takes its GPU's lease first), then the trainers, which start
+offloaded and so need no lease. Colocated roles of one GPU group restart together
+(`one_for_all`: they share leases and, on real GPUs, IPC handles); scorers restart alone.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from ppo import config as C
+from ppo.colocation import Colocation, Tenant, engine_tenant, trainer_tenant
+from ppo.config import PPOConfig
+from ppo.config.serialize import to_dict
+from ppo.generated import resolve_paths
+from ppo.placement import Placement, plan_placement
+from roles.reward.actor import RewardScorer
+from roles.rollout.engine import RolloutEngine
+from roles.trainer.actor import ActorTrainer
+from roles.trainer.critic import CriticTrainer
+from runtime import ActorHandle, Supervisor
+
+FAKE_GPU_BYTES = 80 << 30
+# Quiet, single-threaded library defaults for every role process: roles share the host's
+# cores, and per-process thread pools sized for the whole machine fight each other.
+ROLE_ENV = {"TOKENIZERS_PARALLELISM": "false", "TRANSFORMERS_VERBOSITY": "error",
+            "HF_HUB_DISABLE_PROGRESS_BARS": "1", "OMP_NUM_THREADS": "1"}
+
+
+@dataclass
+class Job:
+    cfg: PPOConfig
+    run_dir: Path
+    hf_checkpoint: str
+    prompt_data: str
+    sup: Supervisor
+    placement: Placement
+    engines: list[ActorHandle]
+    engine_tenants: list[Tenant]
+    actor: ActorHandle
+    actor_tenant: Tenant
+    critic: ActorHandle | None
+    critic_tenant: Tenant | None
+    scorers: list[ActorHandle]
+    colocation: Colocation
+
+    def close(self) -> None:
+        self.sup.shutdown()
+
+
+def trainer_config(cfg: PPOConfig, hf_checkpoint: str, *, critic: bool, dtype: str) -> dict:
+    """The trainer role's settings, resolved from the PPO config (critic fallbacks applied)."""
+    opt = C.critic_optimizer(cfg) if critic else C.actor_optimizer(cfg)
+    steps = cfg.rollout.num_rollout * max(1, C.samples_per_rollout(cfg) // C.global_batch_size(cfg))
+    p, t = cfg.ppo, cfg.training
+    dynamic = t.use_dynamic_batch_size
+    return {
+        "hf_checkpoint": hf_checkpoint, "seed": t.seed, "dtype": dtype,
+        "lr": opt.lr, "min_lr": opt.min_lr, "lr_decay_style": opt.lr_decay_style,
+        "lr_warmup_iters": opt.lr_warmup_iters,
+        "lr_decay_iters": None if opt.lr_decay_style == "constant" else max(1, steps - opt.lr_warmup_iters),
+        "weight_decay": opt.weight_decay, "betas": (opt.adam_beta1, opt.adam_beta2),
+        "clip_grad": opt.clip_grad, "global_batch_size": C.global_batch_size(cfg),
+        "micro_batch_size": None if dynamic else t.micro_batch_size,
+        "max_tokens_per_gpu": t.max_tokens_per_gpu if dynamic else None,
+        "eps_clip": p.eps_clip, "eps_clip_high": p.eps_clip_high, "eps_clip_c": p.eps_clip_c,
+        "value_clip": p.value_clip, "loss_agg_mode": p.loss_agg_mode,
+        # a KL loss at weight 0 changes nothing: skip the reference model entirely then
+        "use_kl_loss": p.use_kl_loss and p.kl_loss_coef != 0, "kl_loss_coef": p.kl_loss_coef,
+        "kl_loss_type": p.kl_loss_type, "entropy_coef": p.entropy_coef, "log_entropy": True,
+        "temperature": cfg.rollout.rollout_temperature,
+        "keep_ref": not critic and C.needs_ref(cfg),
+    }
+
+
+def start_job(cfg: PPOConfig) -> Job:
+    if cfg.training.train_backend != "torch" or cfg.engine.rollout_backend != "torch":
+        # megatron and sglang adapters exist (see roles/), but running them needs CUDA and
+        # their packages; the driver wires only the torch backends for now.
+        raise NotImplementedError(
+            f"train_backend={cfg.training.train_backend!r}, rollout_backend={cfg.engine.rollout_backend!r}: "
+            "this build of the driver runs the torch backends; pass --train-backend torch "
+            "--rollout-backend torch (see docs/architecture.md, Backends)")
+    run_dir = Path(cfg.logging.run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "config.json").write_text(json.dumps(to_dict(cfg), indent=2))
+    for k, v in ROLE_ENV.items():
+        if k != "OMP_NUM_THREADS":
+            os.environ.setdefault(k, v)  # the driver loads tokenizers and builds tiny models too
+    hf_checkpoint, prompt_data = resolve_paths(cfg, run_dir)
+    plan = plan_placement(cfg)
+    dtype = "float32" if cfg.placement.fake_gpus else "bfloat16"
+    num_gpus = plan.num_gpus_per_node * plan.num_nodes
+    sup = Supervisor(run_dir, gpus=range(num_gpus), fake_gpus=num_gpus if cfg.placement.fake_gpus else 0,
+                     fake_gpu_bytes=FAKE_GPU_BYTES)
+    try:
+        scorers = [sup.spawn(f"reward-{i}", RewardScorer, cfg.reward.rm_type, cfg.reward.custom_rm_path,
+                             cfg.reward.reward_timeout, restart="one_for_one", env=ROLE_ENV)
+                   for i in range(plan.num_reward_workers)]
+        group = "colocated" if cfg.placement.colocate else None
+        restart = "one_for_all" if group else "one_for_one"
+        engines, engine_tenants = [], []
+        for i, gpus in enumerate(plan.engines):
+            name = f"rollout-{i}"
+            for g in gpus:
+                sup.leases.acquire(g, name)
+            engines.append(sup.spawn(
+                name, RolloutEngine, hf_checkpoint, backend="torch", engine_index=i,
+                seed=cfg.rollout.rollout_seed, dtype=dtype, gpus=gpus, restart=restart, group=group,
+                max_batch_size=C.samples_per_rollout(cfg), env=ROLE_ENV))
+            engine_tenants.append(engine_tenant(engines[-1], tuple(gpus)))
+        actor = sup.spawn("actor", ActorTrainer, trainer_config(cfg, hf_checkpoint, critic=False, dtype=dtype),
+                          gpus=plan.actor_gpus, restart=restart, group=group, env=ROLE_ENV)
+        critic = None
+        if C.uses_critic(cfg):
+            critic = sup.spawn("critic", CriticTrainer,
+                               trainer_config(cfg, hf_checkpoint, critic=True, dtype=dtype),
+                               gpus=plan.critic_gpus, restart=restart, group=group, env=ROLE_ENV)
+        t0 = time.monotonic()
+        sup.wait_ready()
+        sup.publish("job_ready", seconds=round(time.monotonic() - t0, 3))
+    except BaseException:
+        sup.shutdown()
+        raise
+    return Job(cfg=cfg, run_dir=run_dir, hf_checkpoint=hf_checkpoint, prompt_data=prompt_data, sup=sup,
+               placement=plan, engines=engines, engine_tenants=engine_tenants, actor=actor,
+               actor_tenant=trainer_tenant(actor, tuple(plan.actor_gpus)), critic=critic,
+               critic_tenant=trainer_tenant(critic, tuple(plan.critic_gpus)) if critic else None,
+               scorers=scorers, colocation=Colocation(sup.leases, cfg.placement.colocate))

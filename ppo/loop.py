@@ -1,0 +1,194 @@
+"""The PPO driver: one function whose body is the steps of a PPO iteration.
+
+Colocated, every GPU is held by one role at a time (docs/architecture.md):
+
+    1. engines generate; reward scorers score as each engine finishes
+    2. engines release weights and KV cache
+    3. actor: old log-probs (and reference log-probs only when a KL term is on)
+    4. critic: values; the driver computes rewards (reward-level KL possible here), GAE
+    5. critic trains, offloads
+    6. actor trains unless in critic-only warm-up; keeps its weights for the sync
+    7. engines take their weights back; the actor streams new weights bucket by bucket
+    8. engines take the KV cache back; next iteration
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from ppo import config as C
+from ppo.algorithms import compute_advantages, kl_estimate, masked_whiten, token_level_rewards
+from ppo.batch import build_batch, select
+from ppo.config import PPOConfig
+from ppo.config.serialize import to_dict
+from ppo.data import PromptDataset
+from ppo.job import Job, start_job
+from ppo.logger import RunLogger
+from ppo.rollout import SamplingParams, generate_and_score
+from runtime import gather
+
+
+def train(cfg: PPOConfig) -> list[dict]:
+    """Run the job the config describes; returns the per-rollout metrics."""
+    job = start_job(cfg)
+    try:
+        return run(job)
+    finally:
+        job.close()
+
+
+def run(job: Job) -> list[dict]:
+    cfg, colo = job.cfg, job.colocation
+    actor, critic, engines = job.actor, job.critic, job.engines
+    tok = _load_tokenizer(job.hf_checkpoint)
+    data = PromptDataset(job.prompt_data, input_key=cfg.rollout.input_key, label_key=cfg.rollout.label_key,
+                         tokenizer=tok, apply_chat_template=cfg.rollout.apply_chat_template,
+                         max_prompt_len=cfg.rollout.rollout_max_prompt_len, seed=cfg.rollout.rollout_seed,
+                         shuffle=cfg.rollout.rollout_shuffle)
+    sampling = sampling_params(cfg, tok.eos_token_id)
+    log = RunLogger(job.run_dir, num_rollout=cfg.rollout.num_rollout, publish=job.sup.publish,
+                    use_tensorboard=cfg.logging.use_tensorboard, use_wandb=cfg.logging.use_wandb,
+                    wandb_project=cfg.logging.wandb_project, dump_samples=cfg.logging.dump_samples,
+                    config=to_dict(cfg))
+    version = 0
+    try:
+        for step in range(cfg.rollout.num_rollout):
+            t_step = time.monotonic()
+            perf: dict[str, float] = {}
+
+            # 1. generate and score
+            with _timed(perf, "perf/rollout_time"):
+                samples = generate_and_score(engines, job.scorers, data.next_batch(cfg.rollout.rollout_batch_size),
+                                             sampling, step, decode=tok.decode, eos_id=tok.eos_token_id)
+            batch = build_batch(samples, pad_id=tok.pad_token_id)
+
+            # 2-3. engines hand the GPUs to the actor: old and reference log-probs
+            colo.vacate(job.engine_tenants, ["kv_cache", "weights"])
+            colo.occupy([job.actor_tenant], ["params"])
+            with _timed(perf, "perf/log_probs_time"):
+                batch["old_log_probs"] = actor.compute_log_probs(select(batch))["log_probs"]
+                if C.needs_ref(cfg):
+                    batch["ref_log_probs"] = actor.compute_ref_log_probs(select(batch))["log_probs"]
+            colo.vacate([job.actor_tenant], ["params"])
+
+            # 4. critic values, then advantages in the driver
+            critic_metrics = {}
+            if critic is not None:
+                colo.occupy([job.critic_tenant], ["params"])
+                batch["values"] = critic.compute_values(select(batch))["values"]
+            batch["advantages"], batch["returns"] = advantages(cfg, batch)
+
+            # 5. critic update
+            if critic is not None:
+                with _timed(perf, "perf/critic_train_time"):
+                    critic.onload(["optimizer"])
+                    critic_metrics = critic.train(dict(select(batch, "returns"), old_values=batch["values"]))
+                colo.vacate([job.critic_tenant], ["params", "grads", "optimizer"])
+
+            # 6. actor update, unless the critic is still warming up
+            actor_metrics = {}
+            if step >= cfg.ppo.num_critic_only_steps:
+                colo.occupy([job.actor_tenant], ["params", "optimizer"])
+                with _timed(perf, "perf/train_time"):
+                    keys = ("old_log_probs", "advantages") + (("ref_log_probs",) if "ref_log_probs" in batch else ())
+                    actor_metrics = actor.train(select(batch, *keys))
+                colo.vacate([job.actor_tenant], ["grads", "optimizer"], keep="params")
+
+                # 7. weight sync: engines take their memory back, the actor streams buckets
+                colo.occupy(job.engine_tenants, ["weights"])
+                version += 1
+                with _timed(perf, "perf/weight_sync_time"):
+                    actor.sync_weights(engines, cfg.engine.update_weight_buffer_size, version)
+                if cfg.engine.check_weight_update_equal:
+                    check_weights_equal(job)
+                colo.drop_residual(job.actor_tenant, ["params"])
+                gather([e.resume.call(["kv_cache"]) for e in engines])
+            else:
+                # 8. weights unchanged: engines take back everything they released
+                colo.occupy(job.engine_tenants, ["weights", "kv_cache"])
+
+            perf["perf/offload_time"] = colo.take_time()
+            perf["perf/step_time"] = time.monotonic() - t_step
+            log.dump_samples(step, samples)
+            log.log(step, {**rollout_metrics(batch, samples),
+                           **{f"train/{k}": v for k, v in actor_metrics.items()},
+                           **{f"train/critic-{k}": v for k, v in critic_metrics.items()},
+                           "rollout/weight_version": version, **perf})
+            _save_if_due(job, step)
+    finally:
+        log.close()
+    return log.history
+
+
+def sampling_params(cfg: PPOConfig, eos_id: int) -> SamplingParams:
+    r = cfg.rollout
+    return SamplingParams(n_samples_per_prompt=r.n_samples_per_prompt, max_new_tokens=r.rollout_max_response_len,
+                          temperature=r.rollout_temperature, top_p=r.rollout_top_p, top_k=r.rollout_top_k,
+                          stop_token_ids=(eos_id, *(r.rollout_stop_token_ids or ())), seed=r.rollout_seed)
+
+
+def advantages(cfg: PPOConfig, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token rewards (outcome score on the last token, minus the reward-level KL), then the
+    configured estimator, then optional whitening over the batch."""
+    p, mask = cfg.ppo, batch["loss_mask"]
+    kl = kl_estimate(batch["old_log_probs"], batch["ref_log_probs"], "k1") if p.kl_coef else None
+    rewards = token_level_rewards(batch["scores"], mask, kl=kl, kl_coef=p.kl_coef)
+    adv, returns = compute_advantages(p.advantage_estimator, mask=mask, token_rewards=rewards,
+                                      values=batch.get("values"), group_size=cfg.rollout.n_samples_per_prompt,
+                                      gamma=p.gamma, lam=p.lambd)
+    if p.normalize_advantages:
+        adv = masked_whiten(adv, mask)
+    return adv, returns
+
+
+def rollout_metrics(batch: dict, samples: list[dict]) -> dict[str, float]:
+    mask = batch["loss_mask"]
+    n_tok = mask.sum().clamp(min=1)
+    return {
+        "rollout/raw_reward": batch["scores"].mean().item(),
+        "rollout/response_len": batch["response_lens"].float().mean().item(),
+        "rollout/truncated": sum(s["finish_reason"] == "length" for s in samples) / len(samples),
+        "rollout/reward_failures": sum(s["reward_status"] != "ok" for s in samples),
+        # engine vs trainer log-probs of the same tokens: ~0 when the weight sync is right
+        "rollout/log_probs_diff": ((batch["old_log_probs"] - batch["rollout_log_probs"]).abs() * mask).sum().item()
+                                  / n_tok.item(),
+        "rollout/advantages": (batch["advantages"] * mask).sum().item() / n_tok.item(),
+        "rollout/returns": (batch["returns"] * mask).sum().item() / n_tok.item(),
+    }
+
+
+def check_weights_equal(job: Job) -> None:
+    """--check-weight-update-equal: every engine's weights equal the actor's, bit for bit."""
+    want = job.actor.weights_checksum()
+    for engine, got in zip(job.engines, gather([e.weights_checksum.call() for e in job.engines])):
+        bad = sorted(k for k in want if got.get(k) != want[k]) + sorted(set(got) - set(want))
+        if bad:
+            raise RuntimeError(f"weight sync check failed: {engine.name} differs from the actor on "
+                               f"{len(bad)} tensors, e.g. {bad[:5]}")
+
+
+def _save_if_due(job: Job, step: int) -> None:
+    c = job.cfg.checkpoint
+    if c.save is None or c.save_interval is None or (step + 1) % c.save_interval:
+        return
+    job.actor.save(f"{c.save}/rollout_{step:05d}")
+    if job.critic is not None:
+        job.critic.save(f"{C.critic_save(job.cfg)}/rollout_{step:05d}")
+
+
+def _load_tokenizer(path: str):
+    from transformers import AutoTokenizer
+    return AutoTokenizer.from_pretrained(path)
+
+
+class _timed:
+    def __init__(self, perf: dict, key: str):
+        self.perf, self.key = perf, key
+
+    def __enter__(self):
+        self.t0 = time.monotonic()
+
+    def __exit__(self, *exc):
+        self.perf[self.key] = self.perf.get(self.key, 0.0) + time.monotonic() - self.t0

@@ -1,0 +1,93 @@
+"""Which GPUs each role gets, from a validated `PPOConfig`.
+
+GPU ids are global: GPU `g` is local device `g % num_gpus_per_node` of node
+`g // num_gpus_per_node`. The actor takes its GPUs node by node; the critic, when there is
+one, sits on exactly the actor's GPUs with the actor's parallelism (as in miles). Colocated
+engines tile the actor's GPUs; otherwise they take the free GPUs after the actor's, never
+straddling a node. Reward scorers are CPU processes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ppo.config import PPOConfig, num_engines, uses_critic
+
+
+@dataclass(frozen=True, kw_only=True)
+class Placement:
+    actor_gpus: list[int]  # actor rank i runs on actor_gpus[i]
+    critic_gpus: list[int]  # [] without a critic, else the actor's
+    engines: list[list[int]]  # one GPU list per rollout engine
+    num_reward_workers: int  # CPU processes, no GPU
+    num_nodes: int
+    num_gpus_per_node: int
+    fake_gpus: bool
+
+    def node_of(self, gpu: int) -> int:
+        return gpu // self.num_gpus_per_node
+
+    def local_gpu(self, gpu: int) -> int:
+        """The id of `gpu` within its node, as CUDA_VISIBLE_DEVICES there spells it."""
+        return gpu % self.num_gpus_per_node
+
+
+def plan_placement(cfg: PPOConfig) -> Placement:
+    """The GPU plan of a config that `validate` accepted."""
+    p = cfg.placement
+    per_node, per_engine = p.num_gpus_per_node, cfg.engine.rollout_num_gpus_per_engine
+    actor = [node * per_node + i
+             for node in range(p.actor_num_nodes) for i in range(p.actor_num_gpus_per_node)]
+    if p.colocate:
+        engines = [actor[i:i + per_engine] for i in range(0, len(actor), per_engine)]
+    else:
+        engines = _engines_after(set(actor), num_engines(cfg), per_engine, per_node)
+    used = actor + [g for engine in engines for g in engine]
+    return Placement(
+        actor_gpus=actor,
+        critic_gpus=list(actor) if uses_critic(cfg) else [],
+        engines=engines,
+        num_reward_workers=cfg.reward.num_reward_workers,
+        num_nodes=max(used) // per_node + 1,
+        num_gpus_per_node=per_node,
+        fake_gpus=p.fake_gpus,
+    )
+
+
+def _engines_after(taken: set[int], count: int, per_engine: int, per_node: int) -> list[list[int]]:
+    engines: list[list[int]] = []
+    node = 0
+    while len(engines) < count:
+        free = [g for g in range(node * per_node, (node + 1) * per_node) if g not in taken]
+        while len(free) >= per_engine and len(engines) < count:
+            engines.append(free[:per_engine])
+            free = free[per_engine:]
+        node += 1
+    return engines
+
+
+def format_placement(plan: Placement) -> str:
+    """A role | GPUs | nodes table for the dry run."""
+    rows = [("actor", plan.actor_gpus)]
+    if plan.critic_gpus:
+        rows.append(("critic", plan.critic_gpus))
+    rows += [(f"engine {i}", gpus) for i, gpus in enumerate(plan.engines)]
+    kind = "fake GPUs" if plan.fake_gpus else "GPUs"
+    lines = [f"{'role':<12}{kind:<24}nodes"]
+    for role, gpus in rows:
+        nodes = sorted({plan.node_of(g) for g in gpus})
+        lines.append(f"{role:<12}{_span(gpus):<24}{_span(nodes)}")
+    lines.append(f"{'reward':<12}{f'cpu x {plan.num_reward_workers}':<24}-")
+    lines.append(f"{plan.num_nodes} node(s) x {plan.num_gpus_per_node} {kind}")
+    return "\n".join(lines)
+
+
+def _span(ids: list[int]) -> str:
+    """[0, 1, 2, 5] -> '0-2,5'."""
+    runs: list[list[int]] = []
+    for g in ids:
+        if runs and g == runs[-1][-1] + 1:
+            runs[-1].append(g)
+        else:
+            runs.append([g])
+    return ",".join(str(r[0]) if len(r) == 1 else f"{r[0]}-{r[-1]}" for r in runs)

@@ -1,0 +1,149 @@
+"""Named recipes: documented functions returning a complete `PPOConfig`.
+
+Recipes share their pieces, so `tiny_ppo` runs the same PPO algorithm as `qwen3_4b_ppo`,
+shrunk to fake GPUs and a tiny generated model. Values a user is expected to change
+(paths, batch sizes) are plain keyword arguments of the pieces, and any field can be
+overridden on the command line by its flag.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from ppo.config import (
+    CheckpointConfig,
+    EngineConfig,
+    LoggingConfig,
+    OptimizerConfig,
+    ParallelismConfig,
+    PlacementConfig,
+    PPOAlgoConfig,
+    PPOConfig,
+    RewardConfig,
+    RolloutConfig,
+    TrainingConfig,
+)
+
+
+def ppo_algorithm() -> PPOAlgoConfig:
+    """The miles PPO example's algorithm: GAE with a critic that warms up for one rollout,
+    whitened advantages, clip 0.2, and the KL loss wired in at weight 0 (so no reference
+    forward is scheduled until --kl-loss-coef is raised)."""
+    return PPOAlgoConfig(
+        advantage_estimator="ppo",
+        num_critic_only_steps=1,
+        normalize_advantages=True,
+        use_kl_loss=True,
+        kl_loss_coef=0.0,
+        kl_loss_type="k1",
+        kl_coef=0.0,
+        entropy_coef=0.0,
+        eps_clip=0.2,
+    )
+
+
+def adam(*, lr: float, critic_lr: float) -> OptimizerConfig:
+    """Adam with a constant LR, weight decay 0.1 and betas (0.9, 0.98), as in miles' example."""
+    return OptimizerConfig(
+        optimizer="adam",
+        lr=lr,
+        critic_lr=critic_lr,
+        lr_decay_style="constant",
+        weight_decay=0.1,
+        adam_beta1=0.9,
+        adam_beta2=0.98,
+    )
+
+
+def math_prompts(path: str, **rollout: object) -> RolloutConfig:
+    """A jsonl of {"prompt", "label"} math problems, shuffled; `rollout` sets the sizes."""
+    return RolloutConfig(prompt_data=path, input_key="prompt", label_key="label",
+                         rollout_shuffle=True, **rollout)
+
+
+def qwen3_4b_ppo() -> PPOConfig:
+    """Qwen3-4B PPO on DAPO-Math-17k, one node of 8 GPUs, colocated (the miles PPO example).
+
+    The paths are placeholders in miles' layout: pass --hf-checkpoint (HF dir, also the
+    tokenizer), --ref-load (megatron torch_dist conversion of it) and --prompt-data. miles'
+    script defaults to 4 GPUs; here the actor (and so the critic) spans all 8, giving two
+    data-parallel ranks of TP1 x PP2 x CP2, with one sglang engine per GPU.
+    """
+    return PPOConfig(
+        checkpoint=CheckpointConfig(
+            hf_checkpoint="/root/models/Qwen3-4B",
+            ref_load="/root/models/Qwen3-4B_torch_dist",
+            load="runs/qwen3_4b_ppo/checkpoints",
+            save="runs/qwen3_4b_ppo/checkpoints",
+            save_interval=20,
+        ),
+        rollout=math_prompts(
+            "/root/datasets/dapo-math-17k/dapo-math-17k.jsonl",
+            apply_chat_template=True,
+            num_rollout=300,
+            rollout_batch_size=8,
+            n_samples_per_prompt=8,
+            rollout_max_response_len=8192,
+            rollout_temperature=0.8,
+        ),
+        reward=RewardConfig(rm_type="deepscaler"),
+        ppo=ppo_algorithm(),
+        optimizer=adam(lr=1e-6, critic_lr=1e-5),
+        training=TrainingConfig(
+            train_backend="megatron",
+            global_batch_size=32,
+            use_dynamic_batch_size=True,
+            max_tokens_per_gpu=16384,
+        ),
+        parallelism=ParallelismConfig(
+            tensor_model_parallel_size=1, pipeline_model_parallel_size=2, context_parallel_size=2),
+        engine=EngineConfig(
+            rollout_backend="sglang",
+            rollout_num_gpus_per_engine=1,
+            sglang_mem_fraction_static=0.8,
+            sglang_max_running_requests=512,
+        ),
+        placement=PlacementConfig(actor_num_nodes=1, actor_num_gpus_per_node=8, colocate=True),
+        logging=LoggingConfig(run_dir="runs/qwen3_4b_ppo"),
+    )
+
+
+def tiny_ppo() -> PPOConfig:
+    """CPU PPO on 2 fake GPUs: a generated tiny Qwen3 learns generated arithmetic.
+
+    The same algorithm as qwen3_4b_ppo with torch backends; actor, critic and two one-GPU
+    engines share both fake GPUs. Sizes are first guesses, meant to be tuned.
+    """
+    return PPOConfig(
+        checkpoint=CheckpointConfig(hf_checkpoint="generated:tiny-qwen3"),
+        rollout=math_prompts(
+            "generated:arithmetic",
+            num_rollout=60,
+            rollout_batch_size=32,
+            n_samples_per_prompt=4,
+            rollout_max_response_len=8,
+            rollout_temperature=1.0,
+        ),
+        reward=RewardConfig(rm_type="tiny_exact"),
+        ppo=ppo_algorithm(),
+        optimizer=adam(lr=1e-3, critic_lr=1e-3),
+        training=TrainingConfig(train_backend="torch", global_batch_size=64, micro_batch_size=8),
+        engine=EngineConfig(rollout_backend="torch", rollout_num_gpus_per_engine=1),
+        placement=PlacementConfig(actor_num_nodes=1, actor_num_gpus_per_node=2,
+                                  num_gpus_per_node=2, colocate=True, fake_gpus=True),
+        logging=LoggingConfig(run_dir="runs/tiny_ppo"),
+    )
+
+
+RECIPES: dict[str, Callable[[], PPOConfig]] = {
+    "qwen3_4b_ppo": qwen3_4b_ppo,
+    "tiny_ppo": tiny_ppo,
+}
+DEFAULT_RECIPE = "tiny_ppo"
+
+
+def describe_recipes() -> str:
+    """One line per recipe: its name and the first line of its docstring."""
+    width = max(map(len, RECIPES))
+    return "\n".join(f"{name:<{width}}  {fn.__doc__.strip().splitlines()[0]}"
+                     for name, fn in RECIPES.items())

@@ -1,0 +1,121 @@
+"""Tiny Qwen3 checkpoints for tests and CPU runs, and the loaders shared with real checkpoints.
+
+`build_tiny_checkpoint` writes an ordinary Hugging Face checkpoint directory (config.json,
+generation_config.json, model.safetensors, tokenizer files) with random weights, so every
+code path that loads Qwen3-4B from disk is exercised unchanged by the tests. Nothing is
+downloaded.
+
+The tokenizer is character level: one token per character of `TOKEN_CHARS`, plus the
+specials in `SPECIAL_TOKENS`. Text is lower-cased before encoding (the vocabulary has only
+lower-case letters) and any other character becomes `<unk>`, so encoding never fails.
+"""
+
+from __future__ import annotations
+
+import os
+import string
+
+import torch
+from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
+from transformers import (
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    GenerationConfig,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+    PreTrainedTokenizerFast,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
+
+# Ids 0..3 are fixed so tests and recipes can name them without loading the tokenizer.
+SPECIAL_TOKENS = ("<pad>", "<eos>", "<bos>", "<unk>")
+PAD_ID, EOS_ID, BOS_ID, UNK_ID = range(len(SPECIAL_TOKENS))
+TOKEN_CHARS = string.digits + "+-*=() " + string.ascii_lowercase
+
+
+def tiny_vocab() -> dict[str, int]:
+    """Token -> id for the character-level tokenizer (specials first, then `TOKEN_CHARS`)."""
+    return {tok: i for i, tok in enumerate(SPECIAL_TOKENS + tuple(TOKEN_CHARS))}
+
+
+def _build_tokenizer(model_max_length: int) -> PreTrainedTokenizerFast:
+    tok = Tokenizer(models.WordLevel(vocab=tiny_vocab(), unk_token="<unk>"))
+    tok.normalizer = normalizers.Lowercase()
+    # Every character is its own pre-token, spaces included, so WordLevel sees single chars.
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    tok.decoder = decoders.Fuse()  # join characters back without inserting spaces
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        pad_token="<pad>",
+        eos_token="<eos>",
+        bos_token="<bos>",
+        unk_token="<unk>",
+        padding_side="left",  # generation batches are left-padded
+        clean_up_tokenization_spaces=False,
+        model_max_length=model_max_length,
+    )
+
+
+def build_tiny_checkpoint(
+    out_dir: str,
+    *,
+    seed: int = 0,
+    hidden_size: int = 64,
+    num_layers: int = 2,
+    num_heads: int = 4,
+    num_kv_heads: int = 2,
+    head_dim: int = 16,
+    intermediate_size: int = 128,
+    max_position_embeddings: int = 64,
+    tie_word_embeddings: bool = False,
+) -> str:
+    """Write a randomly initialised Qwen3 causal LM and its tokenizer to `out_dir`; return the path.
+
+    The same `seed` and sizes always give byte-identical weights. The global torch RNG is
+    left untouched. Weights are stored in float32; pick the compute dtype when loading.
+    """
+    if num_heads % num_kv_heads != 0:
+        raise ValueError(
+            f"num_heads={num_heads} must be a multiple of num_kv_heads={num_kv_heads} "
+            "(grouped-query attention shares each kv head among num_heads/num_kv_heads heads)"
+        )
+    tokenizer = _build_tokenizer(max_position_embeddings)
+    config = Qwen3Config(
+        vocab_size=len(tokenizer),
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads,
+        head_dim=head_dim,
+        max_position_embeddings=max_position_embeddings,
+        tie_word_embeddings=tie_word_embeddings,
+        pad_token_id=PAD_ID,
+        bos_token_id=BOS_ID,
+        eos_token_id=EOS_ID,
+        dtype="float32",
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = Qwen3ForCausalLM(config)
+    model.generation_config = GenerationConfig(
+        bos_token_id=BOS_ID, eos_token_id=EOS_ID, pad_token_id=PAD_ID
+    )
+    os.makedirs(out_dir, exist_ok=True)
+    model.save_pretrained(out_dir, safe_serialization=True)
+    tokenizer.save_pretrained(out_dir)
+    return out_dir
+
+
+def load_tokenizer(path: str) -> PreTrainedTokenizerBase:
+    """Load the tokenizer of an HF checkpoint directory (tiny or real)."""
+    return AutoTokenizer.from_pretrained(path)
+
+
+def load_causal_lm(path: str, dtype: str | torch.dtype = "float32") -> PreTrainedModel:
+    """Load an HF causal LM from a checkpoint directory on the CPU, in eval mode."""
+    torch_dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
+    if not isinstance(torch_dtype, torch.dtype) or not torch_dtype.is_floating_point:
+        raise ValueError(f"dtype={dtype!r} must be a floating torch dtype, e.g. 'float32' or 'bfloat16'")
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype).eval()

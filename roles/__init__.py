@@ -1,0 +1,1 @@
+"""Role processes (rollout, trainer, reward): Actor subclasses with pluggable backends."""

@@ -1,0 +1,151 @@
+"""Where a role computes and how it accounts its device memory: real GPU, fake GPUs or CPU.
+
+Roles call the same four methods everywhere and this module decides what they mean:
+
+    mem = DeviceMemory("rollout-0")
+    model.to(mem.device)
+    mem.account("weights", nbytes_of(model))          # bytes this role now keeps under a tag
+    model = mem.move(model, "cpu", tag="weights")     # offload: pinned CPU on a GPU, else bookkeeping
+    mem.bytes_in_use()                                # what to report when giving up the lease
+
+- fake GPUs (`runtime.fakegpu.visible_fake_devices()` non-empty; checked first, because
+  the supervisor chose them explicitly): compute on the CPU; `account` writes the fake
+  device ledger, which raises LeaseViolation / FakeOutOfMemory on a colocation bug.
+- real GPU (`torch.cuda.is_available()`): compute on cuda:0 (the first GPU the supervisor
+  made visible); `move` really offloads; `bytes_in_use` is what torch has allocated.
+- neither: compute on the CPU; accounting is a local ledger only.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+from torch import nn
+
+from runtime.fakegpu import visible_fake_devices
+
+Movable = nn.Module | list[torch.Tensor]
+
+
+def nbytes_of(obj: Movable) -> int:
+    """Bytes of a module's parameters and buffers, or of a list of tensors; shared storage counted once."""
+    tensors = list(obj.parameters()) + list(obj.buffers()) if isinstance(obj, nn.Module) else obj
+    seen: set[tuple[int, int]] = set()
+    total = 0
+    for t in tensors:
+        key = (t.untyped_storage().data_ptr(), t.device.index or 0)
+        if t.numel() and key not in seen:
+            seen.add(key)
+            total += t.untyped_storage().nbytes()
+    return total
+
+
+class DeviceMemory:
+    """Device choice and memory ledger of one role process (`holder` is its ledger name).
+
+    On fake GPUs, `account(tag, nbytes)` records `nbytes` on EVERY visible fake device: a
+    role that spans several GPUs (tensor parallel, FSDP in one process) passes the bytes it
+    keeps per GPU. Roles with one GPU, the usual case, see one device.
+    """
+
+    def __init__(self, holder: str):
+        self.holder = holder
+        self._fake = visible_fake_devices()
+        if self._fake:
+            self.kind: Literal["fake", "cuda", "cpu"] = "fake"
+        elif torch.cuda.is_available():
+            self.kind = "cuda"
+        else:
+            self.kind = "cpu"
+        self.device = torch.device("cuda", 0) if self.kind == "cuda" else torch.device("cpu")
+        self._ledger: dict[str, int] = {}
+
+    def __repr__(self) -> str:
+        return f"DeviceMemory({self.holder!r}, kind={self.kind!r}, ledger={self._ledger})"
+
+    def account(self, tag: str, nbytes: int) -> None:
+        """Set the bytes this role keeps on its device(s) under `tag` (absolute, not a delta).
+
+        On fake GPUs a failed update (lease not held, capacity exceeded) raises and leaves
+        every device and the local ledger as they were.
+        """
+        if nbytes < 0:
+            raise ValueError(f"nbytes={nbytes} must be >= 0 (tag {tag!r})")
+        old = self._ledger.get(tag, 0)
+        done = []
+        try:
+            for dev in self._fake:
+                dev.set_usage(self.holder, tag, nbytes)
+                done.append(dev)
+        except BaseException:
+            for dev in done:  # restoring the old value; allowed because it shrinks what we grew
+                dev.set_usage(self.holder, tag, old)
+            raise
+        if nbytes:
+            self._ledger[tag] = nbytes
+        else:
+            self._ledger.pop(tag, None)
+
+    def ledger(self) -> dict[str, int]:
+        """Bytes per tag as last accounted (per device)."""
+        return dict(self._ledger)
+
+    def capacity_bytes(self) -> int | None:
+        """Memory of one of this role's devices; None on the CPU, which has no fixed budget."""
+        if self.kind == "cuda":
+            return torch.cuda.get_device_properties(0).total_memory
+        if self.kind == "fake":
+            return self._fake[0].capacity
+        return None
+
+    def bytes_in_use(self) -> int:
+        """Device bytes this role holds: torch's allocation on a real GPU, the ledger on fake
+        GPUs (per device), 0 on the CPU."""
+        if self.kind == "cuda":
+            return sum(torch.cuda.memory_allocated(i) for i in range(torch.cuda.device_count()))
+        if self.kind == "fake":
+            return sum(self._ledger.values())
+        return 0
+
+    def move(self, obj: Movable, where: Literal["device", "cpu"], *, tag: str) -> Movable:
+        """Onload (`where="device"`) or offload (`"cpu"`) a module or tensors; account `tag`.
+
+        Real GPU: tensors go to pinned CPU memory and back, and the freed cache is returned
+        to the driver so the next lease holder can use it. Fake GPUs and CPU: nothing moves
+        (everything already lives on the CPU); only the accounting changes. Returns the
+        moved object: the same module, or a new list of tensors.
+        """
+        if where not in ("device", "cpu"):
+            raise ValueError(f"where={where!r} must be 'device' or 'cpu'")
+        nbytes = nbytes_of(obj)
+        if where == "device":
+            self.account(tag, nbytes)  # account first: a lease violation must not allocate
+            if self.kind == "cuda":
+                obj = _to(obj, lambda t: t.to(self.device, non_blocking=True))
+            return obj
+        if self.kind == "cuda":
+            obj = _to(obj, _pinned_copy)
+            torch.cuda.synchronize()  # pinned copies are async; finish before the GPU memory is reused
+            torch.cuda.empty_cache()
+        self.account(tag, 0)
+        return obj
+
+
+def _pinned_copy(t: torch.Tensor) -> torch.Tensor:
+    return torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True)
+
+
+def _to(obj: Movable, convert) -> Movable:
+    if not isinstance(obj, nn.Module):
+        return [convert(t) for t in obj]
+    done: set[int] = set()  # tied parameters are one object visited twice
+    for module in obj.modules():
+        for param in module._parameters.values():
+            if param is not None and id(param) not in done:
+                done.add(id(param))
+                param.data = convert(param.data)
+        for name, buf in module._buffers.items():
+            if buf is not None:
+                module._buffers[name] = convert(buf)
+    return obj

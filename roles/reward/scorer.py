@@ -1,0 +1,125 @@
+"""Scores rollout samples with a rule or a custom function, never letting one sample take the scorer down.
+
+A sample whose reward function raises, returns a non-float, kills its worker or runs past
+``timeout_s`` gets reward 0.0 with status ``"error"``/``"timeout"`` and a message; the
+counts are in ``stats()``. Only mistakes of the caller (a malformed sample list) or a
+configuration that cannot start raise.
+"""
+
+import os
+import sys
+from collections import Counter
+
+from roles.reward.custom import load_reward_function
+from roles.reward.pool import JobResult, WorkerPool
+from roles.reward.rules import REWARD_RULES
+from roles.reward.worker import JobConfig
+
+_MAX_DEFAULT_WORKERS = 4
+
+
+class Scorer:
+    """Reward scoring for batches of sample dicts; ``RewardScorer`` serves it as an actor.
+
+    ``rm_type`` names a rule in ``REWARD_RULES`` unless ``custom_rm_path`` is given, in
+    which case the custom function scores every sample (as ``--custom-rm-path`` in
+    miles). With ``group_rm`` the custom function gets each group's samples at once
+    (samples sharing ``group_index``, in the order given) and the timeout covers the whole
+    group call; a built-in rule still scores samples one by one. ``num_workers`` worker
+    processes score in parallel (default: CPU count, at most 4).
+    """
+
+    def __init__(
+        self,
+        rm_type: str,
+        custom_rm_path: str | None = None,
+        timeout_s: float = 10.0,
+        group_rm: bool = False,
+        num_workers: int | None = None,
+    ):
+        if custom_rm_path is None and rm_type not in REWARD_RULES:
+            raise ValueError(
+                f"rm_type={rm_type!r} is not a reward rule; choose one of {sorted(REWARD_RULES)} "
+                "or set custom_rm_path"
+            )
+        if not timeout_s > 0:
+            raise ValueError(f"timeout_s={timeout_s} must be > 0 (seconds per sample)")
+        if num_workers is None:
+            num_workers = min(_MAX_DEFAULT_WORKERS, os.cpu_count() or 1)
+        if num_workers < 1:
+            raise ValueError(f"num_workers={num_workers} must be >= 1")
+        if custom_rm_path is not None:
+            load_reward_function(custom_rm_path)  # a wrong path fails here, with its own message
+        self._group_rm = group_rm and custom_rm_path is not None
+        config = JobConfig(
+            rm_type=rm_type, custom_rm_path=custom_rm_path, group_rm=self._group_rm, sys_path=tuple(sys.path)
+        )
+        self._pool = WorkerPool(config, num_workers=num_workers, timeout_s=timeout_s)
+        self._counts: Counter[str] = Counter()
+
+    def score(self, samples: list[dict]) -> list[dict]:
+        """One ``{"index", "reward", "status", "error"}`` per sample, in the order given."""
+        samples = [_checked_sample(s, self._group_rm) for s in samples]
+        if self._group_rm:
+            groups: dict[object, list[int]] = {}
+            for position, sample in enumerate(samples):
+                groups.setdefault(sample["group_index"], []).append(position)
+            members = list(groups.values())
+            group_results = self._pool.run([[samples[p] for p in group] for group in members])
+            results: list[JobResult | None] = [None] * len(samples)
+            for group, result in zip(members, group_results, strict=True):
+                for k, position in enumerate(group):
+                    value = result.value[k] if result.status == "ok" else None
+                    results[position] = JobResult(status=result.status, value=value, error=result.error)
+        else:
+            results = self._pool.run(samples)
+        self._counts.update(r.status for r in results)
+        return [
+            {
+                "index": sample["index"],
+                "reward": result.value if result.status == "ok" else 0.0,
+                "status": result.status,
+                "error": result.error,
+            }
+            for sample, result in zip(samples, results, strict=True)
+        ]
+
+    def stats(self) -> dict:
+        """Counts since start; ``num_scored`` counts every sample returned, whatever its status."""
+        return {
+            "num_scored": sum(self._counts.values()),
+            "num_errors": self._counts["error"],
+            "num_timeouts": self._counts["timeout"],
+            "num_worker_restarts": self._pool.num_restarts,
+        }
+
+    def close(self) -> None:
+        self._pool.close()
+
+    def __enter__(self) -> "Scorer":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _checked_sample(sample: dict, group_rm: bool) -> dict:
+    if not isinstance(sample, dict):
+        raise ValueError(f"a sample must be a dict, got {type(sample).__name__}")
+    for key, kind in (("index", int), ("response", str)):
+        if not isinstance(sample.get(key), kind):
+            got = sample.get(key)
+            raise ValueError(f"sample {sample.get('index')!r}: {key!r} must be {kind.__name__}, got {got!r}")
+    if group_rm and "group_index" not in sample:
+        raise ValueError(f"sample {sample['index']}: group_rm needs 'group_index' in every sample")
+    metadata = sample.get("metadata") or {}
+    if not isinstance(metadata, dict):
+        raise ValueError(f"sample {sample['index']}: 'metadata' must be a dict, got {type(metadata).__name__}")
+    return {
+        "index": sample["index"],
+        "group_index": sample.get("group_index", sample["index"]),
+        "prompt": sample.get("prompt", ""),
+        "response": sample["response"],
+        "label": sample.get("label"),
+        "metadata": metadata,
+    }

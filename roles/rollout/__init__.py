@@ -1,0 +1,5 @@
+"""Rollout engine role: batched generation with log-probs, memory release/resume, weight updates."""
+
+from roles.rollout.engine import RolloutEngine
+
+__all__ = ["RolloutEngine"]

@@ -1,0 +1,211 @@
+"""The rollout engine role: generates responses, hands its GPU memory over, takes new weights.
+
+Lifecycle (Actor states, published as `state` events when spawned):
+
+    ready --release(["kv_cache", "weights"])--> released
+    released --resume(["weights"])--> kv_cache_released --update_weights(b)...--> (same)
+    kv_cache_released --resume(["kv_cache"])--> ready
+
+`generate` needs "ready"; `update_weights` needs the weights resident ("ready" or
+"kv_cache_released"). A weight sync is: `update_weights(bucket)` per bucket (each return
+is the ack that lets the sender reuse its buffer), then `set_weight_version(v)`, which
+ends the update. Every result carries the weight version that produced it.
+"""
+
+from __future__ import annotations
+
+from transformers import AutoConfig
+
+from roles.device import DeviceMemory
+from roles.rollout.sampling import parse_requests, request_seed
+from runtime import Actor, endpoint
+
+TAGS = ("weights", "kv_cache")
+DTYPES = ("float32", "bfloat16", "float16")
+_MEMORY_STATES = ("ready", "kv_cache_released", "weights_released", "released")
+
+
+def _build_backend(name: str, hf_checkpoint: str, *, seed: int, **common):
+    if name == "torch":
+        from roles.rollout.torch_backend import TorchBackend
+
+        return TorchBackend(hf_checkpoint, **common)  # seeds arrive per request
+    from roles.rollout.sglang_backend import SglangBackend
+
+    return SglangBackend(hf_checkpoint, seed=seed, **common)
+
+
+class RolloutEngine(Actor):
+    """One inference engine over an HF checkpoint, with a `torch` or `sglang` backend.
+
+    Args:
+      hf_checkpoint: HF checkpoint directory (config, safetensors, tokenizer).
+      backend: "torch" (built in; CPU, fake GPUs, small models) or "sglang" (production).
+      engine_index: this engine's index among the engines; names its ledger holder when
+        run in-process and seeds requests that bring no seed.
+      seed: base seed; see `generate`.
+      dtype: compute dtype of the weights.
+      max_batch_size: most requests decoded together (sglang: max_running_requests).
+      kv_cache_bytes: torch only: KV-cache budget; default: max_batch_size full-context rows.
+      mem_fraction: fraction of one GPU for weights + KV cache (sglang's mem_fraction_static;
+        torch: the KV budget is that fraction of the device minus the weights).
+      options: extra backend options: torch {"attn_implementation"}; sglang: any other
+        `sglang.Engine` keyword (tp_size, attention_backend, ...).
+
+    Constructing the engine loads the weights and reserves the KV cache on its GPU(s), so
+    in a colocated group the engine must hold the GPUs' lease when it is spawned.
+    """
+
+    lifecycle = {
+        "starting": frozenset({"ready"}),
+        **{s: frozenset(_MEMORY_STATES) - {s} for s in _MEMORY_STATES},
+    }
+
+    def __init__(
+        self,
+        hf_checkpoint: str,
+        *,
+        backend: str = "torch",
+        engine_index: int = 0,
+        seed: int = 0,
+        dtype: str = "bfloat16",
+        max_batch_size: int = 64,
+        kv_cache_bytes: int | None = None,
+        mem_fraction: float | None = None,
+        options: dict | None = None,
+    ):
+        if backend not in ("torch", "sglang"):
+            raise ValueError(f"backend={backend!r} must be one of 'torch', 'sglang'")
+        if dtype not in DTYPES:
+            raise ValueError(f"dtype={dtype!r} must be one of {DTYPES}")
+        if not isinstance(engine_index, int) or engine_index < 0:
+            raise ValueError(f"engine_index={engine_index!r} must be an int >= 0")
+        if not isinstance(max_batch_size, int) or max_batch_size < 1:
+            raise ValueError(f"max_batch_size={max_batch_size!r} must be an int >= 1")
+        if kv_cache_bytes is not None and (not isinstance(kv_cache_bytes, int) or kv_cache_bytes <= 0):
+            raise ValueError(f"kv_cache_bytes={kv_cache_bytes!r} must be a positive int or None")
+        if mem_fraction is not None and not 0 < mem_fraction <= 1:
+            raise ValueError(f"mem_fraction={mem_fraction!r} must be in (0, 1] or None")
+        self.engine_index = engine_index
+        self.seed = seed
+        config = AutoConfig.from_pretrained(hf_checkpoint)
+        self._vocab_size = config.vocab_size
+        self._max_positions = config.max_position_embeddings
+        holder = self.context.name if self.context is not None else f"rollout-{engine_index}"
+        self._memory = DeviceMemory(holder)
+        self._backend = _build_backend(
+            backend, hf_checkpoint, seed=seed, memory=self._memory, dtype=dtype,
+            max_batch_size=max_batch_size, kv_cache_bytes=kv_cache_bytes, mem_fraction=mem_fraction,
+            options=dict(options or {}),
+        )
+        self._released: set[str] = set()
+        self._weight_version = 0
+        self._num_generate_calls = 0
+
+    # -- generation -------------------------------------------------------------------
+    @endpoint
+    def generate(self, requests: list[dict]) -> list[dict]:
+        """Generate one response per request, results in request order.
+
+        request: {"id": int, "prompt_ids": [int], "sampling": {"temperature", "top_p",
+        "top_k", "max_new_tokens", "stop_token_ids", "ignore_eos", "seed"}} (see
+        sampling.py for defaults and meaning). n samples of a prompt are n requests.
+        result: {"id", "token_ids", "logprobs" (of each sampled token, temperature
+        applied), "finish_reason": "stop" | "length", "weight_version"}.
+
+        A request without a seed is seeded from (engine seed, engine_index, call number,
+        request id): a run is reproducible, and a request's sample never depends on the
+        other requests in its batch.
+        """
+        if self._released:
+            raise RuntimeError(
+                f"rollout engine {self.engine_index}: generate() while {sorted(self._released)} "
+                f"released (state {self.state}); call resume({sorted(self._released)}) first"
+            )
+        parsed = parse_requests(requests, vocab_size=self._vocab_size, max_positions=self._max_positions)
+        seeds = [request_seed(self.seed, self.engine_index, self._num_generate_calls, r) for r in parsed]
+        self._num_generate_calls += 1
+        results = self._backend.generate(parsed, seeds)
+        for result in results:
+            result["weight_version"] = self._weight_version
+        return results
+
+    # -- memory -----------------------------------------------------------------------
+    @endpoint
+    def release(self, tags: list[str]) -> dict:
+        """Free "weights" (offloaded, kept for resume) and/or "kv_cache" on the GPU(s).
+
+        Returns {"state", "bytes_in_use"}: what the lease handoff reports as left behind.
+        Releasing what is already released is a no-op.
+        """
+        todo = [t for t in self._check_tags(tags) if t not in self._released]
+        if todo:
+            self._backend.release(todo)
+            self._released.update(todo)
+            self.set_state(self._memory_state())
+        return self.memory_report()
+
+    @endpoint
+    def resume(self, tags: list[str]) -> dict:
+        """Take back "weights" and/or "kv_cache" (needs the lease on fake/real GPUs)."""
+        todo = [t for t in self._check_tags(tags) if t in self._released]
+        if todo:
+            self._backend.resume(todo)
+            self._released.difference_update(todo)
+            self.set_state(self._memory_state())
+        return self.memory_report()
+
+    @endpoint
+    def memory_report(self) -> dict:
+        return {"state": self.state, "bytes_in_use": self._backend.bytes_in_use()}
+
+    @endpoint
+    def engine_state(self) -> str:
+        """The lifecycle state: ready, kv_cache_released, weights_released or released."""
+        return self.state
+
+    # -- weights ----------------------------------------------------------------------
+    @endpoint
+    def update_weights(self, bucket: dict) -> dict:
+        """Load one weight bucket (roles.weight_sync format) by HF name; returning is the ack.
+
+        Unknown names, shape or dtype mismatches raise ValueError naming the tensor, before
+        any tensor of the bucket is written.
+        """
+        if "weights" in self._released:
+            raise RuntimeError(
+                f"rollout engine {self.engine_index}: update_weights() while the weights are "
+                "released; call resume(['weights']) first"
+            )
+        num_tensors = self._backend.load_weights(bucket)
+        return {"num_tensors": num_tensors, "num_bytes": bucket["flat"].numel() * bucket["flat"].element_size()}
+
+    @endpoint
+    def set_weight_version(self, version: int) -> None:
+        """End a weight update: results from now on carry `version`."""
+        if not isinstance(version, int) or isinstance(version, bool):
+            raise ValueError(f"version={version!r} must be an int")
+        self._backend.finish_weight_update()
+        self._weight_version = version
+
+    @endpoint
+    def weight_version(self) -> int:
+        return self._weight_version
+
+    @endpoint
+    def weights_checksum(self) -> dict[str, str]:
+        """HF name -> exact digest of the engine's weights (roles.weight_sync.checksum_named_tensors)."""
+        return self._backend.weights_checksum()
+
+    # -- helpers ----------------------------------------------------------------------
+    def _check_tags(self, tags: list[str]) -> list[str]:
+        if not isinstance(tags, (list, tuple)) or not tags or not set(tags) <= set(TAGS):
+            raise ValueError(f"tags={tags!r} must be a non-empty list drawn from {list(TAGS)}")
+        return [t for t in TAGS if t in tags]  # fixed order: weights move before the cache
+
+    def _memory_state(self) -> str:
+        if self._released == set(TAGS):
+            return "released"
+        if self._released:
+            return f"{next(iter(self._released))}_released"
+        return "ready"

@@ -1,0 +1,175 @@
+"""The actor trainer role (torch backend): policy log-probs, PPO policy updates, weight sync."""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from typing import Any, Iterator, Mapping
+
+import torch
+
+from ppo.algorithms import aggregate, kl_estimate, policy_loss
+from roles.device import DeviceMemory
+from roles.trainer.batching import ACTOR_TRAIN_KEYS, MicroBatch
+from roles.trainer.config import TrainerConfig
+from roles.trainer.core import TrainCore, token_share
+from roles.trainer.model import load_policy, policy_log_probs
+from roles.weight_sync import checksum_named_tensors, push_weights
+from runtime import Actor, endpoint
+
+
+class ActorTrainer(Actor):
+    """Policy model of PPO. Batches follow roles.trainer.batching; memory roles.trainer.core.
+
+    Starts offloaded: call `onload(["params"])` (and "optimizer" before training) first.
+    """
+
+    def __init__(self, config: TrainerConfig | Mapping[str, Any]):
+        self.config = config if isinstance(config, TrainerConfig) else TrainerConfig.from_dict(config)
+        torch.manual_seed(self.config.seed)
+        model = load_policy(self.config.hf_checkpoint, gradient_checkpointing=self.config.gradient_checkpointing)
+        # The reference policy is the initial one; a CPU copy, swapped in for ref log-probs.
+        self._ref_params = (
+            [p.detach().clone() for p in model.parameters()] if self.config.keep_ref else None
+        )
+        holder = self.context.name if self.context is not None else "actor"
+        self._core = TrainCore(self.config, model, DeviceMemory(holder))
+
+    @property
+    def model(self) -> torch.nn.Module:
+        return self._core.model
+
+    # ---- forward ------------------------------------------------------------------------
+
+    def _log_probs(self, mb: MicroBatch) -> torch.Tensor:
+        log_probs, _ = policy_log_probs(
+            self.model, mb, temperature=self.config.temperature, dtype=self.config.torch_dtype, with_entropy=False
+        )
+        return log_probs
+
+    @endpoint
+    def compute_log_probs(self, batch: dict) -> dict:
+        """{"log_probs": float32 [N, R]} under the current policy, at the rollout temperature."""
+        return {"log_probs": self._core.forward_only(batch, self._log_probs)}
+
+    @endpoint
+    def compute_ref_log_probs(self, batch: dict) -> dict:
+        """{"log_probs": float32 [N, R]} under the reference (initial) policy."""
+        if self._ref_params is None:
+            raise RuntimeError("compute_ref_log_probs needs the reference copy; build the actor with keep_ref=True")
+        self._core.require_onloaded("params")
+        with self._swapped_in(self._ref_params):
+            return {"log_probs": self._core.forward_only(batch, self._log_probs)}
+
+    @contextlib.contextmanager
+    def _swapped_in(self, weights: list[torch.Tensor]) -> Iterator[None]:
+        params = list(self.model.parameters())
+        backup = [p.detach().to("cpu", copy=True) for p in params]
+        with torch.no_grad():
+            for param, w in zip(params, weights):
+                param.copy_(w)
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                for param, b in zip(params, backup):
+                    param.copy_(b)
+
+    # ---- training -----------------------------------------------------------------------
+
+    @endpoint
+    def train(self, batch: dict) -> dict:
+        """One PPO pass over the batch; metrics (miles names) averaged over optimizer steps:
+        pg_loss, pg_clipfrac, ppo_kl, entropy_loss (when entropy_coef != 0 or log_entropy),
+        kl_loss (when use_kl_loss), grad_norm, lr (of the last step), skipped_nonfinite."""
+        required = ACTOR_TRAIN_KEYS + (("ref_log_probs",) if self.config.use_kl_loss else ())
+        return self._core.train(batch, required, self._micro_loss)
+
+    def _micro_loss(self, mb: MicroBatch, counts: dict) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        cfg = self.config
+        log_probs, entropy = policy_log_probs(
+            self.model, mb, temperature=cfg.temperature, dtype=cfg.torch_dtype,
+            with_entropy=cfg.entropy_coef != 0 or cfg.log_entropy, entropy_requires_grad=cfg.entropy_coef != 0,
+        )
+        r = {k: v.to(log_probs.device) for k, v in mb.response.items()}
+        valid = mb.valid.to(log_probs.device)
+        pg_loss, pg_metrics = policy_loss(
+            log_probs, r["old_log_probs"], r["advantages"], valid,
+            eps_clip=cfg.eps_clip, eps_clip_high=cfg.eps_clip_high, eps_clip_c=cfg.eps_clip_c,
+            agg=cfg.loss_agg_mode, **counts,
+        )
+        share = token_share(mb, counts)
+        metrics = {
+            "pg_loss": pg_loss.detach(),
+            "pg_clipfrac": pg_metrics["pg_clipfrac"] * share,
+            "ppo_kl": pg_metrics["ppo_kl"] * share,
+        }
+        loss = pg_loss
+        if entropy is not None:
+            entropy_loss = aggregate(entropy, valid, cfg.loss_agg_mode, **counts)
+            if cfg.entropy_coef != 0:
+                loss = loss - cfg.entropy_coef * entropy_loss
+            metrics["entropy_loss"] = entropy_loss.detach()
+        if cfg.use_kl_loss:
+            kl = kl_estimate(log_probs, r["ref_log_probs"], cfg.kl_loss_type)
+            kl_loss = aggregate(kl, valid, cfg.loss_agg_mode, **counts)
+            if cfg.kl_loss_coef != 0:
+                loss = loss + cfg.kl_loss_coef * kl_loss
+            metrics["kl_loss"] = kl_loss.detach()
+        return loss, metrics
+
+    # ---- memory -------------------------------------------------------------------------
+
+    @endpoint
+    def offload(self, tags: list[str]) -> dict:
+        """Offload "params", "grads", "optimizer"; returns {"ledger", "bytes_in_use"}."""
+        return self._core.offload(tags)
+
+    @endpoint
+    def onload(self, tags: list[str]) -> dict:
+        return self._core.onload(tags)
+
+    # ---- weights ------------------------------------------------------------------------
+
+    def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """(HF name, tensor in the compute dtype) for every parameter, as the checkpoint names them.
+
+        Tied weights appear once, under the name the HF checkpoint stores.
+        """
+        for name, param in self.model.named_parameters():
+            yield name, param.detach().to(self.config.torch_dtype)
+
+    @endpoint
+    def weights_checksum(self) -> dict[str, str]:
+        """HF name -> exact digest of the weights an engine would receive."""
+        return checksum_named_tensors(self.named_weights())
+
+    @endpoint
+    def sync_weights(self, engines: list, buffer_bytes: int, version: int, timeout_s: float = 600.0) -> dict:
+        """Stream the weights to every engine bucket by bucket, then set their weight version.
+
+        Each bucket goes to all engines at once (`update_weights.call`); the next bucket
+        reuses the buffer, so it is packed only after every engine acked this one.
+        """
+        start = time.monotonic()
+
+        def send(bucket: dict) -> None:
+            futures = [engine.update_weights.call(bucket) for engine in engines]
+            for future in futures:
+                future.result(timeout_s)
+
+        totals = push_weights(self.named_weights(), send, buffer_bytes)
+        for future in [engine.set_weight_version.call(version) for engine in engines]:
+            future.result(timeout_s)
+        return {"bytes": totals["num_bytes"], "buckets": totals["num_buckets"], "seconds": time.monotonic() - start}
+
+    # ---- checkpoints --------------------------------------------------------------------
+
+    @endpoint
+    def save(self, path: str) -> dict:
+        """Weights (safetensors, HF names), optimizer state and step, written atomically."""
+        return self._core.save(path, dict(self.model.named_parameters()))
+
+    @endpoint
+    def load(self, path: str) -> dict:
+        return self._core.load(path, dict(self.model.named_parameters()))

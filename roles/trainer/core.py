@@ -1,0 +1,216 @@
+"""What the actor and critic trainers share: the model's memory, the optimizer, the train loop.
+
+One `train` call is one pass over a rollout batch: consecutive mini-batches of
+global_batch_size samples, one optimizer step each, gradients accumulated over
+micro-batches. Micro-batch losses are aggregated with the whole mini-batch's sample and
+token counts (ppo.algorithms.aggregate's sharding contract), so they sum to the loss of
+the mini-batch in one piece, however it was split.
+
+Memory: the trainer starts with everything on the CPU and nothing accounted, so that it
+can be built while another role holds the GPU lease; `onload(["params", "optimizer"])`
+before computing. Three tags are accounted with roles.device.DeviceMemory:
+  params     master weights (float32) and buffers
+  optimizer  AdamW state; torch creates it at the first step, accounted from then on
+  grads      exist only inside train (freed with set_to_none after each step), accounted
+             while they exist; offloading them therefore never has anything to move
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from typing import Callable, Iterator
+
+import torch
+from torch import nn
+
+from roles.device import DeviceMemory
+from roles.trainer.batching import (
+    MicroBatch,
+    check_batch,
+    collate,
+    plan_micro_batches,
+    response_mask,
+    scatter_rows,
+    sequences,
+    split_mini_batches,
+    valid_mask,
+)
+from roles.trainer.checkpoint import load_checkpoint, save_checkpoint
+from roles.trainer.config import TrainerConfig
+from roles.trainer.optim import build_adamw, clip_grad_norm, is_state_tensor, optimizer_state_bytes, set_lr
+
+MEMORY_TAGS = ("params", "grads", "optimizer")
+
+# (micro-batch, aggregation counts of its mini-batch) -> (loss, metrics). Metrics must be
+# scaled so that summing them over the micro-batches of a mini-batch gives its value.
+MicroLoss = Callable[[MicroBatch, dict], tuple[torch.Tensor, dict[str, torch.Tensor]]]
+
+
+def aggregation_counts(valid: torch.Tensor, mode: str) -> dict:
+    """The whole mini-batch's counts for ppo.algorithms.aggregate, given its valid mask [n, R]."""
+    if mode == "sum-of-sample-mean":
+        rows = valid.shape[0]
+    else:  # seq-mean modes count the rows with at least one valid token
+        rows = int(valid.any(-1).sum())
+    return {"global_batch_size": rows, "global_token_count": int(valid.sum())}
+
+
+def token_share(mb: MicroBatch, counts: dict) -> float:
+    """Weight of this micro-batch's token-mean metrics in its mini-batch's."""
+    return int(mb.valid.sum()) / max(counts["global_token_count"], 1)
+
+
+class TrainCore:
+    """Model, optimizer, lr schedule and device memory of one trainer."""
+
+    def __init__(self, config: TrainerConfig, model: nn.Module, memory: DeviceMemory):
+        self.config = config
+        self.model = model
+        self.memory = memory
+        self.optimizer = build_adamw(
+            model, lr=config.lr, weight_decay=config.weight_decay, betas=config.betas, eps=config.adam_eps
+        )
+        self.schedule = config.lr_schedule_fn
+        self.step = 0  # optimizer steps taken (skipped steps do not count, as in Megatron)
+        self.offloaded = {"params", "optimizer"}
+
+    # ---- memory -------------------------------------------------------------------------
+
+    def offload(self, tags: list[str]) -> dict:
+        """Move the tagged state to (pinned) CPU memory; returns the ledger and bytes in use."""
+        return self._place(tags, "cpu")
+
+    def onload(self, tags: list[str]) -> dict:
+        """Bring the tagged state onto the device (the caller holds the GPU lease)."""
+        return self._place(tags, "device")
+
+    def _place(self, tags: list[str], where: str) -> dict:
+        bad = [t for t in tags if t not in MEMORY_TAGS]
+        if bad:
+            raise ValueError(f"memory tags {bad} unknown; allowed: {list(MEMORY_TAGS)}")
+        # "grads" has nothing to move: grads exist only inside train (see the module note).
+        for tag in ("params", "optimizer"):
+            if tag not in tags:
+                continue
+            if tag == "params":
+                self.memory.move(self.model, where, tag="params")
+            else:
+                self._move_optimizer_state(where)
+            if where == "cpu":
+                self.offloaded.add(tag)
+            else:
+                self.offloaded.discard(tag)
+        return {"ledger": self.memory.ledger(), "bytes_in_use": self.memory.bytes_in_use()}
+
+    def _move_optimizer_state(self, where: str) -> None:
+        states = list(self.optimizer.state.values())
+        keys = [[k for k, v in s.items() if is_state_tensor(v)] for s in states]
+        tensors = [s[k] for s, ks in zip(states, keys) for k in ks]
+        moved = iter(self.memory.move(tensors, where, tag="optimizer"))
+        for s, ks in zip(states, keys):
+            for k in ks:
+                s[k] = next(moved)
+
+    def require_onloaded(self, *tags: str) -> None:
+        missing = [t for t in tags if t in self.offloaded]
+        if missing:
+            raise RuntimeError(
+                f"{missing} offloaded; call onload({missing}) first (the trainer starts offloaded "
+                "so that it can be built while another role holds the GPU lease)"
+            )
+
+    # ---- forward-only -------------------------------------------------------------------
+
+    def micro_batches(
+        self, batch: dict, indices: list[int], seqs: list[torch.Tensor], response_keys: tuple[str, ...]
+    ) -> Iterator[MicroBatch]:
+        lengths = [len(seqs[i]) for i in indices]
+        for group in plan_micro_batches(
+            lengths, micro_batch_size=self.config.micro_batch_size, max_tokens=self.config.max_tokens_per_gpu
+        ):
+            yield collate(seqs, batch, [indices[g] for g in group], response_keys)
+
+    @torch.no_grad()
+    def forward_only(self, batch: dict, fn: Callable[[MicroBatch], torch.Tensor]) -> torch.Tensor:
+        """fn's response-aligned output over the whole batch, [N, R] float32, zero at padding."""
+        self.require_onloaded("params")
+        n = check_batch(batch, ())
+        seqs = sequences(batch)
+        self.model.eval()
+        parts = [(mb.indices, fn(mb).cpu()) for mb in self.micro_batches(batch, list(range(n)), seqs, ())]
+        out = scatter_rows(parts, n, int(batch["response_lens"].max()))
+        return torch.where(response_mask(batch["response_lens"], out.shape[1]), out, 0.0)
+
+    # ---- training -----------------------------------------------------------------------
+
+    def train(self, batch: dict, required: tuple[str, ...], micro_loss: MicroLoss) -> dict:
+        """One pass over `batch`; returns metrics averaged over its optimizer steps.
+
+        A step whose loss or grad norm is not finite is skipped: no weight, optimizer or
+        schedule change, and `skipped_nonfinite` counts it; its own (non-finite) metrics
+        still enter the means, so the log shows them.
+        """
+        self.require_onloaded("params", "optimizer")
+        n = check_batch(batch, required)
+        seqs = sequences(batch)
+        mode = self.config.loss_agg_mode
+        self.model.train()
+        per_step: list[dict[str, float]] = []
+        skipped = 0
+        lr = self.schedule.lr_at(self.step)
+        for mini in split_mini_batches(n, self.config.global_batch_size):
+            idx = torch.tensor(mini)
+            counts = aggregation_counts(valid_mask(batch["loss_mask"][idx], batch["response_lens"][idx]), mode)
+            total_loss = 0.0
+            sums: dict[str, float] = {}
+            for mb in self.micro_batches(batch, mini, seqs, required):
+                loss, metrics = micro_loss(mb, counts)
+                loss.backward()
+                self._account_grads()
+                total_loss += float(loss.detach())
+                for key, value in metrics.items():
+                    sums[key] = sums.get(key, 0.0) + float(value)
+            grad_norm = clip_grad_norm(self.model, self.config.clip_grad) if math.isfinite(total_loss) else math.nan
+            if math.isfinite(total_loss) and math.isfinite(grad_norm):
+                lr = self.schedule.lr_at(self.step)
+                set_lr(self.optimizer, lr)
+                self.optimizer.step()
+                self.step += 1
+                self.memory.account("optimizer", optimizer_state_bytes(self.optimizer))
+            else:
+                skipped += 1
+            self.optimizer.zero_grad(set_to_none=True)
+            self.memory.account("grads", 0)
+            per_step.append({**sums, "grad_norm": grad_norm})
+        metrics = {key: sum(s[key] for s in per_step) / len(per_step) for key in per_step[0]}
+        metrics.update(lr=lr, skipped_nonfinite=skipped)
+        return metrics
+
+    def _account_grads(self) -> None:
+        nbytes = sum(p.grad.numel() * p.grad.element_size() for p in self.model.parameters() if p.grad is not None)
+        if nbytes != self.memory.ledger().get("grads", 0):  # a fake-GPU ledger write takes a file lock
+            self.memory.account("grads", nbytes)
+
+    # ---- checkpoints --------------------------------------------------------------------
+
+    def save(self, path: str, named_params: dict[str, torch.Tensor]) -> dict:
+        start = time.monotonic()
+        save_checkpoint(path, weights=named_params, optimizer=self.optimizer.state_dict(), step=self.step)
+        return {"path": path, "step": self.step, "seconds": time.monotonic() - start}
+
+    def load(self, path: str, named_params: dict[str, torch.Tensor]) -> dict:
+        """Restore weights into `named_params` (in place), optimizer state and step."""
+        weights, optimizer_state, self.step = load_checkpoint(path)
+        if set(weights) != set(named_params):
+            raise ValueError(
+                f"checkpoint {path} does not match the model: missing {sorted(set(named_params) - set(weights))}, "
+                f"unexpected {sorted(set(weights) - set(named_params))}"
+            )
+        with torch.no_grad():
+            for name, param in named_params.items():
+                param.copy_(weights[name])
+        # load_state_dict puts the state on its params' device; re-place it to match our flags.
+        self.optimizer.load_state_dict(optimizer_state)
+        self._move_optimizer_state("cpu" if "optimizer" in self.offloaded else "device")
+        return {"path": path, "step": self.step}

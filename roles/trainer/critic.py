@@ -1,0 +1,79 @@
+"""The critic trainer role (torch backend): token values and clipped value-loss updates."""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+import torch
+
+from ppo.algorithms import value_loss
+from roles.device import DeviceMemory
+from roles.trainer.batching import CRITIC_TRAIN_KEYS, MicroBatch
+from roles.trainer.config import TrainerConfig
+from roles.trainer.core import TrainCore, token_share
+from roles.trainer.model import ValueModel, load_value_model, values_forward
+from runtime import Actor, endpoint
+
+
+class CriticTrainer(Actor):
+    """Value model of PPO: the policy's backbone plus a scalar head (roles.trainer.model).
+
+    Starts offloaded: call `onload(["params"])` (and "optimizer" before training) first.
+    """
+
+    def __init__(self, config: TrainerConfig | Mapping[str, Any]):
+        self.config = config if isinstance(config, TrainerConfig) else TrainerConfig.from_dict(config)
+        torch.manual_seed(self.config.seed)
+        model = load_value_model(
+            self.config.hf_checkpoint, seed=self.config.seed, gradient_checkpointing=self.config.gradient_checkpointing
+        )
+        holder = self.context.name if self.context is not None else "critic"
+        self._core = TrainCore(self.config, model, DeviceMemory(holder))
+
+    @property
+    def model(self) -> ValueModel:
+        return self._core.model
+
+    def _values(self, mb: MicroBatch) -> torch.Tensor:
+        return values_forward(self.model, mb, dtype=self.config.torch_dtype)
+
+    @endpoint
+    def compute_values(self, batch: dict) -> dict:
+        """{"values": float32 [N, R]}: values[i, r] = V(state before response token r)."""
+        return {"values": self._core.forward_only(batch, self._values)}
+
+    @endpoint
+    def train(self, batch: dict) -> dict:
+        """One pass of clipped value-loss updates; metrics averaged over optimizer steps:
+        value_loss, value_clipfrac, grad_norm, lr (of the last step), skipped_nonfinite."""
+        return self._core.train(batch, CRITIC_TRAIN_KEYS, self._micro_loss)
+
+    def _micro_loss(self, mb: MicroBatch, counts: dict) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        values = self._values(mb)
+        r = {k: v.to(values.device) for k, v in mb.response.items()}
+        loss, metrics = value_loss(
+            values, r["old_values"], r["returns"], mb.valid.to(values.device),
+            value_clip=self.config.value_clip, agg=self.config.loss_agg_mode, **counts,
+        )
+        return loss, {
+            "value_loss": loss.detach(),
+            "value_clipfrac": metrics["value_clipfrac"] * token_share(mb, counts),
+        }
+
+    @endpoint
+    def offload(self, tags: list[str]) -> dict:
+        """Offload "params", "grads", "optimizer"; returns {"ledger", "bytes_in_use"}."""
+        return self._core.offload(tags)
+
+    @endpoint
+    def onload(self, tags: list[str]) -> dict:
+        return self._core.onload(tags)
+
+    @endpoint
+    def save(self, path: str) -> dict:
+        """Weights (safetensors: backbone.* and value_head.*), optimizer state and step, atomically."""
+        return self._core.save(path, dict(self.model.named_parameters()))
+
+    @endpoint
+    def load(self, path: str) -> dict:
+        return self._core.load(path, dict(self.model.named_parameters()))

@@ -1,0 +1,158 @@
+"""The weight-sync bucket format: HF-named tensors packed into flat per-dtype buffers.
+
+The actor trainer streams its weights to the rollout engines bucket by bucket (DESIGN.md,
+"Colocation", step 7). A bucket is a plain dict that crosses the wire as is:
+
+    {"dtype": "bfloat16",                      # every tensor in the bucket has this dtype
+     "names": ["model.embed_tokens.weight", ...],
+     "shapes": [[151936, 2560], ...],
+     "flat": <1-D tensor of that dtype>}       # the tensors' elements, concatenated in order
+
+Transport seam: `push_weights` hands each bucket to a `send` callable and blocks until it
+returns, i.e. until every receiver acked. Today `send` passes the bucket by value (the
+runtime ships `flat` as one frame). A CUDA-IPC transport plugs in as another `send` that
+ships an IPC handle of `flat` instead of its bytes; the packing and its reuse contract
+stay the same, so only the buffer's device would change.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Any, Callable, Iterable, Iterator
+
+import torch
+
+NamedTensors = Iterable[tuple[str, torch.Tensor]]
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """'bfloat16' for torch.bfloat16: the wire spelling of a dtype."""
+    return str(dtype).removeprefix("torch.")
+
+
+def pack_buckets(named_tensors: NamedTensors, buffer_bytes: int) -> Iterator[dict]:
+    """Yield buckets of HF-named tensors, one dtype per bucket, each at most `buffer_bytes`.
+
+    Tensors keep their input order within a dtype. One flat CPU buffer of `buffer_bytes` is
+    allocated per dtype seen and REUSED for every bucket of that dtype, so peak extra memory
+    is `buffer_bytes` per dtype, not the model size. A tensor larger than `buffer_bytes`
+    gets a bucket of its own whose `flat` is a view of that tensor (made contiguous and
+    moved to the CPU if it is not already), so it costs no buffer.
+
+    Reuse contract: a yielded bucket's `flat` stays valid only until the generator is
+    resumed. The caller sends the bucket, waits for every receiver's ack, and only then
+    asks for the next bucket, which may overwrite the same buffer. `push_weights` does
+    exactly this; receivers must copy what they keep (`unpack_bucket` returns views).
+    """
+    if not isinstance(buffer_bytes, int) or buffer_bytes <= 0:
+        raise ValueError(f"buffer_bytes={buffer_bytes!r} must be a positive int")
+    open_buckets: dict[torch.dtype, _OpenBucket] = {}
+    for name, tensor in named_tensors:
+        tensor = tensor.detach()
+        if tensor.numel() * tensor.element_size() > buffer_bytes:
+            flat = tensor.reshape(-1).to("cpu").contiguous()
+            yield _bucket(tensor.dtype, [name], [list(tensor.shape)], flat)
+            continue
+        bucket = open_buckets.get(tensor.dtype)
+        if bucket is None:
+            bucket = open_buckets[tensor.dtype] = _OpenBucket(tensor.dtype, buffer_bytes)
+        if not bucket.fits(tensor):
+            yield bucket.seal()
+            bucket.clear()  # the caller has acked: the buffer may be overwritten now
+        bucket.add(name, tensor)
+    for bucket in open_buckets.values():
+        if bucket.names:
+            yield bucket.seal()
+
+
+def unpack_bucket(bucket: dict) -> list[tuple[str, torch.Tensor]]:
+    """(name, tensor) views into `bucket["flat"]`, in bucket order; the receiver copies them."""
+    flat, names, shapes = bucket["flat"], bucket["names"], bucket["shapes"]
+    if len(names) != len(shapes):
+        raise ValueError(f"bucket has {len(names)} names but {len(shapes)} shapes")
+    if dtype_name(flat.dtype) != bucket["dtype"]:
+        raise ValueError(f"bucket dtype {bucket['dtype']!r} but flat tensor is {dtype_name(flat.dtype)}")
+    numels = [_numel(shape) for shape in shapes]
+    if flat.dim() != 1 or flat.numel() != sum(numels):
+        raise ValueError(
+            f"bucket flat tensor has shape {list(flat.shape)}, expected 1-D with "
+            f"{sum(numels)} elements for tensors {names}"
+        )
+    out, offset = [], 0
+    for name, shape, numel in zip(names, shapes, numels):
+        out.append((name, flat[offset : offset + numel].view(shape)))
+        offset += numel
+    return out
+
+
+def push_weights(named_tensors: NamedTensors, send: Callable[[dict], Any], buffer_bytes: int) -> dict:
+    """Pack `named_tensors` and call `send(bucket)` for each bucket; return totals.
+
+    `send` must not return before every receiver has acked the bucket (e.g. it calls the
+    engines' `update_weights` and waits on the futures): the next bucket reuses the buffer.
+    """
+    num_buckets = num_tensors = num_bytes = 0
+    for bucket in pack_buckets(named_tensors, buffer_bytes):
+        send(bucket)
+        num_buckets += 1
+        num_tensors += len(bucket["names"])
+        num_bytes += bucket["flat"].numel() * bucket["flat"].element_size()
+    return {"num_buckets": num_buckets, "num_tensors": num_tensors, "num_bytes": num_bytes}
+
+
+def checksum_named_tensors(named_tensors: NamedTensors) -> dict[str, str]:
+    """name -> blake2b hex digest of the tensor's dtype, shape and raw bytes.
+
+    Exact: equal digests mean bit-identical tensors (any dtype, bfloat16 included), so
+    `--check-weight-update-equal` can compare trainer and engine weights without tolerances.
+    """
+    out = {}
+    for name, tensor in named_tensors:
+        tensor = tensor.detach().to("cpu").contiguous()
+        digest = hashlib.blake2b(digest_size=16)
+        digest.update(f"{dtype_name(tensor.dtype)}{list(tensor.shape)}".encode())
+        # Viewing as bytes needs at least one dim; reshape(-1) also covers 0-d tensors.
+        digest.update(tensor.reshape(-1).view(torch.uint8).numpy().tobytes())
+        out[name] = digest.hexdigest()
+    return out
+
+
+class _OpenBucket:
+    """The bucket being filled for one dtype, over its reusable flat buffer."""
+
+    def __init__(self, dtype: torch.dtype, buffer_bytes: int):
+        self.dtype = dtype
+        self.buffer = torch.empty(buffer_bytes // _itemsize(dtype), dtype=dtype)
+        self.names: list[str] = []
+        self.shapes: list[list[int]] = []
+        self.used = 0  # elements filled
+
+    def fits(self, tensor: torch.Tensor) -> bool:
+        return self.used + tensor.numel() <= self.buffer.numel()
+
+    def add(self, name: str, tensor: torch.Tensor) -> None:
+        self.buffer[self.used : self.used + tensor.numel()].copy_(tensor.reshape(-1))
+        self.names.append(name)
+        self.shapes.append(list(tensor.shape))
+        self.used += tensor.numel()
+
+    def seal(self) -> dict:
+        return _bucket(self.dtype, self.names, self.shapes, self.buffer[: self.used])
+
+    def clear(self) -> None:
+        self.names, self.shapes, self.used = [], [], 0
+
+
+def _bucket(dtype: torch.dtype, names: list[str], shapes: list[list[int]], flat: torch.Tensor) -> dict:
+    return {"dtype": dtype_name(dtype), "names": names, "shapes": shapes, "flat": flat}
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def _numel(shape: list[int]) -> int:
+    numel = 1
+    for size in shape:
+        numel *= size
+    return numel

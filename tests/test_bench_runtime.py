@@ -1,0 +1,51 @@
+"""bench.runtime measures Tandem and the multiprocessing peer end to end in quick mode."""
+
+import io
+import math
+
+import pytest
+from rich.console import Console
+
+from bench.runtime import QUICK, main, metrics_of, render, run
+
+
+@pytest.mark.timeout(120)
+def test_quick_run_of_tandem_and_mp_reports_positive_numbers_and_ratios():
+    results = run(["tandem", "mp"], quick=True)
+
+    assert list(results["peers"]) == ["tandem", "mp"]
+    keys = {m.key for m in metrics_of(QUICK)}
+    assert keys == {"round_trip_p50_us", "round_trip_p99_us", "transfer_1MiB_gbps", "transfer_64MiB_gbps",
+                    "transfer_256MiB_gbps", "spawn_8_s"}
+    for name, peer in results["peers"].items():
+        metrics = peer["metrics"]
+        assert set(metrics) == keys, name
+        assert all(math.isfinite(v) and v > 0 for v in metrics.values()), (name, metrics)
+        assert metrics["round_trip_p50_us"] <= metrics["round_trip_p99_us"]
+        assert len(peer["samples"]["spawn_s"]) == QUICK.num_spawns
+        assert all(len(rates) == QUICK.num_transfers for rates in peer["samples"]["transfer_gbps"].values())
+        assert peer["leftover_processes_killed"] == 0, name
+
+    tandem, mp = results["peers"]["tandem"]["metrics"], results["peers"]["mp"]["metrics"]
+    assert list(results["ratios"]) == ["tandem/mp"]
+    for key, ratio in results["ratios"]["tandem/mp"].items():
+        assert ratio == pytest.approx(tandem[key] / mp[key])
+    # every target is against Ray, which was not measured
+    assert [t["passed"] for t in results["targets"]] == [None] * 4
+
+    machine = results["machine"]
+    assert machine["cpus"] >= 1 and len(machine["load_average_start"]) == 3 and "load_average_end" in machine
+
+    out = io.StringIO()
+    Console(file=out, width=120).print(render(results))
+    text = out.getvalue()
+    assert "tandem/mp" in text and "spawn 8 actors (s)" in text and "n/a" in text
+    assert "FAIL" not in text and "PASS" not in text
+
+
+def test_unknown_peer_is_rejected_with_the_allowed_values(capsys):
+    with pytest.raises(ValueError, match="allowed values are tandem, ray, mp"):
+        run(["tandem", "dask"], quick=True)
+    with pytest.raises(SystemExit):
+        main(["--peers", "tandem,dask"])
+    assert "allowed values are tandem, ray, mp" in capsys.readouterr().err

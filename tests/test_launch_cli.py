@@ -1,0 +1,86 @@
+"""launch.py: dry run, recipe list, exit code 2 on bad config, lazy training entry."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import types
+from pathlib import Path
+
+import pytest
+
+import launch
+from ppo.config import from_dict
+from ppo.recipes import RECIPES, qwen3_4b_ppo, tiny_ppo
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def run_launch(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "launch.py", *args], cwd=REPO, capture_output=True,
+                          text=True, timeout=60)
+
+
+@pytest.mark.timeout(60)
+def test_dry_run_places_qwen_on_eight_gpus():
+    proc = run_launch("--recipe", "qwen3_4b_ppo", "--dry-run")
+    assert proc.returncode == 0, proc.stderr
+    resolved, end = json.JSONDecoder().raw_decode(proc.stdout)
+    assert from_dict(resolved["config"]) == qwen3_4b_ppo()
+    derived = resolved["derived"]
+    assert derived["uses_critic"] and not derived["needs_ref"] and derived["offload_train"]
+    assert (derived["num_engines"], derived["data_parallel_size"]) == (8, 2)
+    assert derived["critic_optimizer"]["lr"] == 1e-5 and derived["actor_optimizer"]["lr"] == 1e-6
+    rows = [line.split() for line in proc.stdout[end:].strip().splitlines()]
+    assert ["actor", "0-7", "0"] in rows and ["critic", "0-7", "0"] in rows
+    engines = [row for row in rows if row[0] == "engine"]
+    assert engines == [["engine", str(i), str(i), "0"] for i in range(8)]
+
+
+@pytest.mark.timeout(60)
+def test_list_recipes_prints_names_and_summaries():
+    proc = run_launch("--list-recipes")
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    assert [line.split()[0] for line in lines] == list(RECIPES)
+    for line, fn in zip(lines, RECIPES.values()):
+        assert line.endswith(fn.__doc__.strip().splitlines()[0])
+
+
+@pytest.mark.timeout(60)
+def test_unknown_flag_exits_2_listing_every_problem():
+    proc = run_launch("--no-such-flag", "3", "--lr", "x", "--dry-run")
+    assert proc.returncode == 2
+    assert proc.stdout == ""  # nothing resolved, nothing started
+    assert "--no-such-flag: unknown flag" in proc.stderr
+    assert "--lr 'x' (optimizer.lr): expected a float" in proc.stderr
+    assert "2 problems" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_dry_run_without_a_recipe_resolves_tiny_ppo(capsys):
+    launch.main(["--dry-run", "--lr", "5e-4"])
+    out = capsys.readouterr().out
+    resolved, _ = json.JSONDecoder().raw_decode(out)
+    assert from_dict(resolved["config"]).optimizer.lr == 5e-4
+    assert "fake GPUs" in out
+
+
+def test_without_dry_run_the_config_goes_to_ppo_loop_train(monkeypatch):
+    received = []
+    loop = types.ModuleType("ppo.loop")
+    loop.train = received.append
+    monkeypatch.setitem(sys.modules, "ppo.loop", loop)
+    launch.main([])
+    assert received == [tiny_ppo()]
+
+
+def test_config_error_exits_2_before_training(monkeypatch, capsys):
+    loop = types.ModuleType("ppo.loop")
+    loop.train = lambda cfg: pytest.fail("training started on an invalid config")
+    monkeypatch.setitem(sys.modules, "ppo.loop", loop)
+    with pytest.raises(SystemExit) as info:
+        launch.main(["--colocate", "--no-offload-train"])
+    assert info.value.code == 2
+    assert "Please remove --no-offload-train" in capsys.readouterr().err

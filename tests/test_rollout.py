@@ -1,0 +1,228 @@
+"""The torch rollout backend: sampling semantics, log-prob invariant, batching, weight updates."""
+
+import pytest
+import torch
+
+from ppo.tiny_model import EOS_ID, build_tiny_checkpoint, load_causal_lm
+from roles.rollout import RolloutEngine
+from roles.rollout.sampling import parse_requests
+from roles.weight_sync import checksum_named_tensors, pack_buckets, push_weights
+
+PROMPTS = [[5, 14, 6, 17], [9], [7, 8, 9, 10, 11, 12, 13], [20, 21]]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    # A tiny model's decode step is all overhead; two threads on a busy 2-core box only contend.
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    return build_tiny_checkpoint(str(tmp_path_factory.mktemp("tiny")), seed=0)
+
+
+@pytest.fixture(scope="module")
+def other_ckpt(tmp_path_factory):
+    return build_tiny_checkpoint(str(tmp_path_factory.mktemp("tiny1")), seed=1)
+
+
+@pytest.fixture(scope="module")
+def engine(ckpt):
+    return RolloutEngine(ckpt, dtype="float32", seed=0)
+
+
+@pytest.fixture(scope="module")
+def model(ckpt):
+    return load_causal_lm(ckpt, "float32")
+
+
+def _reqs(prompts, first_id=0, **sampling):
+    return [{"id": first_id + i, "prompt_ids": p, "sampling": dict(sampling)} for i, p in enumerate(prompts)]
+
+
+def _greedy_reference(model, prompt, n):
+    """Slow twin: greedy decoding by full re-forward, no cache, no padding."""
+    ids = list(prompt)
+    with torch.no_grad():
+        for _ in range(n):
+            ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
+    return ids[len(prompt):]
+
+
+def _teacher_forced_logprobs(model, prompt, response, temperature):
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + response])).logits[0].float()  # [T, V]
+    logits = logits[len(prompt) - 1 : -1] / (temperature if temperature > 0 else 1.0)
+    return torch.log_softmax(logits, -1).gather(1, torch.tensor(response)[:, None])[:, 0]
+
+
+def test_same_seed_same_sample_whatever_the_batch(engine):
+    alone = engine.generate(_reqs([PROMPTS[0]], max_new_tokens=12, seed=7, ignore_eos=True))[0]
+    mixed = engine.generate(
+        _reqs(PROMPTS[1:], first_id=10, max_new_tokens=12, ignore_eos=True)
+        + [{"id": 99, "prompt_ids": PROMPTS[0], "sampling": {"max_new_tokens": 12, "seed": 7, "ignore_eos": True}}]
+    )[-1]
+    assert mixed["id"] == 99
+    assert mixed["token_ids"] == alone["token_ids"]
+    torch.testing.assert_close(mixed["logprobs"], alone["logprobs"], atol=1e-5, rtol=0)
+    other = engine.generate(_reqs([PROMPTS[0]], max_new_tokens=12, seed=8, ignore_eos=True))[0]
+    assert other["token_ids"] != alone["token_ids"]
+
+
+def test_unseeded_requests_reproduce_per_engine_seed(ckpt):
+    runs = []
+    for seed, index in [(3, 0), (3, 0), (4, 0), (3, 1)]:
+        eng = RolloutEngine(ckpt, dtype="float32", seed=seed, engine_index=index)
+        runs.append([r["token_ids"] for r in eng.generate(_reqs(PROMPTS, max_new_tokens=10, ignore_eos=True))])
+    assert runs[0] == runs[1]
+    assert runs[0] != runs[2] and runs[0] != runs[3]
+
+
+def test_temperature_zero_and_top_k_one_are_greedy(engine, model):
+    expected = [_greedy_reference(model, p, 9) for p in PROMPTS]
+    for sampling in ({"temperature": 0.0}, {"temperature": 1.3, "top_k": 1}, {"temperature": 0.8, "top_p": 1e-6}):
+        out = engine.generate(_reqs(PROMPTS, max_new_tokens=9, ignore_eos=True, **sampling))
+        assert [r["token_ids"] for r in out] == expected, sampling
+
+
+def test_stop_token_ends_with_stop_and_ignore_eos_disables_it(engine, model):
+    greedy = _greedy_reference(model, PROMPTS[2], 12)
+    stop = greedy[4]
+    cut = greedy.index(stop) + 1
+    out = engine.generate(_reqs([PROMPTS[2]], temperature=0, max_new_tokens=12, stop_token_ids=[stop]))[0]
+    assert (out["token_ids"], out["finish_reason"]) == (greedy[:cut], "stop")
+    out = engine.generate(_reqs([PROMPTS[2]], temperature=0, max_new_tokens=12, stop_token_ids=[stop],
+                                ignore_eos=True))[0]
+    assert (out["token_ids"], out["finish_reason"]) == (greedy, "length")
+
+
+def test_max_new_tokens_gives_length_and_eos_stops(engine):
+    out = engine.generate(_reqs(PROMPTS * 3, temperature=1.5, max_new_tokens=30))
+    reasons = {r["finish_reason"] for r in out}
+    assert reasons == {"stop", "length"}  # random tiny model: eos (1/47 a token) hits some rows
+    for r in out:
+        if r["finish_reason"] == "stop":
+            assert r["token_ids"][-1] == EOS_ID and EOS_ID not in r["token_ids"][:-1]
+        else:
+            assert len(r["token_ids"]) == 30 and EOS_ID not in r["token_ids"]
+        assert len(r["logprobs"]) == len(r["token_ids"])
+
+
+@pytest.mark.parametrize("sampling", [
+    {"temperature": 1.0},
+    {"temperature": 0.7, "top_p": 0.9},
+    {"temperature": 1.2, "top_k": 5},
+    {"temperature": 0.0},
+])
+def test_logprobs_equal_teacher_forced_forward(engine, model, sampling):
+    # The invariant PPO needs: old log-probs recomputed by the trainer equal the engine's.
+    out = engine.generate(_reqs(PROMPTS, max_new_tokens=16, ignore_eos=True, **sampling))
+    for prompt, r in zip(PROMPTS, out):
+        expected = _teacher_forced_logprobs(model, prompt, r["token_ids"], sampling["temperature"])
+        torch.testing.assert_close(torch.tensor(r["logprobs"]), expected, atol=2e-5, rtol=0)
+
+
+def test_top_k_samples_stay_in_the_top_k(engine, model):
+    out = engine.generate(_reqs([PROMPTS[0]] * 6, temperature=2.0, top_k=3, max_new_tokens=1))
+    with torch.no_grad():
+        top3 = set(model(torch.tensor([PROMPTS[0]])).logits[0, -1].topk(3).indices.tolist())
+    assert {r["token_ids"][0] for r in out} <= top3
+
+
+def test_left_padding_matches_one_by_one(engine):
+    for sampling in ({"temperature": 0}, {"temperature": 1.0, "top_p": 0.95}):
+        batch = engine.generate(
+            [{"id": i, "prompt_ids": p, "sampling": {"max_new_tokens": 14, "seed": 100 + i, **sampling}}
+             for i, p in enumerate(PROMPTS)])
+        for i, p in enumerate(PROMPTS):
+            single = engine.generate(
+                [{"id": i, "prompt_ids": p, "sampling": {"max_new_tokens": 14, "seed": 100 + i, **sampling}}])[0]
+            assert single["token_ids"] == batch[i]["token_ids"]
+            assert single["finish_reason"] == batch[i]["finish_reason"]
+            torch.testing.assert_close(single["logprobs"], batch[i]["logprobs"], atol=1e-5, rtol=0)
+
+
+def test_small_kv_budget_splits_batches_without_changing_results(ckpt, engine):
+    reqs = _reqs(PROMPTS * 2, max_new_tokens=8, ignore_eos=True, temperature=0.9)
+    for i, r in enumerate(reqs):
+        r["sampling"]["seed"] = i
+    per_token = engine._backend.kv_bytes_per_token
+    small = RolloutEngine(ckpt, dtype="float32", max_batch_size=3, kv_cache_bytes=2 * 15 * per_token)
+    assert len(small._backend._plan_batches(parse_requests(reqs, vocab_size=47, max_positions=64))) >= 4
+    assert [r["token_ids"] for r in small.generate(reqs)] == [r["token_ids"] for r in engine.generate(reqs)]
+    with pytest.raises(ValueError, match="id=0.*KV cache"):
+        small.generate(_reqs([[5] * 30], max_new_tokens=20))
+
+
+def test_update_weights_by_buckets_matches_source_checksum(ckpt, other_ckpt):
+    eng = RolloutEngine(ckpt, dtype="bfloat16")
+    source = load_causal_lm(other_ckpt, "bfloat16")
+    expected = checksum_named_tensors(source.state_dict().items())
+    assert eng.weights_checksum() != expected
+    acks = []
+    totals = push_weights(source.state_dict().items(), lambda b: acks.append(eng.update_weights(b)),
+                          buffer_bytes=16 * 1024)
+    assert totals["num_buckets"] > 3 and sum(a["num_tensors"] for a in acks) == totals["num_tensors"]
+    assert eng.weights_checksum() == expected
+    eng.set_weight_version(1)
+    fresh = RolloutEngine(other_ckpt, dtype="bfloat16")
+    reqs = _reqs(PROMPTS, temperature=0, max_new_tokens=8, ignore_eos=True)
+    got, want = eng.generate(reqs), fresh.generate(reqs)
+    assert [r["token_ids"] for r in got] == [r["token_ids"] for r in want]
+    assert {r["weight_version"] for r in got} == {1} and eng.weight_version() == 1
+
+
+def test_update_weights_rejects_bad_tensors_before_writing_any(engine):
+    before = engine.weights_checksum()
+    good = ("model.norm.weight", torch.zeros(64))
+    cases = [
+        ([good, ("model.layers.9.mlp.up_proj.weight", torch.zeros(128, 64))], "unknown tensor 'model.layers.9"),
+        ([good, ("model.embed_tokens.weight", torch.zeros(47, 32))], r"'model.embed_tokens.weight' has shape \[47, 32\]"),
+    ]
+    for named, match in cases:
+        for bucket in pack_buckets(named, 1 << 20):
+            with pytest.raises(ValueError, match=match):
+                engine.update_weights(bucket)
+    bf16 = next(pack_buckets(
+        [("model.norm.weight", torch.zeros(64, dtype=torch.bfloat16))], 1 << 20))
+    with pytest.raises(ValueError, match="'model.norm.weight' has dtype bfloat16.*float32"):
+        engine.update_weights(bf16)
+    assert engine.weights_checksum() == before
+
+
+@pytest.mark.parametrize("bad, match", [
+    ({"id": 0, "prompt_ids": [1], "sampling": {"temprature": 1.0}}, "unknown sampling keys"),
+    ({"id": 0, "prompt_ids": [1], "sampling": {"top_k": 0}}, "top_k=0"),
+    ({"id": 0, "prompt_ids": [1], "sampling": {"top_p": 0}}, "top_p=0"),
+    ({"id": 0, "prompt_ids": [1], "sampling": {"temperature": -1}}, "temperature=-1"),
+    ({"id": 0, "prompt_ids": [1], "sampling": {"max_new_tokens": 0}}, "max_new_tokens=0"),
+    ({"id": 0, "prompt_ids": [47], "sampling": {}}, r"\[0, 47\)"),
+    ({"id": 0, "prompt_ids": [], "sampling": {}}, "non-empty"),
+    ({"id": 0, "prompt_ids": [1] * 60, "sampling": {"max_new_tokens": 5}}, "max_position_embeddings 64"),
+])
+def test_bad_requests_are_rejected_with_the_field(engine, bad, match):
+    with pytest.raises(ValueError, match=match):
+        engine.generate([bad])
+
+
+def test_duplicate_ids_are_rejected(engine):
+    with pytest.raises(ValueError, match="duplicate id 3"):
+        engine.generate(_reqs([[1], [2]], first_id=3, max_new_tokens=2)[:1] * 2)
+
+
+def test_constructor_validates(ckpt, monkeypatch):
+    with pytest.raises(ValueError, match="backend='vllm'"):
+        RolloutEngine(ckpt, backend="vllm")
+    with pytest.raises(ValueError, match="dtype='int8'"):
+        RolloutEngine(ckpt, dtype="int8")
+    with pytest.raises(ValueError, match="unknown options"):
+        RolloutEngine(ckpt, options={"tp_size": 2})
+    with pytest.raises(ValueError, match="not both"):
+        RolloutEngine(ckpt, kv_cache_bytes=1 << 20, mem_fraction=0.5)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(ValueError, match="on the CPU give kv_cache_bytes"):
+        RolloutEngine(ckpt, mem_fraction=0.5)

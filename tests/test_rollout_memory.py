@@ -1,0 +1,116 @@
+"""Release/resume of the rollout engine and the DeviceMemory helper, on fake GPUs and the CPU."""
+
+import pytest
+import torch
+
+from ppo.tiny_model import build_tiny_checkpoint
+from roles.device import DeviceMemory, nbytes_of
+from roles.rollout import RolloutEngine
+from runtime.fakegpu import FakeOutOfMemory, LeaseViolation, create_fake_devices
+
+REQ = [{"id": 0, "prompt_ids": [5, 6, 7], "sampling": {"max_new_tokens": 4, "temperature": 0}}]
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    return build_tiny_checkpoint(str(tmp_path_factory.mktemp("tiny")), seed=0)
+
+
+@pytest.fixture
+def fake_gpus(tmp_path, monkeypatch):
+    """Two fake GPUs of 64 MiB; this process sees GPU 0 unless a test says otherwise."""
+    devices = create_fake_devices(tmp_path / "gpus", 2, 64 << 20)
+    monkeypatch.setenv("TANDEM_FAKE_GPU_DIR", str(tmp_path / "gpus"))
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
+    return devices
+
+
+def test_release_resume_moves_the_ledger_and_guards_endpoints(ckpt, fake_gpus):
+    gpu = fake_gpus[0]
+    gpu.set_lease_holder("rollout-0")
+    eng = RolloutEngine(ckpt, dtype="float32", max_batch_size=4)
+    weights = nbytes_of(eng._backend.model)
+    kv = eng._backend.kv_cache_bytes
+    assert kv == 4 * 64 * eng._backend.kv_bytes_per_token  # default: max_batch_size full-context rows
+    assert gpu.usage("rollout-0", "weights") == weights and gpu.usage("rollout-0", "kv_cache") == kv
+    assert eng.memory_report() == {"state": "ready", "bytes_in_use": weights + kv}
+    expected = eng.generate(REQ)[0]["token_ids"]
+
+    assert eng.release(["kv_cache", "weights"]) == {"state": "released", "bytes_in_use": 0}
+    assert gpu.usage("rollout-0") == 0 and eng.engine_state() == "released"
+    with pytest.raises(RuntimeError, match=r"generate\(\) while \['kv_cache', 'weights'\] released"):
+        eng.generate(REQ)
+    with pytest.raises(RuntimeError, match=r"resume\(\['weights'\]\) first"):
+        eng.update_weights({"dtype": "float32", "names": [], "shapes": [], "flat": torch.zeros(0)})
+
+    gpu.set_lease_holder("actor")  # someone else holds the GPU now: the engine may not grow
+    with pytest.raises(LeaseViolation):
+        eng.resume(["weights"])
+    assert eng.engine_state() == "released" and gpu.usage("rollout-0") == 0
+
+    gpu.set_lease_holder("rollout-0")
+    assert eng.resume(["weights"]) == {"state": "kv_cache_released", "bytes_in_use": weights}
+    with pytest.raises(RuntimeError, match="kv_cache"):
+        eng.generate(REQ)
+    assert eng.resume(["kv_cache"])["state"] == "ready"
+    assert gpu.usage("rollout-0") == weights + kv
+    assert eng.generate(REQ)[0]["token_ids"] == expected  # offload kept the weights
+    assert eng.release(["weights"])["state"] == "weights_released"
+    assert eng.release(["weights"])["bytes_in_use"] == kv  # releasing twice is a no-op
+    with pytest.raises(ValueError, match="tags="):
+        eng.release(["optimizer"])
+
+
+def test_constructing_without_the_lease_or_room_fails_clearly(ckpt, fake_gpus):
+    with pytest.raises(LeaseViolation, match="rollout-0"):
+        RolloutEngine(ckpt, dtype="float32")
+    fake_gpus[0].set_lease_holder("rollout-0")
+    with pytest.raises(FakeOutOfMemory):
+        RolloutEngine(ckpt, dtype="float32", kv_cache_bytes=80 << 20)
+
+
+def test_mem_fraction_sizes_the_kv_cache_from_the_device(ckpt, fake_gpus):
+    fake_gpus[0].set_lease_holder("rollout-0")
+    eng = RolloutEngine(ckpt, dtype="float32", mem_fraction=0.5)
+    assert eng._backend.kv_cache_bytes == (32 << 20) - nbytes_of(eng._backend.model)
+
+
+def test_device_memory_kinds_and_cpu_ledger(fake_gpus, monkeypatch):
+    fake = DeviceMemory("x")
+    assert (fake.kind, fake.device, fake.capacity_bytes()) == ("fake", torch.device("cpu"), 64 << 20)
+    monkeypatch.delenv("TANDEM_FAKE_GPU_DIR")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # the CPU path, also on a GPU box
+    cpu = DeviceMemory("x")
+    assert (cpu.kind, cpu.device, cpu.capacity_bytes()) == ("cpu", torch.device("cpu"), None)
+    module = torch.nn.Linear(4, 4)
+    assert cpu.move(module, "device", tag="weights") is module
+    assert cpu.ledger() == {"weights": nbytes_of(module)} and cpu.bytes_in_use() == 0
+    cpu.move(module, "cpu", tag="weights")
+    assert cpu.ledger() == {}
+    with pytest.raises(ValueError, match="where='gpu'"):
+        cpu.move(module, "gpu", tag="weights")
+
+
+def test_account_spans_all_visible_fake_gpus_and_rolls_back(fake_gpus, monkeypatch):
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")
+    fake_gpus[0].set_lease_holder("tp")
+    fake_gpus[1].set_lease_holder("tp")
+    mem = DeviceMemory("tp")
+    mem.account("weights", 1000)
+    assert [d.usage("tp", "weights") for d in fake_gpus] == [1000, 1000]  # per-GPU bytes on each
+    fake_gpus[1].set_lease_holder("other")
+    with pytest.raises(LeaseViolation):
+        mem.account("weights", 5000)
+    assert [d.usage("tp", "weights") for d in fake_gpus] == [1000, 1000]  # GPU 0 rolled back
+    assert mem.ledger() == {"weights": 1000}
+    mem.account("weights", 0)  # shrinking needs no lease
+    assert [d.usage("tp") for d in fake_gpus] == [0, 0] and mem.bytes_in_use() == 0
+
+
+def test_nbytes_counts_tied_weights_once():
+    emb = torch.nn.Embedding(10, 8)
+    head = torch.nn.Linear(8, 10, bias=False)
+    head.weight = emb.weight
+    model = torch.nn.ModuleDict({"emb": emb, "head": head})
+    assert nbytes_of(model) == 10 * 8 * 4
+    assert nbytes_of([emb.weight, emb.weight, torch.zeros(3)]) == 10 * 8 * 4 + 12
