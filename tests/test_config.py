@@ -29,8 +29,11 @@ from ppo.config import (
 from ppo.recipes import RECIPES, qwen3_4b_ppo, tiny_ppo
 
 
-def test_no_arguments_mean_the_tiny_recipe():
-    assert parse_args([]) == tiny_ppo()
+def test_no_arguments_mean_the_tiny_recipe_in_a_fresh_run_dir():
+    cfg = parse_args([])
+    assert cfg.logging.run_dir.startswith("runs/tiny_ppo-")
+    assert override(cfg, run_dir=tiny_ppo().logging.run_dir) == tiny_ppo()
+    assert parse_args(["--run-dir", "x"]).logging.run_dir == "x"
 
 
 def test_recipe_then_flags_override_it():
@@ -41,7 +44,7 @@ def test_recipe_then_flags_override_it():
     assert cfg.rollout.rollout_batch_size == 16
     assert cfg.reward.rm_type == "dapo"
     assert cfg == override(qwen3_4b_ppo(), hf_checkpoint="/m/Qwen3-4B", lr=2e-6,
-                           rollout_batch_size=16, rm_type="dapo")
+                           rollout_batch_size=16, rm_type="dapo", run_dir=cfg.logging.run_dir)
 
 
 def test_bool_flags_take_positive_and_negative_forms():

@@ -57,7 +57,7 @@ def test_tiny_ppo_runs_the_same_algorithm_on_fake_gpus():
     assert tiny.checkpoint.hf_checkpoint == "generated:tiny-qwen3"
     assert tiny.rollout.prompt_data == "generated:arithmetic"
     assert tiny.reward.rm_type == "tiny_exact"
-    assert global_batch_size(tiny) == 64
+    assert global_batch_size(tiny) == 128
 
 
 def test_describe_recipes_gives_name_and_first_doc_line():

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 import launch
+from ppo.config.serialize import override
 from ppo.config import from_dict
 from ppo.recipes import RECIPES, qwen3_4b_ppo, tiny_ppo
 
@@ -27,7 +28,9 @@ def test_dry_run_places_qwen_on_eight_gpus():
     proc = run_launch("--recipe", "qwen3_4b_ppo", "--dry-run")
     assert proc.returncode == 0, proc.stderr
     resolved, end = json.JSONDecoder().raw_decode(proc.stdout)
-    assert from_dict(resolved["config"]) == qwen3_4b_ppo()
+    cfg = from_dict(resolved["config"])
+    assert cfg.logging.run_dir.startswith("runs/qwen3_4b_ppo-")
+    assert cfg == override(qwen3_4b_ppo(), run_dir=cfg.logging.run_dir)
     derived = resolved["derived"]
     assert derived["uses_critic"] and not derived["needs_ref"] and derived["offload_train"]
     assert (derived["num_engines"], derived["data_parallel_size"]) == (8, 2)
@@ -73,7 +76,7 @@ def test_without_dry_run_the_config_goes_to_ppo_loop_train(monkeypatch):
     loop.train = received.append
     monkeypatch.setitem(sys.modules, "ppo.loop", loop)
     launch.main([])
-    assert received == [tiny_ppo()]
+    assert received == [override(tiny_ppo(), run_dir=received[0].logging.run_dir)]
 
 
 def test_config_error_exits_2_before_training(monkeypatch, capsys):

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import difflib
 import sys
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -74,6 +75,7 @@ def parse_cli(parser: argparse.ArgumentParser,
     recipe = getattr(ns, "recipe", DEFAULT_RECIPE)
     if recipe not in RECIPES:
         raise ConfigError(problems + [f"--recipe {recipe!r}: must be one of: {', '.join(RECIPES)}"])
+    values.setdefault("run_dir", f"runs/{recipe}-{time.strftime('%Y%m%d-%H%M%S')}")
     cfg = override(RECIPES[recipe](), **values)
     problems += validate(cfg, rm_types=rm_types)
     if problems:

@@ -190,11 +190,13 @@ class PlacementConfig:
 
 @dataclass(frozen=True, kw_only=True)
 class LoggingConfig:
-    run_dir: str = knob("runs/ppo", "logs, events, config.json and error files go here")
+    run_dir: str = knob("runs/ppo", "logs, events, config.json and error files go here; on the "
+                        "command line the default is runs/<recipe>-<date>-<time>")
     use_tensorboard: bool = knob(False)
     use_wandb: bool = knob(False)
     wandb_project: str | None = knob(None)
-    dump_samples: bool = knob(False, "write each rollout's samples to run_dir as jsonl")
+    dump_samples: bool = knob(True, "write each rollout's prompts, responses and rewards to "
+                              "run_dir/samples as jsonl")
     log_interval: int = knob(1, "log metrics every N rollouts", ge=1)
 
 
