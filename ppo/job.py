@@ -9,10 +9,11 @@ offloaded and so need no lease. Colocated roles of one GPU group restart togethe
 from __future__ import annotations
 
 import json
-import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
+
+import transformers
 
 from ppo import config as C
 from ppo.colocation import Colocation, Tenant, engine_tenant, trainer_tenant
@@ -90,9 +91,8 @@ def start_job(cfg: PPOConfig) -> Job:
     run_dir = Path(cfg.logging.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.json").write_text(json.dumps(to_dict(cfg), indent=2))
-    for k, v in ROLE_ENV.items():
-        if k != "OMP_NUM_THREADS":
-            os.environ.setdefault(k, v)  # the driver loads tokenizers and builds tiny models too
+    transformers.logging.set_verbosity_error()  # the driver loads tokenizers and builds tiny models too
+    transformers.logging.disable_progress_bar()
     hf_checkpoint, prompt_data = resolve_paths(cfg, run_dir)
     plan = plan_placement(cfg)
     dtype = "float32" if cfg.placement.fake_gpus else "bfloat16"

@@ -100,7 +100,8 @@ def run(job: Job) -> list[dict]:
                 colo.occupy(job.engine_tenants, ["weights"])
                 version += 1
                 with _timed(perf, "perf/weight_sync_time"):
-                    actor.sync_weights(engines, cfg.engine.update_weight_buffer_size, version)
+                    actor.sync_weights(engines, cfg.engine.update_weight_buffer_size, version,
+                                       engine_gpus=job.placement.engines)
                 if cfg.engine.check_weight_update_equal:
                     check_weights_equal(job)
                 colo.drop_residual(job.actor_tenant, ["params"])

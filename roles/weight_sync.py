@@ -8,11 +8,11 @@ The actor trainer streams its weights to the rollout engines bucket by bucket (D
      "shapes": [[151936, 2560], ...],
      "flat": <1-D tensor of that dtype>}       # the tensors' elements, concatenated in order
 
-Transport seam: `push_weights` hands each bucket to a `send` callable and blocks until it
-returns, i.e. until every receiver acked. Today `send` passes the bucket by value (the
-runtime ships `flat` as one frame). A CUDA-IPC transport plugs in as another `send` that
-ships an IPC handle of `flat` instead of its bytes; the packing and its reuse contract
-stay the same, so only the buffer's device would change.
+Transport: `push_weights` hands each bucket to a `send` callable and blocks until it
+returns, i.e. until every receiver acked. The buffers live on the weights' device.
+`for_receiver` picks, per receiver, how `flat` travels: a CUDA IPC handle when the
+receiver sees the same physical GPU (no copy through host memory), else the bytes on the
+CPU (the runtime ships large ones through shared memory); `received` undoes it.
 """
 
 from __future__ import annotations
@@ -33,11 +33,11 @@ def dtype_name(dtype: torch.dtype) -> str:
 def pack_buckets(named_tensors: NamedTensors, buffer_bytes: int) -> Iterator[dict]:
     """Yield buckets of HF-named tensors, one dtype per bucket, each at most `buffer_bytes`.
 
-    Tensors keep their input order within a dtype. One flat CPU buffer of `buffer_bytes` is
-    allocated per dtype seen and REUSED for every bucket of that dtype, so peak extra memory
-    is `buffer_bytes` per dtype, not the model size. A tensor larger than `buffer_bytes`
-    gets a bucket of its own whose `flat` is a view of that tensor (made contiguous and
-    moved to the CPU if it is not already), so it costs no buffer.
+    Tensors keep their input order within a dtype. One flat buffer of `buffer_bytes`, on
+    the tensors' device, is allocated per dtype seen and REUSED for every bucket of that
+    dtype, so peak extra memory is `buffer_bytes` per dtype, not the model size. A tensor
+    larger than `buffer_bytes` gets a bucket of its own whose `flat` is a view of that
+    tensor (made contiguous if it is not already), so it costs no buffer.
 
     Reuse contract: a yielded bucket's `flat` stays valid only until the generator is
     resumed. The caller sends the bucket, waits for every receiver's ack, and only then
@@ -50,12 +50,12 @@ def pack_buckets(named_tensors: NamedTensors, buffer_bytes: int) -> Iterator[dic
     for name, tensor in named_tensors:
         tensor = tensor.detach()
         if tensor.numel() * tensor.element_size() > buffer_bytes:
-            flat = tensor.reshape(-1).to("cpu").contiguous()
+            flat = tensor.reshape(-1).contiguous()
             yield _bucket(tensor.dtype, [name], [list(tensor.shape)], flat)
             continue
         bucket = open_buckets.get(tensor.dtype)
         if bucket is None:
-            bucket = open_buckets[tensor.dtype] = _OpenBucket(tensor.dtype, buffer_bytes)
+            bucket = open_buckets[tensor.dtype] = _OpenBucket(tensor.dtype, buffer_bytes, tensor.device)
         if not bucket.fits(tensor):
             yield bucket.seal()
             bucket.clear()  # the caller has acked: the buffer may be overwritten now
@@ -100,6 +100,29 @@ def push_weights(named_tensors: NamedTensors, send: Callable[[dict], Any], buffe
     return {"num_buckets": num_buckets, "num_tensors": num_tensors, "num_bytes": num_bytes}
 
 
+def for_receiver(bucket: dict, receiver_gpus: list[int] | None) -> dict:
+    """The bucket as one receiver gets it: an IPC handle of a CUDA `flat` when the receiver
+    is on the same physical GPU, else `flat` on the CPU."""
+    flat = bucket["flat"]
+    if not flat.is_cuda:
+        return bucket
+    from roles.cuda_ipc import physical_gpu, share
+
+    if receiver_gpus and physical_gpu(flat.device.index) in receiver_gpus:
+        torch.cuda.current_stream(flat.device).synchronize()  # the packing copies must land first
+        return {**{k: v for k, v in bucket.items() if k != "flat"}, "cuda_ipc": share(flat)}
+    return {**bucket, "flat": flat.cpu()}
+
+
+def received(bucket: dict) -> dict:
+    """Undo `for_receiver`: map an IPC handle back to a tensor (a view of the sender's buffer)."""
+    if "cuda_ipc" not in bucket:
+        return bucket
+    from roles.cuda_ipc import open_shared
+
+    return {**{k: v for k, v in bucket.items() if k != "cuda_ipc"}, "flat": open_shared(bucket["cuda_ipc"])}
+
+
 def checksum_named_tensors(named_tensors: NamedTensors) -> dict[str, str]:
     """name -> blake2b hex digest of the tensor's dtype, shape and raw bytes.
 
@@ -120,9 +143,9 @@ def checksum_named_tensors(named_tensors: NamedTensors) -> dict[str, str]:
 class _OpenBucket:
     """The bucket being filled for one dtype, over its reusable flat buffer."""
 
-    def __init__(self, dtype: torch.dtype, buffer_bytes: int):
+    def __init__(self, dtype: torch.dtype, buffer_bytes: int, device: torch.device):
         self.dtype = dtype
-        self.buffer = torch.empty(buffer_bytes // _itemsize(dtype), dtype=dtype)
+        self.buffer = torch.empty(buffer_bytes // _itemsize(dtype), dtype=dtype, device=device)
         self.names: list[str] = []
         self.shapes: list[list[int]] = []
         self.used = 0  # elements filled

@@ -7,7 +7,6 @@ in its own process (see ``runtime.child``) and its endpoints are called over Zer
 
 from __future__ import annotations
 
-import functools
 import inspect
 from dataclasses import dataclass
 from typing import Any, Callable, ClassVar
@@ -77,16 +76,3 @@ class Actor:
         if ctx is not None:
             ctx.publish("state", role=ctx.name, incarnation=ctx.incarnation, gpus=list(ctx.gpus),
                         old=old, new=new, **fields)
-
-
-def in_state(*states: str):
-    """Guard an endpoint: calling it in another state raises a clear error."""
-    def deco(fn):
-        @functools.wraps(fn)
-        def wrapper(self, *a, **kw):
-            if self.state not in states:
-                raise RuntimeError(f"{type(self).__name__}.{fn.__name__} needs state "
-                                   f"{' or '.join(states)}, but the actor is {self.state}")
-            return fn(self, *a, **kw)
-        return wrapper
-    return deco

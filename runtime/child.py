@@ -135,7 +135,8 @@ class _Child:
         hdr = wire.decode_header(self.cfg, boot.init_frames)
         args, kwargs = wire.decode_body(self.cfg, hdr, boot.init_frames, context=self.caller)
         obj.__init__(*args, **kwargs)
-        obj.set_state("ready", pid=os.getpid())
+        if obj.state == "starting":  # a role may have moved to its own first state already
+            obj.set_state("ready", pid=os.getpid())
         with self._events_lock:
             self._events.send_multipart(control_message("ready", boot.token, {"pid": os.getpid()}))
         self._serve(obj, mailbox, endpoints_of(boot.cls))

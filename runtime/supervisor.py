@@ -18,6 +18,7 @@ to each child's process group.
 from __future__ import annotations
 
 import collections
+from concurrent.futures import ThreadPoolExecutor
 import multiprocessing
 import os
 import secrets
@@ -71,6 +72,7 @@ class _Child:
     stats: dict = field(default_factory=dict)
     ever_ready: bool = False
     restarts: int = 0
+    ps: Any = None  # psutil.Process of the current incarnation, for role_stats
 
     @property
     def endpoint_id(self) -> str:
@@ -130,6 +132,7 @@ class Supervisor:
         self._closed = False
         self._wake_fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
         self._mp = multiprocessing.get_context("spawn")
+        self._spawner = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tandem-spawner")
         self.bus.publish("supervisor_started", pid=os.getpid(), run_dir=str(self.run_dir))
         self._thread = threading.Thread(target=self._watch, name="tandem-supervisor", daemon=True)
         self._thread.start()
@@ -219,6 +222,7 @@ class Supervisor:
         self._wake()
         self._thread.join(timeout=5)
         self._stop_children(children, reason="supervisor shutdown")
+        self._spawner.shutdown()
         self.caller.close()
         self._control.disable_monitor()
         self._control_watch.join(timeout=2)  # it publishes on the bus, which closes next
@@ -271,17 +275,9 @@ class Supervisor:
         env = {"CUDA_VISIBLE_DEVICES": ",".join(map(str, spec.gpus)), "CUDA_DEVICE_ORDER": "PCI_BUS_ID",
                **({"TANDEM_FAKE_GPU_DIR": self.fake_gpu_dir} if self.fake_gpu_dir else {}), **spec.env}
         proc = self._mp.Process(target=child_main, args=(boot,), name=f"tandem:{spec.name}", daemon=False)
-        with _env_lock:  # the spawned interpreter inherits os.environ: set it before any import
-            saved = {k: os.environ.get(k) for k in env}
-            os.environ.update(env)
-            try:
-                proc.start()
-            finally:
-                for k, v in saved.items():
-                    if v is None:
-                        os.environ.pop(k, None)
-                    else:
-                        os.environ[k] = v
+        # PR_SET_PDEATHSIG fires when the *thread* that forked the child exits, so every child
+        # is forked by one thread that outlives them all (restarts come from the watch thread).
+        self._spawner.submit(_start_with_env, proc, env).result()
         child.process, child.endpoint = proc, endpoint
         child.state, child.started_at, child.last_beat = "starting", time.monotonic(), None
         self.directory.update(Address(spec.name, child.incarnation, endpoint))
@@ -383,8 +379,9 @@ class Supervisor:
             children = [c for c in self._children.values() if c.state != "dead"]
         for c in children:
             try:
-                p = psutil.Process(c.process.pid)
-                rss, cpu = p.memory_info().rss, p.cpu_percent(None)
+                if c.ps is None or c.ps.pid != c.process.pid:
+                    c.ps = psutil.Process(c.process.pid)  # cpu_percent measures since the last call
+                rss, cpu = c.ps.memory_info().rss, c.ps.cpu_percent(None)
             except psutil.Error:
                 continue
             roles[c.spec.name] = {"incarnation": c.incarnation, "pid": c.process.pid, "rss_bytes": rss,
@@ -487,6 +484,20 @@ class Supervisor:
                 self._control.send_multipart([ident.encode(), *msg], zmq.NOBLOCK)
             except zmq.ZMQError:
                 pass
+
+
+def _start_with_env(proc, env: dict[str, str]) -> None:
+    with _env_lock:  # the spawned interpreter inherits os.environ: set it before any import
+        saved = {k: os.environ.get(k) for k in env}
+        os.environ.update(env)
+        try:
+            proc.start()
+        finally:
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
 
 
 def _exit_reason(proc) -> str:

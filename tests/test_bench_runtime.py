@@ -1,5 +1,6 @@
 """bench.runtime measures Tandem and the multiprocessing peer end to end in quick mode."""
 
+import importlib.util
 import io
 import math
 
@@ -49,3 +50,14 @@ def test_unknown_peer_is_rejected_with_the_allowed_values(capsys):
     with pytest.raises(SystemExit):
         main(["--peers", "tandem,dask"])
     assert "allowed values are tandem, ray, mp" in capsys.readouterr().err
+
+
+def test_ray_is_skipped_with_a_note_when_it_is_not_importable(monkeypatch):
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "ray" else find_spec(name, *a))
+    results = run(["ray"], quick=True)
+    assert "ray is not importable" in results["peers"]["ray"]["skipped"]
+    assert results["ratios"] == {} and [t["passed"] for t in results["targets"]] == [None] * 4
+    out = io.StringIO()
+    Console(file=out, width=120).print(render(results))
+    assert "note: ray skipped" in out.getvalue()

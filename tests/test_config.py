@@ -160,10 +160,10 @@ def test_offloading_is_derived_from_colocation_and_the_critic():
 
 
 def test_global_batch_size_and_eps_clip_high_resolve():
-    cfg = tiny_ppo()
-    assert global_batch_size(cfg) == 64
-    assert global_batch_size(override(cfg, global_batch_size=None)) == 128
-    assert global_batch_size(override(cfg, global_batch_size=None, num_steps_per_rollout=4)) == 32
+    cfg = tiny_ppo()  # 64 prompts x 8 samples, global batch 128
+    assert global_batch_size(cfg) == 128
+    assert global_batch_size(override(cfg, global_batch_size=None)) == 512
+    assert global_batch_size(override(cfg, global_batch_size=None, num_steps_per_rollout=4)) == 128
     assert eps_clip_high(cfg) == 0.2 and eps_clip_high(override(cfg, eps_clip_high=0.28)) == 0.28
     assert data_parallel_size(qwen3_4b_ppo()) == 2
 

@@ -9,7 +9,14 @@ import pytest
 from ppo.config import ConfigError, PPOConfig, ensure_valid, override, validate
 from ppo.recipes import qwen3_4b_ppo, tiny_ppo
 
-TINY, QWEN = tiny_ppo, qwen3_4b_ppo
+QWEN = qwen3_4b_ppo
+
+
+def TINY():
+    """tiny_ppo at fixed sizes (128 samples per rollout, global batch 64, 60 rollouts), so the
+    expected messages below do not move when the recipe is retuned."""
+    return override(tiny_ppo(), rollout_batch_size=32, n_samples_per_prompt=4, global_batch_size=64,
+                    num_rollout=60, micro_batch_size=8)
 
 
 def problems_of(base, **overrides) -> list[str]:

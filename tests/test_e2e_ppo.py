@@ -21,7 +21,7 @@ def tiny(tmp_path, **values) -> PPOConfig:
 @pytest.mark.timeout(300)
 def test_colocated_iterations_never_overlap_and_weights_match_after_every_sync(tmp_path):
     cfg = tiny(tmp_path, num_rollout=3, num_critic_only_steps=1, check_weight_update_equal=True,
-               rollout_batch_size=16)
+               rollout_batch_size=16, save=str(tmp_path / "ckpt"), save_interval=2)
     history = train(cfg)  # check_weight_update_equal raises if an engine differs after a sync
     assert [h["rollout/weight_version"] for h in history] == [0, 1, 2]
     assert "train/pg_loss" not in history[0] and "train/pg_loss" in history[1]  # warm-up step
@@ -31,9 +31,19 @@ def test_colocated_iterations_never_overlap_and_weights_match_after_every_sync(t
         assert check_no_overlap(hist) == []
         growers = {h["holder"] for h in hist if h.get("kind") == "usage" and h["nbytes"]}
         assert {"actor", "critic", f"rollout-{gpu}"} <= growers  # the handoff really happened
+    from runtime.events import read_events
+    moves = [(e["role"], e["new"]) for e in read_events(tmp_path / "run") if e["event"] == "state"]
+    for move in [("actor", "onloaded"), ("actor", "training"), ("critic", "training"), ("actor", "offloaded"),
+                 ("rollout-0", "released"), ("rollout-1", "ready")]:
+        assert move in moves  # lifecycles are published as events
     lines = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
     assert len(lines) == 3 and "rollout/raw_reward" in json.loads(lines[0])
-    assert (tmp_path / "run" / "samples" / "rollout_00000.jsonl").exists() or not cfg.logging.dump_samples
+    sample = json.loads((tmp_path / "run" / "samples" / "rollout_00002.jsonl").read_text().splitlines()[0])
+    assert sample["weight_version"] == 1 and {"prompt", "response", "reward", "label"} <= set(sample)
+    # --save-interval 2: the actor and the critic save into separate folders
+    for folder in ("ckpt", "ckpt_critic"):
+        saved = tmp_path / folder / "rollout_00001"
+        assert (saved / "model.safetensors").exists() and (saved / "optimizer.pt").exists()
 
 
 @pytest.mark.timeout(300)

@@ -14,9 +14,11 @@ ends the update. Every result carries the weight version that produced it.
 
 from __future__ import annotations
 
+import torch
 from transformers import AutoConfig
 
 from roles.device import DeviceMemory
+from roles.weight_sync import received
 from roles.rollout.sampling import parse_requests, request_seed
 from runtime import Actor, endpoint
 
@@ -177,8 +179,12 @@ class RolloutEngine(Actor):
                 f"rollout engine {self.engine_index}: update_weights() while the weights are "
                 "released; call resume(['weights']) first"
             )
+        bucket = received(bucket)
         num_tensors = self._backend.load_weights(bucket)
-        return {"num_tensors": num_tensors, "num_bytes": bucket["flat"].numel() * bucket["flat"].element_size()}
+        flat = bucket["flat"]
+        if flat.is_cuda:
+            torch.cuda.synchronize(flat.device)  # our ack lets the sender overwrite its buffer
+        return {"num_tensors": num_tensors, "num_bytes": flat.numel() * flat.element_size()}
 
     @endpoint
     def set_weight_version(self, version: int) -> None:

@@ -14,11 +14,12 @@ from roles.trainer.batching import ACTOR_TRAIN_KEYS, MicroBatch
 from roles.trainer.config import TrainerConfig
 from roles.trainer.core import TrainCore, token_share
 from roles.trainer.model import load_policy, policy_log_probs
-from roles.weight_sync import checksum_named_tensors, push_weights
-from runtime import Actor, endpoint
+from roles.weight_sync import checksum_named_tensors, for_receiver, push_weights
+from roles.trainer.role import TrainerRole
+from runtime import endpoint
 
 
-class ActorTrainer(Actor):
+class ActorTrainer(TrainerRole):
     """Policy model of PPO. Batches follow roles.trainer.batching; memory roles.trainer.core.
 
     Starts offloaded: call `onload(["params"])` (and "optimizer" before training) first.
@@ -34,6 +35,7 @@ class ActorTrainer(Actor):
         )
         holder = self.context.name if self.context is not None else "actor"
         self._core = TrainCore(self.config, model, DeviceMemory(holder))
+        self._started()
 
     @property
     def model(self) -> torch.nn.Module:
@@ -83,7 +85,7 @@ class ActorTrainer(Actor):
         pg_loss, pg_clipfrac, ppo_kl, entropy_loss (when entropy_coef != 0 or log_entropy),
         kl_loss (when use_kl_loss), grad_norm, lr (of the last step), skipped_nonfinite."""
         required = ACTOR_TRAIN_KEYS + (("ref_log_probs",) if self.config.use_kl_loss else ())
-        return self._core.train(batch, required, self._micro_loss)
+        return self._train(batch, required, self._micro_loss)
 
     def _micro_loss(self, mb: MicroBatch, counts: dict) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         cfg = self.config
@@ -120,15 +122,6 @@ class ActorTrainer(Actor):
 
     # ---- memory -------------------------------------------------------------------------
 
-    @endpoint
-    def offload(self, tags: list[str]) -> dict:
-        """Offload "params", "grads", "optimizer"; returns {"ledger", "bytes_in_use"}."""
-        return self._core.offload(tags)
-
-    @endpoint
-    def onload(self, tags: list[str]) -> dict:
-        return self._core.onload(tags)
-
     # ---- weights ------------------------------------------------------------------------
 
     def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
@@ -145,16 +138,19 @@ class ActorTrainer(Actor):
         return checksum_named_tensors(self.named_weights())
 
     @endpoint
-    def sync_weights(self, engines: list, buffer_bytes: int, version: int, timeout_s: float = 600.0) -> dict:
+    def sync_weights(self, engines: list, buffer_bytes: int, version: int, timeout_s: float = 600.0,
+                     engine_gpus: list[list[int]] | None = None) -> dict:
         """Stream the weights to every engine bucket by bucket, then set their weight version.
 
         Each bucket goes to all engines at once (`update_weights.call`); the next bucket
-        reuses the buffer, so it is packed only after every engine acked this one.
+        reuses the buffer, so it is packed only after every engine acked this one. On a GPU,
+        engines on the same physical GPU (`engine_gpus`, physical ids) get CUDA IPC handles.
         """
         start = time.monotonic()
+        gpus = engine_gpus or [None] * len(engines)
 
         def send(bucket: dict) -> None:
-            futures = [engine.update_weights.call(bucket) for engine in engines]
+            futures = [engine.update_weights.call(for_receiver(bucket, g)) for engine, g in zip(engines, gpus)]
             for future in futures:
                 future.result(timeout_s)
 

@@ -12,10 +12,11 @@ from roles.trainer.batching import CRITIC_TRAIN_KEYS, MicroBatch
 from roles.trainer.config import TrainerConfig
 from roles.trainer.core import TrainCore, token_share
 from roles.trainer.model import ValueModel, load_value_model, values_forward
-from runtime import Actor, endpoint
+from roles.trainer.role import TrainerRole
+from runtime import endpoint
 
 
-class CriticTrainer(Actor):
+class CriticTrainer(TrainerRole):
     """Value model of PPO: the policy's backbone plus a scalar head (roles.trainer.model).
 
     Starts offloaded: call `onload(["params"])` (and "optimizer" before training) first.
@@ -29,6 +30,7 @@ class CriticTrainer(Actor):
         )
         holder = self.context.name if self.context is not None else "critic"
         self._core = TrainCore(self.config, model, DeviceMemory(holder))
+        self._started()
 
     @property
     def model(self) -> ValueModel:
@@ -46,7 +48,7 @@ class CriticTrainer(Actor):
     def train(self, batch: dict) -> dict:
         """One pass of clipped value-loss updates; metrics averaged over optimizer steps:
         value_loss, value_clipfrac, grad_norm, lr (of the last step), skipped_nonfinite."""
-        return self._core.train(batch, CRITIC_TRAIN_KEYS, self._micro_loss)
+        return self._train(batch, CRITIC_TRAIN_KEYS, self._micro_loss)
 
     def _micro_loss(self, mb: MicroBatch, counts: dict) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         values = self._values(mb)
@@ -59,15 +61,6 @@ class CriticTrainer(Actor):
             "value_loss": loss.detach(),
             "value_clipfrac": metrics["value_clipfrac"] * token_share(mb, counts),
         }
-
-    @endpoint
-    def offload(self, tags: list[str]) -> dict:
-        """Offload "params", "grads", "optimizer"; returns {"ledger", "bytes_in_use"}."""
-        return self._core.offload(tags)
-
-    @endpoint
-    def onload(self, tags: list[str]) -> dict:
-        return self._core.onload(tags)
 
     @endpoint
     def save(self, path: str) -> dict:
