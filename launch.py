@@ -26,9 +26,14 @@ def main(argv: list[str] | None = None) -> None:
         print(json.dumps({"config": to_dict(cfg), "derived": derived_values(cfg)}, indent=2))
         print(format_placement(plan_placement(cfg)))
         return
-    from ppo.loop import train  # imported late: it pulls in torch and the roles
+    from ppo.loop import TrainerDied, train  # imported late: it pulls in torch and the roles
+    from runtime import SupervisionFailed
 
-    train(cfg)
+    try:
+        train(cfg)
+    except (TrainerDied, SupervisionFailed) as err:  # the message says what died and what to do
+        print(f"tandem: {err}", file=sys.stderr)
+        sys.exit(1)
 
 
 if __name__ == "__main__":

@@ -2,8 +2,7 @@
 
 Roles start in dependency order: reward scorers (CPU), then the engines (they load their
 weights on spawn, so each takes its GPU's lease first), then the trainers, which start
-offloaded and so need no lease. Colocated roles of one GPU group restart together
-(`one_for_all`: they share leases and, on real GPUs, IPC handles); scorers restart alone.
+offloaded and so need no lease.
 """
 
 from __future__ import annotations
@@ -100,11 +99,13 @@ def start_job(cfg: PPOConfig) -> Job:
     sup = Supervisor(run_dir, gpus=range(num_gpus), fake_gpus=num_gpus if cfg.placement.fake_gpus else 0,
                      fake_gpu_bytes=FAKE_GPU_BYTES)
     try:
+        # Restart policy: engines and scorers hold no state a restart loses (the driver
+        # re-syncs a restarted engine's weights and re-issues its work), so they restart
+        # alone. A trainer holds the run's state: its death stops the job, to be resumed
+        # from the last checkpoint with --load.
         scorers = [sup.spawn(f"reward-{i}", RewardScorer, cfg.reward.rm_type, cfg.reward.custom_rm_path,
                              cfg.reward.reward_timeout, restart="one_for_one", env=ROLE_ENV)
                    for i in range(plan.num_reward_workers)]
-        group = "colocated" if cfg.placement.colocate else None
-        restart = "one_for_all" if group else "one_for_one"
         engines, engine_tenants = [], []
         for i, gpus in enumerate(plan.engines):
             name = f"rollout-{i}"
@@ -112,16 +113,16 @@ def start_job(cfg: PPOConfig) -> Job:
                 sup.leases.acquire(g, name)
             engines.append(sup.spawn(
                 name, RolloutEngine, hf_checkpoint, backend="torch", engine_index=i,
-                seed=cfg.rollout.rollout_seed, dtype=dtype, gpus=gpus, restart=restart, group=group,
+                seed=cfg.rollout.rollout_seed, dtype=dtype, gpus=gpus, restart="one_for_one",
                 max_batch_size=C.samples_per_rollout(cfg), env=ROLE_ENV))
             engine_tenants.append(engine_tenant(engines[-1], tuple(gpus)))
         actor = sup.spawn("actor", ActorTrainer, trainer_config(cfg, hf_checkpoint, critic=False, dtype=dtype),
-                          gpus=plan.actor_gpus, restart=restart, group=group, env=ROLE_ENV)
+                          gpus=plan.actor_gpus, restart="temporary", env=ROLE_ENV)
         critic = None
         if C.uses_critic(cfg):
             critic = sup.spawn("critic", CriticTrainer,
                                trainer_config(cfg, hf_checkpoint, critic=True, dtype=dtype),
-                               gpus=plan.critic_gpus, restart=restart, group=group, env=ROLE_ENV)
+                               gpus=plan.critic_gpus, restart="temporary", env=ROLE_ENV)
         t0 = time.monotonic()
         sup.wait_ready()
         sup.publish("job_ready", seconds=round(time.monotonic() - t0, 3))

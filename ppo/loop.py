@@ -21,13 +21,18 @@ import torch
 from ppo import config as C
 from ppo.algorithms import compute_advantages, kl_estimate, masked_whiten, token_level_rewards
 from ppo.batch import build_batch, select
+from ppo.checkpoint import ResumePoint, resume, save_if_due
 from ppo.config import PPOConfig
 from ppo.config.serialize import to_dict
 from ppo.data import PromptDataset
 from ppo.job import Job, start_job
 from ppo.logger import RunLogger
 from ppo.rollout import SamplingParams, generate_and_score
-from runtime import gather
+from runtime import ActorDied, gather
+
+
+class TrainerDied(RuntimeError):
+    """A trainer process died: the run stops (its state cannot be rebuilt without a checkpoint)."""
 
 
 def train(cfg: PPOConfig) -> list[dict]:
@@ -35,6 +40,14 @@ def train(cfg: PPOConfig) -> list[dict]:
     job = start_job(cfg)
     try:
         return run(job)
+    except ActorDied as e:
+        if e.role not in ("actor", "critic"):
+            raise
+        save = cfg.checkpoint.save
+        resume = (f"resume from the last checkpoint with --load {save}" if save
+                  else "no checkpoint was being written (--save unset): the run must start over")
+        raise TrainerDied(f"the {e.role} trainer died ({e.reason}); the run stopped. "
+                          f"Error file: {e.error_file or 'none (killed without a traceback)'}; {resume}") from e
     finally:
         job.close()
 
@@ -48,20 +61,27 @@ def run(job: Job) -> list[dict]:
                          max_prompt_len=cfg.rollout.rollout_max_prompt_len, seed=cfg.rollout.rollout_seed,
                          shuffle=cfg.rollout.rollout_shuffle)
     sampling = sampling_params(cfg, tok.eos_token_id)
+    # --load: trainers, data position, driver RNG and the engines' weights as the checkpoint left them
+    start = resume(job, data) if cfg.checkpoint.load is not None else ResumePoint(step=0, version=0)
+    if start.step and cfg.engine.check_weight_update_equal:
+        check_weights_equal(job)
     log = RunLogger(job.run_dir, num_rollout=cfg.rollout.num_rollout, publish=job.sup.publish,
                     use_tensorboard=cfg.logging.use_tensorboard, use_wandb=cfg.logging.use_wandb,
                     wandb_project=cfg.logging.wandb_project, dump_samples=cfg.logging.dump_samples,
-                    config=to_dict(cfg))
-    version = 0
+                    config=to_dict(cfg), start_step=start.step)
+    version = start.version
+    skipped = 0  # optimizer steps skipped for a non-finite loss or gradient, over the run
     try:
-        for step in range(cfg.rollout.num_rollout):
+        for step in range(start.step, cfg.rollout.num_rollout):
             t_step = time.monotonic()
             perf: dict[str, float] = {}
 
-            # 1. generate and score
+            # 1. generate and score (a role that dies here is replaced and its work re-issued)
             with _timed(perf, "perf/rollout_time"):
-                samples = generate_and_score(engines, job.scorers, data.next_batch(cfg.rollout.rollout_batch_size),
-                                             sampling, step, decode=tok.decode, eos_id=tok.eos_token_id)
+                samples, faults = generate_and_score(
+                    engines, job.scorers, data.next_batch(cfg.rollout.rollout_batch_size), sampling, step,
+                    decode=tok.decode, eos_id=tok.eos_token_id,
+                    recover=lambda role, dead: recover(job, role, dead, version))
             batch = build_batch(samples, pad_id=tok.pad_token_id)
 
             # 2-3. engines hand the GPUs to the actor: old and reference log-probs
@@ -94,6 +114,8 @@ def run(job: Job) -> list[dict]:
                 with _timed(perf, "perf/train_time"):
                     keys = ("old_log_probs", "advantages") + (("ref_log_probs",) if "ref_log_probs" in batch else ())
                     actor_metrics = actor.train(select(batch, *keys))
+                skipped += actor_metrics.get("skipped_nonfinite", 0) + critic_metrics.get("skipped_nonfinite", 0)
+                check_skipped(cfg, skipped)
                 colo.vacate([job.actor_tenant], ["grads", "optimizer"], keep="params")
 
                 # 7. weight sync: engines take their memory back, the actor streams buckets
@@ -114,13 +136,33 @@ def run(job: Job) -> list[dict]:
             perf["perf/step_time"] = time.monotonic() - t_step
             log.dump_samples(step, samples)
             log.log(step, {**rollout_metrics(batch, samples),
+                           "rollout/engine_restarts": faults.engine_restarts,
+                           "rollout/scorer_restarts": faults.scorer_restarts,
+                           "train/skipped_updates_total": skipped,
                            **{f"train/{k}": v for k, v in actor_metrics.items()},
                            **{f"train/critic-{k}": v for k, v in critic_metrics.items()},
                            "rollout/weight_version": version, **perf})
-            _save_if_due(job, step)
+            save_if_due(job, step, data=data, version=version)
     finally:
         log.close()
     return log.history
+
+
+def recover(job: Job, role, dead_incarnation: int, version: int) -> None:
+    """Wait for a restarted engine or scorer; bring an engine to the current policy version."""
+    job.sup.wait_restarted(role.name, dead_incarnation)
+    if role.name.startswith("rollout-") and version > 0:
+        gpus = job.placement.engines[job.engines.index(role)]
+        job.actor.sync_weights([role], job.cfg.engine.update_weight_buffer_size, version, engine_gpus=[gpus])
+
+
+def check_skipped(cfg: PPOConfig, skipped: float) -> None:
+    limit = cfg.training.max_skipped_updates
+    if skipped > limit:
+        raise RuntimeError(
+            f"{int(skipped)} optimizer steps were skipped for a non-finite loss or gradient "
+            f"(--max-skipped-updates {limit}); the run stops rather than train on garbage. "
+            "Check the rewards and advantages in RUN_DIR/samples, or lower --lr")
 
 
 def sampling_params(cfg: PPOConfig, eos_id: int) -> SamplingParams:
@@ -168,15 +210,6 @@ def check_weights_equal(job: Job) -> None:
         if bad:
             raise RuntimeError(f"weight sync check failed: {engine.name} differs from the actor on "
                                f"{len(bad)} tensors, e.g. {bad[:5]}")
-
-
-def _save_if_due(job: Job, step: int) -> None:
-    c = job.cfg.checkpoint
-    if c.save is None or c.save_interval is None or (step + 1) % c.save_interval:
-        return
-    job.actor.save(f"{c.save}/rollout_{step:05d}")
-    if job.critic is not None:
-        job.critic.save(f"{C.critic_save(job.cfg)}/rollout_{step:05d}")
 
 
 def _load_tokenizer(path: str):

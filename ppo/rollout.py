@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass
+from typing import Callable
 
-from runtime import ActorHandle, as_completed
+from runtime import ActorDied, ActorHandle, wait_any
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -50,32 +51,92 @@ def split_evenly(items: list, num_parts: int) -> list[list]:
     return out
 
 
+@dataclass
+class RolloutFaults:
+    """Roles that died during a rollout and were replaced (the rollout itself lost nothing)."""
+
+    engine_restarts: int = 0
+    scorer_restarts: int = 0
+
+
 def generate_and_score(engines: list[ActorHandle], scorers: list[ActorHandle], prompts: list[dict],
-                       params: SamplingParams, step: int, decode, eos_id: int) -> list[dict]:
-    """Samples in request order: prompt, response ids/text/log-probs, reward and status."""
+                       params: SamplingParams, step: int, decode, eos_id: int,
+                       recover: Callable[[ActorHandle, int], None]) -> tuple[list[dict], RolloutFaults]:
+    """Samples in request order: prompt, response ids/text/log-probs, reward and status.
+
+    An engine or scorer that dies mid-call is replaced (`recover(handle, dead_incarnation)`
+    waits for the restarted incarnation and, for an engine, syncs it to the current policy), and its
+    unfinished work is issued again. Requests carry their own seeds, so a re-issued request
+    yields the sample it would have yielded the first time; results are keyed by request
+    id, so nothing is counted twice.
+    """
     requests = make_requests(prompts, params, step)
-    chunks = [c for c in split_evenly(requests, len(engines)) if c]
-    gen_futs = [engines[i].generate.call(chunk) for i, chunk in enumerate(chunks)]
-    samples: dict[int, dict] = {}
-    score_futs = []
+    chunks = split_evenly(requests, len(engines))
     n = params.n_samples_per_prompt
-    for k, fut in enumerate(as_completed(gen_futs)):
-        scored = []
-        for r in fut.result():
-            g = r["id"] // n
-            prompt = prompts[g]
-            ids = r["token_ids"]
-            text_ids = ids[:-1] if ids and ids[-1] == eos_id else ids
-            s = {"index": r["id"], "group_index": g, "prompt": prompt["prompt"],
-                 "prompt_ids": list(prompt["prompt_ids"]), "label": prompt.get("label"),
-                 "metadata": prompt.get("metadata") or {}, "response_ids": ids,
-                 "rollout_log_probs": r["logprobs"], "finish_reason": r["finish_reason"],
-                 "weight_version": r["weight_version"], "response": decode(text_ids)}
-            samples[r["id"]] = s
-            scored.append({key: s[key] for key in ("index", "group_index", "prompt", "response",
-                                                   "label", "metadata")})
-        score_futs.append(scorers[k % len(scorers)].score.call(scored))
-    for fut in score_futs:
-        for res in fut.result():
-            samples[res["index"]].update(reward=res["reward"], reward_status=res["status"])
-    return [samples[i] for i in range(len(requests))]
+    faults = RolloutFaults()
+
+    def call(role: ActorHandle, method: str, arg):
+        """Start a call; a role found dead (now or when its result is read) is replaced."""
+        while True:
+            try:
+                return getattr(role, method).call(arg)
+            except ActorDied as e:
+                replace(role, e)
+
+    def replace(role: ActorHandle, e: ActorDied) -> None:
+        if role in engines:
+            faults.engine_restarts += 1
+        else:
+            faults.scorer_restarts += 1
+        recover(role, e.incarnation)
+
+    samples: dict[int, dict] = {}
+    gen = {i: call(engines[i], "generate", chunk) for i, chunk in enumerate(chunks) if chunk}
+    score: dict[int, tuple[list[dict], object]] = {}  # scorer index -> (its samples, future)
+    next_scorer = 0
+    while gen or score:
+        wait_any([*gen.values(), *(f for _, f in score.values())])
+        for i, fut in list(gen.items()):
+            if not fut.done():
+                continue
+            del gen[i]
+            try:
+                results = fut.result()
+            except ActorDied as e:
+                replace(engines[i], e)
+                gen[i] = call(engines[i], "generate", chunks[i])
+                continue
+            scored = []
+            for r in results:
+                s = _sample(r, r["id"] // n, prompts[r["id"] // n], decode, eos_id)
+                samples[r["id"]] = s
+                scored.append({k: s[k] for k in ("index", "group_index", "prompt", "response", "label",
+                                                 "metadata")})
+            # one scoring call per engine result; spread over the scorers round robin
+            key = next_scorer
+            next_scorer += 1
+            score[key] = (scored, call(scorers[key % len(scorers)], "score", scored))
+        for key, (scored, fut) in list(score.items()):
+            if not fut.done():
+                continue
+            del score[key]
+            try:
+                results = fut.result()
+            except ActorDied as e:
+                scorer = scorers[key % len(scorers)]
+                replace(scorer, e)
+                score[key] = (scored, call(scorer, "score", scored))
+                continue
+            for res in results:
+                samples[res["index"]].update(reward=res["reward"], reward_status=res["status"])
+    return [samples[i] for i in range(len(requests))], faults
+
+
+def _sample(r: dict, group: int, prompt: dict, decode, eos_id: int) -> dict:
+    ids = r["token_ids"]
+    text_ids = ids[:-1] if ids and ids[-1] == eos_id else ids
+    return {"index": r["id"], "group_index": group,
+            "prompt": prompt["prompt"], "prompt_ids": list(prompt["prompt_ids"]), "label": prompt.get("label"),
+            "metadata": prompt.get("metadata") or {}, "response_ids": ids,
+            "rollout_log_probs": r["logprobs"], "finish_reason": r["finish_reason"],
+            "weight_version": r["weight_version"], "response": decode(text_ids)}

@@ -273,19 +273,15 @@ def gather(futures: Iterable[Future], timeout: float | None = None) -> list:
     return out
 
 
-def as_completed(futures: Iterable[Future], timeout: float | None = None):
-    """Yield futures as they finish (values or errors), pumping the caller while waiting."""
+def wait_any(futures: Iterable[Future], timeout: float | None = None) -> list[Future]:
+    """Block until at least one future is done (or the timeout passes); return the done ones."""
     pending = list(futures)
     until = None if timeout is None else time.monotonic() + timeout
-    while pending:
+    while True:
         done = [f for f in pending if f.done()]
-        for f in done:
-            pending.remove(f)
-            yield f
-        if pending and not done:
-            if until is not None and time.monotonic() > until:
-                raise CallTimeout(f"{len(pending)} calls still pending after {timeout} s")
-            pending[0]._caller._pump_or_wait(pending[0], 0.01)
+        if done or not pending or (until is not None and time.monotonic() >= until):
+            return done
+        pending[0]._caller._pump_or_wait(pending[0], 0.01)
 
 
 # -- handles ---------------------------------------------------------------------------

@@ -194,6 +194,24 @@ class Supervisor:
                 raise TimeoutError(f"actors not ready after {timeout} s: {', '.join(pending)}")
             time.sleep(0.01)
 
+    def wait_restarted(self, name: str, dead_incarnation: int, timeout: float = 300.0) -> int:
+        """Block until `name` runs a newer incarnation than `dead_incarnation` and is ready;
+        returns it. Raises SupervisionFailed if the supervisor gave up, ActorDied for a
+        `temporary` actor (never restarted)."""
+        until = time.monotonic() + timeout
+        while True:
+            self.check()
+            with self._lock:
+                child = self._children[name]
+                inc, state, policy = child.incarnation, child.state, child.spec.restart
+            if inc > dead_incarnation and state == "ready":
+                return inc
+            if policy == "temporary" and state == "dead":
+                raise ActorDied(name, inc, "a temporary actor is not restarted")
+            if time.monotonic() > until:
+                raise TimeoutError(f"{name} was not restarted within {timeout} s")
+            time.sleep(0.01)
+
     def kill(self, name: str, sig: int = signal.SIGKILL) -> None:
         with self._lock:
             proc = self._children[name].process

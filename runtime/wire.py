@@ -28,12 +28,28 @@ from runtime import shm
 ZERO_COPY_MIN_BYTES = 64 * 1024
 EXT_ARRAY = 1
 EXT_CODEC = 2  # registered object codecs (actor handles, ...)
+# Each nested object codec costs a recursive msgpack.unpackb whose C unpacker keeps its
+# parse stack on the C stack: 3,000 nested EXT_CODECs in a message of a few tens of KB
+# overflowed it and killed the process (segfault) before Python's recursion limit could
+# raise. Real codec states (actor handles) nest one or two levels.
+MAX_CODEC_DEPTH = 16
+# numpy's NPY_MAXDIMS; bounding the rank (and each dim below) keeps math.prod(shape) cheap:
+# a 0.9 MB header listing 100k dims of 2**62 made it a 36 s big-int product.
+MAX_DIMS = 64
+MAX_DIM = (1 << 63) - 1
 
 HEADER_KEYS = ("kind", "id", "src", "dst", "method", "inc", "deadline", "token", "bufs", "body")
 
 
 class WireError(ValueError):
     """A message that cannot be decoded: garbage, truncated, oversized, or lying about its sizes."""
+
+    def __init__(self, message: str):
+        # Messages quote what arrived, and actors publish them as `rejected` events: a header
+        # with a 100k-entry shape made a 2 MB event. Keep the start, which names the problem.
+        if len(message) > 400:
+            message = message[:400] + f"... ({len(message) - 400} more characters)"
+        super().__init__(message)
 
 
 # --- array codecs -----------------------------------------------------------------
@@ -179,13 +195,14 @@ def decode_header(cfg: WireConfig, frames: list) -> dict:
     """Parse and validate the header; the body stays packed until decode_body."""
     if not frames:
         raise WireError("empty message")
-    total = sum(len(_buf(f)) for f in frames)
+    # nbytes, not len: len() of a memoryview counts items, under-counting wide formats.
+    total = sum(_buf(f).nbytes for f in frames)
     if total > cfg.max_message_bytes:
         raise WireError(f"message of {total} bytes exceeds max_message_bytes={cfg.max_message_bytes}")
     try:
         hdr = msgpack.unpackb(_buf(frames[0]), raw=False, strict_map_key=False)
     except Exception as e:
-        raise WireError(f"header is not msgpack: {e}") from None
+        raise WireError(f"header is not msgpack: {type(e).__name__}: {e}") from None
     if not isinstance(hdr, dict) or any(k not in hdr for k in HEADER_KEYS):
         raise WireError("header lacks required keys")
     if not isinstance(hdr["bufs"], list) or not isinstance(hdr["body"], bytes):
@@ -195,7 +212,10 @@ def decode_header(cfg: WireConfig, frames: list) -> dict:
 
 def check_token(cfg: WireConfig, hdr: dict) -> bool:
     tok = hdr.get("token")
-    return isinstance(tok, str) and secrets.compare_digest(tok, cfg.token)
+    # Compare bytes: compare_digest raises TypeError on non-ASCII str, and a forged token
+    # like "é" escaped _handle and killed the receiving actor.
+    return isinstance(tok, str) and secrets.compare_digest(tok.encode("utf-8", "surrogatepass"),
+                                                           cfg.token.encode())
 
 
 def decode_body(cfg: WireConfig, hdr: dict, frames: list, context: Any = None) -> Any:
@@ -219,6 +239,7 @@ class _ExtDecoder:
 
     def __init__(self, arrays: list, context: Any):
         self.arrays, self.context = arrays, context
+        self.depth = 0  # object codecs being decoded, one inside the other
 
     def __call__(self, code: int, data: bytes):
         if code == EXT_ARRAY:
@@ -227,7 +248,13 @@ class _ExtDecoder:
                 raise WireError(f"array reference {idx!r} out of range")
             return self.arrays[idx]
         if code == EXT_CODEC:
-            tag, state = msgpack.unpackb(data, ext_hook=self, raw=False, strict_map_key=False)
+            if self.depth >= MAX_CODEC_DEPTH:
+                raise WireError(f"object codecs nested more than {MAX_CODEC_DEPTH} deep")
+            self.depth += 1
+            try:
+                tag, state = msgpack.unpackb(data, ext_hook=self, raw=False, strict_map_key=False)
+            finally:
+                self.depth -= 1
             if tag not in _object_codecs:
                 raise WireError(f"unknown object codec {tag!r}")
             return _object_codecs[tag].from_state(state, self.context)
@@ -247,7 +274,8 @@ def _decode_buf(cfg: WireConfig, spec, frames: list):
     if not (isinstance(spec, list) and len(spec) == 5):
         raise WireError(f"malformed buffer spec {spec!r}")
     lib, dtype, shape, where, nbytes = spec
-    if not (isinstance(shape, list) and all(isinstance(d, int) and d >= 0 for d in shape)):
+    if not (isinstance(shape, list) and len(shape) <= MAX_DIMS
+            and all(isinstance(d, int) and 0 <= d <= MAX_DIM for d in shape)):
         raise WireError(f"malformed shape {shape!r}")
     if not isinstance(nbytes, int) or not 0 <= nbytes <= cfg.max_message_bytes:
         raise WireError(f"declared size {nbytes!r} is out of range (max_message_bytes={cfg.max_message_bytes})")
@@ -261,7 +289,7 @@ def _decode_buf(cfg: WireConfig, spec, frames: list):
           and isinstance(where[1], bool) and cfg._reader is not None):
         try:
             buf = cfg._reader.read(where[0], nbytes, where[1])
-        except shm.ShmError as e:
+        except (shm.ShmError, OSError, ValueError) as e:  # also names with NUL or too long for the OS
             raise WireError(str(e)) from None
     else:
         raise WireError(f"malformed buffer location {where!r}")
@@ -269,12 +297,17 @@ def _decode_buf(cfg: WireConfig, spec, frames: list):
     if lib == "numpy":
         try:
             dt = np.dtype(dtype)
-        except TypeError:
+        except Exception:  # not only TypeError: np.dtype("f4,,") raises SyntaxError
             raise WireError(f"unknown numpy dtype {dtype!r}") from None
         if dt.hasobject or dt.kind in "OUSVMm":
             raise WireError(f"dtype {dtype!r} is not allowed on the wire")
         _check_size(shape, dtype, count * dt.itemsize, nbytes)
-        return np.frombuffer(buf, dtype=dt).reshape(shape) if nbytes else np.empty(shape, dtype=dt)
+        if nbytes:
+            return np.frombuffer(buf, dtype=dt).reshape(shape)
+        try:  # empty, yet numpy refuses shapes like [2**40, 0, 2**40] ("array is too big")
+            return np.empty(shape, dtype=dt)
+        except ValueError as e:
+            raise WireError(f"shape {shape} of {dtype}: {e}") from None
     if lib == "torch":
         import torch
 

@@ -66,7 +66,7 @@ class CheckpointConfig:
     save_interval: int | None = knob(None, "save every N rollouts", ge=1)
     save_hf: str | None = knob(None, "also save HF weights to this path "
                                "('{rollout_id}' is filled in)")
-    critic_load: str | None = knob(None, "critic checkpoint to start from; falls back to --load")
+    critic_load: str | None = knob(None, "critic checkpoint dir to resume from; falls back to --load + '_critic'")
     critic_save: str | None = knob(None, "critic checkpoint dir; falls back to --save + '_critic'")
 
 
@@ -149,6 +149,9 @@ class TrainingConfig:
     use_dynamic_batch_size: bool = knob(False, "pack micro batches up to --max-tokens-per-gpu")
     max_tokens_per_gpu: int | None = knob(None, "token budget per micro batch and GPU", ge=1)
     seed: int = knob(1234, "seed of model init and training")
+    max_skipped_updates: int = knob(
+        10, "stop the run when more optimizer steps than this were skipped for a non-finite "
+        "loss or gradient (each skip leaves the weights untouched)", ge=0)
 
 
 @dataclass(frozen=True, kw_only=True)

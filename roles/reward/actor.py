@@ -22,10 +22,17 @@ class RewardScorer(Actor):
     ):
         self._scorer = Scorer(rm_type, custom_rm_path, timeout_s, group_rm, num_workers)
 
+    lifecycle = {"starting": frozenset({"ready"}), "ready": frozenset({"scoring"}),
+                 "scoring": frozenset({"ready"})}
+
     @endpoint
     def score(self, samples: list[dict]) -> list[dict]:
         """Per sample ``{"index", "reward", "status": "ok"|"error"|"timeout", "error"}``."""
-        return self._scorer.score(samples)
+        self.set_state("scoring", num_samples=len(samples))
+        try:
+            return self._scorer.score(samples)
+        finally:
+            self.set_state("ready")
 
     @endpoint
     def stats(self) -> dict:

@@ -61,7 +61,9 @@ class RolloutEngine(Actor):
     lifecycle = {
         "starting": frozenset({"ready"}),
         **{s: frozenset(_MEMORY_STATES) - {s} for s in _MEMORY_STATES},
+        "generating": frozenset({"ready"}),
     }
+    lifecycle["ready"] = lifecycle["ready"] | {"generating"}
 
     def __init__(
         self,
@@ -127,7 +129,11 @@ class RolloutEngine(Actor):
         parsed = parse_requests(requests, vocab_size=self._vocab_size, max_positions=self._max_positions)
         seeds = [request_seed(self.seed, self.engine_index, self._num_generate_calls, r) for r in parsed]
         self._num_generate_calls += 1
-        results = self._backend.generate(parsed, seeds)
+        self.set_state("generating", num_requests=len(parsed))
+        try:
+            results = self._backend.generate(parsed, seeds)
+        finally:
+            self.set_state("ready")
         for result in results:
             result["weight_version"] = self._weight_version
         return results

@@ -1,0 +1,122 @@
+"""Faults during PPO, injected into real role processes: nothing is lost, or the run stops
+with a message that says what happened and how to resume."""
+
+import json
+import threading
+import time
+
+import pytest
+
+from ppo.config.serialize import override
+from ppo.config.validate import ensure_valid
+from ppo.job import start_job
+from ppo.loop import TrainerDied, run, train
+from ppo.recipes import tiny_ppo
+from runtime.events import read_events
+
+pytestmark = pytest.mark.timeout(300)
+
+
+def tiny(tmp_path, **values):
+    return ensure_valid(override(tiny_ppo(), run_dir=str(tmp_path / "run"), **values))
+
+
+class Injector(threading.Thread):
+    """Kills `victim` the first time `trigger(event)` holds, from the run's event log."""
+
+    def __init__(self, job, victim: str, trigger):
+        super().__init__(daemon=True)
+        self.job, self.victim, self.trigger = job, victim, trigger
+        self.killed_at: float | None = None
+        self.stop = False
+
+    def run(self):
+        seen = 0
+        while not self.stop and self.killed_at is None:
+            events = read_events(self.job.run_dir)
+            for e in events[seen:]:
+                if self.trigger(e):
+                    self.job.sup.kill(self.victim)
+                    self.killed_at = time.time()
+                    return
+            seen = len(events)
+            time.sleep(0.005)
+
+
+def after_first_rollout(role, state):
+    """The trigger: `role` enters `state` once rollout 0 has been logged."""
+    logged = []
+
+    def trigger(e):
+        if e["event"] == "metrics":
+            logged.append(e)
+        return bool(logged) and e["event"] == "state" and e["role"] == role and e["new"] == state
+    return trigger
+
+
+def run_with_fault(tmp_path, victim, trigger, **values):
+    job = start_job(tiny(tmp_path, **values))
+    inj = Injector(job, victim, trigger)
+    inj.start()
+    try:
+        history = run(job)
+    finally:
+        inj.stop = True
+        job.close()
+    assert inj.killed_at is not None, "the fault was never injected"
+    return history, inj
+
+
+def assert_full_batches(tmp_path, cfg_values, num_rollout):
+    n = cfg_values["rollout_batch_size"] * tiny_ppo().rollout.n_samples_per_prompt
+    for step in range(num_rollout):
+        rows = [json.loads(x) for x in (tmp_path / "run" / "samples" / f"rollout_{step:05d}.jsonl")
+                .read_text().splitlines()]
+        assert sorted(r["index"] for r in rows) == list(range(n))  # every sample, none twice
+        assert all(r["reward_status"] == "ok" for r in rows)
+
+
+def test_engine_killed_mid_generation_is_replaced_resynced_and_its_prompts_reissued(tmp_path):
+    values = dict(num_rollout=4, rollout_batch_size=32, check_weight_update_equal=True)
+    history, inj = run_with_fault(tmp_path, "rollout-0", after_first_rollout("rollout-0", "generating"), **values)
+    assert sum(h["rollout/engine_restarts"] for h in history) == 1
+    events = read_events(tmp_path / "run")
+    died = next(e for e in events if e["event"] == "died" and e["role"] == "rollout-0")
+    assert died["ts"] - inj.killed_at < 1.0  # detected within a second
+    assert any(e["event"] == "restarted" and e["role"] == "rollout-0" for e in events)
+    assert_full_batches(tmp_path, values, 4)
+    # the replacement generated with the current policy: engine and trainer log-probs agree
+    assert all(h["rollout/log_probs_diff"] < 1e-4 for h in history)
+
+
+def test_reward_scorer_killed_is_replaced_and_its_samples_rescored_once(tmp_path):
+    values = dict(num_rollout=3, rollout_batch_size=64)
+    history, _ = run_with_fault(tmp_path, "reward-0", after_first_rollout("reward-0", "scoring"), **values)
+    assert sum(h["rollout/scorer_restarts"] for h in history) >= 1
+    assert_full_batches(tmp_path, values, 3)
+
+
+def test_trainer_killed_stops_the_run_naming_the_role_and_how_to_resume(tmp_path):
+    cfg = tiny(tmp_path, num_rollout=5, rollout_batch_size=16, save=str(tmp_path / "ckpt"), save_interval=1)
+    job_holder = {}
+
+    import ppo.loop as loop
+    real_start = loop.start_job
+
+    def start_and_arm(c):
+        job = job_holder["job"] = real_start(c)
+        Injector(job, "actor", after_first_rollout("actor", "training")).start()
+        return job
+
+    loop.start_job = start_and_arm
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(TrainerDied) as info:
+            train(cfg)
+    finally:
+        loop.start_job = real_start
+    msg = str(info.value)
+    assert "the actor trainer died (killed by SIGKILL)" in msg
+    assert f"--load {tmp_path / 'ckpt'}" in msg
+    assert time.monotonic() - t0 < 120
+    assert job_holder["job"].sup._closed  # everything was shut down
