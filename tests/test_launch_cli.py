@@ -74,6 +74,7 @@ def test_without_dry_run_the_config_goes_to_ppo_loop_train(monkeypatch):
     received = []
     loop = types.ModuleType("ppo.loop")
     loop.train = received.append
+    loop.TrainerDied = RuntimeError
     monkeypatch.setitem(sys.modules, "ppo.loop", loop)
     launch.main([])
     assert received == [override(tiny_ppo(), run_dir=received[0].logging.run_dir)]
