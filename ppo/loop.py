@@ -40,14 +40,6 @@ def train(cfg: PPOConfig) -> list[dict]:
     job = start_job(cfg)
     try:
         return run(job)
-    except ActorDied as e:
-        if e.role not in ("actor", "critic"):
-            raise
-        save = cfg.checkpoint.save
-        resume = (f"resume from the last checkpoint with --load {save}" if save
-                  else "no checkpoint was being written (--save unset): the run must start over")
-        raise TrainerDied(f"the {e.role} trainer died ({e.reason}); the run stopped. "
-                          f"Error file: {e.error_file or 'none (killed without a traceback)'}; {resume}") from e
     finally:
         job.close()
 
@@ -59,7 +51,8 @@ def run(job: Job) -> list[dict]:
     data = PromptDataset(job.prompt_data, input_key=cfg.rollout.input_key, label_key=cfg.rollout.label_key,
                          tokenizer=tok, apply_chat_template=cfg.rollout.apply_chat_template,
                          max_prompt_len=cfg.rollout.rollout_max_prompt_len, seed=cfg.rollout.rollout_seed,
-                         shuffle=cfg.rollout.rollout_shuffle)
+                         shuffle=cfg.rollout.rollout_shuffle, skip_bad_samples=cfg.rollout.skip_bad_samples)
+    skipped_samples = data.num_skipped  # lines of --prompt-data left out; logged as rollout/skipped_samples
     sampling = sampling_params(cfg, tok.eos_token_id)
     # --load: trainers, data position, driver RNG and the engines' weights as the checkpoint left them
     start = resume(job, data) if cfg.checkpoint.load is not None else ResumePoint(step=0, version=0)
@@ -137,12 +130,21 @@ def run(job: Job) -> list[dict]:
             log.dump_samples(step, samples)
             log.log(step, {**rollout_metrics(batch, samples),
                            "rollout/engine_restarts": faults.engine_restarts,
+                           "rollout/skipped_samples": skipped_samples,
                            "rollout/scorer_restarts": faults.scorer_restarts,
                            "train/skipped_updates_total": skipped,
                            **{f"train/{k}": v for k, v in actor_metrics.items()},
                            **{f"train/critic-{k}": v for k, v in critic_metrics.items()},
                            "rollout/weight_version": version, **perf})
             save_if_due(job, step, data=data, version=version)
+    except ActorDied as e:
+        if e.role not in ("actor", "critic"):
+            raise
+        save = cfg.checkpoint.save
+        resume = (f"resume from the last checkpoint with --load {save}" if save
+                  else "no checkpoint was being written (--save unset): the run must start over")
+        raise TrainerDied(f"the {e.role} trainer died ({e.reason}); the run stopped. "
+                          f"Error file: {e.error_file or 'none (killed without a traceback)'}; {resume}") from e
     finally:
         log.close()
     return log.history

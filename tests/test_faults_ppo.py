@@ -2,11 +2,11 @@
 with a message that says what happened and how to resume."""
 
 import json
-import threading
 import time
 
 import pytest
 
+from bench.faults import Injector, after_first_rollout
 from ppo.config.serialize import override
 from ppo.config.validate import ensure_valid
 from ppo.job import start_job
@@ -21,39 +21,6 @@ def tiny(tmp_path, **values):
     return ensure_valid(override(tiny_ppo(), run_dir=str(tmp_path / "run"), **values))
 
 
-class Injector(threading.Thread):
-    """Kills `victim` the first time `trigger(event)` holds, from the run's event log."""
-
-    def __init__(self, job, victim: str, trigger):
-        super().__init__(daemon=True)
-        self.job, self.victim, self.trigger = job, victim, trigger
-        self.killed_at: float | None = None
-        self.stop = False
-
-    def run(self):
-        seen = 0
-        while not self.stop and self.killed_at is None:
-            events = read_events(self.job.run_dir)
-            for e in events[seen:]:
-                if self.trigger(e):
-                    self.job.sup.kill(self.victim)
-                    self.killed_at = time.time()
-                    return
-            seen = len(events)
-            time.sleep(0.005)
-
-
-def after_first_rollout(role, state):
-    """The trigger: `role` enters `state` once rollout 0 has been logged."""
-    logged = []
-
-    def trigger(e):
-        if e["event"] == "metrics":
-            logged.append(e)
-        return bool(logged) and e["event"] == "state" and e["role"] == role and e["new"] == state
-    return trigger
-
-
 def run_with_fault(tmp_path, victim, trigger, **values):
     job = start_job(tiny(tmp_path, **values))
     inj = Injector(job, victim, trigger)
@@ -63,7 +30,7 @@ def run_with_fault(tmp_path, victim, trigger, **values):
     finally:
         inj.stop = True
         job.close()
-    assert inj.killed_at is not None, "the fault was never injected"
+    assert inj.fired_at, "the fault was never injected"
     return history, inj
 
 
@@ -82,7 +49,7 @@ def test_engine_killed_mid_generation_is_replaced_resynced_and_its_prompts_reiss
     assert sum(h["rollout/engine_restarts"] for h in history) == 1
     events = read_events(tmp_path / "run")
     died = next(e for e in events if e["event"] == "died" and e["role"] == "rollout-0")
-    assert died["ts"] - inj.killed_at < 1.0  # detected within a second
+    assert died["ts"] - inj.fired_at[0] < 1.0  # detected within a second
     assert any(e["event"] == "restarted" and e["role"] == "rollout-0" for e in events)
     assert_full_batches(tmp_path, values, 4)
     # the replacement generated with the current policy: engine and trainer log-probs agree
