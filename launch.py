@@ -26,11 +26,15 @@ def main(argv: list[str] | None = None) -> None:
         print(json.dumps({"config": to_dict(cfg), "derived": derived_values(cfg)}, indent=2))
         print(format_placement(plan_placement(cfg)))
         return
-    from ppo.loop import TrainerDied, train  # imported late: it pulls in torch and the roles
+    from ppo.job import JobSetupError  # imported late: they pull in torch and the roles
+    from ppo.loop import TrainerDied, train
     from runtime import SupervisionFailed
 
     try:
         train(cfg)
+    except JobSetupError as err:  # bad --prompt-data or --load: nothing was started
+        print(f"tandem: {err}", file=sys.stderr)
+        sys.exit(2)
     except (TrainerDied, SupervisionFailed) as err:  # the message says what died and what to do
         print(f"tandem: {err}", file=sys.stderr)
         sys.exit(1)

@@ -157,7 +157,7 @@ class PromptDataset:
                     samples.append(self._parse(raw))
                 except BadSample as e:
                     if not skip_bad_samples:
-                        hint = "pass skip_bad_samples=True to skip such lines"
+                        hint = "fix the line, or pass --skip-bad-samples (skip_bad_samples=True) to skip such lines"
                         raise BadSample(f"{self.path}:{line_number}: {e} ({hint})") from None
                     self.skipped.append((line_number, str(e)))
         return samples

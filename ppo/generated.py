@@ -30,24 +30,29 @@ WARM_START_STEPS = 100  # enough for P(digit first) > 0.99 while each digit stay
 def resolve_paths(cfg: PPOConfig, run_dir: Path) -> tuple[str, str]:
     """(hf_checkpoint dir, prompt jsonl) for the run, generating them when asked."""
     data = cfg.rollout.prompt_data
+    task_prompts = None
     if data.startswith(GENERATED_PREFIX):
         task = data.removeprefix(GENERATED_PREFIX)
         data = TASKS[task].write(run_dir / "data" / f"{task}.jsonl", num_prompts=NUM_TASK_PROMPTS,
                                  seed=cfg.rollout.rollout_seed)
+        task_prompts = [json.loads(line)["prompt"] for line in Path(data).read_text().splitlines()]
     ckpt = cfg.checkpoint.hf_checkpoint
     if ckpt.startswith(GENERATED_PREFIX):
         ckpt = str(run_dir / "model" / ckpt.removeprefix(GENERATED_PREFIX))
         if not (Path(ckpt) / "config.json").exists():
-            _build_tiny_model(ckpt, data, seed=cfg.training.seed)
+            # the format is taught on the generated task's prompts; with a user's prompt file,
+            # on prompts of the arithmetic task's shape (its lines are read by the loop, which
+            # reports bad ones by file and line)
+            prompts = task_prompts or [f"{a}+{b}=" for a in range(5) for b in range(5)]
+            _build_tiny_model(ckpt, prompts, seed=cfg.training.seed)
     return ckpt, data
 
 
-def _build_tiny_model(path: str, prompt_file: str, *, seed: int) -> None:
+def _build_tiny_model(path: str, prompts: list[str], *, seed: int) -> None:
     from ppo.tiny_model import build_tiny_checkpoint, load_causal_lm, load_tokenizer
 
     build_tiny_checkpoint(path, seed=seed)
     model, tok = load_causal_lm(path, "float32"), load_tokenizer(path)
-    prompts = [json.loads(line)["prompt"] for line in Path(prompt_file).read_text().splitlines()]
     _teach_answer_format(model, tok, prompts, seed=seed)
     model.save_pretrained(path, safe_serialization=True)
 

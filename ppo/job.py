@@ -13,11 +13,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import transformers
+from transformers import AutoTokenizer
 
 from ppo import config as C
 from ppo.colocation import Colocation, Tenant, engine_tenant, trainer_tenant
 from ppo.config import PPOConfig
 from ppo.config.serialize import to_dict
+from ppo.data import PromptDataset
 from ppo.generated import resolve_paths
 from ppo.placement import Placement, plan_placement
 from roles.reward.actor import RewardScorer
@@ -33,12 +35,17 @@ ROLE_ENV = {"TOKENIZERS_PARALLELISM": "false", "TRANSFORMERS_VERBOSITY": "error"
             "HF_HUB_DISABLE_PROGRESS_BARS": "1", "OMP_NUM_THREADS": "1"}
 
 
+class JobSetupError(ValueError):
+    """The job's inputs (prompt data, the --load checkpoint) are unusable; nothing was started."""
+
+
 @dataclass
 class Job:
     cfg: PPOConfig
     run_dir: Path
     hf_checkpoint: str
-    prompt_data: str
+    tok: object  # the model's tokenizer (prompts in, responses out)
+    data: PromptDataset
     sup: Supervisor
     placement: Placement
     engines: list[ActorHandle]
@@ -93,6 +100,20 @@ def start_job(cfg: PPOConfig) -> Job:
     transformers.logging.set_verbosity_error()  # the driver loads tokenizers and builds tiny models too
     transformers.logging.disable_progress_bar()
     hf_checkpoint, prompt_data = resolve_paths(cfg, run_dir)
+    # Bad prompt data and a damaged --load checkpoint fail here, before any role starts.
+    tok = AutoTokenizer.from_pretrained(hf_checkpoint)
+    try:
+        data = PromptDataset(prompt_data, input_key=cfg.rollout.input_key, label_key=cfg.rollout.label_key,
+                             tokenizer=tok, apply_chat_template=cfg.rollout.apply_chat_template,
+                             max_prompt_len=cfg.rollout.rollout_max_prompt_len, seed=cfg.rollout.rollout_seed,
+                             shuffle=cfg.rollout.rollout_shuffle, skip_bad_samples=cfg.rollout.skip_bad_samples)
+        if cfg.checkpoint.load is not None:
+            from ppo.checkpoint import locate  # it builds on this module
+
+            locate(cfg.checkpoint.load, critic_load=C.critic_load(cfg), uses_critic=C.uses_critic(cfg),
+                   hf_checkpoint=hf_checkpoint)
+    except (ValueError, FileNotFoundError) as e:  # BadSample and CheckpointError are ValueErrors
+        raise JobSetupError(str(e)) from e
     plan = plan_placement(cfg)
     dtype = "float32" if cfg.placement.fake_gpus else "bfloat16"
     num_gpus = plan.num_gpus_per_node * plan.num_nodes
@@ -129,7 +150,7 @@ def start_job(cfg: PPOConfig) -> Job:
     except BaseException:
         sup.shutdown()
         raise
-    return Job(cfg=cfg, run_dir=run_dir, hf_checkpoint=hf_checkpoint, prompt_data=prompt_data, sup=sup,
+    return Job(cfg=cfg, run_dir=run_dir, hf_checkpoint=hf_checkpoint, tok=tok, data=data, sup=sup,
                placement=plan, engines=engines, engine_tenants=engine_tenants, actor=actor,
                actor_tenant=trainer_tenant(actor, tuple(plan.actor_gpus)), critic=critic,
                critic_tenant=trainer_tenant(critic, tuple(plan.critic_gpus)) if critic else None,

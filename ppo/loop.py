@@ -18,13 +18,12 @@ import time
 
 import torch
 
+from ppo import checkpoint
 from ppo import config as C
 from ppo.algorithms import compute_advantages, kl_estimate, masked_whiten, token_level_rewards
 from ppo.batch import build_batch, select
-from ppo.checkpoint import ResumePoint, resume, save_if_due
 from ppo.config import PPOConfig
 from ppo.config.serialize import to_dict
-from ppo.data import PromptDataset
 from ppo.job import Job, start_job
 from ppo.logger import RunLogger
 from ppo.rollout import SamplingParams, generate_and_score
@@ -47,15 +46,12 @@ def train(cfg: PPOConfig) -> list[dict]:
 def run(job: Job) -> list[dict]:
     cfg, colo = job.cfg, job.colocation
     actor, critic, engines = job.actor, job.critic, job.engines
-    tok = _load_tokenizer(job.hf_checkpoint)
-    data = PromptDataset(job.prompt_data, input_key=cfg.rollout.input_key, label_key=cfg.rollout.label_key,
-                         tokenizer=tok, apply_chat_template=cfg.rollout.apply_chat_template,
-                         max_prompt_len=cfg.rollout.rollout_max_prompt_len, seed=cfg.rollout.rollout_seed,
-                         shuffle=cfg.rollout.rollout_shuffle, skip_bad_samples=cfg.rollout.skip_bad_samples)
+    tok, data = job.tok, job.data
     skipped_samples = data.num_skipped  # lines of --prompt-data left out; logged as rollout/skipped_samples
     sampling = sampling_params(cfg, tok.eos_token_id)
     # --load: trainers, data position, driver RNG and the engines' weights as the checkpoint left them
-    start = resume(job, data) if cfg.checkpoint.load is not None else ResumePoint(step=0, version=0)
+    start = (checkpoint.resume(job, data) if cfg.checkpoint.load is not None
+             else checkpoint.ResumePoint(step=0, version=0))
     if start.step and cfg.engine.check_weight_update_equal:
         check_weights_equal(job)
     log = RunLogger(job.run_dir, num_rollout=cfg.rollout.num_rollout, publish=job.sup.publish,
@@ -99,6 +95,7 @@ def run(job: Job) -> list[dict]:
                     critic.onload(["optimizer"])
                     critic_metrics = critic.train(dict(select(batch, "returns"), old_values=batch["values"]))
                 colo.vacate([job.critic_tenant], ["params", "grads", "optimizer"])
+                skipped = check_skipped(cfg, skipped + critic_metrics["skipped_nonfinite"])
 
             # 6. actor update, unless the critic is still warming up
             actor_metrics = {}
@@ -107,8 +104,7 @@ def run(job: Job) -> list[dict]:
                 with _timed(perf, "perf/train_time"):
                     keys = ("old_log_probs", "advantages") + (("ref_log_probs",) if "ref_log_probs" in batch else ())
                     actor_metrics = actor.train(select(batch, *keys))
-                skipped += actor_metrics.get("skipped_nonfinite", 0) + critic_metrics.get("skipped_nonfinite", 0)
-                check_skipped(cfg, skipped)
+                skipped = check_skipped(cfg, skipped + actor_metrics["skipped_nonfinite"])
                 colo.vacate([job.actor_tenant], ["grads", "optimizer"], keep="params")
 
                 # 7. weight sync: engines take their memory back, the actor streams buckets
@@ -136,7 +132,7 @@ def run(job: Job) -> list[dict]:
                            **{f"train/{k}": v for k, v in actor_metrics.items()},
                            **{f"train/critic-{k}": v for k, v in critic_metrics.items()},
                            "rollout/weight_version": version, **perf})
-            save_if_due(job, step, data=data, version=version)
+            checkpoint.save_if_due(job, step, data=data, version=version)
     except ActorDied as e:
         if e.role not in ("actor", "critic"):
             raise
@@ -158,13 +154,15 @@ def recover(job: Job, role, dead_incarnation: int, version: int) -> None:
         job.actor.sync_weights([role], job.cfg.engine.update_weight_buffer_size, version, engine_gpus=[gpus])
 
 
-def check_skipped(cfg: PPOConfig, skipped: float) -> None:
+def check_skipped(cfg: PPOConfig, skipped: float) -> float:
+    """The run's count of skipped optimizer steps, or an error once it passes the limit."""
     limit = cfg.training.max_skipped_updates
     if skipped > limit:
         raise RuntimeError(
             f"{int(skipped)} optimizer steps were skipped for a non-finite loss or gradient "
             f"(--max-skipped-updates {limit}); the run stops rather than train on garbage. "
             "Check the rewards and advantages in RUN_DIR/samples, or lower --lr")
+    return skipped
 
 
 def sampling_params(cfg: PPOConfig, eos_id: int) -> SamplingParams:
@@ -212,11 +210,6 @@ def check_weights_equal(job: Job) -> None:
         if bad:
             raise RuntimeError(f"weight sync check failed: {engine.name} differs from the actor on "
                                f"{len(bad)} tensors, e.g. {bad[:5]}")
-
-
-def _load_tokenizer(path: str):
-    from transformers import AutoTokenizer
-    return AutoTokenizer.from_pretrained(path)
 
 
 class _timed:

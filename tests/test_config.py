@@ -124,9 +124,9 @@ def test_critic_optimizer_falls_back_to_the_actor():
     assert actor_optimizer(cfg).lr == 3e-4 and cfg.optimizer.critic_lr == 1e-2  # nothing rewritten
 
 
-def test_critic_checkpoint_paths_fall_back_like_miles():
+def test_critic_checkpoint_paths_fall_back_to_siblings_never_the_actors_folder():
     cfg = override(tiny_ppo(), load="ck/actor", save="ck/run/")
-    assert critic_load(cfg) == "ck/actor"
+    assert critic_load(cfg) == "ck/actor_critic"
     assert critic_save(cfg) == "ck/run_critic"
     cfg = override(cfg, critic_load="c/in", critic_save="c/out")
     assert (critic_load(cfg), critic_save(cfg)) == ("c/in", "c/out")

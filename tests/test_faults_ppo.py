@@ -87,3 +87,11 @@ def test_trainer_killed_stops_the_run_naming_the_role_and_how_to_resume(tmp_path
     assert f"--load {tmp_path / 'ckpt'}" in msg
     assert time.monotonic() - t0 < 120
     assert job_holder["job"].sup._closed  # everything was shut down
+
+
+def test_skipped_updates_past_the_limit_stop_the_run_with_a_hint():
+    from ppo.loop import check_skipped
+    cfg = override(tiny_ppo(), max_skipped_updates=2)
+    assert check_skipped(cfg, 2) == 2
+    with pytest.raises(RuntimeError, match=r"3 optimizer steps were skipped .*--max-skipped-updates 2"):
+        check_skipped(cfg, 3)

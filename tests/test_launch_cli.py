@@ -75,6 +75,9 @@ def test_without_dry_run_the_config_goes_to_ppo_loop_train(monkeypatch):
     loop = types.ModuleType("ppo.loop")
     loop.train = received.append
     loop.TrainerDied = RuntimeError
+    job = types.ModuleType("ppo.job")
+    job.JobSetupError = ValueError
+    monkeypatch.setitem(sys.modules, "ppo.job", job)
     monkeypatch.setitem(sys.modules, "ppo.loop", loop)
     launch.main([])
     assert received == [override(tiny_ppo(), run_dir=received[0].logging.run_dir)]

@@ -64,8 +64,12 @@ def critic_optimizer(cfg: PPOConfig) -> OptimizerSettings:
 
 
 def critic_load(cfg: PPOConfig) -> str | None:
+    """The critic's sibling of --load, as critic_save is of --save. Never --load itself: in
+    miles the critic falls back to --load and so loads the actor's checkpoint."""
     c = cfg.checkpoint
-    return c.load if c.critic_load is None else c.critic_load
+    if c.critic_load is not None or c.load is None:
+        return c.critic_load
+    return c.load.rstrip("/") + "_critic"
 
 
 def critic_save(cfg: PPOConfig) -> str | None:

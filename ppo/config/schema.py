@@ -80,6 +80,9 @@ class RolloutConfig:
     rollout_batch_size: int | None = knob(None, "prompts per rollout. Required.", ge=1)
     n_samples_per_prompt: int = knob(1, "responses sampled per prompt", ge=1)
     rollout_max_prompt_len: int | None = knob(None, "drop prompts longer than this", ge=1)
+    skip_bad_samples: bool = knob(False, "skip unusable prompt lines (malformed, empty, too long) "
+                                  "and count them as rollout/skipped_samples, instead of failing "
+                                  "on the first with its file:line")
     rollout_max_response_len: int | None = knob(None, "max new tokens per response", ge=1)
     rollout_temperature: float = knob(1.0, ge=0.0)
     rollout_top_p: float = knob(1.0, gt=0.0, le=1.0)

@@ -10,6 +10,7 @@ targets, so reward-level KL (--kl-coef) is allowed with --advantage-estimator pp
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from typing import Any
 
@@ -309,9 +310,17 @@ def _batches(cfg: PPOConfig) -> list[str]:
 
 def _outputs(cfg: PPOConfig) -> list[str]:
     out = []
-    if cfg.checkpoint.save_interval is not None and cfg.checkpoint.save is None:
+    c = cfg.checkpoint
+    if c.save_interval is not None and c.save is None:
         out.append("--save-interval is set but --save (checkpoint.save) is not. "
                    "Please add --save PATH")
+    # One folder for both trainers would have each overwrite (or load) the other's weights.
+    for flag, actor_dir, critic_dir in (("save", c.save, d.critic_save(cfg)), ("load", c.load, d.critic_load(cfg))):
+        if (d.uses_critic(cfg) and actor_dir is not None and critic_dir is not None
+                and os.path.normpath(actor_dir) == os.path.normpath(critic_dir)):
+            out.append(f"--critic-{flag} (checkpoint.critic_{flag}) is {critic_dir!r}, the actor's --{flag} folder; "
+                       f"the critic's checkpoints need a folder of their own. Please remove --critic-{flag} "
+                       f"(it defaults to --{flag} + '_critic') or choose another folder")
     if cfg.logging.use_wandb and cfg.logging.wandb_project is None:
         out.append("--use-wandb is set but --wandb-project (logging.wandb_project) is not. "
                    "Please add --wandb-project NAME")

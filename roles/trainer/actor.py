@@ -11,6 +11,7 @@ import torch
 from ppo.algorithms import aggregate, kl_estimate, policy_loss
 from roles.device import DeviceMemory
 from roles.trainer.batching import ACTOR_TRAIN_KEYS, MicroBatch
+from roles.trainer.checkpoint import save_hf_checkpoint
 from roles.trainer.config import TrainerConfig
 from roles.trainer.core import TrainCore, token_share
 from roles.trainer.model import load_policy, policy_log_probs
@@ -168,4 +169,13 @@ class ActorTrainer(TrainerRole):
 
     @endpoint
     def load(self, path: str) -> dict:
+        """Weights, optimizer state, step and RNG state from a `save` directory."""
         return self._core.load(path, dict(self.model.named_parameters()))
+
+    @endpoint
+    def save_hf(self, path: str) -> dict:
+        """An HF checkpoint of the policy (what the engines run: HF names, compute dtype) with
+        the config and tokenizer of the checkpoint it started from, written atomically."""
+        start = time.monotonic()
+        save_hf_checkpoint(path, weights=dict(self.named_weights()), source=self.config.hf_checkpoint)
+        return {"path": path, "seconds": time.monotonic() - start}

@@ -2,11 +2,16 @@
 
     model.safetensors   master weights by name (HF names for the actor)
     optimizer.pt        torch optimizer state_dict (AdamW moments, step counts, lr groups)
-    trainer_state.json  {"step": optimizer steps taken}
+    trainer_state.json  {"step": optimizer steps taken, "rng": the process's RNG state}
+
+The LR schedule is a function of the step (roles.trainer.optim), so the step is its state.
 
 A reader never sees a half-written directory under the final name. A crash while saving
 leaves a `.tmp-*` sibling to delete, and the previous checkpoint under its name or, if the
-crash falls between the two renames, in a `.old-*` sibling.
+crash falls between the two renames of `replace_dir`, in a `.old-*` sibling.
+
+`save_hf_checkpoint` writes the other format: what `AutoModelForCausalLM.from_pretrained`
+reads (weights in the compute dtype, and the source checkpoint's config and tokenizer).
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ import json
 import os
 import shutil
 import tempfile
+from dataclasses import dataclass
 
 import torch
 from safetensors.torch import load_file, save_file
@@ -22,38 +28,83 @@ from safetensors.torch import load_file, save_file
 WEIGHTS_FILE = "model.safetensors"
 OPTIMIZER_FILE = "optimizer.pt"
 STATE_FILE = "trainer_state.json"
+TRAINER_FILES = (WEIGHTS_FILE, OPTIMIZER_FILE, STATE_FILE)
+# Files of an HF checkpoint dir that hold weights; everything else (config, tokenizer,
+# generation config, custom modeling code) is copied into an HF export as is.
+_HF_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".h5", ".msgpack", ".gguf", ".index.json")
 
 
-def save_checkpoint(path: str, *, weights: dict[str, torch.Tensor], optimizer: dict, step: int) -> None:
+@dataclass(frozen=True, kw_only=True)
+class TrainerCheckpoint:
+    weights: dict[str, torch.Tensor]
+    optimizer: dict
+    step: int
+    rng: dict
+
+
+def replace_dir(tmp: str, path: str) -> None:
+    """Rename the finished directory `tmp` to `path`, replacing any directory there."""
+    if not os.path.exists(path):
+        os.rename(tmp, path)
+        return
+    # Directories cannot be replaced in one rename: move the old one aside first.
+    parent = os.path.dirname(path)
+    old = tempfile.mkdtemp(prefix=os.path.basename(path) + ".old-", dir=parent)
+    os.rename(path, os.path.join(old, "ckpt"))
+    os.rename(tmp, path)
+    shutil.rmtree(old)
+
+
+def _write_atomically(path: str, fill) -> None:
+    """Create a temp sibling of `path`, let `fill(tmp)` write into it, then rename it over `path`."""
     path = os.path.abspath(path)
     parent = os.path.dirname(path)
     os.makedirs(parent, exist_ok=True)
     tmp = tempfile.mkdtemp(prefix=os.path.basename(path) + ".tmp-", dir=parent)
     try:
-        save_file({k: v.detach().cpu().contiguous() for k, v in weights.items()}, os.path.join(tmp, WEIGHTS_FILE))
-        torch.save(optimizer, os.path.join(tmp, OPTIMIZER_FILE))
-        with open(os.path.join(tmp, STATE_FILE), "w") as f:
-            json.dump({"step": step}, f)
-        if os.path.exists(path):
-            # Directories cannot be replaced in one rename: move the old one aside first.
-            old = tempfile.mkdtemp(prefix=os.path.basename(path) + ".old-", dir=parent)
-            os.rename(path, os.path.join(old, "ckpt"))
-            os.rename(tmp, path)
-            shutil.rmtree(old)
-        else:
-            os.rename(tmp, path)
+        fill(tmp)
+        replace_dir(tmp, path)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
 
 
-def load_checkpoint(path: str) -> tuple[dict[str, torch.Tensor], dict, int]:
-    """(weights, optimizer state_dict, step) from a directory written by save_checkpoint."""
-    missing = [f for f in (WEIGHTS_FILE, OPTIMIZER_FILE, STATE_FILE) if not os.path.exists(os.path.join(path, f))]
+def save_checkpoint(path: str, *, weights: dict[str, torch.Tensor], optimizer: dict, step: int, rng: dict) -> None:
+    def fill(tmp: str) -> None:
+        save_file({k: v.detach().cpu().contiguous() for k, v in weights.items()}, os.path.join(tmp, WEIGHTS_FILE))
+        torch.save(optimizer, os.path.join(tmp, OPTIMIZER_FILE))
+        with open(os.path.join(tmp, STATE_FILE), "w") as f:
+            json.dump({"step": step, "rng": rng}, f)
+
+    _write_atomically(path, fill)
+
+
+def load_checkpoint(path: str) -> TrainerCheckpoint:
+    """What save_checkpoint wrote; FileNotFoundError names the missing files."""
+    missing = [f for f in TRAINER_FILES if not os.path.exists(os.path.join(path, f))]
     if missing:
         raise FileNotFoundError(f"{path} is not a trainer checkpoint: missing {missing}")
-    weights = load_file(os.path.join(path, WEIGHTS_FILE))
-    optimizer = torch.load(os.path.join(path, OPTIMIZER_FILE), map_location="cpu", weights_only=True)
     with open(os.path.join(path, STATE_FILE)) as f:
-        step = json.load(f)["step"]
-    return weights, optimizer, step
+        state = json.load(f)
+    return TrainerCheckpoint(
+        weights=load_file(os.path.join(path, WEIGHTS_FILE)),
+        optimizer=torch.load(os.path.join(path, OPTIMIZER_FILE), map_location="cpu", weights_only=True),
+        step=state["step"], rng=state["rng"])
+
+
+def save_hf_checkpoint(path: str, *, weights: dict[str, torch.Tensor], source: str) -> None:
+    """An HF checkpoint dir: `weights` (HF names) as model.safetensors, plus every non-weight
+    file of the `source` HF dir (config.json, tokenizer files, generation_config.json).
+
+    The architecture does not change in training, so the source's config is the right one;
+    the model's own config is not saved because the trainer edits it (use_cache=False).
+    """
+    def fill(tmp: str) -> None:
+        for name in sorted(os.listdir(source)):
+            src = os.path.join(source, name)
+            if os.path.isfile(src) and not name.endswith(_HF_WEIGHT_SUFFIXES):
+                shutil.copy2(src, os.path.join(tmp, name))
+        save_file({k: v.detach().cpu().contiguous() for k, v in weights.items()}, os.path.join(tmp, WEIGHTS_FILE),
+                  metadata={"format": "pt"})
+
+    _write_atomically(path, fill)

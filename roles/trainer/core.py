@@ -39,6 +39,7 @@ from roles.trainer.batching import (
 from roles.trainer.checkpoint import load_checkpoint, save_checkpoint
 from roles.trainer.config import TrainerConfig
 from roles.trainer.optim import build_adamw, clip_grad_norm, is_state_tensor, optimizer_state_bytes, set_lr
+from roles.trainer.rng import capture_rng, restore_rng
 
 MEMORY_TAGS = ("params", "grads", "optimizer")
 
@@ -196,21 +197,32 @@ class TrainCore:
 
     def save(self, path: str, named_params: dict[str, torch.Tensor]) -> dict:
         start = time.monotonic()
-        save_checkpoint(path, weights=named_params, optimizer=self.optimizer.state_dict(), step=self.step)
+        save_checkpoint(path, weights=named_params, optimizer=self.optimizer.state_dict(), step=self.step,
+                        rng=capture_rng())
         return {"path": path, "step": self.step, "seconds": time.monotonic() - start}
 
     def load(self, path: str, named_params: dict[str, torch.Tensor]) -> dict:
-        """Restore weights into `named_params` (in place), optimizer state and step."""
-        weights, optimizer_state, self.step = load_checkpoint(path)
-        if set(weights) != set(named_params):
+        """Restore weights into `named_params` (in place), optimizer state, step and RNG state.
+
+        Nothing is changed unless every name and shape matches the model.
+        """
+        ckpt = load_checkpoint(path)
+        if set(ckpt.weights) != set(named_params):
             raise ValueError(
-                f"checkpoint {path} does not match the model: missing {sorted(set(named_params) - set(weights))}, "
-                f"unexpected {sorted(set(weights) - set(named_params))}"
+                f"checkpoint {path} does not match the model: missing {sorted(set(named_params) - set(ckpt.weights))}, "
+                f"unexpected {sorted(set(ckpt.weights) - set(named_params))}"
             )
+        shapes = [f"{name}: checkpoint {list(ckpt.weights[name].shape)}, model {list(p.shape)}"
+                  for name, p in named_params.items() if ckpt.weights[name].shape != p.shape]
+        if shapes:
+            raise ValueError(f"checkpoint {path} does not match the model's shapes: {shapes[:5]}"
+                             + (f" and {len(shapes) - 5} more" if len(shapes) > 5 else ""))
         with torch.no_grad():
             for name, param in named_params.items():
-                param.copy_(weights[name])
+                param.copy_(ckpt.weights[name])
         # load_state_dict puts the state on its params' device; re-place it to match our flags.
-        self.optimizer.load_state_dict(optimizer_state)
+        self.optimizer.load_state_dict(ckpt.optimizer)
         self._move_optimizer_state("cpu" if "optimizer" in self.offloaded else "device")
+        self.step = ckpt.step
+        restore_rng(ckpt.rng)
         return {"path": path, "step": self.step}

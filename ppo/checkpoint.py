@@ -1,0 +1,269 @@
+"""Checkpoints of a PPO run: written every --save-interval rollouts (and after the last one),
+resumed with --load.
+
+    SAVE/                          --save
+      latest                       "rollout_00003": the newest complete checkpoint
+      rollout_00003/
+        model.safetensors          actor weights, HF names          } written by the actor
+        optimizer.pt               actor optimizer state            } role (roles/trainer/
+        trainer_state.json         optimizer step (= LR schedule), actor RNG  } checkpoint.py)
+        driver_state.json          rollout step, weight version, data position, driver RNG,
+                                   the run's config and the model's shape
+    CRITIC/                        critic_save(cfg), by default SAVE + "_critic"
+      latest, rollout_00003/       the critic's three trainer files (a resume takes the
+                                   critic's folder of the actor's step; this `latest` is for tools)
+
+The critic never shares the actor's folder, and a resumed critic reads critic_load(cfg),
+never --load itself (miles' critic loads the actor's checkpoint when both are one folder).
+
+Atomicity: the critic's folder is written first (the role renames it into place), then
+the actor's is assembled in `SAVE/.rollout_00003.partial`, completed with the driver
+state and renamed, and only then is `latest` replaced (temp file + rename). A crash at
+any point leaves `latest` naming the previous complete checkpoint, which is all that a
+resume reads. Renames make this safe against a crash of the process; nothing is fsynced,
+so a power loss may still lose the newest files.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+from ppo import config as C
+from ppo.config import PPOConfig
+from ppo.config.serialize import to_dict
+from ppo.data import PromptDataset
+from ppo.job import Job
+from roles.trainer.checkpoint import TRAINER_FILES, replace_dir
+from roles.trainer.rng import capture_rng, restore_rng
+
+logger = logging.getLogger(__name__)
+
+TRACKER = "latest"
+DRIVER_STATE_FILE = "driver_state.json"
+FORMAT = 1
+_ROLLOUT_DIR = re.compile(r"rollout_\d{5,}")
+# HF config keys that fix the weights' names and shapes: a checkpoint of a model that
+# differs in any of them cannot be resumed on this one.
+MODEL_KEYS = ("model_type", "architectures", "vocab_size", "hidden_size", "intermediate_size",
+              "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
+              "tie_word_embeddings")
+
+
+class CheckpointError(ValueError):
+    """A --load checkpoint that cannot be resumed; the message says what is wrong."""
+
+
+class Saver(Protocol):
+    """A trainer role handle, or an in-process trainer."""
+
+    def save(self, path: str) -> dict: ...
+
+
+@dataclass(frozen=True, kw_only=True)
+class Checkpoint:
+    """A complete checkpoint found under --load, checked against the run."""
+
+    actor_dir: Path
+    critic_dir: Path | None
+    state: dict  # driver_state.json
+
+    @property
+    def step(self) -> int:
+        return self.state["rollout_step"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class ResumePoint:
+    step: int  # the first rollout step to run
+    version: int  # the engines' weight version
+
+
+def rollout_dir_name(step: int) -> str:
+    return f"rollout_{step:05d}"
+
+
+# ---- saving -------------------------------------------------------------------------------
+
+
+def is_due(cfg: PPOConfig, step: int) -> bool:
+    """Every --save-interval rollouts, and after the last rollout, when --save or --save-hf is set."""
+    c = cfg.checkpoint
+    if c.save is None and c.save_hf is None:
+        return False
+    return step == cfg.rollout.num_rollout - 1 or (c.save_interval is not None and (step + 1) % c.save_interval == 0)
+
+
+def save_if_due(job: Job, step: int, *, data: PromptDataset, version: int) -> None:
+    """The loop's save step: a run checkpoint under --save, an HF export under --save-hf."""
+    cfg = job.cfg
+    if not is_due(cfg, step):
+        return
+    if cfg.checkpoint.save is not None:
+        save_checkpoint(cfg.checkpoint.save, step, actor=job.actor,
+                        state=driver_state(cfg, step, data=data, version=version, hf_checkpoint=job.hf_checkpoint),
+                        critic=job.critic, critic_dir=C.critic_save(cfg))
+    if cfg.checkpoint.save_hf is not None:
+        job.actor.save_hf(cfg.checkpoint.save_hf.replace("{rollout_id}", str(step)))
+    job.sup.publish("checkpoint", step=step, save=cfg.checkpoint.save, save_hf=cfg.checkpoint.save_hf)
+
+
+def driver_state(cfg: PPOConfig, step: int, *, data: PromptDataset, version: int, hf_checkpoint: str) -> dict:
+    """What the driver process must restore besides the trainers: driver_state.json."""
+    return {"format": FORMAT, "rollout_step": step, "weight_version": version, "data": data.state_dict(),
+            "rng": capture_rng(), "model": model_signature(hf_checkpoint), "config": to_dict(cfg)}
+
+
+def save_checkpoint(save_dir: str, step: int, *, actor: Saver, state: dict, critic: Saver | None = None,
+                    critic_dir: str | None = None) -> Path:
+    """Write SAVE/rollout_NNNNN (actor + `state`) and the critic's, then point `latest` at it."""
+    name = rollout_dir_name(step)
+    if critic is not None:
+        assert critic_dir is not None, "a critic needs its own folder (critic_save(cfg))"
+        critic.save(os.path.join(critic_dir, name))
+        write_tracker(critic_dir, name)
+    os.makedirs(save_dir, exist_ok=True)
+    partial = os.path.join(save_dir, f".{name}.partial")
+    shutil.rmtree(partial, ignore_errors=True)  # left by a crash during an earlier save
+    final = os.path.join(save_dir, name)
+    try:
+        actor.save(partial)
+        with open(os.path.join(partial, DRIVER_STATE_FILE), "w") as f:
+            json.dump(state, f)
+        replace_dir(partial, final)
+    except BaseException:
+        shutil.rmtree(partial, ignore_errors=True)
+        raise
+    write_tracker(save_dir, name)
+    return Path(final)
+
+
+def write_tracker(save_dir: str, name: str) -> None:
+    """Point SAVE/latest at `name`, atomically (a reader sees the old name or the new one)."""
+    tmp = os.path.join(save_dir, f".{TRACKER}.tmp")
+    with open(tmp, "w") as f:
+        f.write(name + "\n")
+    os.replace(tmp, os.path.join(save_dir, TRACKER))
+
+
+# ---- resuming -----------------------------------------------------------------------------
+
+
+def model_signature(hf_checkpoint: str) -> dict:
+    """The MODEL_KEYS of the HF config: what the weights' names and shapes depend on."""
+    with open(os.path.join(hf_checkpoint, "config.json")) as f:
+        hf_config = json.load(f)
+    return {k: hf_config[k] for k in MODEL_KEYS if k in hf_config}
+
+
+def locate(load_dir: str, *, critic_load: str | None, uses_critic: bool, hf_checkpoint: str) -> Checkpoint | None:
+    """The checkpoint that LOAD/latest names, checked to be complete and of this model.
+
+    None when `load_dir` holds no checkpoint at all (a fresh run with --load and --save on
+    one folder, as in miles); CheckpointError for anything incomplete or mismatched.
+    """
+    load = Path(load_dir)
+    tracker = load / TRACKER
+    if not tracker.is_file():
+        found = sorted(p.name for p in load.glob("rollout_*")) if load.is_dir() else []
+        if not found:
+            return None
+        raise CheckpointError(
+            f"--load {load_dir}: holds {found} but no '{TRACKER}' file naming the complete one (a crash during "
+            f"the first save leaves this). Write the name of the one to resume into {tracker} "
+            f"(e.g. `echo {found[-1]} > {tracker}`), or remove the folder to start over")
+    name = tracker.read_text().strip()
+    if not _ROLLOUT_DIR.fullmatch(name):
+        raise CheckpointError(f"--load {load_dir}: {tracker} should name a rollout_NNNNN folder but holds {name!r}")
+    actor_dir = load / name
+    if not actor_dir.is_dir():
+        raise CheckpointError(f"--load {load_dir}: {tracker} names {name}, but {actor_dir} does not exist")
+    missing = [f for f in (*TRAINER_FILES, DRIVER_STATE_FILE) if not (actor_dir / f).is_file()]
+    if missing:
+        hint = (" (this looks like a critic folder: pass the actor's --save folder to --load)"
+                if missing == [DRIVER_STATE_FILE] else "")
+        raise CheckpointError(f"--load {load_dir}: checkpoint {actor_dir} is incomplete, missing {missing}{hint}")
+    try:
+        state = json.loads((actor_dir / DRIVER_STATE_FILE).read_text())
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"--load {load_dir}: {actor_dir / DRIVER_STATE_FILE} is not valid JSON "
+                              f"(truncated?): {e}") from None
+    if state.get("format") != FORMAT:
+        raise CheckpointError(f"--load {load_dir}: {actor_dir / DRIVER_STATE_FILE} has format "
+                              f"{state.get('format')!r}; this version of Tandem reads format {FORMAT}")
+    if rollout_dir_name(state["rollout_step"]) != name:
+        raise CheckpointError(f"--load {load_dir}: {name} holds the driver state of rollout "
+                              f"{state['rollout_step']}; the folder was renamed or mixed up")
+    mine = model_signature(hf_checkpoint)
+    diff = [f"{k}: checkpoint {state['model'].get(k)!r}, --hf-checkpoint {mine.get(k)!r}"
+            for k in MODEL_KEYS if state["model"].get(k) != mine.get(k)]
+    if diff:
+        raise CheckpointError(f"--load {load_dir}: the checkpoint is of another model than --hf-checkpoint "
+                              f"{hf_checkpoint}: {'; '.join(diff)}")
+    critic_dir = None
+    if uses_critic:
+        if critic_load is None:
+            raise CheckpointError(f"--load {load_dir}: this run trains a critic but no critic checkpoint folder is "
+                                  "known; pass --critic-load DIR")
+        critic_dir = Path(critic_load) / name
+        missing = [f for f in TRAINER_FILES if not (critic_dir / f).is_file()]
+        if missing:
+            raise CheckpointError(
+                f"--load {load_dir}: the actor's checkpoint is {name} but the critic's {critic_dir} "
+                f"{'does not exist' if not critic_dir.is_dir() else f'is incomplete, missing {missing}'} "
+                "(the critic saves to --critic-save, by default --save + '_critic'; point --critic-load at it)")
+    return Checkpoint(actor_dir=actor_dir, critic_dir=critic_dir, state=state)
+
+
+def resume(job: Job, data: PromptDataset) -> ResumePoint:
+    """Bring a fresh job to the state of the --load checkpoint: trainers, data position,
+    driver RNG, and the engines (a weight sync, so they sample from the saved policy).
+
+    A --load folder with no checkpoint starts the run from the beginning, with a warning.
+    """
+    cfg = job.cfg
+    ckpt = locate(cfg.checkpoint.load, critic_load=C.critic_load(cfg), uses_critic=job.critic is not None,
+                  hf_checkpoint=job.hf_checkpoint)
+    if ckpt is None:
+        logger.warning("--load %s holds no checkpoint: starting from --hf-checkpoint %s",
+                       cfg.checkpoint.load, job.hf_checkpoint)
+        return ResumePoint(step=0, version=0)
+    if ckpt.step + 1 >= cfg.rollout.num_rollout:
+        raise CheckpointError(f"--load {cfg.checkpoint.load}: the checkpoint is after rollout {ckpt.step}, and "
+                              f"--num-rollout {cfg.rollout.num_rollout} leaves nothing to run; raise --num-rollout")
+    data.load_state_dict(ckpt.state["data"])
+    job.actor.load(str(ckpt.actor_dir))
+    if job.critic is not None:
+        job.critic.load(str(ckpt.critic_dir))
+    version = ckpt.state["weight_version"]
+    # The engines loaded --hf-checkpoint; the actor now holds the checkpoint's policy.
+    job.actor.sync_weights(job.engines, cfg.engine.update_weight_buffer_size, version,
+                           engine_gpus=job.placement.engines)
+    restore_rng(ckpt.state["rng"])
+    trim_metrics(job.run_dir, ckpt.step)
+    job.sup.publish("resumed", path=str(ckpt.actor_dir), step=ckpt.step, weight_version=version)
+    return ResumePoint(step=ckpt.step + 1, version=version)
+
+
+def trim_metrics(run_dir: Path, last_step: int) -> None:
+    """Drop metrics.jsonl records after `last_step`: a resumed run logs those steps again."""
+    path = Path(run_dir) / "metrics.jsonl"
+    if not path.exists():
+        return
+    kept = [line for line in path.read_text().splitlines() if _step_of(line) <= last_step]
+    tmp = path.with_name(".metrics.jsonl.tmp")
+    tmp.write_text("".join(line + "\n" for line in kept))
+    os.replace(tmp, path)
+
+
+def _step_of(line: str) -> float:
+    try:
+        return json.loads(line)["step"]
+    except (json.JSONDecodeError, KeyError, TypeError):
+        return float("inf")  # a line cut short by the crash: drop it

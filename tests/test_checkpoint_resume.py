@@ -1,0 +1,277 @@
+"""PPO run checkpoints (ppo/checkpoint.py): atomic saves, refusals that say what is wrong,
+trainer RNG and HF exports, and a resumed run that repeats the uninterrupted one."""
+
+import json
+import os
+import random
+import shutil
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file
+
+from ppo import checkpoint as ck
+from ppo.config import override, validate
+from ppo.config.validate import ensure_valid
+from ppo.data import PromptDataset
+from ppo.recipes import tiny_ppo
+from ppo.tiny_model import build_tiny_checkpoint
+from roles.trainer import ActorTrainer, CriticTrainer
+from roles.trainer.rng import capture_rng, restore_rng
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_torch_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny model: a second thread only adds hand-offs on 2 cores
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def hf(tmp_path_factory):
+    return build_tiny_checkpoint(str(tmp_path_factory.mktemp("tiny")), seed=0)
+
+
+def trainer_config(hf, **overrides):
+    return dict(hf_checkpoint=hf, dtype="float32", seed=7, lr=1e-3, min_lr=0.0, lr_decay_style="constant",
+                lr_warmup_iters=0, weight_decay=0.1, betas=(0.9, 0.98), clip_grad=1.0, global_batch_size=4,
+                micro_batch_size=2, eps_clip=0.2, value_clip=0.2, loss_agg_mode="sum-of-sample-mean",
+                use_kl_loss=False, kl_loss_coef=0.0, kl_loss_type="k1", entropy_coef=0.0, temperature=1.0,
+                keep_ref=False, **overrides)
+
+
+@pytest.fixture(scope="module")
+def trainers(hf):
+    return ActorTrainer(trainer_config(hf)), CriticTrainer(trainer_config(hf))
+
+
+@pytest.fixture
+def data(tmp_path):
+    path = tmp_path / "prompts.jsonl"
+    path.write_text("".join(json.dumps({"prompt": f"{i}+1=", "label": str(i + 1)}) + "\n" for i in range(8)))
+    return PromptDataset(path, seed=3)
+
+
+def save(tmp_path, trainers, data, step, hf):
+    actor, critic = trainers
+    state = {"format": ck.FORMAT, "rollout_step": step, "weight_version": step, "data": data.state_dict(),
+             "rng": capture_rng(), "model": ck.model_signature(hf), "config": {}}
+    return ck.save_checkpoint(str(tmp_path / "save"), step, actor=actor, state=state, critic=critic,
+                              critic_dir=str(tmp_path / "save_critic"))
+
+
+def locate(tmp_path, hf, load="save", critic_load="save_critic"):
+    return ck.locate(str(tmp_path / load), critic_load=str(tmp_path / critic_load), uses_critic=True,
+                     hf_checkpoint=hf)
+
+
+# ---- saving ---------------------------------------------------------------------------------
+
+
+def test_checkpoint_layout_tracker_and_separate_critic_folder(tmp_path, trainers, data, hf):
+    data.next_batch(3)
+    save(tmp_path, trainers, data, 1, hf)
+    save(tmp_path, trainers, data, 3, hf)
+    assert (tmp_path / "save" / "latest").read_text() == "rollout_00003\n"
+    assert (tmp_path / "save_critic" / "latest").read_text() == "rollout_00003\n"
+    assert sorted(os.listdir(tmp_path / "save")) == ["latest", "rollout_00001", "rollout_00003"]
+    found = locate(tmp_path, hf)
+    assert (found.step, found.actor_dir.name, found.critic_dir) == (3, "rollout_00003",
+                                                                    tmp_path / "save_critic" / "rollout_00003")
+    assert found.state["data"] == data.state_dict() and found.state["data"]["position"] == 3
+    with safe_open(found.critic_dir / "model.safetensors", "pt") as f:
+        assert any(k.startswith("value_head") for k in f.keys())  # the critic's weights, not the actor's
+
+
+class CrashingActor:
+    """Writes part of the checkpoint into the temp dir, then dies (disk full, SIGTERM, ...)."""
+
+    def save(self, path):
+        os.makedirs(path)
+        (open(os.path.join(path, "model.safetensors"), "wb")).write(b"\0" * 100)
+        raise OSError("No space left on device")
+
+
+def test_crash_mid_save_leaves_latest_on_the_previous_checkpoint(tmp_path, trainers, data, hf):
+    save(tmp_path, trainers, data, 1, hf)
+    state = {"format": ck.FORMAT, "rollout_step": 3}
+    with pytest.raises(OSError, match="No space"):
+        ck.save_checkpoint(str(tmp_path / "save"), 3, actor=CrashingActor(), state=state, critic=trainers[1],
+                           critic_dir=str(tmp_path / "save_critic"))
+    # a failure after the actor's files are in the temp dir: the driver state cannot be written
+    with pytest.raises(TypeError):
+        ck.save_checkpoint(str(tmp_path / "save"), 3, actor=trainers[0], state={"bad": object()})
+    assert (tmp_path / "save" / "latest").read_text() == "rollout_00001\n"
+    assert sorted(os.listdir(tmp_path / "save")) == ["latest", "rollout_00001"]  # temp dirs cleaned up
+    # the critic finished its rollout_00003 before the crash; the resume still pairs 00001 with 00001
+    found = locate(tmp_path, hf)
+    assert found.actor_dir.name == "rollout_00001" and found.critic_dir.name == "rollout_00001"
+    # a crash that kills the process leaves the temp dir behind: ignored, and replaced by the next save
+    os.makedirs(tmp_path / "save" / ".rollout_00003.partial")
+    assert locate(tmp_path, hf).step == 1
+    save(tmp_path, trainers, data, 3, hf)
+    assert sorted(os.listdir(tmp_path / "save")) == ["latest", "rollout_00001", "rollout_00003"]
+
+
+def test_saves_every_interval_and_after_the_last_rollout():
+    cfg = override(tiny_ppo(), num_rollout=5, save="s", save_interval=2)
+    assert [s for s in range(5) if ck.is_due(cfg, s)] == [1, 3, 4]
+    assert [s for s in range(5) if ck.is_due(override(cfg, save_interval=None), s)] == [4]
+    assert not any(ck.is_due(override(cfg, save=None, save_interval=None), s) for s in range(5))
+    assert [s for s in range(5) if ck.is_due(override(cfg, save=None, save_interval=None, save_hf="h"), s)] == [4]
+
+
+def test_trim_metrics_drops_steps_after_the_checkpoint_and_a_torn_line(tmp_path):
+    lines = [json.dumps({"step": s, "x": s}) for s in range(4)] + ['{"step": 4, "x"']
+    (tmp_path / "metrics.jsonl").write_text("\n".join(lines))
+    ck.trim_metrics(tmp_path, 1)
+    assert [json.loads(x)["step"] for x in (tmp_path / "metrics.jsonl").read_text().splitlines()] == [0, 1]
+
+
+# ---- refusals -------------------------------------------------------------------------------
+
+
+def test_load_dir_without_any_checkpoint_starts_fresh(tmp_path, hf):
+    assert locate(tmp_path, hf, load="does-not-exist") is None
+    (tmp_path / "empty").mkdir()
+    assert locate(tmp_path, hf, load="empty") is None
+
+
+@pytest.mark.parametrize("damage, message", [
+    (lambda d: (d / "save" / "latest").write_text("rollout_00009\n"),
+     r"latest names rollout_00009, but .*rollout_00009 does not exist"),
+    (lambda d: (d / "save" / "latest").write_text("iter_0000009\n"), r"should name a rollout_NNNNN folder"),
+    (lambda d: (d / "save" / "latest").unlink(), r"holds \['rollout_00001'\] but no 'latest' file.*echo rollout_00001"),
+    (lambda d: (d / "save" / "rollout_00001" / "optimizer.pt").unlink(), r"incomplete, missing \['optimizer.pt'\]"),
+    (lambda d: (d / "save" / "rollout_00001" / "driver_state.json").write_text('{"format": 1, "roll'),
+     r"driver_state.json is not valid JSON \(truncated\?\)"),
+    (lambda d: shutil.rmtree(d / "save_critic" / "rollout_00001"),
+     r"critic's .*save_critic/rollout_00001 does not exist.*--critic-load"),
+    (lambda d: (d / "save_critic" / "rollout_00001" / "trainer_state.json").unlink(),
+     r"critic's .* is incomplete, missing \['trainer_state.json'\]"),
+    (lambda d: os.rename(d / "save" / "rollout_00001", d / "save" / "rollout_00002")
+     or (d / "save" / "latest").write_text("rollout_00002"), r"rollout_00002 holds the driver state of rollout 1"),
+])
+def test_damaged_checkpoint_is_refused_saying_what_is_wrong(tmp_path, trainers, data, hf, damage, message):
+    save(tmp_path, trainers, data, 1, hf)
+    damage(tmp_path)
+    with pytest.raises(ck.CheckpointError, match=message):
+        locate(tmp_path, hf)
+
+
+def test_checkpoint_of_another_model_or_a_critic_folder_is_refused(tmp_path, trainers, data, hf):
+    save(tmp_path, trainers, data, 1, hf)
+    other = build_tiny_checkpoint(str(tmp_path / "other"), seed=0, hidden_size=32, num_layers=3)
+    with pytest.raises(ck.CheckpointError, match=r"another model.*hidden_size: checkpoint 64, --hf-checkpoint 32; "
+                                                 r"num_hidden_layers: checkpoint 2, --hf-checkpoint 3"):
+        locate(tmp_path, other)
+    with pytest.raises(ck.CheckpointError, match=r"missing \['driver_state.json'\] \(this looks like a critic folder"):
+        locate(tmp_path, hf, load="save_critic")
+    # the trainer's own check, for a checkpoint whose driver state was not consulted
+    small = ActorTrainer(trainer_config(other))
+    with pytest.raises(ValueError, match=r"does not match the model"):
+        small.load(str(tmp_path / "save" / "rollout_00001"))
+
+
+def test_resume_refuses_a_finished_run(tmp_path, trainers, data, hf):
+    save(tmp_path, trainers, data, 3, hf)
+    cfg = override(tiny_ppo(), num_rollout=4, load=str(tmp_path / "save"),
+                   critic_load=str(tmp_path / "save_critic"))
+    job = SimpleNamespace(cfg=cfg, critic=object(), hf_checkpoint=hf)
+    with pytest.raises(ck.CheckpointError, match=r"after rollout 3, and --num-rollout 4 leaves nothing to run"):
+        ck.resume(job, data)
+
+
+def test_critic_folders_must_differ_from_the_actors():
+    problems = validate(override(tiny_ppo(), save="ck/run", critic_save="ck/run/"))
+    assert any("--critic-save" in p and "folder of their own" in p for p in problems)
+    problems = validate(override(tiny_ppo(), load="ck/run", critic_load="ck/./run"))
+    assert any("--critic-load" in p for p in problems)
+    assert validate(override(tiny_ppo(), load="ck/run", save="ck/run")) == []  # defaults: ck/run_critic
+
+
+# ---- trainer state ----------------------------------------------------------------------------
+
+
+def test_rng_state_round_trips_for_python_numpy_and_torch():
+    state = json.loads(json.dumps(capture_rng()))  # as stored: JSON
+    want = (random.random(), np.random.rand(), torch.rand(2).tolist())
+    random.seed(1), np.random.seed(1), torch.manual_seed(1)
+    restore_rng(state)
+    assert (random.random(), np.random.rand(), torch.rand(2).tolist()) == want
+
+
+def test_trainer_load_restores_its_rng_state(tmp_path, trainers, hf):
+    actor = trainers[0]
+    actor.save(str(tmp_path / "a"))
+    after_save = torch.rand(3)
+    torch.manual_seed(99)
+    ActorTrainer(trainer_config(hf)).load(str(tmp_path / "a"))
+    assert torch.equal(torch.rand(3), after_save)
+
+
+def test_save_hf_writes_a_checkpoint_transformers_loads(tmp_path, trainers, hf):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    actor = trainers[0]
+    with torch.no_grad():
+        next(actor.model.parameters()).add_(1.0)  # not the weights it started from
+    try:
+        actor.save_hf(str(tmp_path / "hf"))
+        model = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32)
+        got = dict(model.named_parameters())
+        for name, w in actor.named_weights():
+            assert torch.equal(got[name], w), name
+        assert json.loads((tmp_path / "hf" / "config.json").read_text())["use_cache"] is True  # the source's
+        assert AutoTokenizer.from_pretrained(tmp_path / "hf").encode("1+2=") == \
+            AutoTokenizer.from_pretrained(hf).encode("1+2=")
+    finally:
+        with torch.no_grad():
+            next(actor.model.parameters()).sub_(1.0)
+
+
+# ---- a resumed run repeats the uninterrupted one ---------------------------------------------
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_resumed_run_repeats_the_uninterrupted_one(tmp_path):
+    """4 rollouts straight vs rollouts 0-1, a checkpoint, and rollouts 2-3 in a new job.
+
+    The interrupted run is the straight run's own checkpoint after rollout 1 (with a
+    constant LR the first half of a 2-rollout run is the same computation). Every metric but
+    timings must match bit for bit: sampling is seeded per request from (seed, step, index),
+    the trainers restore fp32 weights, AdamW state and step exactly, the engines get those
+    fp32 weights by a weight sync, and each role runs one thread in the same order.
+    """
+    from ppo.loop import train
+
+    cfg = ensure_valid(override(tiny_ppo(), rollout_batch_size=16, num_rollout=4, save=str(tmp_path / "a"),
+                                save_interval=2, run_dir=str(tmp_path / "run")))
+    straight = train(cfg)
+    for folder in ("a", "a_critic"):  # "the run stopped after rollout 1": its checkpoint, in a new folder
+        shutil.copytree(tmp_path / folder / "rollout_00001", tmp_path / folder.replace("a", "b") / "rollout_00001")
+        ck.write_tracker(str(tmp_path / folder.replace("a", "b")), "rollout_00001")
+    resumed = train(override(cfg, load=str(tmp_path / "b"), save=str(tmp_path / "b"),
+                             save_hf=str(tmp_path / "hf_{rollout_id}"),
+                             check_weight_update_equal=True))  # the engines run the checkpoint's policy
+
+    assert [h["step"] for h in resumed] == [2, 3]
+    assert [h["rollout/weight_version"] for h in resumed] == [2, 3]
+    for want, got in zip(straight[2:], resumed):
+        assert set(want) == set(got)
+        differ = {k: (want[k], got[k]) for k in want if not k.startswith("perf/") and want[k] != got[k]}
+        assert differ == {}, f"step {want['step']}: {differ}"
+    logged = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [h["step"] for h in logged] == [0, 1, 2, 3]  # the resume replaced the straight run's 2 and 3
+    assert (tmp_path / "b" / "latest").read_text() == "rollout_00003\n"
+    assert (tmp_path / "b_critic" / "rollout_00003" / "model.safetensors").exists()
+    # --save-hf: the policy of the last rollout (fp32 on fake GPUs), readable by transformers
+    from transformers import AutoModelForCausalLM
+    exported = AutoModelForCausalLM.from_pretrained(tmp_path / "hf_3", dtype=torch.float32)
+    saved = load_file(tmp_path / "b" / "rollout_00003" / "model.safetensors")
+    assert all(torch.equal(p, saved[name]) for name, p in exported.named_parameters())
