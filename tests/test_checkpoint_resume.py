@@ -22,13 +22,7 @@ from ppo.tiny_model import build_tiny_checkpoint
 from roles.trainer import ActorTrainer, CriticTrainer
 from roles.trainer.rng import capture_rng, restore_rng
 
-
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny model: a second thread only adds hand-offs on 2 cores
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")

@@ -10,19 +10,7 @@ from roles.weight_sync import checksum_named_tensors, pack_buckets, push_weights
 
 PROMPTS = [[5, 14, 6, 17], [9], [7, 8, 9, 10, 11, 12, 13], [20, 21]]
 
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    # A tiny model's decode step is all overhead; two threads on a busy 2-core box only contend.
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
-@pytest.fixture(scope="module")
-def ckpt(tmp_path_factory):
-    return build_tiny_checkpoint(str(tmp_path_factory.mktemp("tiny")), seed=0)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")

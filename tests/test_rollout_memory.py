@@ -3,17 +3,11 @@
 import pytest
 import torch
 
-from ppo.tiny_model import build_tiny_checkpoint
 from roles.device import DeviceMemory, nbytes_of
 from roles.rollout import RolloutEngine
 from runtime.fakegpu import FakeOutOfMemory, LeaseViolation, create_fake_devices
 
 REQ = [{"id": 0, "prompt_ids": [5, 6, 7], "sampling": {"max_new_tokens": 4, "temperature": 0}}]
-
-
-@pytest.fixture(scope="module")
-def ckpt(tmp_path_factory):
-    return build_tiny_checkpoint(str(tmp_path_factory.mktemp("tiny")), seed=0)
 
 
 @pytest.fixture

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from ppo.tiny_model import EOS_ID, build_tiny_checkpoint, load_causal_lm
+from ppo.tiny_model import EOS_ID, load_causal_lm
 from roles.rollout import RolloutEngine
 from roles.weight_sync import pack_buckets, push_weights
 
@@ -131,11 +131,6 @@ def fake_sglang(monkeypatch):
     for name, module in modules.items():
         monkeypatch.setitem(sys.modules, name, module)
     return FakeSglangEngine
-
-
-@pytest.fixture(scope="module")
-def ckpt(tmp_path_factory):
-    return build_tiny_checkpoint(str(tmp_path_factory.mktemp("tiny")), seed=0)
 
 
 def _engine(ckpt, **kw):

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from runtime import ActorDied, CallTimeout, RemoteError, Supervisor, gather
+from runtime import CallTimeout, RemoteError, Supervisor, gather
 from tests.actors import Echo
 
 pytestmark = pytest.mark.timeout(60)

@@ -17,11 +17,6 @@ from ppo.tiny_model import (
 )
 
 
-@pytest.fixture(scope="module")
-def ckpt(tmp_path_factory):
-    return build_tiny_checkpoint(str(tmp_path_factory.mktemp("tiny")), seed=0)
-
-
 def _weights_digest(path):
     with open(os.path.join(path, "model.safetensors"), "rb") as f:
         return hashlib.sha256(f.read()).hexdigest()

@@ -5,7 +5,6 @@ import math
 import pytest
 import torch
 
-from ppo.tiny_model import build_tiny_checkpoint
 from roles.device import nbytes_of
 from roles.trainer.batching import plan_micro_batches
 from roles.trainer import ActorTrainer, CriticTrainer
@@ -16,20 +15,7 @@ N, R = 8, 6
 PROMPT_LENS = torch.tensor([3, 5, 2, 4, 6, 3, 2, 5])
 RESPONSE_LENS = torch.tensor([6, 2, 5, 3, 1, 4, 6, 2])
 
-
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread():
-    """The tiny model's ops are microseconds long; with 2 intra-op threads on a loaded
-    2-core machine, thread hand-offs made this file ~5x slower (measured 76 s vs 17 s)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
-@pytest.fixture(scope="module")
-def ckpt(tmp_path_factory):
-    return build_tiny_checkpoint(str(tmp_path_factory.mktemp("tiny")), seed=0)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def config(ckpt, **overrides):
@@ -117,7 +103,7 @@ def test_values_are_read_at_the_state_before_each_response_token(ckpt):
     values = critic.compute_values(batch)["values"]
     assert values.shape == (N, R) and torch.all(values[~resp_mask()] == 0)
     with torch.no_grad():
-        i, p, r = 0, int(PROMPT_LENS[0]), int(RESPONSE_LENS[0])
+        p, r = int(PROMPT_LENS[0]), int(RESPONSE_LENS[0])
         hidden = critic.model.backbone(input_ids=batch["input_ids"][:1, : p + r]).last_hidden_state[0]
         expected = critic.model.value_head(hidden[p - 1 : p + r - 1])[:, 0]
     torch.testing.assert_close(values[0, :r], expected, rtol=1e-5, atol=1e-5)

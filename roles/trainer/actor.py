@@ -163,16 +163,6 @@ class ActorTrainer(TrainerRole):
     # ---- checkpoints --------------------------------------------------------------------
 
     @endpoint
-    def save(self, path: str) -> dict:
-        """Weights (safetensors, HF names), optimizer state and step, written atomically."""
-        return self._core.save(path, dict(self.model.named_parameters()))
-
-    @endpoint
-    def load(self, path: str) -> dict:
-        """Weights, optimizer state, step and RNG state from a `save` directory."""
-        return self._core.load(path, dict(self.model.named_parameters()))
-
-    @endpoint
     def save_hf(self, path: str) -> dict:
         """An HF checkpoint of the policy (what the engines run: HF names, compute dtype) with
         the config and tokenizer of the checkpoint it started from, written atomically."""

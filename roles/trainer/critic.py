@@ -61,12 +61,3 @@ class CriticTrainer(TrainerRole):
             "value_loss": loss.detach(),
             "value_clipfrac": metrics["value_clipfrac"] * token_share(mb, counts),
         }
-
-    @endpoint
-    def save(self, path: str) -> dict:
-        """Weights (safetensors: backbone.* and value_head.*), optimizer state and step, atomically."""
-        return self._core.save(path, dict(self.model.named_parameters()))
-
-    @endpoint
-    def load(self, path: str) -> dict:
-        return self._core.load(path, dict(self.model.named_parameters()))

@@ -41,6 +41,17 @@ class TrainerRole(Actor):
         self._settle()
         return report
 
+    @endpoint
+    def save(self, path: str) -> dict:
+        """Weights (safetensors, the model's parameter names), optimizer state, step and RNG
+        state, written atomically."""
+        return self._core.save(path, dict(self._core.model.named_parameters()))
+
+    @endpoint
+    def load(self, path: str) -> dict:
+        """Weights, optimizer state, step and RNG state from a `save` directory."""
+        return self._core.load(path, dict(self._core.model.named_parameters()))
+
     def _settle(self) -> None:
         self.set_state("offloaded" if {"params", "optimizer"} <= self._core.offloaded else "onloaded")
 
