@@ -115,6 +115,14 @@ class WireConfig:
     _pool: shm.SegmentPool | None = field(default=None, repr=False)
     _reader: shm.SegmentReader | None = field(default=None, repr=False)
 
+    @property
+    def max_header_bytes(self) -> int:
+        """Decoding msgpack can cost up to ~80 bytes of Python objects per byte received (an
+        array of empty maps), so the msgpack part is capped at 1/128 of max_message_bytes:
+        decoding any message then allocates less than max_message_bytes. Arrays, the bulk
+        of any large message, travel as frames and are not decoded into objects."""
+        return self.max_message_bytes // 128
+
     def __post_init__(self):
         if self.shm_prefix is not None:
             self._pool = shm.SegmentPool(self.shm_prefix)
@@ -199,6 +207,10 @@ def decode_header(cfg: WireConfig, frames: list) -> dict:
     total = sum(_buf(f).nbytes for f in frames)
     if total > cfg.max_message_bytes:
         raise WireError(f"message of {total} bytes exceeds max_message_bytes={cfg.max_message_bytes}")
+    head = _buf(frames[0]).nbytes
+    if head > cfg.max_header_bytes:
+        raise WireError(f"header of {head} bytes exceeds max_header_bytes={cfg.max_header_bytes} "
+                        "(max_message_bytes / 128; send large payloads as arrays)")
     try:
         hdr = msgpack.unpackb(_buf(frames[0]), raw=False, strict_map_key=False)
     except Exception as e:

@@ -242,6 +242,17 @@ def test_msgpack_limits_follow_the_message_size():
         wire.decode_body(config(), wire.decode_header(config(), frames), frames)
 
 
+def test_header_beyond_its_share_of_max_message_bytes_is_refused_before_parsing():
+    cfg = config(max_message_bytes=128 << 10)  # header limit: 1 KiB
+    frames = [header(body=b"\xc4\xff" + b"x" * 255), b"y" * 4096]
+    wire.decode_header(cfg, frames)  # a small header with a large frame is fine
+    big = [header(body=b"\xc5\x08\x00" + b"x" * 2048)]
+    with pytest.raises(wire.WireError, match="exceeds max_header_bytes=1024"):
+        wire.decode_header(cfg, big)
+    # so decoding never allocates more than max_message_bytes, whatever the header holds
+    assert EXPANSION * cfg.max_header_bytes < cfg.max_message_bytes
+
+
 @pytest.mark.timeout(60)
 def test_msgpack_expansion_is_bounded_by_the_message_not_by_declared_lengths():
     """The worst msgpack -> Python expansion is an array of empty maps (1 byte each on the wire,
