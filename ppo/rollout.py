@@ -92,7 +92,7 @@ def generate_and_score(engines: list[ActorHandle], scorers: list[ActorHandle], p
 
     samples: dict[int, dict] = {}
     gen = {i: call(engines[i], "generate", chunk) for i, chunk in enumerate(chunks) if chunk}
-    score: dict[int, tuple[list[dict], object]] = {}  # scorer index -> (its samples, future)
+    score: dict[int, tuple[list[dict], object]] = {}  # call k -> (its samples, future); k goes to scorer k % len
     next_scorer = 0
     while gen or score:
         wait_any([*gen.values(), *(f for _, f in score.values())])
