@@ -18,7 +18,6 @@ to each child's process group.
 from __future__ import annotations
 
 import collections
-from concurrent.futures import ThreadPoolExecutor
 import multiprocessing
 import os
 import secrets
@@ -27,6 +26,7 @@ import signal
 import tempfile
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
@@ -43,10 +43,10 @@ from runtime.events import EventBus, watch_socket
 from runtime.fakegpu import create_fake_devices
 from runtime.handle import ActorGroup, ActorHandle, Address, Caller, Directory
 from runtime.memory import LeaseTable
+from runtime.process import exit_reason, kill_tree, read_text, start_with_env
 
 RESTART_POLICIES = ("one_for_one", "one_for_all", "temporary")
 MAX_IPC_PATH = 100  # sun_path is 108 bytes on Linux
-_env_lock = threading.Lock()  # os.environ is patched around Process.start()
 
 
 @dataclass(frozen=True)
@@ -295,7 +295,7 @@ class Supervisor:
         proc = self._mp.Process(target=child_main, args=(boot,), name=f"tandem:{spec.name}", daemon=False)
         # PR_SET_PDEATHSIG fires when the *thread* that forked the child exits, so every child
         # is forked by one thread that outlives them all (restarts come from the watch thread).
-        self._spawner.submit(_start_with_env, proc, env).result()
+        self._spawner.submit(start_with_env, proc, env).result()
         child.process, child.endpoint = proc, endpoint
         child.state, child.started_at, child.last_beat = "starting", time.monotonic(), None
         self.directory.update(Address(spec.name, child.incarnation, endpoint))
@@ -333,7 +333,7 @@ class Supervisor:
                 elif sock == self._wake_fd:
                     os.eventfd_read(self._wake_fd)
                 elif sock in live and not self._stopping:
-                    self._on_death(live[sock], reason=_exit_reason(live[sock].process))
+                    self._on_death(live[sock], reason=exit_reason(live[sock].process))
             if self._stopping:
                 break
             self._check_heartbeats()
@@ -382,12 +382,12 @@ class Supervisor:
             if c.last_beat is not None and now - c.last_beat > self.heartbeat_timeout:
                 self.bus.publish("hung", role=c.spec.name, incarnation=c.incarnation, pid=c.process.pid,
                                  silent_s=round(now - c.last_beat, 3))
-                _kill_tree(c.process.pid)
+                kill_tree(c.process.pid)
                 c.process.join(timeout=5)
                 self._on_death(c, reason=f"hung: no heartbeat for {now - c.last_beat:.1f} s "
                                          f"(heartbeat_timeout={self.heartbeat_timeout} s); killed")
             elif c.last_beat is None and now - c.started_at > self.ready_timeout_s:
-                _kill_tree(c.process.pid)
+                kill_tree(c.process.pid)
                 c.process.join(timeout=5)
                 self._on_death(c, reason=f"did not start within ready_timeout_s={self.ready_timeout_s}")
 
@@ -416,7 +416,7 @@ class Supervisor:
             child.state = "dead"
         spec = child.spec
         err_file = self._error_file(child)
-        err_text = _read_text(err_file)
+        err_text = read_text(err_file)
         err = ActorDied(spec.name, child.incarnation, reason, err_file if err_text else None, err_text)
         self.directory.mark_dead(spec.name, child.incarnation, err)
         self.caller.fail_destination(spec.name, child.incarnation, err)
@@ -482,7 +482,7 @@ class Supervisor:
             c.process.join(timeout=max(0.0, until - time.monotonic()))
         for c in children:
             if c.process is not None:
-                _kill_tree(c.process.pid)
+                kill_tree(c.process.pid)
                 c.process.join(timeout=5)
         for c in children:
             if c.state != "dead":
@@ -502,47 +502,3 @@ class Supervisor:
                 self._control.send_multipart([ident.encode(), *msg], zmq.NOBLOCK)
             except zmq.ZMQError:
                 pass
-
-
-def _start_with_env(proc, env: dict[str, str]) -> None:
-    with _env_lock:  # the spawned interpreter inherits os.environ: set it before any import
-        saved = {k: os.environ.get(k) for k in env}
-        os.environ.update(env)
-        try:
-            proc.start()
-        finally:
-            for k, v in saved.items():
-                if v is None:
-                    os.environ.pop(k, None)
-                else:
-                    os.environ[k] = v
-
-
-def _exit_reason(proc) -> str:
-    proc.join(timeout=1)
-    code = proc.exitcode
-    if code is None:
-        return "process ended"
-    if code < 0:
-        return f"killed by {signal.Signals(-code).name}"
-    return f"exited with code {code}"
-
-
-def _kill_tree(pid: int) -> None:
-    """SIGKILL a child and everything in its session (it is a session leader)."""
-    try:
-        os.killpg(pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
-    try:
-        os.kill(pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-
-
-def _read_text(path: str, limit: int = 20000) -> str | None:
-    try:
-        text = Path(path).read_text(errors="replace")
-    except OSError:
-        return None
-    return text[-limit:] if text.strip() else None

@@ -1,0 +1,55 @@
+"""OS-process chores of the supervisor: starting with an environment, reading how a
+process ended, killing a process group, reading an error file."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+from pathlib import Path
+
+_env_lock = threading.Lock()  # os.environ is patched around Process.start()
+
+
+def start_with_env(proc, env: dict[str, str]) -> None:
+    with _env_lock:  # the spawned interpreter inherits os.environ: set it before any import
+        saved = {k: os.environ.get(k) for k in env}
+        os.environ.update(env)
+        try:
+            proc.start()
+        finally:
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
+
+
+def exit_reason(proc) -> str:
+    proc.join(timeout=1)
+    code = proc.exitcode
+    if code is None:
+        return "process ended"
+    if code < 0:
+        return f"killed by {signal.Signals(-code).name}"
+    return f"exited with code {code}"
+
+
+def kill_tree(pid: int) -> None:
+    """SIGKILL a child and everything in its session (it is a session leader)."""
+    try:
+        os.killpg(pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+def read_text(path: str, limit: int = 20000) -> str | None:
+    try:
+        text = Path(path).read_text(errors="replace")
+    except OSError:
+        return None
+    return text[-limit:] if text.strip() else None
