@@ -28,8 +28,13 @@ from runtime.fakegpu import visible_fake_devices
 Movable = nn.Module | list[torch.Tensor]
 
 
-def nbytes_of(obj: Movable) -> int:
-    """Bytes of a module's parameters and buffers, or of a list of tensors; shared storage counted once."""
+CUDA_BLOCK = 512  # torch's CUDA caching allocator rounds every allocation up to this
+
+
+def nbytes_of(obj: Movable, block: int = 1) -> int:
+    """Bytes of a module's parameters and buffers, or of a list of tensors; shared storage
+    counted once; each storage rounded up to a multiple of `block` (CUDA_BLOCK gives what
+    `torch.cuda.memory_allocated` will count for them)."""
     tensors = list(obj.parameters()) + list(obj.buffers()) if isinstance(obj, nn.Module) else obj
     seen: set[tuple[int, int]] = set()
     total = 0
@@ -37,7 +42,7 @@ def nbytes_of(obj: Movable) -> int:
         key = (t.untyped_storage().data_ptr(), t.device.index or 0)
         if t.numel() and key not in seen:
             seen.add(key)
-            total += t.untyped_storage().nbytes()
+            total += -(-t.untyped_storage().nbytes() // block) * block
     return total
 
 
@@ -100,9 +105,17 @@ class DeviceMemory:
         return None
 
     def bytes_in_use(self) -> int:
-        """Device bytes this role holds: torch's allocation on a real GPU, the ledger on fake
-        GPUs (per device), 0 on the CPU."""
+        """Device bytes this role holds: torch's allocation on a real GPU (after dropping
+        torch's caches), the ledger on fake GPUs (per device), 0 on the CPU."""
         if self.kind == "cuda":
+            # cuBLAS keeps its workspace (32 MiB on Hopper) in torch's allocator: it is cache, not
+            # state, and cuBLAS makes a new one at the next matmul. Free it, or every lease
+            # handoff would report it as memory the role forgot to offload.
+            torch.cuda.synchronize()
+            clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
+            if clear is not None:
+                clear()
+            torch.cuda.empty_cache()
             return sum(torch.cuda.memory_allocated(i) for i in range(torch.cuda.device_count()))
         if self.kind == "fake":
             return sum(self._ledger.values())
@@ -118,7 +131,7 @@ class DeviceMemory:
         """
         if where not in ("device", "cpu"):
             raise ValueError(f"where={where!r} must be 'device' or 'cpu'")
-        nbytes = nbytes_of(obj)
+        nbytes = nbytes_of(obj, CUDA_BLOCK if self.kind == "cuda" else 1)
         if where == "device":
             self.account(tag, nbytes)  # account first: a lease violation must not allocate
             if self.kind == "cuda":
