@@ -86,7 +86,7 @@ class Supervisor:
                  heartbeat_timeout: float | None = None, max_restarts: int = 3,
                  restart_window_s: float = 60.0, shutdown_grace_s: float = 5.0,
                  ready_timeout_s: float = 300.0, transport: str = "ipc", host: str = "127.0.0.1",
-                 max_message_bytes: int = 4 << 30, gpus: Sequence[int] = (), fake_gpus: int = 0,
+                 max_message_bytes: int = 16 << 30, gpus: Sequence[int] = (), fake_gpus: int = 0,
                  fake_gpu_bytes: int = 80 << 30, stats_interval_s: float = 1.0):
         if transport not in ("ipc", "tcp"):
             raise ValueError(f"transport={transport!r}: allowed values are 'ipc' and 'tcp'")

@@ -109,7 +109,7 @@ class WireConfig:
     """Limits and transport choices shared by every socket of a run."""
 
     token: str
-    max_message_bytes: int = 4 << 30
+    max_message_bytes: int = 16 << 30
     shm_prefix: str | None = None  # None: no shared memory (e.g. across hosts)
     shm_min_bytes: int = 1 << 20
     _pool: shm.SegmentPool | None = field(default=None, repr=False)
@@ -120,7 +120,9 @@ class WireConfig:
         """Decoding msgpack can cost up to ~80 bytes of Python objects per byte received (an
         array of empty maps), so the msgpack part is capped at 1/128 of max_message_bytes:
         decoding any message then allocates less than max_message_bytes. Arrays, the bulk
-        of any large message, travel as frames and are not decoded into objects."""
+        of any large message, travel as frames and are not decoded into objects. The default
+        (16 GiB / 128 = 128 MiB) fits an engine's reply of 512 responses of 8192 tokens with
+        their log-probs as lists (~60 MB of msgpack)."""
         return self.max_message_bytes // 128
 
     def __post_init__(self):
