@@ -96,6 +96,9 @@ class MonitorState:
         row.state = "dead"
         row.last_error = event.get("reason")
 
+    def _on_stopped(self, event: dict) -> None:
+        self._row(event).state = "stopped"  # a clean shutdown: no error to show
+
     def _on_restarted(self, event: dict) -> None:
         row = self._row(event)
         row.restarts = event.get("restarts", row.restarts + 1)

@@ -239,7 +239,7 @@ class Supervisor:
             children = list(self._children.values())
         self._wake()
         self._thread.join(timeout=5)
-        self._stop_children(children, reason="supervisor shutdown")
+        self._stop_children(children, reason="supervisor shutdown", event="stopped")
         self._spawner.shutdown()
         self.caller.close()
         self._control.disable_monitor()
@@ -469,8 +469,10 @@ class Supervisor:
         self._stop_children(children, reason=f"supervisor gave up: {message}")
         self.caller.fail_all(self._failure)
 
-    def _stop_children(self, children: list[_Child], reason: str) -> None:
-        """SIGTERM all at once, wait the grace period, SIGKILL the rest (and their descendants)."""
+    def _stop_children(self, children: list[_Child], reason: str, event: str = "died") -> None:
+        """SIGTERM all at once, wait the grace period, SIGKILL the rest (and their descendants).
+
+        `event` is "died" when the stop is a failure's consequence, "stopped" at a clean shutdown."""
         live = [c for c in children if c.process is not None and c.process.exitcode is None]
         for c in live:
             try:
@@ -490,7 +492,7 @@ class Supervisor:
                 err = ActorDied(c.spec.name, c.incarnation, reason)
                 self.directory.mark_dead(c.spec.name, c.incarnation, err)
                 self.caller.fail_destination(c.spec.name, c.incarnation, err)
-                self.bus.publish("died", role=c.spec.name, incarnation=c.incarnation, pid=c.process.pid,
+                self.bus.publish(event, role=c.spec.name, incarnation=c.incarnation, pid=c.process.pid,
                                  gpus=list(c.spec.gpus), reason=reason, error_file=None)
 
     def _notify_children(self, notice: dict) -> None:

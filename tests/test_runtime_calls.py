@@ -142,4 +142,6 @@ def test_events_log_lifecycle(sup, run_dir):
         assert k in kinds
     state = next(ev for ev in events if ev["event"] == "state")
     assert state["role"] == "e" and state["new"] == "ready" and state["pid"] > 0
+    assert [ev["role"] for ev in events if ev["event"] == "stopped"] == ["e"]  # clean: not "died"
+    assert not [ev for ev in events if ev["event"] == "died"]
     assert kinds[-1] == "shutdown"
