@@ -206,7 +206,7 @@ class _Child:
             if now >= next_beat:
                 sock.send_multipart(control_message("heartbeat", boot.token, {
                     "calls": self.calls, "errors": self.errors, "rejected": self.rejected,
-                    "stale_replies": self.caller.stale_replies}))
+                    "stale_replies": self.caller.stale_replies, "bad_replies": self.caller.bad_replies}))
                 next_beat = now + boot.heartbeat_interval
             if sock.poll(int(max(0.0, next_beat - time.monotonic()) * 1000)):
                 kind, token, payload = sock.recv_multipart()

@@ -405,7 +405,7 @@ class Supervisor:
             roles[c.spec.name] = {"incarnation": c.incarnation, "pid": c.process.pid, "rss_bytes": rss,
                                   "cpu": cpu, "calls_total": c.stats.get("calls", 0),
                                   "errors_total": c.stats.get("errors", 0),
-                                  "rejected_total": c.stats.get("rejected", 0)}
+                                  "rejected_total": c.stats.get("rejected", 0) + c.stats.get("bad_replies", 0)}
         self.bus.publish("role_stats", roles=roles)
 
     # -- death and restarts ---------------------------------------------------------------

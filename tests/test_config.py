@@ -196,10 +196,10 @@ def test_from_dict_validates_values_and_fills_missing_keys():
     with pytest.raises(ConfigError, match=r"--lr 'fast' \(optimizer.lr\): expected float"):
         from_dict(d)
     d = to_dict(tiny_ppo())
-    del d["logging"]["log_interval"]
+    del d["logging"]["dump_samples"]
     d["optimizer"]["clip_grad"] = 1  # an int where a float belongs
     cfg = from_dict(d)
-    assert cfg.logging.log_interval == 1 and isinstance(cfg.optimizer.clip_grad, float)
+    assert cfg.logging.dump_samples is True and isinstance(cfg.optimizer.clip_grad, float)
 
 
 def test_override_rejects_unknown_fields():

@@ -67,7 +67,7 @@ FIELD_RULES = [
     ({"num_reward_workers": 0}, ["--num-reward-workers 0", "reward.num_reward_workers"]),
     ({"reward_timeout": 0.0}, ["--reward-timeout 0.0"]),
     ({"save_interval": 0, "save": "ck"}, ["--save-interval 0", "checkpoint.save_interval"]),
-    ({"log_interval": 0}, ["--log-interval 0", "logging.log_interval"]),
+    ({"max_skipped_updates": -1}, ["--max-skipped-updates -1", "training.max_skipped_updates"]),
     ({"actor_num_gpus_per_node": 0}, ["--actor-num-gpus-per-node 0"]),
     ({"tensor_model_parallel_size": 0}, ["--tensor-model-parallel-size 0", ">= 1"]),
     ({"lr": "1e-3"}, ["--lr '1e-3'", "optimizer.lr", "expected float, got str"]),

@@ -203,7 +203,6 @@ class LoggingConfig:
     wandb_project: str | None = knob(None)
     dump_samples: bool = knob(True, "write each rollout's prompts, responses and rewards to "
                               "run_dir/samples as jsonl")
-    log_interval: int = knob(1, "log metrics every N rollouts", ge=1)
 
 
 @dataclass(frozen=True, kw_only=True)
