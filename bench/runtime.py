@@ -2,14 +2,20 @@
 
     python -m bench.runtime [--json FILE] [--quick] [--peers tandem,ray,mp]
 
-Three measurements, every one in a fresh process of its own and one at a time, so a
+Four measurements, every one in a fresh process of its own and one at a time, so a
 peer's daemons (Ray's raylet and GCS, Tandem's role processes) are gone before the
 next peer starts:
 
   round trip  p50/p99 of a blocking call to a no-op endpoint that returns its small
               argument, after a warm-up
-  transfer    a numpy uint8 array of 1, 64 and 256 MiB sent to the actor, which
-              returns ``a.nbytes``; GB/s (1e9 bytes/s) of the median call after warm-up
+  transfer    a plain numpy uint8 array of 1, 64 and 256 MiB sent to the actor, which
+              returns ``a.nbytes``; GB/s (1e9 bytes/s) of the median call after warm-up.
+              Every peer copies the bytes at least once, so one memcpy in one process
+              (measured first, reported beside the table) bounds these rows.
+  shared      the same arrays placed in shared memory once, before timing, the way each
+              peer offers: Tandem ``shared_empty``, Ray ``ray.put`` (the actor gets the
+              ObjectRef's value), multiprocessing ``shared_memory.SharedMemory`` (the
+              worker attaches by name); then sent as above, with nothing copied
   spawn       start the runtime (``Supervisor()``, ``ray.init()``, nothing for mp) and
               8 actors, and get a first reply from each; median over fresh processes,
               the peers taking turns so that a change in machine load hits all of them
@@ -82,6 +88,8 @@ def metrics_of(plan: Plan) -> list[Metric]:
             Metric("round_trip_p99_us", "round trip p99 (us)", False, "{:.0f}"),
             *[Metric(f"transfer_{_size_label(n)}_gbps", f"{n >> 20} MiB transfer (GB/s)", True, "{:.2f}")
               for n in plan.transfer_bytes],
+            *[Metric(f"shared_{_size_label(n)}_gbps", f"{n >> 20} MiB shared array (GB/s)", True, "{:.1f}")
+              for n in plan.transfer_bytes],
             Metric(f"spawn_{plan.num_actors}_s", f"spawn {plan.num_actors} actors (s)", False, "{:.2f}")]
 
 
@@ -98,6 +106,8 @@ class Target:
 TARGETS = (Target("round-trip p50 at most 1/5 of Ray's", "round_trip_p50_us", 1 / 5),
            Target("64 MiB transfer at least 2x Ray's GB/s", "transfer_64MiB_gbps", 2.0),
            Target("256 MiB transfer at least 2x Ray's GB/s", "transfer_256MiB_gbps", 2.0),
+           Target("64 MiB shared array at least 2x Ray's GB/s", "shared_64MiB_gbps", 2.0),
+           Target("256 MiB shared array at least 2x Ray's GB/s", "shared_256MiB_gbps", 2.0),
            Target("spawning 8 actors at most 1/2 of Ray's time", "spawn_8_s", 1 / 2))
 
 
@@ -152,6 +162,19 @@ class _TandemPeer:
     def call_all(self, method: str, arg: Any) -> list:
         return self._gather([getattr(a, method).call(arg) for a in self._actors])
 
+    def share(self, array: np.ndarray):
+        from runtime import shared_empty
+
+        shared = shared_empty(array.shape, array.dtype)
+        shared[...] = array
+        return shared
+
+    def call_shared(self, method: str, shared) -> Any:
+        return self.call(method, shared)
+
+    def unshare(self, shared) -> None:
+        pass
+
     def close(self) -> None:
         if self._sup is not None:
             self._sup.shutdown()
@@ -176,14 +199,39 @@ class _RayPeer:
     def call_all(self, method: str, arg: Any) -> list:
         return self._ray.get([getattr(a, method).remote(arg) for a in self._actors])
 
+    def share(self, array: np.ndarray):
+        return self._ray.put(array)
+
+    def call_shared(self, method: str, ref) -> Any:
+        return self.call(method, ref)  # Ray hands the actor the object's value, zero-copy
+
+    def unshare(self, ref) -> None:
+        del ref
+
     def close(self) -> None:
         self._ray.shutdown()
 
 
 def _mp_serve(requests, responses) -> None:
+    from multiprocessing import shared_memory
+
     sink = Sink()
     for method, arg in iter(requests.get, None):
-        responses.put(getattr(sink, method)(arg))
+        if isinstance(arg, _SharedRef):  # attach by name, as stdlib code would
+            block = shared_memory.SharedMemory(arg.name)
+            array = np.ndarray(arg.shape, arg.dtype, buffer=block.buf)
+            responses.put(getattr(sink, method)(array))
+            del array
+            block.close()
+        else:
+            responses.put(getattr(sink, method)(arg))
+
+
+@dataclass(frozen=True)
+class _SharedRef:
+    name: str
+    shape: tuple
+    dtype: str
 
 
 class _MultiprocessingPeer:
@@ -207,6 +255,20 @@ class _MultiprocessingPeer:
         for requests, _ in self._queues:
             requests.put((method, arg))
         return [responses.get() for _, responses in self._queues]
+
+    def share(self, array: np.ndarray):
+        from multiprocessing import shared_memory
+
+        block = shared_memory.SharedMemory(create=True, size=array.nbytes)
+        np.ndarray(array.shape, array.dtype, buffer=block.buf)[...] = array
+        return block, _SharedRef(block.name, array.shape, array.dtype.str)
+
+    def call_shared(self, method: str, shared) -> Any:
+        return self.call(method, shared[1])
+
+    def unshare(self, shared) -> None:
+        shared[0].close()
+        shared[0].unlink()
 
     def close(self) -> None:
         for requests, _ in self._queues:
@@ -252,25 +314,43 @@ def _measure_calls(peer, plan: Plan) -> dict:
             t0 = time.perf_counter_ns()
             peer.call("echo", SMALL_ARG)
             round_trips_ns.append(time.perf_counter_ns() - t0)
-        transfers = {}
+        transfers, shared = {}, {}
         for nbytes in plan.transfer_bytes:
             array = np.ones(nbytes, dtype=np.uint8)  # pages touched: the sender's faults are not timed
-            rates = []
-            for i in range(plan.num_warmup_transfers + plan.num_transfers):
-                t0 = time.perf_counter()
-                got = peer.call("nbytes", array)
-                seconds = time.perf_counter() - t0
-                if got != nbytes:
-                    raise RuntimeError(f"nbytes returned {got} for an array of {nbytes} bytes")
-                if i >= plan.num_warmup_transfers:
-                    rates.append(nbytes / seconds / 1e9)
-            transfers[_size_label(nbytes)] = rates
-            del array
+            transfers[_size_label(nbytes)] = _rates(lambda: peer.call("nbytes", array), nbytes, plan)
+            placed = peer.share(array)
+            shared[_size_label(nbytes)] = _rates(lambda: peer.call_shared("nbytes", placed), nbytes, plan)
+            peer.unshare(placed)
     finally:
         peer.close()
     p50, p99 = np.percentile(np.array(round_trips_ns) / 1e3, [50, 99])
     return {"round_trip_p50_us": float(p50), "round_trip_p99_us": float(p99),
-            "transfer_gbps": transfers}
+            "transfer_gbps": transfers, "shared_gbps": shared}
+
+
+def _rates(send: Callable[[], Any], nbytes: int, plan: Plan) -> list[float]:
+    """GB/s of each timed call of ``send`` (which must return nbytes), after the warm-up."""
+    rates = []
+    for i in range(plan.num_warmup_transfers + plan.num_transfers):
+        t0 = time.perf_counter()
+        got = send()
+        seconds = time.perf_counter() - t0
+        if got != nbytes:
+            raise RuntimeError(f"nbytes returned {got} for an array of {nbytes} bytes")
+        if i >= plan.num_warmup_transfers:
+            rates.append(nbytes / seconds / 1e9)
+    return rates
+
+
+def memcpy_gbps(plan: Plan) -> dict[str, float]:
+    """One copy between two pre-faulted arrays in one process, median GB/s per size: the
+    most a transfer that copies once can reach on this machine."""
+    out = {}
+    for nbytes in plan.transfer_bytes:
+        src, dst = np.ones(nbytes, dtype=np.uint8), np.zeros(nbytes, dtype=np.uint8)
+        out[_size_label(nbytes)] = statistics.median(
+            _rates(lambda: np.copyto(dst, src) or nbytes, nbytes, plan))
+    return out
 
 
 def _worker(peer_name: str, job: str, plan: Plan, conn) -> None:
@@ -371,6 +451,8 @@ def run(peers: Sequence[str] = PEERS, *, quick: bool = False,
     plan = QUICK if quick else FULL
     results: dict = {"date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
                      "quick": quick, "plan": asdict(plan), "machine": machine_info(), "peers": {}}
+    progress("memcpy in this process")
+    results["memcpy_gbps"] = memcpy_gbps(plan)
     measured = []
     for name in peers:
         if name == "ray" and importlib.util.find_spec("ray") is None:
@@ -390,11 +472,13 @@ def run(peers: Sequence[str] = PEERS, *, quick: bool = False,
         out = _in_fresh_process(name, "calls", plan)
         leftovers[name] += out["leftover_processes"]
         metrics = {"round_trip_p50_us": out["round_trip_p50_us"], "round_trip_p99_us": out["round_trip_p99_us"]}
-        for label, rates in out["transfer_gbps"].items():
-            metrics[f"transfer_{label}_gbps"] = statistics.median(rates)
+        for kind in ("transfer", "shared"):
+            for label, rates in out[f"{kind}_gbps"].items():
+                metrics[f"{kind}_{label}_gbps"] = statistics.median(rates)
         metrics[f"spawn_{plan.num_actors}_s"] = statistics.median(spawns[name])
         results["peers"][name] = {"metrics": metrics,
-                                  "samples": {"transfer_gbps": out["transfer_gbps"], "spawn_s": spawns[name]},
+                                  "samples": {"transfer_gbps": out["transfer_gbps"],
+                                              "shared_gbps": out["shared_gbps"], "spawn_s": spawns[name]},
                                   "leftover_processes_killed": leftovers[name]}
     results["machine"]["load_average_end"] = [round(x, 2) for x in os.getloadavg()]
     results["ratios"] = _ratios(results, plan)
@@ -456,7 +540,9 @@ def render(results: dict):
             row.append(metric.fmt.format(peer["metrics"][metric.key]) if "metrics" in peer else "skipped")
         row += [f"{ratios[metric.key]:.2f}x" for ratios in results["ratios"].values()]
         table.add_row(*row)
-    lines = [Text("^ higher is better, v lower is better; ratio columns are Tandem's value / the peer's")]
+    lines = [Text("^ higher is better, v lower is better; ratio columns are Tandem's value / the peer's"),
+             Text("one memcpy in one process (bounds every copied transfer): "
+                  + ", ".join(f"{label[:-3]} MiB {gbps:.2f} GB/s" for label, gbps in results["memcpy_gbps"].items()))]
     for name, peer in peers.items():
         if "skipped" in peer:
             lines.append(Text(f"note: {name} skipped: {peer['skipped']}", style="yellow"))

@@ -6,7 +6,8 @@ It knows nothing about PPO or models, and imports no torch.
 from runtime.actor import Actor, endpoint
 from runtime.errors import ActorDied, CallTimeout, RemoteError, SupervisionFailed
 from runtime.handle import ActorGroup, ActorHandle, Future, gather, wait_any
+from runtime.shm import shared_empty
 from runtime.supervisor import Supervisor
 
 __all__ = ["Actor", "endpoint", "Supervisor", "ActorHandle", "ActorGroup", "Future", "gather", "wait_any",
-           "RemoteError", "ActorDied", "CallTimeout", "SupervisionFailed"]
+           "shared_empty", "RemoteError", "ActorDied", "CallTimeout", "SupervisionFailed"]

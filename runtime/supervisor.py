@@ -87,9 +87,11 @@ class Supervisor:
                  restart_window_s: float = 60.0, shutdown_grace_s: float = 5.0,
                  ready_timeout_s: float = 300.0, transport: str = "ipc", host: str = "127.0.0.1",
                  max_message_bytes: int = 16 << 30, gpus: Sequence[int] = (), fake_gpus: int = 0,
-                 fake_gpu_bytes: int = 80 << 30, stats_interval_s: float = 1.0):
+                 fake_gpu_bytes: int = 80 << 30, stats_interval_s: float = 1.0, spin_us: int = 500):
         if transport not in ("ipc", "tcp"):
             raise ValueError(f"transport={transport!r}: allowed values are 'ipc' and 'tcp'")
+        if not isinstance(spin_us, int) or not 0 <= spin_us <= 1_000_000:
+            raise ValueError(f"spin_us={spin_us!r}: allowed range is 0..1000000 (0: never poll before sleeping)")
         if heartbeat_interval <= 0:
             raise ValueError(f"heartbeat_interval={heartbeat_interval}: must be > 0 seconds")
         self.run_dir = Path(run_dir).resolve()
@@ -104,7 +106,10 @@ class Supervisor:
         self.run_id = secrets.token_hex(4)
         self.sock_dir = self._make_socket_dir()
         self.cfg = wire.WireConfig(token=secrets.token_hex(16), max_message_bytes=max_message_bytes,
-                                   shm_prefix=f"tandem-{self.run_id}" if transport == "ipc" else None)
+                                   shm_prefix=f"tandem-{self.run_id}" if transport == "ipc" else None,
+                                   spin_us=spin_us)
+        if self.cfg._pool is not None:
+            shm.set_process_pool(self.cfg._pool)  # runtime.shared_empty in the driver
 
         self.bus = EventBus(self.run_dir, socket_dir=self.sock_dir)
         self._ctx = zmq.Context()
@@ -248,6 +253,7 @@ class Supervisor:
         self.bus.close()
         self._ctx.term()
         if self.cfg.shm_prefix:
+            shm.clear_process_pool(self.cfg._pool)
             self.cfg._pool.close()
             shm.remove_all(self.cfg.shm_prefix)
         if self.sock_dir != str(self.run_dir / "sockets"):
@@ -287,7 +293,7 @@ class Supervisor:
         boot = ChildBoot(
             name=spec.name, incarnation=child.incarnation, cls=spec.cls, init_frames=spec.init_frames,
             run_dir=str(self.run_dir), gpus=spec.gpus, mailbox=endpoint, control=self.control_endpoint,
-            token=self.cfg.token, max_message_bytes=self.cfg.max_message_bytes,
+            token=self.cfg.token, max_message_bytes=self.cfg.max_message_bytes, spin_us=self.cfg.spin_us,
             shm_prefix=self.cfg.shm_prefix, heartbeat_interval=self.heartbeat_interval,
             parent_pid=os.getpid(), error_file=self._error_file(child), peers=peers)
         env = {"CUDA_VISIBLE_DEVICES": ",".join(map(str, spec.gpus)), "CUDA_DEVICE_ORDER": "PCI_BUS_ID",

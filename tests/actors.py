@@ -102,3 +102,25 @@ class DiesOnCall(Actor):
     @endpoint
     def crash(self):
         os.kill(os.getpid(), signal.SIGKILL)
+
+
+class SharedUser(Actor):
+    """Writes into arrays it receives and hands out arrays from its own shared memory."""
+
+    @endpoint
+    def fill(self, x, value):
+        x[...] = value
+        return x.nbytes
+
+    @endpoint
+    def make_shared(self, n: int, value: float):
+        from runtime import shared_empty
+
+        a = shared_empty(n, "float32")
+        a[:] = value
+        self.kept = a  # the role keeps writing to it after the reply
+        return a
+
+    @endpoint
+    def write_kept(self, value: float):
+        self.kept[:] = value

@@ -17,14 +17,16 @@ def test_quick_run_of_tandem_and_mp_reports_positive_numbers_and_ratios():
     assert list(results["peers"]) == ["tandem", "mp"]
     keys = {m.key for m in metrics_of(QUICK)}
     assert keys == {"round_trip_p50_us", "round_trip_p99_us", "transfer_1MiB_gbps", "transfer_64MiB_gbps",
-                    "transfer_256MiB_gbps", "spawn_8_s"}
+                    "transfer_256MiB_gbps", "shared_1MiB_gbps", "shared_64MiB_gbps", "shared_256MiB_gbps",
+                    "spawn_8_s"}
     for name, peer in results["peers"].items():
         metrics = peer["metrics"]
         assert set(metrics) == keys, name
         assert all(math.isfinite(v) and v > 0 for v in metrics.values()), (name, metrics)
         assert metrics["round_trip_p50_us"] <= metrics["round_trip_p99_us"]
         assert len(peer["samples"]["spawn_s"]) == QUICK.num_spawns
-        assert all(len(rates) == QUICK.num_transfers for rates in peer["samples"]["transfer_gbps"].values())
+        for kind in ("transfer_gbps", "shared_gbps"):
+            assert all(len(rates) == QUICK.num_transfers for rates in peer["samples"][kind].values())
         assert peer["leftover_processes_killed"] == 0, name
 
     tandem, mp = results["peers"]["tandem"]["metrics"], results["peers"]["mp"]["metrics"]
@@ -32,7 +34,9 @@ def test_quick_run_of_tandem_and_mp_reports_positive_numbers_and_ratios():
     for key, ratio in results["ratios"]["tandem/mp"].items():
         assert ratio == pytest.approx(tandem[key] / mp[key])
     # every target is against Ray, which was not measured
-    assert [t["passed"] for t in results["targets"]] == [None] * 4
+    assert [t["passed"] for t in results["targets"]] == [None] * 6
+    assert set(results["memcpy_gbps"]) == {"1MiB", "64MiB", "256MiB"}
+    assert all(v > 0 for v in results["memcpy_gbps"].values())
 
     machine = results["machine"]
     assert machine["cpus"] >= 1 and len(machine["load_average_start"]) == 3 and "load_average_end" in machine
@@ -41,6 +45,7 @@ def test_quick_run_of_tandem_and_mp_reports_positive_numbers_and_ratios():
     Console(file=out, width=120).print(render(results))
     text = out.getvalue()
     assert "tandem/mp" in text and "spawn 8 actors (s)" in text and "n/a" in text
+    assert "256 MiB shared array" in text and "one memcpy in one process" in text
     assert "FAIL" not in text and "PASS" not in text
 
 
@@ -57,7 +62,7 @@ def test_ray_is_skipped_with_a_note_when_it_is_not_importable(monkeypatch):
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "ray" else find_spec(name, *a))
     results = run(["ray"], quick=True)
     assert "ray is not importable" in results["peers"]["ray"]["skipped"]
-    assert results["ratios"] == {} and [t["passed"] for t in results["targets"]] == [None] * 4
+    assert results["ratios"] == {} and [t["passed"] for t in results["targets"]] == [None] * 6
     out = io.StringIO()
     Console(file=out, width=120).print(render(results))
     assert "note: ray skipped" in out.getvalue()

@@ -205,8 +205,8 @@ BOMBS = {
     "torch shape [2**63, 0]": [header(bufs=[["torch", "uint8", [2**63, 0], 1, 0]]), b""],
     "shape of 100k dims of 2**62": [header(bufs=[["numpy", "uint8", [2**62] * 100_000, 1, 0]]), b""],
     "65 dims": [header(bufs=[["numpy", "uint8", [1] * 65, 1, 1]]), b"x"],
-    "shm name with NUL": [header(bufs=[["numpy", "uint8", [4], [SHM_PREFIX + "-\x00", True], 4]])],
-    "shm name too long": [header(bufs=[["numpy", "uint8", [4], [SHM_PREFIX + "-" + "a" * 5000, True], 4]])],
+    "shm name with NUL": [header(bufs=[["numpy", "uint8", [4], [SHM_PREFIX + "-\x00", 4096, 0], 4]])],
+    "shm name too long": [header(bufs=[["numpy", "uint8", [4], [SHM_PREFIX + "-" + "a" * 5000, 4096, 0], 4]])],
     "numpy dtype that numpy cannot parse": [header(bufs=[["numpy", "f4,,", [1], 1, 4]]), b"xxxx"],
 }
 

@@ -130,6 +130,28 @@ def test_bad_spawn_arguments_are_rejected(sup):
         sup.spawn("x", Echo)
 
 
+@pytest.mark.parametrize("bad", [-1, 1.5, 2_000_000])
+def test_bad_spin_us_is_rejected(run_dir, bad):
+    with pytest.raises(ValueError, match=r"spin_us=.*allowed range is 0\.\.1000000"):
+        Supervisor(run_dir, spin_us=bad)
+
+
+def test_callers_poll_only_for_endpoints_that_reply_within_spin_us(run_dir):
+    with Supervisor(run_dir, spin_us=100_000) as sup:  # 0.1 s, to make polling visible in CPU time
+        e = sup.spawn("e", Echo)
+        e.ping(1)
+        cpu = time.process_time()
+        e.sleep(0.3)  # no history yet: the caller polls for 0.1 s, then sleeps
+        polled = time.process_time() - cpu
+        cpu = time.process_time()
+        e.sleep(0.3)  # replies take longer than spin_us: sleep at once
+        e.sleep(0.3)
+        slept = time.process_time() - cpu
+    assert polled > 0.05 and slept < 0.03, (polled, slept)
+    with Supervisor(run_dir, spin_us=0) as sup:  # never poll: calls still work
+        assert sup.spawn("e", Echo).ping("x") == "x"
+
+
 def test_events_log_lifecycle(sup, run_dir):
     e = sup.spawn("e", Echo)
     e.ping(1)

@@ -122,7 +122,7 @@ def header(**over):
     ([header(bufs=[["torch", "float33", [1], 1, 4]]), b"x" * 4], "unknown torch dtype"),
     ([header(bufs=[["numpy", "uint8", [1 << 40], 1, 1 << 40]]), b""], "out of range"),
     ([header(bufs=[["numpy", "uint8", [-1], 1, 1]]), b"x"], "malformed shape"),
-    ([header(bufs=[["numpy", "uint8", [4], ["/etc/passwd", True], 4]])], "malformed buffer location"),
+    ([header(bufs=[["numpy", "uint8", [4], ["/etc/passwd", 4096, 0], 4]])], "malformed buffer location"),
     ([header(bufs=[["jax", "uint8", [4], 1, 4]]), b"xxxx"], "unknown array library"),
     ([header(body=b"\xd4\x05\x00")], "unknown ext type"),
 ])
@@ -141,7 +141,7 @@ def test_oversized_message_is_rejected_before_decoding():
 
 def test_shared_memory_names_outside_the_run_are_refused():
     cfg = wire.WireConfig(token="t", shm_prefix="tandem-mine")
-    frames = [header(bufs=[["numpy", "uint8", [4], ["tandem-other-1", True], 4]])]
+    frames = [header(bufs=[["numpy", "uint8", [4], ["tandem-other-1", 4096, 0], 4]])]
     with pytest.raises(wire.WireError, match="does not belong to this run"):
         wire.decode_body(cfg, wire.decode_header(cfg, frames), frames)
 

@@ -1,0 +1,108 @@
+"""Arrays allocated in shared memory travel by reference: no copy, only a ticket on the wire."""
+
+import numpy as np
+import pytest
+import torch
+
+from runtime import Supervisor, shared_empty, shm, wire
+from tests.actors import SharedUser
+
+pytestmark = pytest.mark.timeout(60)
+HEADER = {"kind": "call", "id": 1, "src": "a", "dst": "b", "method": "m", "inc": 0, "deadline": None}
+
+
+@pytest.fixture
+def cfg():
+    cfg = wire.WireConfig(token="t", shm_prefix="tandem-test-shared")
+    shm.set_process_pool(cfg._pool)
+    yield cfg
+    shm.clear_process_pool(cfg._pool)
+    cfg._pool.close()
+
+
+def send(cfg, value):
+    enc = wire.encode(cfg, HEADER, value)
+    return enc, wire.decode_body(cfg, wire.decode_header(cfg, enc.frames), enc.frames)
+
+
+def segment_of(cfg, arr) -> str:
+    ptr = arr.ctypes.data if isinstance(arr, np.ndarray) else arr.data_ptr()
+    return next(s.name for s in cfg._pool._segments if s.start <= ptr < s.start + s.size)
+
+
+def test_a_shared_array_and_its_slices_travel_by_reference(cfg):
+    a = shared_empty((1 << 20,), "float32")  # 4 MiB
+    a[:] = np.arange(a.size)
+    enc, b = send(cfg, {"whole": a, "tail": a[1 << 19:]})
+    assert len(enc.frames) == 1  # only the header travels
+    assert [name for name, _ in enc.segments] == [segment_of(cfg, a)] * 2
+    np.testing.assert_array_equal(b["tail"], a[1 << 19:])
+    a[-1] = -5.0  # the receiver sees the sender's memory: nothing was copied
+    assert b["whole"][-1] == -5.0 and b["tail"][-1] == -5.0
+
+
+def test_a_non_contiguous_view_is_copied_into_another_segment(cfg):
+    a = shared_empty((1 << 20,), "float32")
+    a[:] = 1.0
+    enc, b = send(cfg, a[::2])
+    assert enc.segments[0][0] != segment_of(cfg, a)
+    a[0] = 9.0
+    assert b[0] == 1.0  # a copy: later writes do not show
+
+
+def test_torch_dtypes_and_shapes(cfg):
+    t = shared_empty((4, 1 << 17), torch.bfloat16)
+    assert isinstance(t, torch.Tensor) and t.shape == (4, 1 << 17) and t.dtype == torch.bfloat16
+    t.fill_(1.5)
+    enc, u = send(cfg, t)
+    assert len(enc.frames) == 1 and torch.equal(u, t)
+    t[0, 0] = 3.0
+    assert u[0, 0].item() == 3.0
+
+
+def test_a_segment_is_reused_only_when_its_owner_and_every_receiver_let_go(cfg):
+    a = shared_empty(1 << 20, "uint8")
+    first = segment_of(cfg, a)
+    _, b1 = send(cfg, a)  # two receivers, as in a broadcast: two tickets
+    _, b2 = send(cfg, a)
+    del a
+    c = shared_empty(1 << 20, "uint8")
+    assert segment_of(cfg, c) != first  # receivers still view it
+    del b1, c
+    d = shared_empty(1 << 20, "uint8")
+    assert segment_of(cfg, d) != first  # one receiver still does
+    del b2, d
+    assert segment_of(cfg, shared_empty(1 << 20, "uint8")) == first  # the oldest free segment
+
+
+def test_a_receiver_that_died_gives_its_ticket_back(cfg):
+    a = shared_empty(1 << 20, "uint8")
+    first = segment_of(cfg, a)
+    enc = wire.encode(cfg, HEADER, a)  # never decoded: its receiver died
+    cfg.release(enc.segments)
+    del a
+    assert segment_of(cfg, shared_empty(1 << 20, "uint8")) == first
+
+
+def test_shared_empty_outside_a_runtime_says_what_to_do(monkeypatch):
+    monkeypatch.setattr(shm, "_process_pool", None)
+    with pytest.raises(RuntimeError, match="while a Supervisor runs"):
+        shared_empty(4)
+    with pytest.raises(ValueError, match="non-negative"):
+        shm.set_process_pool(shm.SegmentPool("tandem-test-none"))
+        shared_empty((2, -1))
+
+
+def test_shared_arrays_cross_processes_both_ways(run_dir):
+    with Supervisor(run_dir) as sup:
+        u = sup.spawn("u", SharedUser)
+        a = shared_empty(1 << 18, "float32")  # 1 MiB
+        a[:] = 0.0
+        assert u.fill(a, 7.0) == a.nbytes
+        assert np.all(a == 7.0)  # the role wrote into the driver's memory
+        b = u.make_shared(1 << 18, 2.0)
+        assert b.shape == (1 << 18,) and np.all(b == 2.0)
+        u.write_kept(3.0)
+        assert np.all(b == 3.0)  # a view of the role's memory, not a copy
+    with pytest.raises(RuntimeError, match="while a Supervisor runs"):
+        shared_empty(4)  # the supervisor's pool went with it
