@@ -146,17 +146,24 @@ class _Child:
     # -- the mailbox -------------------------------------------------------------------
     def _serve(self, obj, mailbox: zmq.Socket, endpoints: frozenset[str]) -> None:
         spin_ns = self.cfg.spin_us * 1000
+        idle_ns = replied = None  # moving average of the time from a reply to the next message
         while True:
             frames = mailbox.recv_multipart(copy=False)
+            if replied is not None:
+                idle = time.perf_counter_ns() - replied
+                idle_ns = idle if idle_ns is None else idle_ns + (idle - idle_ns) / 8
             ident, msg = frames[0], frames[1:]
             reply = self._handle(obj, endpoints, msg)
             if reply is not None:
                 mailbox.send_multipart([ident, *reply.frames], copy=not reply.zero_copy)
-            # Calls come in bursts (a driver's loop): poll a while before sleeping, as callers
-            # do (runtime.handle), so the next call does not pay a cross-CPU wake-up.
-            end = time.perf_counter_ns() + spin_ns
-            while time.perf_counter_ns() < end and not mailbox.poll(0):
-                os.sched_yield()
+            # While calls come in bursts (a caller's loop), poll a while before sleeping, as
+            # callers do (runtime.handle), so the next call does not pay a cross-CPU wake-up.
+            # When calls are far apart, polling would only take CPU from the work at hand.
+            replied = time.perf_counter_ns()
+            if idle_ns is not None and idle_ns <= spin_ns:
+                end = replied + spin_ns
+                while time.perf_counter_ns() < end and not mailbox.poll(0):
+                    os.sched_yield()
 
     def _reject(self, reason: str) -> None:
         self.rejected += 1
@@ -174,17 +181,20 @@ class _Child:
             self._reject(f"bad token from {hdr.get('src')!r}")
             return None
         if hdr["kind"] != "call" or not isinstance(hdr["method"], str):
+            wire.discard(self.cfg, hdr)
             self._reject(f"not a call: kind={hdr['kind']!r}")
             return None
         reply_hdr = {"kind": "reply", "id": hdr["id"], "src": self.boot.name, "dst": hdr["src"],
                      "method": hdr["method"], "inc": self.boot.incarnation, "deadline": None}
         deadline = hdr["deadline"]
         if isinstance(deadline, (int, float)) and time.time() > deadline:
+            wire.discard(self.cfg, hdr)
             return wire.encode(self.cfg, dict(reply_hdr, kind="timeout"), None)
         self.calls += 1
         try:
             method = hdr["method"]
             if method not in endpoints:
+                wire.discard(self.cfg, hdr)
                 raise AttributeError(
                     f"{type(obj).__name__}.{method} is not an endpoint: decorate it with @endpoint")
             args, kwargs = wire.decode_body(self.cfg, hdr, msg, context=self.caller)

@@ -11,7 +11,7 @@ milliseconds instead of at a timeout.
 A waiter first polls without sleeping for up to ``WireConfig.spin_us`` after the send,
 unless that endpoint's replies usually take longer: a thread that sleeps in poll()
 pays a cross-CPU wake-up when the reply lands, and on a small VM that is most of a
-round trip (measured: 270 us p50 sleeping, 150-190 us polling; docs/benchmarks.md).
+round trip (measured: 264 us p50 sleeping, about 113 us polling; docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -107,7 +107,7 @@ class Future:
         """The call's value; raises RemoteError, ActorDied or CallTimeout."""
         wait_until = None if timeout is None else time.monotonic() + timeout
         if not self._event.is_set():
-            self._caller._spin(self)
+            self._caller._spin(self, None if wait_until is None else int(wait_until * 1e9))
         while not self._event.is_set():
             now = time.monotonic()
             if self.deadline is not None and time.time() >= self.deadline:
@@ -158,10 +158,16 @@ class Caller:
         fut.segments = enc.segments
         with self._state_lock:
             self._pending[call_id] = fut
-        with self._io_lock:
-            if self._closed:
-                raise RuntimeActorError("this process's caller is closed")
-            self._socket(addr.endpoint).send_multipart(enc.frames, copy=not enc.zero_copy)
+        try:
+            with self._io_lock:
+                if self._closed:
+                    raise RuntimeActorError("this process's caller is closed")
+                self._socket(addr.endpoint).send_multipart(enc.frames, copy=not enc.zero_copy)
+        except BaseException:
+            with self._state_lock:
+                self._pending.pop(call_id, None)
+            self._cfg.release(enc.segments)
+            raise
         return fut
 
     def _socket(self, endpoint: str) -> zmq.Socket:
@@ -176,12 +182,15 @@ class Caller:
         return sock
 
     # -- receiving ---------------------------------------------------------------
-    def _spin(self, fut: Future) -> None:
-        """Poll for ``fut``'s reply without sleeping, until spin_us after its send."""
+    def _spin(self, fut: Future, until_ns: int | None) -> None:
+        """Poll for ``fut``'s reply without sleeping, until spin_us after its send (or
+        ``until_ns``, the waiter's own timeout on the monotonic clock, if sooner)."""
         typical = self._reply_ns.get((fut.dst.name, fut.method))
         if not self._spin_ns or (typical is not None and typical > self._spin_ns):
             return  # a slow endpoint: polling would only burn a CPU the actor may need
         end = fut.sent_ns + self._spin_ns
+        if until_ns is not None:
+            end = min(end, until_ns)
         while not fut._event.is_set() and time.perf_counter_ns() < end:
             if self._io_lock.acquire(blocking=False):  # per poll, so senders never wait long
                 try:
@@ -220,13 +229,17 @@ class Caller:
             return
         with self._state_lock:
             fut = self._pending.get(hdr["id"])
-            if fut is None or hdr["inc"] != fut.dst.incarnation:
+            if fut is not None and hdr["inc"] == fut.dst.incarnation:
+                del self._pending[hdr["id"]]
+                key, took = (fut.dst.name, fut.method), time.perf_counter_ns() - fut.sent_ns
+                typical = self._reply_ns.get(key)
+                self._reply_ns[key] = took if typical is None else typical + (took - typical) / 8
+            else:
+                fut = None
                 self.stale_replies += 1  # a reply from a dead incarnation, or for an expired call
-                return
-            del self._pending[hdr["id"]]
-            key, took = (fut.dst.name, fut.method), time.perf_counter_ns() - fut.sent_ns
-            typical = self._reply_ns.get(key)
-            self._reply_ns[key] = took if typical is None else typical + (took - typical) / 8
+        if fut is None:
+            wire.discard(self._cfg, hdr)  # its arrays were never going to be read
+            return
         try:
             body = wire.decode_body(self._cfg, hdr, frames, context=self)
         except wire.WireError as e:

@@ -120,7 +120,7 @@ class WireConfig:
     max_message_bytes: int = 16 << 30
     shm_prefix: str | None = None  # None: no shared memory (e.g. across hosts)
     shm_min_bytes: int = 1 << 20
-    # How long a caller polls for a reply before it sleeps (see Caller.spin). Waking a
+    # How long a caller polls for a reply before it sleeps (see Caller._spin). Waking a
     # sleeping thread on another vCPU costs 30-40 us on the 2-vCPU VM we measured, and a
     # ZeroMQ round trip crosses six threads.
     spin_us: int = 500
@@ -186,9 +186,13 @@ class _Encoder:
     def add_array(self, lib: str, dtype: str, arr: np.ndarray) -> msgpack.ExtType:
         flat = np.ascontiguousarray(arr)  # (1-d for a 0-d arr: the spec keeps arr.shape)
         data = memoryview(flat).cast("B") if arr.size else memoryview(b"")
-        if self.cfg._pool is not None and data.nbytes >= self.cfg.shm_min_bytes:
-            # a view of a shared_empty array travels as a reference; anything else is copied once
-            where: Any = self.cfg._pool.reference(flat) or self.cfg._pool.write(data)
+        pool = self.cfg._pool
+        # A view of a shared_empty array, of any size, travels as a reference; other arrays
+        # from shm_min_bytes up are copied once into a segment, smaller ones go as frames.
+        where: Any = pool.reference(flat) if pool is not None and pool.shared_views else None
+        if where is None and pool is not None and data.nbytes >= self.cfg.shm_min_bytes:
+            where = pool.write(data)
+        if where is not None:
             self.segments.append((where[0], where[2]))
             where = list(where)
         else:
@@ -287,6 +291,18 @@ class _ExtDecoder:
                 raise WireError(f"unknown object codec {tag!r}")
             return _object_codecs[tag].from_state(state, self.context)
         raise WireError(f"unknown ext type {code}")
+
+
+def discard(cfg: WireConfig, hdr: dict) -> None:
+    """Give back the shared memory of a message whose body will not be decoded (a call
+    past its deadline, a stale reply): otherwise its tickets stay set and the sender never
+    reuses those segments. Only for messages that carry the run's token."""
+    for spec in hdr["bufs"]:
+        if isinstance(spec, list) and len(spec) == 5 and isinstance(spec[3], list):
+            try:
+                _decode_buf(cfg, spec, [])  # maps the segment; dropping the view clears the ticket
+            except WireError:
+                pass
 
 
 def _check_size(shape, dtype, needed: int, nbytes: int) -> None:

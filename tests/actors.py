@@ -7,6 +7,8 @@ import os
 import signal
 import time
 
+import numpy as np
+
 from runtime import Actor, endpoint
 
 
@@ -124,3 +126,14 @@ class SharedUser(Actor):
     @endpoint
     def write_kept(self, value: float):
         self.kept[:] = value
+
+    @endpoint
+    def late_array(self, seconds: float, n: int):
+        time.sleep(seconds)
+        return np.ones(n, dtype=np.uint8)  # copied into this role's pool
+
+    @endpoint
+    def pool_is_free(self):
+        from runtime import shm
+
+        return all(s.free() for s in shm._process_pool._segments)

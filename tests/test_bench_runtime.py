@@ -66,3 +66,16 @@ def test_ray_is_skipped_with_a_note_when_it_is_not_importable(monkeypatch):
     out = io.StringIO()
     Console(file=out, width=120).print(render(results))
     assert "note: ray skipped" in out.getvalue()
+
+
+@pytest.mark.timeout(120)
+def test_transport_floor_measures_every_setup(capsys):
+    from bench import transport_floor
+
+    results = transport_floor.run(calls=20)
+    assert list(results) == ["zmq, sleeping", "zmq, polling", "zmq, one CPU", "unix socket"]
+    assert all(len(us) == 20 and (us > 0).all() for us in results.values())
+    assert transport_floor.main(["--calls", "10"]) == 0
+    assert "p50 / zmq sleeping" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        transport_floor.main(["--calls", "3"])

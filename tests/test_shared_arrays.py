@@ -1,10 +1,17 @@
 """Arrays allocated in shared memory travel by reference: no copy, only a ticket on the wire."""
 
+import gc
+import os
+import time
+
 import numpy as np
 import pytest
 import torch
+import zmq
 
-from runtime import Supervisor, shared_empty, shm, wire
+from runtime import CallTimeout, Supervisor, shared_empty, shm, wire
+from runtime.errors import RuntimeActorError
+from runtime.handle import Address, Caller, Directory
 from tests.actors import SharedUser
 
 pytestmark = pytest.mark.timeout(60)
@@ -86,7 +93,7 @@ def test_a_receiver_that_died_gives_its_ticket_back(cfg):
 
 def test_shared_empty_outside_a_runtime_says_what_to_do(monkeypatch):
     monkeypatch.setattr(shm, "_process_pool", None)
-    with pytest.raises(RuntimeError, match="while a Supervisor runs"):
+    with pytest.raises(RuntimeError, match="while a Supervisor.transport=.ipc.. runs"):
         shared_empty(4)
     with pytest.raises(ValueError, match="non-negative"):
         shm.set_process_pool(shm.SegmentPool("tandem-test-none"))
@@ -104,5 +111,60 @@ def test_shared_arrays_cross_processes_both_ways(run_dir):
         assert b.shape == (1 << 18,) and np.all(b == 2.0)
         u.write_kept(3.0)
         assert np.all(b == 3.0)  # a view of the role's memory, not a copy
-    with pytest.raises(RuntimeError, match="while a Supervisor runs"):
+    with pytest.raises(RuntimeError, match="while a Supervisor.transport=.ipc.. runs"):
         shared_empty(4)  # the supervisor's pool went with it
+
+
+def test_small_shared_arrays_are_shared_too(cfg):
+    a = shared_empty(16, "float32")
+    a[:] = 1.0
+    enc, b = send(cfg, a)
+    assert len(enc.frames) == 1  # a reference, although below shm_min_bytes
+    a[0] = 2.0
+    assert b[0] == 2.0
+
+
+def test_a_forked_child_dropping_its_copy_does_not_free_the_parents_view(cfg):
+    a = shared_empty(1 << 20, "uint8")
+    first = segment_of(cfg, a)
+    _, b = send(cfg, a)
+    del a
+    pid = os.fork()
+    if pid == 0:  # the child drops its inherited copy of the received view
+        del b
+        gc.collect()
+        os._exit(0)
+    assert os.waitpid(pid, 0)[1] == 0
+    assert segment_of(cfg, shared_empty(1 << 20, "uint8")) != first  # b still views it
+    del b
+    assert segment_of(cfg, shared_empty(1 << 20, "uint8")) == first
+
+
+def test_a_call_that_cannot_be_sent_gives_its_tickets_back(cfg):
+    directory = Directory()
+    directory.update(Address("x", 0, "ipc:///nonexistent/x.sock"))
+    caller = Caller(zmq.Context.instance(), cfg, "me", directory)
+    caller.close()
+    a = shared_empty(1 << 20, "uint8")
+    first = segment_of(cfg, a)
+    with pytest.raises(RuntimeActorError, match="closed"):
+        caller.call("x", "m", (a,), {}, None)
+    del a
+    assert segment_of(cfg, shared_empty(1 << 20, "uint8")) == first
+
+
+def test_messages_that_are_never_decoded_give_their_shared_memory_back(run_dir):
+    with Supervisor(run_dir) as sup:
+        u = sup.spawn("u", SharedUser)
+        busy = u.late_array.call(0.5, 1)
+        # past its deadline before the role starts it: the role answers "timeout" unread
+        late = u.fill.call(np.zeros(1 << 20, dtype=np.uint8), 1, timeout=0.2)
+        with pytest.raises(CallTimeout):
+            late.result()
+        busy.result()
+        # the reply comes after the caller gave up: the driver drops it unread
+        with pytest.raises(CallTimeout):
+            u.late_array(0.3, 1 << 20, timeout=0.1)
+        time.sleep(0.5)
+        assert u.pool_is_free()
+        assert all(s.free() for s in sup.cfg._pool._segments)
