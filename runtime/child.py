@@ -146,12 +146,11 @@ class _Child:
     # -- the mailbox -------------------------------------------------------------------
     def _serve(self, obj, mailbox: zmq.Socket, endpoints: frozenset[str]) -> None:
         spin_ns = self.cfg.spin_us * 1000
-        idle_ns = replied = None  # moving average of the time from a reply to the next message
+        idle_ns = replied = None  # how long the mailbox was idle before the last message
         while True:
             frames = mailbox.recv_multipart(copy=False)
             if replied is not None:
-                idle = time.perf_counter_ns() - replied
-                idle_ns = idle if idle_ns is None else idle_ns + (idle - idle_ns) / 8
+                idle_ns = time.perf_counter_ns() - replied
             ident, msg = frames[0], frames[1:]
             reply = self._handle(obj, endpoints, msg)
             if reply is not None:

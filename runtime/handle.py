@@ -9,7 +9,7 @@ the pump through an eventfd, which is how a dead actor fails its callers within
 milliseconds instead of at a timeout.
 
 A waiter first polls without sleeping for up to ``WireConfig.spin_us`` after the send,
-unless that endpoint's replies usually take longer: a thread that sleeps in poll()
+unless that endpoint's previous reply took longer: a thread that sleeps in poll()
 pays a cross-CPU wake-up when the reply lands, and on a small VM that is most of a
 round trip (measured: 264 us p50 sleeping, about 113 us polling; docs/benchmarks.md).
 """
@@ -144,7 +144,7 @@ class Caller:
         self.bad_replies = 0
         self._closed = False
         self._spin_ns = cfg.spin_us * 1000
-        self._reply_ns: dict[tuple[str, str], float] = {}  # moving average per (actor, method)
+        self._reply_ns: dict[tuple[str, str], int] = {}  # the last reply's time, per (actor, method)
 
     # -- sending -----------------------------------------------------------------
     def call(self, name: str, method: str, args: tuple, kwargs: dict, timeout: float | None) -> Future:
@@ -185,8 +185,8 @@ class Caller:
     def _spin(self, fut: Future, until_ns: int | None) -> None:
         """Poll for ``fut``'s reply without sleeping, until spin_us after its send (or
         ``until_ns``, the waiter's own timeout on the monotonic clock, if sooner)."""
-        typical = self._reply_ns.get((fut.dst.name, fut.method))
-        if not self._spin_ns or (typical is not None and typical > self._spin_ns):
+        last = self._reply_ns.get((fut.dst.name, fut.method))
+        if not self._spin_ns or (last is not None and last > self._spin_ns):
             return  # a slow endpoint: polling would only burn a CPU the actor may need
         end = fut.sent_ns + self._spin_ns
         if until_ns is not None:
@@ -231,9 +231,7 @@ class Caller:
             fut = self._pending.get(hdr["id"])
             if fut is not None and hdr["inc"] == fut.dst.incarnation:
                 del self._pending[hdr["id"]]
-                key, took = (fut.dst.name, fut.method), time.perf_counter_ns() - fut.sent_ns
-                typical = self._reply_ns.get(key)
-                self._reply_ns[key] = took if typical is None else typical + (took - typical) / 8
+                self._reply_ns[fut.dst.name, fut.method] = time.perf_counter_ns() - fut.sent_ns
             else:
                 fut = None
                 self.stale_replies += 1  # a reply from a dead incarnation, or for an expired call

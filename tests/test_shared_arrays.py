@@ -168,3 +168,18 @@ def test_messages_that_are_never_decoded_give_their_shared_memory_back(run_dir):
         time.sleep(0.5)
         assert u.pool_is_free()
         assert all(s.free() for s in sup.cfg._pool._segments)
+
+
+def test_the_receiver_keeps_mappings_within_its_bound_and_notices_removed_segments(cfg):
+    cfg._reader.max_mapped_bytes = 3 << 20  # room for one 2 MiB segment
+    a, b = shared_empty(1 << 20, "uint8"), shared_empty(1 << 20, "uint8")
+    a[:], b[:] = 1, 2
+    _, ra = send(cfg, a)
+    enc_b, rb = send(cfg, b)
+    assert list(cfg._reader._maps) == [segment_of(cfg, b)]  # a's mapping left the cache...
+    assert ra.sum() == a.nbytes and rb.sum() == 2 * b.nbytes  # ...and lives on under ra
+    del a, b, ra, rb
+    cfg._pool.close()  # the owner removes its segments
+    with pytest.raises(wire.WireError, match="is gone"):
+        wire.decode_body(cfg, wire.decode_header(cfg, enc_b.frames), enc_b.frames)
+    assert not cfg._reader._maps
