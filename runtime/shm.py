@@ -204,9 +204,8 @@ class SegmentReader:
     shared-array call between two processes 15 us faster (bench.runtime's machine). So
     pooled segments stay mapped, least recently used first out, up to
     ``max_mapped_bytes``; a mapping dropped from the cache lives on while arrays view it.
-    A cached segment that its owner removed is noticed at the next message naming it
-    (such a message is invalid anyway: only free segments are removed); until then the
-    cache keeps its pages, which is what the byte bound is for.
+    Segments their owner removed (only free ones are) are let go at the next new mapping
+    or message naming them, and all at ``clear()``; until then the cache keeps their pages.
     """
 
     def __init__(self, prefix: str, max_mapped_bytes: int = 8 << 30):
@@ -240,10 +239,18 @@ class SegmentReader:
                 return mm
         mm = self._map_once(path, unlink_after=False)
         with self._lock:
+            # A new segment is when owners trim old ones: let go of those, so their pages go.
+            for gone in [n for n in self._maps if not os.path.exists(os.path.join(SHM_DIR, n))]:
+                del self._maps[gone]
             self._maps[name] = mm
             while sum(len(m) for m in self._maps.values()) > self.max_mapped_bytes and len(self._maps) > 1:
                 self._maps.popitem(last=False)
         return mm
+
+    def clear(self) -> None:
+        """Let go of every kept mapping (arrays still viewing one keep it alive)."""
+        with self._lock:
+            self._maps.clear()
 
     @staticmethod
     def _map_once(path: str, unlink_after: bool = True) -> mmap.mmap:

@@ -255,6 +255,7 @@ class Supervisor:
         if self.cfg.shm_prefix:
             shm.clear_process_pool(self.cfg._pool)
             self.cfg._pool.close()
+            self.cfg._reader.clear()  # its roles' segments are removed below: free their pages
             shm.remove_all(self.cfg.shm_prefix)
         if self.sock_dir != str(self.run_dir / "sockets"):
             shutil.rmtree(self.sock_dir, ignore_errors=True)

@@ -111,6 +111,8 @@ def test_shared_arrays_cross_processes_both_ways(run_dir):
         assert b.shape == (1 << 18,) and np.all(b == 2.0)
         u.write_kept(3.0)
         assert np.all(b == 3.0)  # a view of the role's memory, not a copy
+        assert sup.cfg._reader._maps  # the driver keeps its mapping of the role's segment
+    assert not sup.cfg._reader._maps  # shutdown lets go of it, so its pages can be freed
     with pytest.raises(RuntimeError, match="while a Supervisor.transport=.ipc.. runs"):
         shared_empty(4)  # the supervisor's pool went with it
 
@@ -165,8 +167,12 @@ def test_messages_that_are_never_decoded_give_their_shared_memory_back(run_dir):
         # the reply comes after the caller gave up: the driver drops it unread
         with pytest.raises(CallTimeout):
             u.late_array(0.3, 1 << 20, timeout=0.1)
-        time.sleep(0.5)
-        assert u.pool_is_free()
+        # The stale reply is read (and dropped) when the driver next pumps, i.e. during the
+        # next call; poll until the role sees its ticket back.
+        deadline = time.monotonic() + 10
+        while not u.pool_is_free():
+            assert time.monotonic() < deadline, "the role's segment was never given back"
+            time.sleep(0.05)
         assert all(s.free() for s in sup.cfg._pool._segments)
 
 
