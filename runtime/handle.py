@@ -107,7 +107,7 @@ class Future:
         """The call's value; raises RemoteError, ActorDied or CallTimeout."""
         wait_until = None if timeout is None else time.monotonic() + timeout
         if not self._event.is_set():
-            self._caller._spin(self, None if wait_until is None else int(wait_until * 1e9))
+            self._caller._spin(self, None if timeout is None else time.perf_counter_ns() + int(timeout * 1e9))
         while not self._event.is_set():
             now = time.monotonic()
             if self.deadline is not None and time.time() >= self.deadline:
@@ -184,7 +184,7 @@ class Caller:
     # -- receiving ---------------------------------------------------------------
     def _spin(self, fut: Future, until_ns: int | None) -> None:
         """Poll for ``fut``'s reply without sleeping, until spin_us after its send (or
-        ``until_ns``, the waiter's own timeout on the monotonic clock, if sooner)."""
+        ``until_ns``, the waiter's own timeout on the perf_counter clock, if sooner)."""
         last = self._reply_ns.get((fut.dst.name, fut.method))
         if not self._spin_ns or (last is not None and last > self._spin_ns):
             return  # a slow endpoint: polling would only burn a CPU the actor may need

@@ -4,8 +4,8 @@ A message is ``[header, frame0, frame1, ...]``. The header is a msgpack map
 ``{kind, id, src, dst, method, inc, deadline, token, bufs, body}`` where ``body``
 is the msgpack-encoded payload in which every array is an ext reference to an
 entry of ``bufs = [(lib, dtype, shape, where)]``; ``where`` is a frame index, or
-``[segment name, offset, ticket]`` for large arrays between processes of one host
-(see runtime.shm).
+``[segment name, offset, ticket]`` for arrays in shared memory between processes of
+one host: large ones, and views of ``shared_empty`` arrays (see runtime.shm).
 Arrays never pass through msgpack or pickle: frames are sent ``copy=False`` from
 64 KiB and decoded as zero-copy views.
 
@@ -120,9 +120,9 @@ class WireConfig:
     max_message_bytes: int = 16 << 30
     shm_prefix: str | None = None  # None: no shared memory (e.g. across hosts)
     shm_min_bytes: int = 1 << 20
-    # How long a caller polls for a reply before it sleeps (see Caller._spin). Waking a
-    # sleeping thread on another vCPU costs 30-40 us on the 2-vCPU VM we measured, and a
-    # ZeroMQ round trip crosses six threads.
+    # How long callers poll for a reply, and actors for the next call, before they sleep
+    # (handle.Caller._spin, child._Child._serve). Waking a sleeping thread on another vCPU
+    # costs 30-40 us on the 2-vCPU VM we measured, and a ZeroMQ round trip crosses six threads.
     spin_us: int = 500
     _pool: shm.SegmentPool | None = field(default=None, repr=False)
     _reader: shm.SegmentReader | None = field(default=None, repr=False)
