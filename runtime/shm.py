@@ -36,6 +36,7 @@ import numpy as np
 SHM_DIR = "/dev/shm"
 HEADER = mmap.PAGESIZE  # ticket bytes; the payload starts on the next page
 TICKETS = HEADER
+_NO_TICKETS = bytes(TICKETS)
 MIN_SEGMENT = 1 << 20
 
 
@@ -51,7 +52,7 @@ def _round_up(n: int) -> int:
 
 
 class _Segment:
-    __slots__ = ("name", "size", "mm", "start", "views", "_cursor")
+    __slots__ = ("name", "size", "mm", "start", "views", "_cursor", "_generation")
 
     def __init__(self, name: str, size: int, mm: mmap.mmap):
         self.name, self.size, self.mm = name, size, mm
@@ -60,20 +61,24 @@ class _Segment:
         del probe  # an exported buffer would keep mm from closing
         self.views = 0  # live local arrays from shared_empty
         self._cursor = 0
+        self._generation = 0
 
-    def issue_ticket(self) -> int | None:
-        """A clear ticket byte, now set; None when all are out. (mmap.find scans in C.)"""
+    def issue_ticket(self) -> tuple[int, int] | None:
+        """A clear ticket byte, now set to a generation 1..255: (ticket, generation); None
+        when all are out. release() clears a ticket only if it still holds its generation,
+        so a late release cannot clear the same byte issued again since. (find scans in C.)"""
         t = self.mm.find(b"\x00", self._cursor, TICKETS)
         if t < 0:
             t = self.mm.find(b"\x00", 0, self._cursor)
             if t < 0:
                 return None
-        self.mm[t] = 1
+        self._generation = self._generation % 255 + 1
+        self.mm[t] = self._generation
         self._cursor = (t + 1) % TICKETS
-        return t
+        return t, self._generation
 
     def free(self) -> bool:
-        return not self.views and self.mm.find(b"\x01", 0, TICKETS) < 0
+        return not self.views and self.mm[:TICKETS] == _NO_TICKETS
 
 
 class SegmentPool:
@@ -93,9 +98,10 @@ class SegmentPool:
     def pooled_bytes(self) -> int:
         return sum(s.size for s in self._segments)
 
-    def write(self, data: memoryview) -> tuple[str, int, int | None]:
-        """Copy ``data`` into a segment; returns its place on the wire: (name, offset, ticket).
-        A ticket of None marks a one-shot segment (beyond ``max_bytes``) the receiver removes."""
+    def write(self, data: memoryview) -> tuple[str, int, int | None, int]:
+        """Copy ``data`` into a segment; returns (name, offset, ticket, generation), the first
+        three for the wire. A ticket of None marks a one-shot segment (beyond ``max_bytes``)
+        that the receiver removes."""
         n = data.nbytes
         with self._lock:
             seg = self._take(n)
@@ -105,11 +111,11 @@ class SegmentPool:
                 pooled = self.pooled_bytes + seg.size <= self.max_bytes
                 if pooled:
                     self._segments.append(seg)
-            ticket = seg.issue_ticket() if pooled else None
+            ticket, generation = seg.issue_ticket() if pooled else (None, 0)
         seg.mm[HEADER:HEADER + n] = data
         if ticket is None:
             seg.mm.close()
-        return seg.name, HEADER, ticket
+        return seg.name, HEADER, ticket, generation
 
     def empty(self, nbytes: int) -> np.ndarray:
         """A uint8 array of ``nbytes`` living in a segment of this pool (contents undefined)."""
@@ -130,15 +136,15 @@ class SegmentPool:
             seg.views -= 1
             self.shared_views -= 1
 
-    def reference(self, arr: np.ndarray) -> tuple[str, int, int] | None:
+    def reference(self, arr: np.ndarray) -> tuple[str, int, int, int] | None:
         """Where a contiguous array lies if it is a view of a shared_empty segment of this
-        pool: (name, offset, ticket), with a fresh ticket; None if it is elsewhere."""
+        pool: (name, offset, ticket, generation), with a fresh ticket; None if elsewhere."""
         ptr, n = arr.ctypes.data, arr.nbytes
         with self._lock:
             for seg in self._segments:
                 if seg.views and seg.start + HEADER <= ptr and ptr + n <= seg.start + seg.size:
-                    ticket = seg.issue_ticket()
-                    return None if ticket is None else (seg.name, ptr - seg.start, ticket)
+                    issued = seg.issue_ticket()
+                    return None if issued is None else (seg.name, ptr - seg.start, *issued)
         return None
 
     def _take(self, n: int) -> _Segment | None:
@@ -174,14 +180,14 @@ class SegmentPool:
             os.close(fd)
         return _Segment(name, size, mm)
 
-    def release(self, name: str, ticket: int | None) -> None:
+    def release(self, name: str, ticket: int | None, generation: int) -> None:
         """Take back a ticket whose message will never be read (its receiver died)."""
         if ticket is None:
             unlink(name)
             return
         with self._lock:
             for s in self._segments:
-                if s.name == name:
+                if s.name == name and s.mm[ticket] == generation:
                     s.mm[ticket] = 0
 
     def close(self) -> None:

@@ -144,14 +144,14 @@ class WireConfig:
 
     def release(self, segments: list) -> None:
         """Take back the shared-memory tickets of a message that will never be read."""
-        for name, ticket in segments:
-            self._pool.release(name, ticket)
+        for name, ticket, generation in segments:
+            self._pool.release(name, ticket, generation)
 
 
 @dataclass
 class Encoded:
     frames: list  # [header bytes, buffers...]
-    segments: list = field(default_factory=list)  # [(shm name, ticket)]
+    segments: list = field(default_factory=list)  # [(shm name, ticket, generation)]
 
     @property
     def zero_copy(self) -> bool:
@@ -189,12 +189,13 @@ class _Encoder:
         pool = self.cfg._pool
         # A view of a shared_empty array, of any size, travels as a reference; other arrays
         # from shm_min_bytes up are copied once into a segment, smaller ones go as frames.
-        where: Any = pool.reference(flat) if pool is not None and pool.shared_views else None
-        if where is None and pool is not None and data.nbytes >= self.cfg.shm_min_bytes:
-            where = pool.write(data)
-        if where is not None:
-            self.segments.append((where[0], where[2]))
-            where = list(where)
+        placed = pool.reference(flat) if pool is not None and pool.shared_views else None
+        if placed is None and pool is not None and data.nbytes >= self.cfg.shm_min_bytes:
+            placed = pool.write(data)
+        if placed is not None:
+            name, offset, ticket, generation = placed
+            self.segments.append((name, ticket, generation))
+            where: Any = [name, offset, ticket]
         else:
             where = len(self.frames) + 1
             self.frames.append(data)

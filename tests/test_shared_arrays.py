@@ -42,7 +42,7 @@ def test_a_shared_array_and_its_slices_travel_by_reference(cfg):
     a[:] = np.arange(a.size)
     enc, b = send(cfg, {"whole": a, "tail": a[1 << 19:]})
     assert len(enc.frames) == 1  # only the header travels
-    assert [name for name, _ in enc.segments] == [segment_of(cfg, a)] * 2
+    assert [name for name, *_ in enc.segments] == [segment_of(cfg, a)] * 2
     np.testing.assert_array_equal(b["tail"], a[1 << 19:])
     a[-1] = -5.0  # the receiver sees the sender's memory: nothing was copied
     assert b["whole"][-1] == -5.0 and b["tail"][-1] == -5.0
@@ -189,3 +189,18 @@ def test_the_receiver_keeps_mappings_within_its_bound_and_notices_removed_segmen
     with pytest.raises(wire.WireError, match="is gone"):
         wire.decode_body(cfg, wire.decode_header(cfg, enc_b.frames), enc_b.frames)
     assert not cfg._reader._maps
+
+
+def test_a_late_release_does_not_clear_the_same_ticket_issued_again(cfg):
+    a = shared_empty(1 << 20, "uint8")
+    seg = next(s for s in cfg._pool._segments if s.views)
+    enc, b = send(cfg, a)  # its receiver reads it, then dies before the reply arrives
+    del b  # the receiver had already let go: its ticket is clear
+    seg._cursor = enc.segments[0][1]  # the ring comes round to the same ticket byte...
+    enc2, b2 = send(cfg, a)  # ...for a message that is being read now
+    assert enc2.segments[0][1] == enc.segments[0][1]
+    cfg.release(enc.segments)  # the death notice for the first message arrives late
+    del a
+    assert not seg.free()  # b2 still holds its ticket
+    del b2
+    assert seg.free()
