@@ -205,13 +205,12 @@ class SegmentReader:
     """The receiving side: maps each pooled segment once and clears a message's ticket when
     the last array viewing that message's bytes is freed.
 
-    Mapping per message (open, fstat, mmap, munmap) made encode+decode+free of one
-    shared array 70-140 us in one process; with the mapping kept, 42-48 us, and a
-    shared-array call between two processes 15 us faster (bench.runtime's machine). So
-    pooled segments stay mapped, least recently used first out, up to
-    ``max_mapped_bytes``; a mapping dropped from the cache lives on while arrays view it.
-    Segments their owner removed (only free ones are) are let go at the next new mapping
-    or message naming them, and all at ``clear()``; until then the cache keeps their pages.
+    Mapping per message costs an open, fstat, mmap and munmap each time; so pooled
+    segments stay mapped, least recently used first out, up to ``max_mapped_bytes``, and a
+    mapping dropped from the cache lives on while arrays view it. An owner removes only
+    free segments, which no valid message names, so a cached mapping needs no check per
+    message; removed ones are let go at the next new mapping and all at ``clear()``, and
+    until then the cache keeps their pages.
     """
 
     def __init__(self, prefix: str, max_mapped_bytes: int = 8 << 30):
@@ -224,10 +223,6 @@ class SegmentReader:
         if not name.startswith(self.prefix + "-") or "/" in name:
             raise ShmError(f"shared-memory segment {name!r} does not belong to this run")
         path = os.path.join(SHM_DIR, name)
-        if not os.path.exists(path):
-            with self._lock:
-                self._maps.pop(name, None)
-            raise ShmError(f"shared-memory segment {name!r} is gone")
         mm = self._mapping(name, path) if ticket is not None else self._map_once(path)
         if not HEADER <= offset <= len(mm) - nbytes:
             raise ShmError(f"bytes {offset}..{offset + nbytes} are outside shared-memory segment "

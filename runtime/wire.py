@@ -121,8 +121,8 @@ class WireConfig:
     shm_prefix: str | None = None  # None: no shared memory (e.g. across hosts)
     shm_min_bytes: int = 1 << 20
     # How long callers poll for a reply, and actors for the next call, before they sleep
-    # (handle.Caller._spin, child._Child._serve). Waking a sleeping thread on another vCPU
-    # costs 30-40 us on the 2-vCPU VM we measured, and a ZeroMQ round trip crosses six threads.
+    # (handle.Caller._spin, child._Child._serve): a ZeroMQ round trip crosses six threads, and
+    # waking them across vCPUs is most of its time (python -m bench.transport_floor).
     spin_us: int = 500
     _pool: shm.SegmentPool | None = field(default=None, repr=False)
     _reader: shm.SegmentReader | None = field(default=None, repr=False)
