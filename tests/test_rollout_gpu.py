@@ -1,6 +1,6 @@
 """Real-GPU paths of the torch rollout backend and DeviceMemory; skipped without CUDA.
 
-Run on the lent GPU: `python -m pytest tests/test_rollout_gpu.py -q`.
+Run on a GPU machine with `bash .ci/gpu` (every test marked `gpu`).
 """
 
 import pytest
@@ -11,7 +11,7 @@ from roles.device import nbytes_of
 from roles.rollout import RolloutEngine
 from roles.weight_sync import checksum_named_tensors, push_weights
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+pytestmark = pytest.mark.gpu
 
 PROMPTS = [[5, 14, 6, 17], [9], [7, 8, 9, 10, 11, 12, 13]]
 
