@@ -1,0 +1,159 @@
+"""HF <-> megatron weight mapper (roles.trainer.megatron.mapper), pure torch on state dicts.
+
+The reference below builds megatron shards with plain loops over heads, groups and rows,
+independently of the mapper's reshapes; the round trip must be bit-identical for several
+TP/PP sizes, for Qwen3 (qk-norm, tied), Llama (untied) and Qwen2 (qkv bias), and the critic.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModel, AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
+
+from roles.trainer.megatron.mapper import hf_to_megatron, megatron_names, megatron_to_hf
+from roles.trainer.megatron.shape import shape_from_hf
+from roles.trainer.model import ValueModel
+
+SMALL = dict(vocab_size=250, hidden_size=32, intermediate_size=48, num_hidden_layers=4,
+             num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=64)
+
+
+def qwen3_config(tied: bool = True) -> Qwen3Config:
+    return Qwen3Config(**SMALL, head_dim=8, tie_word_embeddings=tied)
+
+
+def hf_state(config, critic: bool = False) -> dict[str, torch.Tensor]:
+    """A real HF model's state dict (random init), so every name is one transformers uses."""
+    torch.manual_seed(0)
+    if critic:
+        model = ValueModel(AutoModel.from_config(config), seed=0)
+    else:
+        model = AutoModelForCausalLM.from_config(config)
+    state = {}
+    for name, p in model.named_parameters():  # named_parameters lists a tied weight once
+        state[name] = p.detach().clone().normal_()  # distinct values everywhere
+    return state
+
+
+def reference_qkv(hf, layer, shape, tp_rank, tp_size, prefix="model."):
+    """linear_qkv of one TP rank, row by row: for each of the rank's query groups, its q
+    heads, its k head, its v head."""
+    d = shape.head_dim
+    qpg = shape.num_heads // shape.num_query_groups
+    groups_per_rank = shape.num_query_groups // tp_size
+    q = hf[f"{prefix}layers.{layer}.self_attn.q_proj.weight"]
+    k = hf[f"{prefix}layers.{layer}.self_attn.k_proj.weight"]
+    v = hf[f"{prefix}layers.{layer}.self_attn.v_proj.weight"]
+    rows = []
+    for g in range(tp_rank * groups_per_rank, (tp_rank + 1) * groups_per_rank):
+        for h in range(g * qpg, (g + 1) * qpg):
+            rows += [q[h * d + i] for i in range(d)]
+        rows += [k[g * d + i] for i in range(d)]
+        rows += [v[g * d + i] for i in range(d)]
+    return torch.stack(rows)
+
+
+def reference_fc1(hf, layer, shape, tp_rank, tp_size, prefix="model."):
+    f = shape.ffn_hidden_size // tp_size
+    gate = hf[f"{prefix}layers.{layer}.mlp.gate_proj.weight"]
+    up = hf[f"{prefix}layers.{layer}.mlp.up_proj.weight"]
+    return torch.stack([gate[tp_rank * f + i] for i in range(f)] + [up[tp_rank * f + i] for i in range(f)])
+
+
+@pytest.mark.parametrize("tp,pp", [(1, 1), (2, 1), (1, 2), (2, 2), (4, 4)])
+def test_qwen3_round_trip_is_bit_identical_and_matches_reference(tp, pp):
+    config = qwen3_config()
+    shape = shape_from_hf(config)
+    hf = hf_state(config)
+    states = [[hf_to_megatron(hf, shape, tp_rank=t, tp_size=tp, pp_rank=s, pp_size=pp) for t in range(tp)]
+              for s in range(pp)]
+    per_stage = shape.num_layers // pp
+    for s in range(pp):
+        for t in range(tp):
+            st = states[s][t]
+            for i in range(per_stage):
+                layer = s * per_stage + i
+                assert torch.equal(st[f"decoder.layers.{i}.self_attention.linear_qkv.weight"],
+                                   reference_qkv(hf, layer, shape, t, tp))
+                assert torch.equal(st[f"decoder.layers.{i}.mlp.linear_fc1.weight"], reference_fc1(hf, layer, shape, t, tp))
+                o = hf[f"model.layers.{layer}.self_attn.o_proj.weight"]
+                cols = o.shape[1] // tp
+                assert torch.equal(st[f"decoder.layers.{i}.self_attention.linear_proj.weight"],
+                                   o[:, t * cols:(t + 1) * cols])
+                assert torch.equal(st[f"decoder.layers.{i}.self_attention.q_layernorm.weight"],
+                                   hf[f"model.layers.{layer}.self_attn.q_norm.weight"])
+            if s == 0:
+                emb = st["embedding.word_embeddings.weight"]
+                rows = shape.padded_vocab(tp) // tp
+                assert emb.shape[0] == rows
+                expect = torch.cat([hf["model.embed_tokens.weight"],
+                                    torch.zeros(shape.padded_vocab(tp) - shape.vocab_size, shape.hidden_size)])
+                assert torch.equal(emb, expect[t * rows:(t + 1) * rows])
+            # tied: only a pipelined last stage holds its own output layer (megatron's shared copy)
+            assert ("output_layer.weight" in st) == (s == pp - 1 and pp > 1)
+    back = megatron_to_hf(states, shape)
+    assert set(back) == set(hf)
+    for name, tensor in hf.items():
+        assert torch.equal(back[name], tensor), name
+
+
+@pytest.mark.parametrize("config,tp,pp", [
+    (LlamaConfig(**SMALL, tie_word_embeddings=False), 2, 2),
+    (Qwen2Config(**SMALL, tie_word_embeddings=False), 4, 1),
+    (qwen3_config(tied=False), 2, 4),
+])
+def test_dense_models_round_trip(config, tp, pp):
+    shape = shape_from_hf(config)
+    hf = hf_state(config)
+    states = [[hf_to_megatron(hf, shape, tp_rank=t, tp_size=tp, pp_rank=s, pp_size=pp) for t in range(tp)]
+              for s in range(pp)]
+    if shape.qkv_bias:  # Qwen2: biases fused per group as the weights are
+        bias = states[0][1]["decoder.layers.0.self_attention.linear_qkv.bias"]
+        d, qpg = shape.head_dim, shape.heads_per_group
+        q, k, v = (hf[f"model.layers.0.self_attn.{x}_proj.bias"] for x in "qkv")
+        g = shape.num_query_groups // tp  # first group of TP rank 1
+        assert torch.equal(bias[: qpg * d], q[g * qpg * d:(g + 1) * qpg * d])
+        assert torch.equal(bias[qpg * d:(qpg + 1) * d], k[g * d:(g + 1) * d])
+    assert torch.equal(states[-1][0]["output_layer.weight"], hf["lm_head.weight"].chunk(tp)[0])
+    back = megatron_to_hf(states, shape)
+    assert set(back) == set(hf) and all(torch.equal(back[n], hf[n]) for n in hf)
+
+
+@pytest.mark.parametrize("tp,pp", [(1, 1), (2, 2)])
+def test_critic_round_trip_with_value_head(tp, pp):
+    config = qwen3_config()
+    shape = shape_from_hf(config)
+    hf = hf_state(config, critic=True)
+    states = [[hf_to_megatron(hf, shape, tp_rank=t, tp_size=tp, pp_rank=s, pp_size=pp, critic=True)
+               for t in range(tp)] for s in range(pp)]
+    last = states[-1][0]
+    assert last["output_layer.weight"].shape == (1, shape.hidden_size)  # replicated, not vocab-split
+    assert torch.equal(last["output_layer.bias"], hf["value_head.bias"])
+    assert torch.equal(states[0][tp - 1]["decoder.layers.0.self_attention.linear_qkv.weight"],
+                       reference_qkv(hf, 0, shape, tp - 1, tp, prefix="backbone."))
+    back = megatron_to_hf(states, shape, critic=True)
+    assert set(back) == set(hf) and all(torch.equal(back[n], hf[n]) for n in hf)
+
+
+def test_te_spec_names_the_fused_norms():
+    shape = shape_from_hf(qwen3_config())
+    local = megatron_names(shape, pp_rank=0, pp_size=1)
+    te = megatron_names(shape, pp_rank=0, pp_size=1, spec="te")
+    assert "decoder.layers.0.input_layernorm.weight" in local
+    assert "decoder.layers.0.self_attention.linear_qkv.layer_norm_weight" in te
+    assert "decoder.layers.0.mlp.linear_fc1.layer_norm_weight" in te
+    hf = hf_state(qwen3_config())
+    back = megatron_to_hf([[hf_to_megatron(hf, shape, tp_rank=0, tp_size=1, pp_rank=0, pp_size=1, spec="te")]],
+                          shape, spec="te")
+    assert all(torch.equal(back[n], hf[n]) for n in hf)
+
+
+def test_unsupported_shapes_are_refused_with_the_field():
+    with pytest.raises(ValueError, match="num_key_value_heads=4"):
+        hf_to_megatron(hf_state(qwen3_config()), shape_from_hf(qwen3_config()), tp_rank=0, tp_size=8,
+                       pp_rank=0, pp_size=1)
+    with pytest.raises(ValueError, match="num_hidden_layers=4"):
+        shape_from_hf(qwen3_config()).check_parallel(tp_size=1, pp_size=3)
+    with pytest.raises(ValueError, match="model_type='gpt2' is not built"):
+        shape_from_hf({"model_type": "gpt2"})
