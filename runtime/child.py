@@ -5,6 +5,13 @@ sender. A control thread sends heartbeats with call counters to the supervisor a
 applies its notices (a peer died or restarted) to this process's caller, so calls to a
 dead peer fail at once here too. Anything that escapes writes the traceback to the
 role's error file before the process ends.
+
+Start-up failures are the ones users meet first (a reward module that does not import
+in a fresh interpreter, a class defined inside a function, a script without a
+``__main__`` guard), so they get an error file with the likely fix too: the role's class
+travels as pickled bytes and is unpickled inside ``child_main``, where a failure is
+caught; what fails even earlier, in multiprocessing's own bootstrap, is diagnosed by the
+supervisor from the missing error file (``describe_silent_start``).
 """
 
 from __future__ import annotations
@@ -12,13 +19,15 @@ from __future__ import annotations
 import asyncio
 import ctypes
 import faulthandler
+import multiprocessing
 import os
+import pickle
 import signal
 import sys
 import threading
 import time
 import traceback
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import msgpack
 import zmq
@@ -29,6 +38,7 @@ from runtime.errors import ActorDied
 from runtime.handle import Address, Caller, Directory
 
 PR_SET_PDEATHSIG = 1
+ERROR_FILE_ENV = "TANDEM_ERROR_FILE"  # set in a child's environment: its error file, for bootstrap failures
 
 
 @dataclass(frozen=True)
@@ -52,6 +62,88 @@ class ChildBoot:
     error_file: str
     peers: tuple[tuple[str, int, str], ...]  # (name, incarnation, endpoint) known at spawn
 
+    def __reduce__(self):
+        # The class goes as pickled bytes: unpickling it imports the user's module, and an
+        # import error there must happen inside child_main (error file, likely fix), not in
+        # multiprocessing's bootstrap, which only prints to stderr and exits 1.
+        state = {f.name: getattr(self, f.name) for f in fields(self)}
+        try:
+            state["cls"] = _PickledClass(pickle.dumps(self.cls))
+        except Exception as e:
+            raise StartupError(
+                f"role {self.name!r}: cannot send its class {self.cls!r} to the new process ({e}). "
+                "Likely fix: define the class at the top level of an importable module (not inside "
+                "a function, not in an interactive session), since the spawn start method sends "
+                "it by name") from e
+        return (_rebuild_boot, (state,))
+
+    def load_class(self) -> type:
+        return pickle.loads(self.cls.data) if isinstance(self.cls, _PickledClass) else self.cls
+
+
+@dataclass(frozen=True)
+class _PickledClass:
+    data: bytes
+
+
+def _rebuild_boot(state: dict) -> ChildBoot:
+    return ChildBoot(**state)
+
+
+class StartupError(RuntimeError):
+    """A role cannot be started; the message names the role and the likely fix."""
+
+
+def likely_fix(exc: BaseException, phase: str) -> str | None:
+    """A one-line hint for the start-up failures users meet most, or None."""
+    if isinstance(exc, ImportError):
+        return ("the module exists in the parent but not in this fresh interpreter: install it into "
+                "this environment, or put its directory on PYTHONPATH (a role is a new process "
+                "started with the spawn method; it imports every module again)")
+    if isinstance(exc, (AttributeError, pickle.UnpicklingError)) and phase == "unpickling its class":
+        return ("define the role's class at the top level of an importable module; a class defined "
+                "in a script run from stdin or inside a function cannot be found by name in a new process")
+    if isinstance(exc, SystemExit):
+        return "the role called sys.exit() while starting; raise an exception with a message instead"
+    return None
+
+
+def refuse_bootstrap_reentry(what: str) -> None:
+    """Raise (and write the child's error file) when ``what`` runs while a spawned child
+    re-imports the main module: the script has no ``if __name__ == "__main__":`` guard."""
+    if not getattr(multiprocessing.current_process(), "_inheriting", False):
+        return  # multiprocessing sets _inheriting only while a spawned child prepares its main module
+    # runpy registers the module being re-run as __mp_main__ until it has finished
+    main = getattr(sys.modules.get("__mp_main__"), "__file__", None) or "the main script"
+    message = (f"{what} ran while a spawned role process was importing {main} again: the spawn start "
+               f"method runs the main module's top-level code in every role. Likely fix: put the "
+               f"code that starts the run under `if __name__ == \"__main__\":` in {main}.")
+    error_file = os.environ.get(ERROR_FILE_ENV)
+    if error_file:
+        try:
+            with open(error_file, "w") as f:
+                f.write(f"pid {os.getpid()} failed while importing the main module:\n{message}\n")
+        except OSError:
+            pass
+    raise StartupError(message)
+
+
+def describe_silent_start(name: str, cls: type, reason: str) -> str:
+    """What the supervisor writes as the error file of a child that died before Tandem's
+    code ran in it (no error file at all): the likely causes, most common first."""
+    main = getattr(sys.modules.get("__main__"), "__file__", None)
+    lines = [f"{name} {reason} before its actor code ran, in multiprocessing's bootstrap "
+             "(its traceback went to the process's stderr).",
+             "This file was written by the supervisor. Likely fixes:"]
+    if main:
+        lines.append(f"- {main} is imported again in every role (spawn start method): code at its top "
+                     "level must not fail or start a run there; put it under "
+                     "`if __name__ == \"__main__\":` and check its top-level imports work in a fresh "
+                     "interpreter")
+    lines.append(f"- `python -c 'import {cls.__module__}'` must work in a fresh interpreter with the "
+                 "role's environment (CUDA_VISIBLE_DEVICES, PYTHONPATH)")
+    return "\n".join(lines) + "\n"
+
 
 def control_message(kind: str, token: str, payload: dict) -> list[bytes]:
     return [kind.encode(), token.encode(), msgpack.packb(payload, use_bin_type=True)]
@@ -72,14 +164,16 @@ def child_main(boot: ChildBoot) -> None:
     err = open(boot.error_file, "w")
     faulthandler.enable(err)  # segfaults and fatal signals leave a traceback too
     code = 0
+    child = None
     try:
-        _Child(boot).run()
+        child = _Child(boot)
+        child.run()
     except SystemExit as e:
         code = e.code if isinstance(e.code, int) else 1
-    except BaseException:
-        err.write(f"{boot.name} (incarnation {boot.incarnation}, pid {os.getpid()}) failed:\n")
-        err.write(traceback.format_exc())
-        err.flush()
+        if code and (child is None or child.phase != "serving"):
+            _write_failure(err, boot, child.phase if child else "connecting", e)
+    except BaseException as e:
+        _write_failure(err, boot, child.phase if child else "connecting", e)
         code = 1
     faulthandler.disable()
     empty = err.tell() == 0
@@ -89,6 +183,15 @@ def child_main(boot: ChildBoot) -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)  # skip atexit hooks of libraries that may block on a dead peer
+
+
+def _write_failure(err, boot: ChildBoot, phase: str, exc: BaseException) -> None:
+    err.write(f"{boot.name} (incarnation {boot.incarnation}, pid {os.getpid()}) failed while {phase}:\n")
+    err.write(traceback.format_exc())
+    fix = likely_fix(exc, phase)
+    if fix:
+        err.write(f"Likely fix: {fix}\n")
+    err.flush()
 
 
 def _exit_on_sigterm(signum, frame):
@@ -102,6 +205,7 @@ def _orphaned(*_):
 class _Child:
     def __init__(self, boot: ChildBoot):
         self.boot = boot
+        self.phase = "connecting"  # what the error file says the role was doing when it failed
         self.ctx = zmq.Context()
         self.cfg = wire.WireConfig(token=boot.token, max_message_bytes=boot.max_message_bytes,
                                    shm_prefix=boot.shm_prefix, spin_us=boot.spin_us)
@@ -131,17 +235,22 @@ class _Child:
         mailbox.bind(boot.mailbox)
         threading.Thread(target=self._control_loop, name="tandem-control", daemon=True).start()
 
-        obj = boot.cls.__new__(boot.cls)
+        self.phase = "unpickling its class"
+        cls = boot.load_class()
+        obj = cls.__new__(cls)
         obj._tandem_ctx = ActorContext(boot.name, boot.incarnation, boot.run_dir, boot.gpus, self.publish)
         obj._tandem_state = "starting"
+        self.phase = "decoding its arguments"
         hdr = wire.decode_header(self.cfg, boot.init_frames)
         args, kwargs = wire.decode_body(self.cfg, hdr, boot.init_frames, context=self.caller)
+        self.phase = f"running {cls.__name__}.__init__"
         obj.__init__(*args, **kwargs)
         if obj.state == "starting":  # a role may have moved to its own first state already
             obj.set_state("ready", pid=os.getpid())
         with self._events_lock:
             self._events.send_multipart(control_message("ready", boot.token, {"pid": os.getpid()}))
-        self._serve(obj, mailbox, endpoints_of(boot.cls))
+        self.phase = "serving"
+        self._serve(obj, mailbox, endpoints_of(cls))
 
     # -- the mailbox -------------------------------------------------------------------
     def _serve(self, obj, mailbox: zmq.Socket, endpoints: frozenset[str]) -> None:

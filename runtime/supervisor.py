@@ -37,7 +37,8 @@ import zmq
 
 from runtime import shm, wire
 from runtime.actor import endpoints_of
-from runtime.child import ChildBoot, child_main, control_message
+from runtime.child import (ERROR_FILE_ENV, ChildBoot, StartupError, child_main, control_message,
+                           describe_silent_start, refuse_bootstrap_reentry)
 from runtime.errors import ActorDied, SupervisionFailed
 from runtime.events import EventBus, watch_socket
 from runtime.fakegpu import create_fake_devices
@@ -88,6 +89,7 @@ class Supervisor:
                  ready_timeout_s: float = 300.0, transport: str = "ipc", host: str = "127.0.0.1",
                  max_message_bytes: int = 16 << 30, gpus: Sequence[int] = (), fake_gpus: int = 0,
                  fake_gpu_bytes: int = 80 << 30, stats_interval_s: float = 1.0, spin_us: int = 500):
+        refuse_bootstrap_reentry("Supervisor()")  # a script without a __main__ guard, re-run in a role
         if transport not in ("ipc", "tcp"):
             raise ValueError(f"transport={transport!r}: allowed values are 'ipc' and 'tcp'")
         if not isinstance(spin_us, int) or not 0 <= spin_us <= 1_000_000:
@@ -164,9 +166,12 @@ class Supervisor:
             raise ValueError(f"{name}: restart='one_for_all' needs group=NAME (the members restarted together)")
         if not name or "#" in name or "/" in name:
             raise ValueError(f"actor name {name!r}: must be non-empty without '#' or '/'")
-        init = wire.encode(wire.WireConfig(token=self.cfg.token), {
-            "kind": "init", "id": 0, "src": "supervisor", "dst": name, "method": "__init__",
-            "inc": 0, "deadline": None}, [list(args), kwargs])
+        try:
+            init = wire.encode(wire.WireConfig(token=self.cfg.token), {
+                "kind": "init", "id": 0, "src": "supervisor", "dst": name, "method": "__init__",
+                "inc": 0, "deadline": None}, [list(args), kwargs])
+        except (TypeError, ValueError, wire.WireError) as e:
+            raise StartupError(f"role {name!r}: cannot send the arguments of {cls.__name__}(...): {e}") from e
         spec = ChildSpec(name, cls, [bytes(f) for f in init.frames], tuple(int(g) for g in gpus),
                          restart, group, dict(env or {}))
         with self._lock:
@@ -174,7 +179,11 @@ class Supervisor:
                 raise ValueError(f"an actor named {name!r} already exists")
             child = _Child(spec, incarnation=0)
             self._children[name] = child
-            self._start(child)
+            try:
+                self._start(child)
+            except BaseException:
+                del self._children[name]  # nothing started: shutdown must not see a child without a process
+                raise
         return self.handle(name)
 
     def handle(self, name: str) -> ActorHandle:
@@ -298,7 +307,8 @@ class Supervisor:
             shm_prefix=self.cfg.shm_prefix, heartbeat_interval=self.heartbeat_interval,
             parent_pid=os.getpid(), error_file=self._error_file(child), peers=peers)
         env = {"CUDA_VISIBLE_DEVICES": ",".join(map(str, spec.gpus)), "CUDA_DEVICE_ORDER": "PCI_BUS_ID",
-               **({"TANDEM_FAKE_GPU_DIR": self.fake_gpu_dir} if self.fake_gpu_dir else {}), **spec.env}
+               **({"TANDEM_FAKE_GPU_DIR": self.fake_gpu_dir} if self.fake_gpu_dir else {}),
+               ERROR_FILE_ENV: self._error_file(child), **spec.env}
         proc = self._mp.Process(target=child_main, args=(boot,), name=f"tandem:{spec.name}", daemon=False)
         # PR_SET_PDEATHSIG fires when the *thread* that forked the child exits, so every child
         # is forked by one thread that outlives them all (restarts come from the watch thread).
@@ -423,6 +433,9 @@ class Supervisor:
             child.state = "dead"
         spec = child.spec
         err_file = self._error_file(child)
+        if not child.ever_ready and (child.process.exitcode or 0) > 0 and not os.path.exists(err_file):
+            # it failed before child_main ran (which creates the file): say what usually causes that
+            Path(err_file).write_text(describe_silent_start(spec.name, spec.cls, reason))
         err_text = read_text(err_file)
         err = ActorDied(spec.name, child.incarnation, reason, err_file if err_text else None, err_text)
         self.directory.mark_dead(spec.name, child.incarnation, err)
