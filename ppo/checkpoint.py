@@ -8,7 +8,7 @@ resumed with --load.
         optimizer.pt               actor optimizer state            } role (roles/trainer/
         trainer_state.json         optimizer step (= LR schedule), actor RNG  } checkpoint.py)
         driver_state.json          rollout step, weight version, data position, driver RNG,
-                                   the run's config and the model's shape
+                                   the run's counters, the run's config and the model's shape
     CRITIC/                        critic_save(cfg), by default SAVE + "_critic"
       latest, rollout_00003/       the critic's three trainer files (a resume takes the
                                    critic's folder of the actor's step; this `latest` is for tools)
@@ -20,8 +20,14 @@ Atomicity: the critic's folder is written first (the role renames it into place)
 the actor's is assembled in `SAVE/.rollout_00003.partial`, completed with the driver
 state and renamed, and only then is `latest` replaced (temp file + rename). A crash at
 any point leaves `latest` naming the previous complete checkpoint, which is all that a
-resume reads. Renames make this safe against a crash of the process; nothing is fsynced,
-so a power loss may still lose the newest files.
+resume reads. Against a power loss too: every file and directory of a checkpoint is
+fsynced before its rename, the parent directory after it, and `latest` is written to a
+temp file, fsynced, renamed and its directory fsynced, so the tracker never names a
+checkpoint whose bytes are not on the disk (roles.trainer.checkpoint.replace_dir).
+
+With --save-keep-last N only the newest N checkpoints stay (the actor's and the
+critic's); older ones are removed after the tracker has moved, and the one the tracker
+names is never removed.
 """
 
 from __future__ import annotations
@@ -31,7 +37,7 @@ import logging
 import os
 import re
 import shutil
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Protocol
 
@@ -40,7 +46,7 @@ from ppo.config import PPOConfig
 from ppo.config.serialize import to_dict
 from ppo.data import PromptDataset
 from ppo.job import Job
-from roles.trainer.checkpoint import TRAINER_FILES, replace_dir
+from roles.trainer.checkpoint import TRAINER_FILES, replace_dir, sync_dir
 from roles.trainer.rng import capture_rng, restore_rng
 
 logger = logging.getLogger(__name__)
@@ -79,10 +85,23 @@ class Checkpoint:
         return self.state["rollout_step"]
 
 
+@dataclass(kw_only=True)
+class RunCounters:
+    """Counts over the whole run, saved in driver_state.json so that a resumed run goes on
+    counting instead of starting again from 0. (Samples skipped in --prompt-data are counted
+    when the file is read; a resume refuses other data, so that count is the same.)"""
+
+    skipped_updates: float = 0  # optimizer steps skipped for a non-finite loss (--max-skipped-updates)
+    engine_restarts: int = 0
+    scorer_restarts: int = 0
+    skipped_samples: int = 0
+
+
 @dataclass(frozen=True, kw_only=True)
 class ResumePoint:
     step: int  # the first rollout step to run
     version: int  # the engines' weight version
+    counters: RunCounters = field(default_factory=RunCounters)  # where the run's counts stand
 
 
 def rollout_dir_name(step: int) -> str:
@@ -100,33 +119,38 @@ def is_due(cfg: PPOConfig, step: int) -> bool:
     return step == cfg.rollout.num_rollout - 1 or (c.save_interval is not None and (step + 1) % c.save_interval == 0)
 
 
-def save_if_due(job: Job, step: int, *, data: PromptDataset, version: int) -> None:
+def save_if_due(job: Job, step: int, *, data: PromptDataset, version: int,
+                counters: RunCounters | None = None) -> None:
     """The loop's save step: a run checkpoint under --save, an HF export under --save-hf."""
     cfg = job.cfg
     if not is_due(cfg, step):
         return
     if cfg.checkpoint.save is not None:
-        save_checkpoint(cfg.checkpoint.save, step, actor=job.actor,
-                        state=driver_state(cfg, step, data=data, version=version, hf_checkpoint=job.hf_checkpoint),
-                        critic=job.critic, critic_dir=C.critic_save(cfg))
+        state = driver_state(cfg, step, data=data, version=version, hf_checkpoint=job.hf_checkpoint,
+                             counters=counters)
+        save_checkpoint(cfg.checkpoint.save, step, actor=job.actor, state=state, critic=job.critic,
+                        critic_dir=C.critic_save(cfg), keep_last=cfg.checkpoint.save_keep_last)
     if cfg.checkpoint.save_hf is not None:
         job.actor.save_hf(cfg.checkpoint.save_hf.replace("{rollout_id}", str(step)))
     job.sup.publish("checkpoint", step=step, save=cfg.checkpoint.save, save_hf=cfg.checkpoint.save_hf)
 
 
-def driver_state(cfg: PPOConfig, step: int, *, data: PromptDataset, version: int, hf_checkpoint: str) -> dict:
+def driver_state(cfg: PPOConfig, step: int, *, data: PromptDataset, version: int, hf_checkpoint: str,
+                 counters: RunCounters | None = None) -> dict:
     """What the driver process must restore besides the trainers: driver_state.json."""
     return {"format": FORMAT, "rollout_step": step, "weight_version": version, "data": data.state_dict(),
-            "rng": capture_rng(), "model": model_signature(hf_checkpoint), "config": to_dict(cfg)}
+            "rng": capture_rng(), "counters": asdict(counters or RunCounters()),
+            "model": model_signature(hf_checkpoint), "config": to_dict(cfg)}
 
 
 def save_checkpoint(save_dir: str, step: int, *, actor: Saver, state: dict, critic: Saver | None = None,
-                    critic_dir: str | None = None) -> Path:
-    """Write SAVE/rollout_NNNNN (actor + `state`) and the critic's, then point `latest` at it."""
+                    critic_dir: str | None = None, keep_last: int | None = None) -> Path:
+    """Write SAVE/rollout_NNNNN (actor + `state`) and the critic's, then point `latest` at it;
+    with `keep_last`, remove all but the newest `keep_last` checkpoints afterwards."""
     name = rollout_dir_name(step)
     if critic is not None:
         assert critic_dir is not None, "a critic needs its own folder (critic_save(cfg))"
-        critic.save(os.path.join(critic_dir, name))
+        critic.save(os.path.join(critic_dir, name))  # the role fsyncs it (replace_dir)
         write_tracker(critic_dir, name)
     os.makedirs(save_dir, exist_ok=True)
     partial = os.path.join(save_dir, f".{name}.partial")
@@ -136,20 +160,43 @@ def save_checkpoint(save_dir: str, step: int, *, actor: Saver, state: dict, crit
         actor.save(partial)
         with open(os.path.join(partial, DRIVER_STATE_FILE), "w") as f:
             json.dump(state, f)
-        replace_dir(partial, final)
+        replace_dir(partial, final)  # fsyncs every file, the folder, then the rename
     except BaseException:
         shutil.rmtree(partial, ignore_errors=True)
         raise
     write_tracker(save_dir, name)
+    if keep_last is not None:
+        prune(save_dir, keep_last)
+        if critic is not None:
+            prune(critic_dir, keep_last)
     return Path(final)
 
 
 def write_tracker(save_dir: str, name: str) -> None:
-    """Point SAVE/latest at `name`, atomically (a reader sees the old name or the new one)."""
+    """Point SAVE/latest at `name`, atomically (a reader sees the old name or the new one)
+    and durably (after a power loss, the old name or the new one, never an empty file)."""
     tmp = os.path.join(save_dir, f".{TRACKER}.tmp")
     with open(tmp, "w") as f:
         f.write(name + "\n")
+        f.flush()
+        os.fsync(f.fileno())
     os.replace(tmp, os.path.join(save_dir, TRACKER))
+    sync_dir(save_dir)
+
+
+def prune(save_dir: str, keep_last: int) -> list[str]:
+    """Remove all but the newest `keep_last` rollout_NNNNN folders of `save_dir`, never the
+    one that `latest` names; returns the names removed."""
+    tracker = Path(save_dir) / TRACKER
+    current = tracker.read_text().strip() if tracker.is_file() else None
+    found = sorted((p.name for p in Path(save_dir).iterdir() if p.is_dir() and _ROLLOUT_DIR.fullmatch(p.name)),
+                   key=lambda n: int(n.split("_")[1]))
+    removed = [n for n in found[:-keep_last] if n != current]
+    for n in removed:
+        shutil.rmtree(os.path.join(save_dir, n))
+    if removed:
+        sync_dir(save_dir)
+    return removed
 
 
 # ---- resuming -----------------------------------------------------------------------------
@@ -247,8 +294,10 @@ def resume(job: Job, data: PromptDataset) -> ResumePoint:
                            engine_gpus=job.placement.engines)
     restore_rng(ckpt.state["rng"])
     trim_metrics(job.run_dir, ckpt.step)
-    job.sup.publish("resumed", path=str(ckpt.actor_dir), step=ckpt.step, weight_version=version)
-    return ResumePoint(step=ckpt.step + 1, version=version)
+    counters = RunCounters(**ckpt.state.get("counters", {}))  # absent in checkpoints of older versions
+    job.sup.publish("resumed", path=str(ckpt.actor_dir), step=ckpt.step, weight_version=version,
+                    counters=asdict(counters))
+    return ResumePoint(step=ckpt.step + 1, version=version, counters=counters)
 
 
 def trim_metrics(run_dir: Path, last_step: int) -> None:

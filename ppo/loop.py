@@ -14,6 +14,7 @@ Colocated, every GPU is held by one role at a time (docs/architecture.md):
 
 from __future__ import annotations
 
+import contextlib
 import time
 
 import torch
@@ -25,8 +26,10 @@ from ppo.batch import build_batch, select
 from ppo.config import PPOConfig
 from ppo.config.serialize import to_dict
 from ppo.job import Job, start_job
+from ppo.console import RunConsole
 from ppo.logger import RunLogger
 from ppo.rollout import SamplingParams, generate_and_score
+from ppo.trace import TraceWriter
 from runtime import ActorDied, gather
 
 
@@ -34,13 +37,16 @@ class TrainerDied(RuntimeError):
     """A trainer process died: the run stops (its state cannot be rebuilt without a checkpoint)."""
 
 
-def train(cfg: PPOConfig) -> list[dict]:
-    """Run the job the config describes; returns the per-rollout metrics."""
-    job = start_job(cfg)
+def train(cfg: PPOConfig, console: RunConsole | None = None) -> list[dict]:
+    """Run the job the config describes; returns the per-rollout metrics. `console` prints
+    (default: as cfg.logging asks); RUN_DIR/trace.json follows the run's events."""
+    job = start_job(cfg, console)
+    trace = TraceWriter(job.run_dir)
     try:
         return run(job)
     finally:
         job.close()
+        trace.close()
 
 
 def run(job: Job) -> list[dict]:
@@ -57,26 +63,29 @@ def run(job: Job) -> list[dict]:
     log = RunLogger(job.run_dir, num_rollout=cfg.rollout.num_rollout, publish=job.sup.publish,
                     use_tensorboard=cfg.logging.use_tensorboard, use_wandb=cfg.logging.use_wandb,
                     wandb_project=cfg.logging.wandb_project, dump_samples=cfg.logging.dump_samples,
-                    config=to_dict(cfg), start_step=start.step)
+                    config=to_dict(cfg), start_step=start.step, console=job.console)
     version = start.version
-    skipped = 0  # optimizer steps skipped for a non-finite loss or gradient, over the run
+    counters = start.counters  # counts over the run, a resumed run's earlier part included
+    skipped = counters.skipped_updates  # optimizer steps skipped for a non-finite loss or gradient
     try:
         for step in range(start.step, cfg.rollout.num_rollout):
             t_step = time.monotonic()
-            perf: dict[str, float] = {}
+            perf = log.step_phases(step)  # perf/*_time; each phase is a span in RUN_DIR/trace.json
 
             # 1. generate and score (a role that dies here is replaced and its work re-issued)
-            with _timed(perf, "perf/rollout_time"):
+            with perf.phase("rollout"):
                 samples, faults = generate_and_score(
                     engines, job.scorers, data.next_batch(cfg.rollout.rollout_batch_size), sampling, step,
                     decode=tok.decode, eos_id=tok.eos_token_id,
                     recover=lambda role, dead: recover(job, role, dead, version))
             batch = build_batch(samples, pad_id=tok.pad_token_id)
+            counters.engine_restarts += faults.engine_restarts
+            counters.scorer_restarts += faults.scorer_restarts
 
             # 2-3. engines hand the GPUs to the actor: old and reference log-probs
             colo.vacate(job.engine_tenants, ["kv_cache", "weights"])
             colo.occupy([job.actor_tenant], ["params"])
-            with _timed(perf, "perf/log_probs_time"):
+            with perf.phase("log_probs"):
                 batch["old_log_probs"] = actor.compute_log_probs(select(batch))["log_probs"]
                 if C.needs_ref(cfg):
                     batch["ref_log_probs"] = actor.compute_ref_log_probs(select(batch))["log_probs"]
@@ -86,12 +95,14 @@ def run(job: Job) -> list[dict]:
             critic_metrics = {}
             if critic is not None:
                 colo.occupy([job.critic_tenant], ["params"])
-                batch["values"] = critic.compute_values(select(batch))["values"]
-            batch["advantages"], batch["returns"] = advantages(cfg, batch)
+                with perf.phase("values"):
+                    batch["values"] = critic.compute_values(select(batch))["values"]
+            with perf.phase("advantages"):
+                batch["advantages"], batch["returns"] = advantages(cfg, batch)
 
             # 5. critic update
             if critic is not None:
-                with _timed(perf, "perf/critic_train_time"):
+                with perf.phase("critic_train"):
                     critic.onload(["optimizer"])
                     critic_metrics = critic.train(dict(select(batch, "returns"), old_values=batch["values"]))
                 colo.vacate([job.critic_tenant], ["params", "grads", "optimizer"])
@@ -101,7 +112,7 @@ def run(job: Job) -> list[dict]:
             actor_metrics = {}
             if step >= cfg.ppo.num_critic_only_steps:
                 colo.occupy([job.actor_tenant], ["params", "optimizer"])
-                with _timed(perf, "perf/train_time"):
+                with perf.phase("actor_train", metric="perf/train_time"):
                     keys = ("old_log_probs", "advantages") + (("ref_log_probs",) if "ref_log_probs" in batch else ())
                     actor_metrics = actor.train(select(batch, *keys))
                 skipped = check_skipped(cfg, skipped + actor_metrics["skipped_nonfinite"])
@@ -110,13 +121,13 @@ def run(job: Job) -> list[dict]:
                 # 7. weight sync: engines take their memory back, the actor streams buckets
                 colo.occupy(job.engine_tenants, ["weights"])
                 version += 1
-                with _timed(perf, "perf/weight_sync_time"):
+                with colo.sending_weights(job.actor_tenant, job.engine_tenants), perf.phase("weight_sync"):
                     actor.sync_weights(engines, cfg.engine.update_weight_buffer_size, version,
                                        engine_gpus=job.placement.engines)
                 if cfg.engine.check_weight_update_equal:
                     check_weights_equal(job)
                 colo.drop_residual(job.actor_tenant, ["params"])
-                gather([e.resume.call(["kv_cache"]) for e in engines])
+                colo.occupy(job.engine_tenants, ["kv_cache"])
             else:
                 # 8. weights unchanged: engines take back everything they released
                 colo.occupy(job.engine_tenants, ["weights", "kv_cache"])
@@ -129,10 +140,13 @@ def run(job: Job) -> list[dict]:
                            "rollout/skipped_samples": skipped_samples,
                            "rollout/scorer_restarts": faults.scorer_restarts,
                            "train/skipped_updates_total": skipped,
+                           "rollout/engine_restarts_total": counters.engine_restarts,
+                           "rollout/scorer_restarts_total": counters.scorer_restarts,
                            **{f"train/{k}": v for k, v in actor_metrics.items()},
                            **{f"train/critic-{k}": v for k, v in critic_metrics.items()},
                            "rollout/weight_version": version, **perf})
-            checkpoint.save_if_due(job, step, data=data, version=version)
+            counters.skipped_updates, counters.skipped_samples = skipped, skipped_samples
+            checkpoint.save_if_due(job, step, data=data, version=version, counters=counters)
     except ActorDied as e:
         if e.role not in ("actor", "critic"):
             raise
@@ -151,7 +165,12 @@ def recover(job: Job, role, dead_incarnation: int, version: int) -> None:
     job.sup.wait_restarted(role.name, dead_incarnation)
     if role.name.startswith("rollout-") and version > 0:
         gpus = job.placement.engines[job.engines.index(role)]
-        job.actor.sync_weights([role], job.cfg.engine.update_weight_buffer_size, version, engine_gpus=[gpus])
+        # Disaggregated, the actor's GPUs are idle during a rollout: it takes them to send
+        # (a resident actor allocates its bucket buffers there). Colocated it is offloaded.
+        sending = (job.colocation.sending_weights(job.actor_tenant, []) if not job.cfg.placement.colocate
+                   else contextlib.nullcontext())
+        with sending:
+            job.actor.sync_weights([role], job.cfg.engine.update_weight_buffer_size, version, engine_gpus=[gpus])
 
 
 def check_skipped(cfg: PPOConfig, skipped: float) -> float:
@@ -211,13 +230,3 @@ def check_weights_equal(job: Job) -> None:
             raise RuntimeError(f"weight sync check failed: {engine.name} differs from the actor on "
                                f"{len(bad)} tensors, e.g. {bad[:5]}")
 
-
-class _timed:
-    def __init__(self, perf: dict, key: str):
-        self.perf, self.key = perf, key
-
-    def __enter__(self):
-        self.t0 = time.monotonic()
-
-    def __exit__(self, *exc):
-        self.perf[self.key] = self.perf.get(self.key, 0.0) + time.monotonic() - self.t0

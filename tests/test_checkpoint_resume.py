@@ -111,6 +111,88 @@ def test_crash_mid_save_leaves_latest_on_the_previous_checkpoint(tmp_path, train
     assert sorted(os.listdir(tmp_path / "save")) == ["latest", "rollout_00001", "rollout_00003"]
 
 
+def record_disk_ops(monkeypatch) -> list[tuple]:
+    """Every fsync (by the path of its descriptor) and rename, in the order they happen."""
+    ops: list[tuple] = []
+    real_fsync, real_rename, real_replace = os.fsync, os.rename, os.replace
+
+    def fsync(fd):
+        ops.append(("fsync", os.readlink(f"/proc/self/fd/{fd}")))
+        real_fsync(fd)
+
+    def rename(src, dst):
+        real_rename(src, dst)
+        ops.append(("rename", os.path.abspath(src), os.path.abspath(dst)))
+
+    def replace(src, dst):
+        real_replace(src, dst)
+        ops.append(("rename", os.path.abspath(src), os.path.abspath(dst)))
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(os, "rename", rename)
+    monkeypatch.setattr(os, "replace", replace)
+    return ops
+
+
+def test_files_and_folders_reach_the_disk_before_the_tracker_moves(tmp_path, trainers, data, hf, monkeypatch):
+    ops = record_disk_ops(monkeypatch)
+    save(tmp_path, trainers, data, 2, hf)
+    save_dir, final = str(tmp_path / "save"), str(tmp_path / "save" / "rollout_00002")
+
+    def index(op):
+        assert op in ops, f"{op} did not happen: {ops}"
+        return ops.index(op)
+
+    for folder in (final, str(tmp_path / "save_critic" / "rollout_00002")):
+        parent = os.path.dirname(folder)
+        moved = next(i for i, op in enumerate(ops) if op[0] == "rename" and op[2] == folder)
+        tmp = ops[moved][1]
+        files = sorted(os.listdir(folder))
+        assert set(ck.TRAINER_FILES) <= set(files)
+        for f in files:  # each file, then its folder, fsynced before the rename...
+            assert index(("fsync", os.path.join(tmp, f))) < index(("fsync", tmp)) < moved
+        # ...and the parent, which records the rename, after it
+        assert any(op == ("fsync", parent) for op in ops[moved + 1:])
+        tracker = index(("rename", os.path.join(parent, ".latest.tmp"), os.path.join(parent, "latest")))
+        assert moved < index(("fsync", os.path.join(parent, ".latest.tmp"))) < tracker
+        assert ("fsync", parent) in ops[tracker + 1:]  # the tracker's rename is durable too
+    assert "driver_state.json" in os.listdir(final)
+    # the critic's checkpoint is complete before the actor's tracker names the step
+    assert index(("rename", str(tmp_path / "save_critic" / ".latest.tmp"), str(tmp_path / "save_critic" / "latest"))) \
+        < index(("rename", os.path.join(save_dir, ".latest.tmp"), os.path.join(save_dir, "latest")))
+
+
+def test_keep_last_prunes_old_checkpoints_but_never_the_one_the_tracker_names(tmp_path, trainers, data, hf):
+    actor, critic = trainers
+    state = {"format": ck.FORMAT, "rollout_step": 0}
+    for step in (0, 1, 2, 3):
+        ck.save_checkpoint(str(tmp_path / "save"), step, actor=actor, state=dict(state, rollout_step=step),
+                           critic=critic, critic_dir=str(tmp_path / "save_critic"), keep_last=2)
+    assert sorted(os.listdir(tmp_path / "save")) == ["latest", "rollout_00002", "rollout_00003"]
+    assert sorted(os.listdir(tmp_path / "save_critic")) == ["latest", "rollout_00002", "rollout_00003"]
+    # an operator pointed `latest` back at an older checkpoint: pruning keeps it
+    ck.write_tracker(str(tmp_path / "save"), "rollout_00002")
+    for step in (4, 5):
+        os.makedirs(tmp_path / "save" / ck.rollout_dir_name(step))
+    assert ck.prune(str(tmp_path / "save"), 1) == ["rollout_00003", "rollout_00004"]
+    assert sorted(os.listdir(tmp_path / "save")) == ["latest", "rollout_00002", "rollout_00005"]
+
+
+def test_run_counters_travel_in_the_driver_state(tmp_path, trainers, data, hf):
+    counters = ck.RunCounters(skipped_updates=2, engine_restarts=3, scorer_restarts=1, skipped_samples=4)
+    state = ck.driver_state(override(tiny_ppo(), hf_checkpoint=hf), 1, data=data, version=1, hf_checkpoint=hf,
+                            counters=counters)
+    ck.save_checkpoint(str(tmp_path / "save"), 1, actor=trainers[0], state=state, critic=trainers[1],
+                       critic_dir=str(tmp_path / "save_critic"))
+    assert ck.RunCounters(**locate(tmp_path, hf).state["counters"]) == counters
+    assert ck.ResumePoint(step=0, version=0).counters == ck.RunCounters()  # a fresh run counts from 0
+
+
+def test_keep_last_is_validated():
+    problems = validate(override(tiny_ppo(), save="s", save_keep_last=0))
+    assert any("--save-keep-last 0" in p for p in problems)
+
+
 def test_saves_every_interval_and_after_the_last_rollout():
     cfg = override(tiny_ppo(), num_rollout=5, save="s", save_interval=2)
     assert [s for s in range(5) if ck.is_due(cfg, s)] == [1, 3, 4]
@@ -250,19 +332,33 @@ def test_resumed_run_repeats_the_uninterrupted_one(tmp_path):
     for folder in ("a", "a_critic"):  # "the run stopped after rollout 1": its checkpoint, in a new folder
         shutil.copytree(tmp_path / folder / "rollout_00001", tmp_path / folder.replace("a", "b") / "rollout_00001")
         ck.write_tracker(str(tmp_path / folder.replace("a", "b")), "rollout_00001")
+    # the interrupted run had counted restarts and a skipped update: the resumed run goes on from there
+    state_file = tmp_path / "b" / "rollout_00001" / ck.DRIVER_STATE_FILE
+    state = json.loads(state_file.read_text())
+    assert state["counters"] == {"skipped_updates": 0, "engine_restarts": 0, "scorer_restarts": 0,
+                                 "skipped_samples": 0}
+    state["counters"].update(skipped_updates=1, engine_restarts=3, scorer_restarts=2)
+    state_file.write_text(json.dumps(state))
     resumed = train(override(cfg, load=str(tmp_path / "b"), save=str(tmp_path / "b"),
-                             save_hf=str(tmp_path / "hf_{rollout_id}"),
+                             save_hf=str(tmp_path / "hf_{rollout_id}"), save_keep_last=1,
                              check_weight_update_equal=True))  # the engines run the checkpoint's policy
 
     assert [h["step"] for h in resumed] == [2, 3]
     assert [h["rollout/weight_version"] for h in resumed] == [2, 3]
     for want, got in zip(straight[2:], resumed):
         assert set(want) == set(got)
-        differ = {k: (want[k], got[k]) for k in want if not k.startswith("perf/") and want[k] != got[k]}
+        differ = {k: (want[k], got[k]) for k in want
+                  if not k.startswith("perf/") and not k.endswith("_total") and want[k] != got[k]}
         assert differ == {}, f"step {want['step']}: {differ}"
+        assert (got["train/skipped_updates_total"], got["rollout/engine_restarts_total"],
+                got["rollout/scorer_restarts_total"]) == (1, 3, 2)
     logged = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [h["step"] for h in logged] == [0, 1, 2, 3]  # the resume replaced the straight run's 2 and 3
     assert (tmp_path / "b" / "latest").read_text() == "rollout_00003\n"
+    assert sorted(os.listdir(tmp_path / "b")) == ["latest", "rollout_00003"]  # --save-keep-last 1
+    assert sorted(os.listdir(tmp_path / "b_critic")) == ["latest", "rollout_00003"]
+    saved = json.loads((tmp_path / "b" / "rollout_00003" / ck.DRIVER_STATE_FILE).read_text())["counters"]
+    assert (saved["skipped_updates"], saved["engine_restarts"], saved["scorer_restarts"]) == (1, 3, 2)
     assert (tmp_path / "b_critic" / "rollout_00003" / "model.safetensors").exists()
     # --save-hf: the policy of the last rollout (fp32 on fake GPUs), readable by transformers
     from transformers import AutoModelForCausalLM

@@ -34,6 +34,9 @@ RM_TYPES = ("deepscaler", "dapo", "math", "tiny_exact")
 GENERATED_PREFIX = "generated:"
 GENERATED_MODELS = ("tiny-qwen3",)
 GENERATED_DATASETS = ("arithmetic",)
+# What the run prints (ppo.console): "auto" is a progress bar on a terminal and one plain line
+# per rollout otherwise (a file, a pipe, nohup, Slurm); "json" is one JSON object per line.
+LOG_FORMATS = ("auto", "rich", "plain", "json")
 
 
 def knob(default: Any, help: str = "", *, choices: tuple[str, ...] | None = None,
@@ -64,6 +67,8 @@ class CheckpointConfig:
     load: str | None = knob(None, "checkpoint dir to resume the actor from")
     save: str | None = knob(None, "checkpoint dir for the actor")
     save_interval: int | None = knob(None, "save every N rollouts", ge=1)
+    save_keep_last: int | None = knob(None, "keep only the newest N checkpoints under --save (and the "
+                                      "critic's); unset keeps all (miles has no such flag)", ge=1)
     save_hf: str | None = knob(None, "also save HF weights to this path "
                                "('{rollout_id}' is filled in)")
     critic_load: str | None = knob(None, "critic checkpoint dir to resume from; falls back to --load + '_critic'")
@@ -203,6 +208,12 @@ class LoggingConfig:
     wandb_project: str | None = knob(None)
     dump_samples: bool = knob(True, "write each rollout's prompts, responses and rewards to "
                               "run_dir/samples as jsonl")
+    log_format: str = knob("auto", "what the run prints: a progress bar on a terminal and one line "
+                           "per rollout otherwise (auto), or always rich, plain or json lines",
+                           choices=LOG_FORMATS)
+    quiet: bool = knob(False, "print nothing but errors (metrics still go to run_dir/metrics.jsonl)")
+    log_interval_s: float = knob(30.0, "plain and json output: a progress line at least this often "
+                                 "during a long step", gt=0)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -10,6 +10,11 @@ A reader never sees a half-written directory under the final name. A crash while
 leaves a `.tmp-*` sibling to delete, and the previous checkpoint under its name or, if the
 crash falls between the two renames of `replace_dir`, in a `.old-*` sibling.
 
+Durability: a rename is atomic for the processes that watch, but after a power loss the
+file system may hold the new name with empty or missing files unless the data reached the
+disk first. So every file and the temp directory are fsynced before the rename, and the
+parent directory (which records the rename) after it (`sync_tree`, `sync_dir`).
+
 `save_hf_checkpoint` writes the other format: what `AutoModelForCausalLM.from_pretrained`
 reads (weights in the compute dtype, and the source checkpoint's config and tokenizer).
 """
@@ -42,16 +47,45 @@ class TrainerCheckpoint:
     rng: dict
 
 
+def sync_dir(path: str) -> None:
+    """fsync a directory: makes the names created, renamed or removed in it durable."""
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def sync_file(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def sync_tree(root: str) -> None:
+    """fsync every file under `root`, then each directory, deepest first, `root` last."""
+    for dirpath, _, filenames in os.walk(root, topdown=False):
+        for name in sorted(filenames):
+            sync_file(os.path.join(dirpath, name))
+        sync_dir(dirpath)
+
+
 def replace_dir(tmp: str, path: str) -> None:
-    """Rename the finished directory `tmp` to `path`, replacing any directory there."""
+    """Rename the finished directory `tmp` to `path`, replacing any directory there; the
+    contents of `tmp` are made durable first and the rename after (see the module doc)."""
+    sync_tree(tmp)
+    parent = os.path.dirname(os.path.abspath(path))
     if not os.path.exists(path):
         os.rename(tmp, path)
+        sync_dir(parent)
         return
     # Directories cannot be replaced in one rename: move the old one aside first.
-    parent = os.path.dirname(path)
     old = tempfile.mkdtemp(prefix=os.path.basename(path) + ".old-", dir=parent)
     os.rename(path, os.path.join(old, "ckpt"))
     os.rename(tmp, path)
+    sync_dir(parent)
     shutil.rmtree(old)
 
 
