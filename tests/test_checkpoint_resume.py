@@ -191,6 +191,7 @@ def test_run_counters_travel_in_the_driver_state(tmp_path, trainers, data, hf):
 def test_keep_last_is_validated():
     problems = validate(override(tiny_ppo(), save="s", save_keep_last=0))
     assert any("--save-keep-last 0" in p for p in problems)
+    assert any("--save-keep-last is set but --save" in p for p in validate(override(tiny_ppo(), save_keep_last=2)))
 
 
 def test_saves_every_interval_and_after_the_last_rollout():

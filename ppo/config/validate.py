@@ -314,6 +314,8 @@ def _outputs(cfg: PPOConfig) -> list[str]:
     if c.save_interval is not None and c.save is None:
         out.append("--save-interval is set but --save (checkpoint.save) is not. "
                    "Please add --save PATH")
+    if c.save_keep_last is not None and c.save is None:
+        out.append("--save-keep-last is set but --save (checkpoint.save) is not. Please add --save PATH")
     # One folder for both trainers would have each overwrite (or load) the other's weights.
     for flag, actor_dir, critic_dir in (("save", c.save, d.critic_save(cfg)), ("load", c.load, d.critic_load(cfg))):
         if (d.uses_critic(cfg) and actor_dir is not None and critic_dir is not None
@@ -324,4 +326,7 @@ def _outputs(cfg: PPOConfig) -> list[str]:
     if cfg.logging.use_wandb and cfg.logging.wandb_project is None:
         out.append("--use-wandb is set but --wandb-project (logging.wandb_project) is not. "
                    "Please add --wandb-project NAME")
+    if cfg.logging.quiet and cfg.logging.log_format != "auto":
+        out.append(f"--quiet is set and so is --log-format {cfg.logging.log_format} (logging.log_format); "
+                   "quiet prints nothing but errors. Please remove one of them")
     return out
