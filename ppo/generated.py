@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import random
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -27,12 +28,15 @@ NUM_TASK_PROMPTS = 512
 WARM_START_STEPS = 100  # enough for P(digit first) > 0.99 while each digit stays at ~0.1
 
 
-def resolve_paths(cfg: PPOConfig, run_dir: Path) -> tuple[str, str]:
-    """(hf_checkpoint dir, prompt jsonl) for the run, generating them when asked."""
+def resolve_paths(cfg: PPOConfig, run_dir: Path,
+                  begin: Callable[[str], None] = lambda stage: None) -> tuple[str, str]:
+    """(hf_checkpoint dir, prompt jsonl) for the run, generating them when asked; `begin(stage)`
+    is told of each generation step (ppo.console times start-up)."""
     data = cfg.rollout.prompt_data
     task_prompts = None
     if data.startswith(GENERATED_PREFIX):
         task = data.removeprefix(GENERATED_PREFIX)
+        begin(f"writing the {task} task ({NUM_TASK_PROMPTS} prompts)")
         data = TASKS[task].write(run_dir / "data" / f"{task}.jsonl", num_prompts=NUM_TASK_PROMPTS,
                                  seed=cfg.rollout.rollout_seed)
         task_prompts = [json.loads(line)["prompt"] for line in Path(data).read_text().splitlines()]
@@ -44,6 +48,7 @@ def resolve_paths(cfg: PPOConfig, run_dir: Path) -> tuple[str, str]:
             # on prompts of the arithmetic task's shape (its lines are read by the loop, which
             # reports bad ones by file and line)
             prompts = task_prompts or [f"{a}+{b}=" for a in range(5) for b in range(5)]
+            begin(f"building the tiny model ({WARM_START_STEPS} warm-start steps)")
             _build_tiny_model(ckpt, prompts, seed=cfg.training.seed)
     return ckpt, data
 

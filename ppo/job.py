@@ -19,6 +19,7 @@ from ppo import config as C
 from ppo.colocation import Colocation, Tenant, engine_tenant, trainer_tenant
 from ppo.config import PPOConfig
 from ppo.config.serialize import to_dict
+from ppo.console import RunConsole, ready_seconds
 from ppo.data import PromptDataset
 from ppo.generated import resolve_paths
 from ppo.placement import Placement, plan_placement
@@ -27,6 +28,7 @@ from roles.rollout.engine import RolloutEngine
 from roles.trainer.actor import ActorTrainer
 from roles.trainer.critic import CriticTrainer
 from runtime import ActorHandle, Supervisor
+from runtime.events import read_events
 
 FAKE_GPU_BYTES = 80 << 30
 # Quiet, single-threaded library defaults for every role process: roles share the host's
@@ -56,6 +58,7 @@ class Job:
     critic_tenant: Tenant | None
     scorers: list[ActorHandle]
     colocation: Colocation
+    console: RunConsole  # what the run prints (ppo.console)
 
     def close(self) -> None:
         self.sup.shutdown()
@@ -86,7 +89,10 @@ def trainer_config(cfg: PPOConfig, hf_checkpoint: str, *, critic: bool, dtype: s
     }
 
 
-def start_job(cfg: PPOConfig) -> Job:
+def start_job(cfg: PPOConfig, console: RunConsole | None = None) -> Job:
+    """Build the run dir and start the roles; `console` (default: as cfg.logging asks) prints
+    each start-up stage and its time."""
+    console = console or RunConsole.for_config(cfg)
     if cfg.training.train_backend != "torch" or cfg.engine.rollout_backend != "torch":
         # megatron and sglang adapters exist (see roles/), but running them needs CUDA and
         # their packages; the driver wires only the torch backends for now.
@@ -99,8 +105,9 @@ def start_job(cfg: PPOConfig) -> Job:
     (run_dir / "config.json").write_text(json.dumps(to_dict(cfg), indent=2))
     transformers.logging.set_verbosity_error()  # the driver loads tokenizers and builds tiny models too
     transformers.logging.disable_progress_bar()
-    hf_checkpoint, prompt_data = resolve_paths(cfg, run_dir)
+    hf_checkpoint, prompt_data = resolve_paths(cfg, run_dir, begin=console.begin)
     # Bad prompt data and a damaged --load checkpoint fail here, before any role starts.
+    console.begin("loading the tokenizer and data")
     tok = AutoTokenizer.from_pretrained(hf_checkpoint)
     try:
         data = PromptDataset(prompt_data, input_key=cfg.rollout.input_key, label_key=cfg.rollout.label_key,
@@ -120,6 +127,7 @@ def start_job(cfg: PPOConfig) -> Job:
     sup = Supervisor(run_dir, gpus=range(num_gpus), fake_gpus=num_gpus if cfg.placement.fake_gpus else 0,
                      fake_gpu_bytes=FAKE_GPU_BYTES)
     try:
+        console.begin("spawning the roles")
         # Restart policy: engines and scorers hold no state a restart loses (the driver
         # re-syncs a restarted engine's weights and re-issues its work), so they restart
         # alone. A trainer holds the run's state: its death stops the job, to be resumed
@@ -144,13 +152,15 @@ def start_job(cfg: PPOConfig) -> Job:
             critic = sup.spawn("critic", CriticTrainer,
                                trainer_config(cfg, hf_checkpoint, critic=True, dtype=dtype),
                                gpus=plan.critic_gpus, restart="temporary", env=ROLE_ENV)
+        console.begin("waiting for the roles to load their weights")
         t0 = time.monotonic()
         sup.wait_ready()
+        console.roles_ready(ready_seconds(read_events(run_dir)))
         sup.publish("job_ready", seconds=round(time.monotonic() - t0, 3))
     except BaseException:
         sup.shutdown()
         raise
-    return Job(cfg=cfg, run_dir=run_dir, hf_checkpoint=hf_checkpoint, tok=tok, data=data, sup=sup,
+    return Job(cfg=cfg, run_dir=run_dir, hf_checkpoint=hf_checkpoint, tok=tok, data=data, sup=sup, console=console,
                placement=plan, engines=engines, engine_tenants=engine_tenants, actor=actor,
                actor_tenant=trainer_tenant(actor, tuple(plan.actor_gpus)), critic=critic,
                critic_tenant=trainer_tenant(critic, tuple(plan.critic_gpus)) if critic else None,

@@ -1,21 +1,21 @@
-"""Where a run's numbers go: metrics.jsonl, the event bus, optional tensorboard / wandb,
-sample dumps, and the progress bar with its end-of-run summary."""
+"""Where a run's numbers go: metrics.jsonl, the event bus (`metrics`, and the driver's
+`phase` spans), optional tensorboard / wandb, sample dumps, and the console (ppo.console:
+a progress bar, plain lines or json, fitted to where the output goes)."""
 
 from __future__ import annotations
 
 import json
-import math
+import time
 from pathlib import Path
 
-from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
-from rich.table import Table
+from ppo.console import RunConsole
+from ppo.trace import StepPhases
 
 
 class RunLogger:
-    def __init__(self, run_dir: Path, *, num_rollout: int, publish, use_tensorboard: bool = False,
-                 use_wandb: bool = False, wandb_project: str | None = None, dump_samples: bool = True,
-                 config: dict | None = None, start_step: int = 0):
+    def __init__(self, run_dir: Path, *, num_rollout: int, publish, console: RunConsole,
+                 use_tensorboard: bool = False, use_wandb: bool = False, wandb_project: str | None = None,
+                 dump_samples: bool = True, config: dict | None = None, start_step: int = 0):
         self.run_dir = run_dir
         self._metrics = open(run_dir / "metrics.jsonl", "a", buffering=1)
         self._publish = publish
@@ -27,28 +27,31 @@ class RunLogger:
         if use_wandb:
             import wandb  # needs the `logging` extra
             self._wandb = wandb.init(project=wandb_project or "tandem", dir=str(run_dir), config=config)
-        self.console = Console(stderr=True)
+        self.console = console
         self.history: list[dict] = []
-        self._progress = Progress(TextColumn("[bold]PPO"), BarColumn(), MofNCompleteColumn(),
-                                  TextColumn("{task.fields[status]}"), TimeRemainingColumn(),
-                                  console=self.console, transient=False)
-        self._task = self._progress.add_task("ppo", total=num_rollout, completed=start_step, status="")
-        self._progress.start()
+        self._step_t0 = 0.0
+        console.start_training(num_rollout, start_step)
+
+    def step_phases(self, step: int) -> StepPhases:
+        """Rollout `step` begins: its perf/*_time seconds, filled by `with perf.phase(name):`."""
+        self._step_t0 = time.monotonic()
+        self._publish("phase", phase="step", action="begin", track="driver", step=step)
+        return StepPhases(step, self._publish, self.console.phase)
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
         metrics = {k: float(v) for k, v in metrics.items()}
         record = {"step": step, **metrics}
         self.history.append(record)
         self._metrics.write(json.dumps(record) + "\n")
+        self._publish("phase", phase="step", action="end", track="driver", step=step,
+                      seconds=round(time.monotonic() - self._step_t0, 6))
         self._publish("metrics", step=step, metrics=metrics)
         if self._tb is not None:
             for k, v in metrics.items():
                 self._tb.add_scalar(k, v, step)
         if self._wandb is not None:
             self._wandb.log(metrics, step=step)
-        status = (f"reward {metrics.get('rollout/raw_reward', math.nan):.3f}  "
-                  f"step {metrics.get('perf/step_time', math.nan):.2f}s")
-        self._progress.update(self._task, completed=step + 1, status=status)
+        self.console.rollout(step, metrics)
 
     def dump_samples(self, step: int, samples: list[dict]) -> None:
         if not self._dump:
@@ -62,27 +65,9 @@ class RunLogger:
                                                       "weight_version")}) + "\n")
 
     def close(self) -> None:
-        self._progress.stop()
         self._metrics.close()
         if self._tb is not None:
             self._tb.close()
         if self._wandb is not None:
             self._wandb.finish()
-        if self.history:
-            self.console.print(summary_table(self.history))
-
-
-def summary_table(history: list[dict], window: int = 5) -> Table:
-    """First and last `window` rollouts side by side for the headline metrics."""
-    keys = ["rollout/raw_reward", "rollout/response_len", "train/pg_loss", "train/critic-value_loss",
-            "train/ppo_kl", "train/grad_norm", "perf/step_time"]
-    first, last = history[:window], history[-window:]
-    table = Table(title=f"PPO summary: {len(history)} rollouts (mean of first / last {len(first)})")
-    for col in ("metric", "first", "last"):
-        table.add_column(col, justify="right" if col != "metric" else "left")
-    for k in keys:
-        a = [r[k] for r in first if k in r]
-        b = [r[k] for r in last if k in r]
-        if a and b:
-            table.add_row(k, f"{sum(a) / len(a):.4g}", f"{sum(b) / len(b):.4g}")
-    return table
+        self.console.close(self.history)

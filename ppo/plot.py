@@ -1,4 +1,5 @@
-"""`python -m ppo.plot RUN_DIR [--out FILE]`: reward, KL, value loss and step time of a run, as a PNG."""
+"""`python -m ppo.plot RUN_DIR [--out FILE]`: reward, KL, value loss and step time of a run, and a
+stacked bar of each step's time by phase (the `perf/*_time` metrics), as a PNG."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ PANELS = (
     ("train/critic-value_loss", "critic value loss"),
     ("perf/step_time", "step time (s)"),
 )
+BAR_LABELS = {"train": "actor_train", "offload": "handoffs (offload/onload)"}  # perf/train_time is the actor's
 
 
 def read_metrics(run_dir: Path) -> list[dict]:
@@ -22,13 +24,29 @@ def read_metrics(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
+def step_phases(rows: list[dict]) -> tuple[list[str], list[int], list[list[float]]]:
+    """(phases, steps, seconds[phase][step]) from the `perf/*_time` metrics; "other" is the
+    step time the phases do not cover (driver work between them)."""
+    keys = {k: None for r in sorted(rows, key=len, reverse=True) for k in r}  # the loop's order
+    phases = [k.removeprefix("perf/").removesuffix("_time") for k in keys
+              if k.startswith("perf/") and k.endswith("_time") and k != "perf/step_time"]
+    rows = [r for r in rows if "perf/step_time" in r]
+    seconds = [[r.get(f"perf/{p}_time", 0.0) for r in rows] for p in phases]
+    other = [max(0.0, r["perf/step_time"] - sum(col)) for r, col in zip(rows, zip(*seconds))] if seconds \
+        else [r["perf/step_time"] for r in rows]
+    return phases + ["other"], [r["step"] for r in rows], seconds + [other]
+
+
 def plot(rows: list[dict], out: Path, title: str) -> Path:
     import matplotlib
     matplotlib.use("Agg")  # files only; no display needed
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(2, 2, figsize=(10, 6.5), constrained_layout=True)
-    for ax, (key, label) in zip(axes.flat, PANELS):
+    fig = plt.figure(figsize=(10, 9.5), constrained_layout=True)
+    grid = fig.add_gridspec(3, 2)
+    axes = [fig.add_subplot(grid[i // 2, i % 2]) for i in range(len(PANELS))]
+    _phase_bars(fig.add_subplot(grid[2, :]), rows)
+    for ax, (key, label) in zip(axes, PANELS):
         pts = [(r["step"], r[key]) for r in rows if key in r]
         if pts:
             ax.plot(*zip(*pts), marker=".", linewidth=1)
@@ -41,6 +59,18 @@ def plot(rows: list[dict], out: Path, title: str) -> Path:
     fig.savefig(out, dpi=110)
     plt.close(fig)
     return out
+
+
+def _phase_bars(ax, rows: list[dict]) -> None:
+    phases, steps, seconds = step_phases(rows)
+    bottom = [0.0] * len(steps)
+    for phase, col in zip(phases, seconds):
+        ax.bar(steps, col, bottom=bottom, label=BAR_LABELS.get(phase, phase), width=0.85)
+        bottom = [b + c for b, c in zip(bottom, col)]
+    ax.set_title("step time by phase (s)")
+    ax.set_xlabel("rollout")
+    ax.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize="small")
+    ax.grid(alpha=0.3, axis="y")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -8,6 +8,7 @@ in its own process (see ``runtime.child``) and its endpoints are called over Zer
 from __future__ import annotations
 
 import inspect
+import time
 from dataclasses import dataclass
 from typing import Any, Callable, ClassVar
 
@@ -76,3 +77,11 @@ class Actor:
         if ctx is not None:
             ctx.publish("state", role=ctx.name, incarnation=ctx.incarnation, gpus=list(ctx.gpus),
                         old=old, new=new, **fields)
+
+    def publish_span(self, phase: str, t0: float, **fields: Any) -> None:
+        """Publish finished work as a `phase` span on this role's track (runtime.events):
+        `t0` is its start by time.time(). In-process (no context) it does nothing."""
+        ctx = self._tandem_ctx
+        if ctx is not None:
+            ctx.publish("phase", phase=phase, action="span", t0=t0, seconds=round(time.time() - t0, 6),
+                        gpus=list(ctx.gpus), **fields)

@@ -23,6 +23,11 @@ Vocabulary (fields besides event/seq/ts):
   lease               gpu, holder, action (acquire | release | report), bytes_left,
                       residuals {holder: bytes}; see runtime.memory.LeaseTable
   metrics             step, metrics {name: number}; one PPO training step
+  phase               phase, action (begin | end | span), track, step; a span of work: the
+                      driver publishes begin/end with track "driver", a role one `span` when
+                      done (Actor.publish_span; role added). end and span carry seconds, span
+                      t0 (unix start); optional gpus and bytes_in_use (the track's bytes on each
+                      of those GPUs after it), bytes (moved), other plain fields
   socket              socket, what (connected | disconnected | accepted | closed), endpoint
   rejected            role, reason, and count from roles; a frame with a bad token or that
                       does not decode (role "supervisor" for the control socket)

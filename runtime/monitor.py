@@ -52,6 +52,9 @@ class MonitorState:
     def __init__(self) -> None:
         self.roles: dict[str, RoleRow] = {}
         self.leases: dict[int, dict] = {}  # gpu -> {"holder": str | None, "residuals": {holder: bytes}}
+        self.gpu_bytes: dict[int, dict[str, int]] = {}  # gpu -> holder -> bytes in use, as last reported
+        self.phases: list[dict] = []  # driver phases begun and not ended, outermost first
+        self.last_phase: dict | None = None  # the latest phase event that ended or was a span
         self.step: int | None = None
         self.metrics: dict = {}
         self.supervisor_pid: int | None = None
@@ -126,6 +129,24 @@ class MonitorState:
         elif event["action"] == "release":
             lease["holder"] = None
         lease["residuals"] = dict(event.get("residuals") or {})
+        if event["action"] != "acquire" and event.get("bytes_left") is not None:
+            self.gpu_bytes.setdefault(event["gpu"], {})[event["holder"]] = event["bytes_left"]
+
+    def _on_phase(self, event: dict) -> None:
+        track = event.get("track") or event.get("role") or "driver"
+        if event["action"] == "begin":
+            self.phases.append({"name": event["phase"], "track": track, "step": event.get("step"),
+                                "ts": event["ts"]})
+        else:
+            if event["action"] == "end":  # the innermost open phase of that name ends
+                for i in range(len(self.phases) - 1, -1, -1):
+                    if self.phases[i]["name"] == event["phase"] and self.phases[i]["track"] == track:
+                        del self.phases[i]
+                        break
+            self.last_phase = {"name": event["phase"], "track": track, "seconds": event.get("seconds")}
+        if event.get("gpus") and event.get("bytes_in_use") is not None:
+            for gpu in event["gpus"]:
+                self.gpu_bytes.setdefault(gpu, {})[track] = event["bytes_in_use"]
 
     def _on_metrics(self, event: dict) -> None:
         self.step = event.get("step")
@@ -157,13 +178,27 @@ def render(state: MonitorState, run_dir: str) -> Group:
             f"{row.calls_per_s:.1f}" if row.calls_per_s is not None else "-",
             str(row.errors_total), str(row.restarts), row.last_error or "")
     lines = [f"FAILED: {state.failure}"] if state.failure else []
+    if state.phases:
+        now = " > ".join(p["name"] if p["track"] == "driver" else f"{p['track']}: {p['name']}"
+                         for p in state.phases)
+        step = state.phases[-1].get("step")
+        lines.append(f"phase: {now}" + (f" (step {step})" if step is not None else ""))
+    if state.last_phase is not None:
+        last = state.last_phase
+        took = f" {last['seconds']:.2f} s" if isinstance(last.get("seconds"), (int, float)) else ""
+        lines.append(f"last finished: {last['track']}: {last['name']}{took}")
     if state.step is not None:
         values = "  ".join(f"{name}={_number(value)}" for name, value in state.metrics.items())
         lines.append(f"step {state.step}: {values}")
-    for gpu in sorted(state.leases):
-        lease = state.leases[gpu]
+    for gpu in sorted(set(state.leases) | set(state.gpu_bytes)):
+        lease = state.leases.get(gpu, {"holder": None, "residuals": {}})
         residuals = ", ".join(f"{h} keeps {format_bytes(b)}" for h, b in lease["residuals"].items())
-        lines.append(f"gpu {gpu}: lease {lease['holder'] or 'free'}" + (f" ({residuals})" if residuals else ""))
+        line = f"gpu {gpu}: lease {lease['holder'] or 'free'}" + (f" ({residuals})" if residuals else "")
+        held = state.gpu_bytes.get(gpu)
+        if held:  # as each role last reported it (offload, onload, release)
+            line += (f"; {format_bytes(sum(held.values()))} in use: "
+                     + ", ".join(f"{h} {format_bytes(b)}" for h, b in sorted(held.items())))
+        lines.append(line)
     if state.num_rejected:
         lines.append(f"rejected frames: {state.num_rejected} (last: {state.last_rejected})")
     return Group(table, Panel("\n".join(lines) or "no metrics or leases yet", title="training"))

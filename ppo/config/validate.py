@@ -245,7 +245,10 @@ def _placement(cfg: PPOConfig) -> list[str]:
     if actor_gpus % d.model_parallel_size(cfg):
         out.append(f"--actor-num-nodes {p.actor_num_nodes} x --actor-num-gpus-per-node "
                    f"{p.actor_num_gpus_per_node} = {actor_gpus} actor GPUs (shared by the critic) "
-                   f"must be divisible by TP x PP x CP = {d.model_parallel_size(cfg)}")
+                   f"must be divisible by TP x PP x CP = {d.model_parallel_size(cfg)}: each trainer is one "
+                   "rank per GPU in a TP x PP x CP x DP grid. Please set --actor-num-gpus-per-node to a "
+                   "multiple of it, or lower --tensor-model-parallel-size, --pipeline-model-parallel-size "
+                   "or --context-parallel-size")
     if p.colocate:
         for name in ("offload_train", "offload_rollout"):
             if getattr(p, name) is False:

@@ -151,9 +151,12 @@ class ActorTrainer(TrainerRole):
         gpus = engine_gpus or [None] * len(engines)
 
         def send(bucket: dict) -> None:
+            t0 = time.time()
             futures = [engine.update_weights.call(for_receiver(bucket, g)) for engine, g in zip(engines, gpus)]
             for future in futures:
                 future.result(timeout_s)
+            self.publish_span("weight_bucket", t0, bytes=bucket["flat"].numel() * bucket["flat"].element_size(),
+                              tensors=len(bucket["names"]), engines=len(engines))
 
         totals = push_weights(self.named_weights(), send, buffer_bytes)
         for future in [engine.set_weight_version.call(version) for engine in engines]:

@@ -9,6 +9,8 @@ Each move is published as a `state` event when the trainer runs as a spawned rol
 
 from __future__ import annotations
 
+import time
+
 from roles.trainer.core import TrainCore
 from runtime import Actor, endpoint
 
@@ -30,15 +32,22 @@ class TrainerRole(Actor):
     @endpoint
     def offload(self, tags: list[str]) -> dict:
         """Offload "params", "grads", "optimizer"; returns {"ledger", "bytes_in_use"}."""
+        t0, before = time.time(), self._core.memory.bytes_in_use()
         report = self._core.offload(tags)
         self._settle()
+        if tags:  # offload([]) is the memory report
+            self.publish_span("offload", t0, tags=list(tags), bytes=before - report["bytes_in_use"],
+                              bytes_in_use=report["bytes_in_use"])
         return report
 
     @endpoint
     def onload(self, tags: list[str]) -> dict:
         """Bring the tagged state onto the device (the caller holds the GPU lease)."""
+        t0, before = time.time(), self._core.memory.bytes_in_use()
         report = self._core.onload(tags)
         self._settle()
+        self.publish_span("onload", t0, tags=list(tags), bytes=report["bytes_in_use"] - before,
+                          bytes_in_use=report["bytes_in_use"])
         return report
 
     @endpoint
