@@ -144,7 +144,7 @@ def start_job(cfg: PPOConfig, console: RunConsole | None = None) -> Job:
                 name, RolloutEngine, hf_checkpoint, backend="torch", engine_index=i,
                 seed=cfg.rollout.rollout_seed, dtype=dtype, gpus=gpus, restart="one_for_one",
                 max_batch_size=C.samples_per_rollout(cfg), env=ROLE_ENV))
-            engine_tenants.append(engine_tenant(engines[-1], tuple(gpus)))
+            engine_tenants.append(engine_tenant(engines[-1], tuple(gpus), offloads=C.offload_rollout(cfg)))
         actor = sup.spawn("actor", ActorTrainer, trainer_config(cfg, hf_checkpoint, critic=False, dtype=dtype),
                           gpus=plan.actor_gpus, restart="temporary", env=ROLE_ENV)
         critic = None
@@ -162,6 +162,9 @@ def start_job(cfg: PPOConfig, console: RunConsole | None = None) -> Job:
         raise
     return Job(cfg=cfg, run_dir=run_dir, hf_checkpoint=hf_checkpoint, tok=tok, data=data, sup=sup, console=console,
                placement=plan, engines=engines, engine_tenants=engine_tenants, actor=actor,
-               actor_tenant=trainer_tenant(actor, tuple(plan.actor_gpus)), critic=critic,
-               critic_tenant=trainer_tenant(critic, tuple(plan.critic_gpus)) if critic else None,
-               scorers=scorers, colocation=Colocation(sup.leases, cfg.placement.colocate))
+               actor_tenant=trainer_tenant(actor, tuple(plan.actor_gpus), offloads=C.offload_train(cfg)),
+               critic=critic,
+               critic_tenant=(trainer_tenant(critic, tuple(plan.critic_gpus), offloads=C.offload_train(cfg))
+                              if critic else None),
+               scorers=scorers,
+               colocation=Colocation(sup.leases, holding=tuple(t.name for t in engine_tenants)))

@@ -18,12 +18,14 @@ Roles call the same four methods everywhere and this module decides what they me
 
 from __future__ import annotations
 
-from typing import Literal
+import contextlib
+from typing import Iterator, Literal
 
 import torch
 from torch import nn
 
-from runtime.fakegpu import visible_fake_devices
+from runtime.fakegpu import FakeOutOfMemory, visible_fake_devices
+from runtime.memory import format_bytes
 
 Movable = nn.Module | list[torch.Tensor]
 
@@ -91,6 +93,22 @@ class DeviceMemory:
             self._ledger[tag] = nbytes
         else:
             self._ledger.pop(tag, None)
+
+    @contextlib.contextmanager
+    def transient(self, tag: str, nbytes: int, *, phase: str) -> Iterator[None]:
+        """Account `nbytes` under `tag` while the block runs: memory held only during a
+        phase (a micro-batch's activations and logits), charged so that a plan that would
+        not fit the real device fails on the fake one. Out of memory there is a
+        FakeOutOfMemory naming this role, the phase and the bytes."""
+        try:
+            self.account(tag, nbytes)
+        except FakeOutOfMemory as e:
+            raise FakeOutOfMemory(f"{self.holder} ran out of fake GPU memory in phase {phase!r} "
+                                  f"({tag}: {format_bytes(nbytes)}): {e}") from None
+        try:
+            yield
+        finally:
+            self.account(tag, 0)
 
     def ledger(self) -> dict[str, int]:
         """Bytes per tag as last accounted (per device)."""

@@ -22,6 +22,8 @@ from typing import Any, Callable, Iterable, Iterator
 
 import torch
 
+from roles.device import DeviceMemory
+
 NamedTensors = Iterable[tuple[str, torch.Tensor]]
 
 
@@ -30,7 +32,8 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def pack_buckets(named_tensors: NamedTensors, buffer_bytes: int) -> Iterator[dict]:
+def pack_buckets(named_tensors: NamedTensors, buffer_bytes: int, *,
+                 on_alloc: Callable[[int], None] | None = None) -> Iterator[dict]:
     """Yield buckets of HF-named tensors, one dtype per bucket, each at most `buffer_bytes`.
 
     Tensors keep their input order within a dtype. One flat buffer of `buffer_bytes`, on
@@ -43,10 +46,15 @@ def pack_buckets(named_tensors: NamedTensors, buffer_bytes: int) -> Iterator[dic
     resumed. The caller sends the bucket, waits for every receiver's ack, and only then
     asks for the next bucket, which may overwrite the same buffer. `push_weights` does
     exactly this; receivers must copy what they keep (`unpack_bucket` returns views).
+
+    `on_alloc(nbytes)` is called before each buffer is allocated, with the bytes of all
+    buffers allocated so far (this one included): the sender accounts them (and a lease
+    violation stops it before it allocates).
     """
     if not isinstance(buffer_bytes, int) or buffer_bytes <= 0:
         raise ValueError(f"buffer_bytes={buffer_bytes!r} must be a positive int")
     open_buckets: dict[torch.dtype, _OpenBucket] = {}
+    allocated = 0
     for name, tensor in named_tensors:
         tensor = tensor.detach()
         if tensor.numel() * tensor.element_size() > buffer_bytes:
@@ -55,6 +63,9 @@ def pack_buckets(named_tensors: NamedTensors, buffer_bytes: int) -> Iterator[dic
             continue
         bucket = open_buckets.get(tensor.dtype)
         if bucket is None:
+            allocated += _buffer_elements(tensor.dtype, buffer_bytes) * tensor.element_size()
+            if on_alloc is not None:
+                on_alloc(allocated)
             bucket = open_buckets[tensor.dtype] = _OpenBucket(tensor.dtype, buffer_bytes, tensor.device)
         if not bucket.fits(tensor):
             yield bucket.seal()
@@ -85,18 +96,30 @@ def unpack_bucket(bucket: dict) -> list[tuple[str, torch.Tensor]]:
     return out
 
 
-def push_weights(named_tensors: NamedTensors, send: Callable[[dict], Any], buffer_bytes: int) -> dict:
+SYNC_BUFFER_TAG = "weight_sync_buffer"
+
+
+def push_weights(named_tensors: NamedTensors, send: Callable[[dict], Any], buffer_bytes: int, *,
+                 memory: DeviceMemory | None = None) -> dict:
     """Pack `named_tensors` and call `send(bucket)` for each bucket; return totals.
 
     `send` must not return before every receiver has acked the bucket (e.g. it calls the
     engines' `update_weights` and waits on the futures): the next bucket reuses the buffer.
+    `memory`: the sender's ledger, when the tensors live on its device (so the buffers do):
+    the buffers are accounted under `SYNC_BUFFER_TAG` while they exist; the sender must hold
+    its GPUs' lease for that (ppo.colocation's `sending_weights`).
     """
     num_buckets = num_tensors = num_bytes = 0
-    for bucket in pack_buckets(named_tensors, buffer_bytes):
-        send(bucket)
-        num_buckets += 1
-        num_tensors += len(bucket["names"])
-        num_bytes += bucket["flat"].numel() * bucket["flat"].element_size()
+    on_alloc = None if memory is None else (lambda nbytes: memory.account(SYNC_BUFFER_TAG, nbytes))
+    try:
+        for bucket in pack_buckets(named_tensors, buffer_bytes, on_alloc=on_alloc):
+            send(bucket)
+            num_buckets += 1
+            num_tensors += len(bucket["names"])
+            num_bytes += bucket["flat"].numel() * bucket["flat"].element_size()
+    finally:
+        if memory is not None:
+            memory.account(SYNC_BUFFER_TAG, 0)  # the generator is done: its buffers are garbage
     return {"num_buckets": num_buckets, "num_tensors": num_tensors, "num_bytes": num_bytes}
 
 
@@ -195,7 +218,7 @@ class _OpenBucket:
 
     def __init__(self, dtype: torch.dtype, buffer_bytes: int, device: torch.device):
         self.dtype = dtype
-        self.buffer = torch.empty(buffer_bytes // _itemsize(dtype), dtype=dtype, device=device)
+        self.buffer = torch.empty(_buffer_elements(dtype, buffer_bytes), dtype=dtype, device=device)
         self.names: list[str] = []
         self.shapes: list[list[int]] = []
         self.used = 0  # elements filled
@@ -220,8 +243,8 @@ def _bucket(dtype: torch.dtype, names: list[str], shapes: list[list[int]], flat:
     return {"dtype": dtype_name(dtype), "names": names, "shapes": shapes, "flat": flat}
 
 
-def _itemsize(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
+def _buffer_elements(dtype: torch.dtype, buffer_bytes: int) -> int:
+    return buffer_bytes // torch.empty((), dtype=dtype).element_size()
 
 
 def _numel(shape: list[int]) -> int:
