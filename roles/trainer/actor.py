@@ -158,7 +158,9 @@ class ActorTrainer(TrainerRole):
             self.publish_span("weight_bucket", t0, bytes=bucket["flat"].numel() * bucket["flat"].element_size(),
                               tensors=len(bucket["names"]), engines=len(engines))
 
-        totals = push_weights(self.named_weights(), send, buffer_bytes)
+        # The bucket buffers sit where the weights are: on the device only when onloaded.
+        resident = "params" not in self._core.offloaded
+        totals = push_weights(self.named_weights(), send, buffer_bytes, memory=self._core.memory if resident else None)
         for future in [engine.set_weight_version.call(version) for engine in engines]:
             future.result(timeout_s)
         return {"bytes": totals["num_bytes"], "buckets": totals["num_buckets"], "seconds": time.monotonic() - start}

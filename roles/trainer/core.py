@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from roles.device import DeviceMemory
+from roles.phase_memory import micro_batch_bytes, model_config
 from roles.trainer.batching import (
     MicroBatch,
     check_batch,
@@ -139,7 +140,10 @@ class TrainCore:
         n = check_batch(batch, ())
         seqs = sequences(batch)
         self.model.eval()
-        parts = [(mb.indices, fn(mb).cpu()) for mb in self.micro_batches(batch, list(range(n)), seqs, ())]
+        parts = []
+        for mb in self.micro_batches(batch, list(range(n)), seqs, ()):
+            with self._charged(mb, training=False):
+                parts.append((mb.indices, fn(mb).cpu()))
         out = scatter_rows(parts, n, int(batch["response_lens"].max()))
         return torch.where(response_mask(batch["response_lens"], out.shape[1]), out, 0.0)
 
@@ -166,8 +170,9 @@ class TrainCore:
             total_loss = 0.0
             sums: dict[str, float] = {}
             for mb in self.micro_batches(batch, mini, seqs, required):
-                loss, metrics = micro_loss(mb, counts)
-                loss.backward()
+                with self._charged(mb, training=True):
+                    loss, metrics = micro_loss(mb, counts)
+                    loss.backward()
                 self._account_grads()
                 total_loss += float(loss.detach())
                 for key, value in metrics.items():
@@ -187,6 +192,15 @@ class TrainCore:
         metrics = {key: sum(s[key] for s in per_step) / len(per_step) for key in per_step[0]}
         metrics.update(lr=lr, skipped_nonfinite=skipped)
         return metrics
+
+    def _charged(self, mb: MicroBatch, *, training: bool):
+        """The micro-batch's activations and logits, charged while it is computed."""
+        config, has_lm_head = model_config(self.model)
+        nbytes = micro_batch_bytes(config, num_tokens=mb.input_ids.numel(),
+                                   num_logit_tokens=len(mb.indices) * mb.response_width,
+                                   dtype=self.config.torch_dtype, training=training,
+                                   gradient_checkpointing=self.config.gradient_checkpointing, with_logits=has_lm_head)
+        return self.memory.transient("activations", nbytes, phase="train" if training else "forward")
 
     def _account_grads(self) -> None:
         nbytes = sum(p.grad.numel() * p.grad.element_size() for p in self.model.parameters() if p.grad is not None)
