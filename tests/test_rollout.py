@@ -1,11 +1,11 @@
-"""The torch rollout backend: sampling semantics, log-prob invariant, batching, weight updates."""
+"""The built-in torch rollout engine on the CPU: HF equality, sampling semantics, log-prob
+invariant, continuous batching, weight updates."""
 
 import pytest
 import torch
 
 from ppo.tiny_model import EOS_ID, build_tiny_checkpoint, load_causal_lm
 from roles.rollout import RolloutEngine
-from roles.rollout.sampling import parse_requests
 from roles.weight_sync import checksum_named_tensors, pack_buckets, push_weights
 
 PROMPTS = [[5, 14, 6, 17], [9], [7, 8, 9, 10, 11, 12, 13], [20, 21]]
@@ -134,16 +134,64 @@ def test_left_padding_matches_one_by_one(engine):
             torch.testing.assert_close(single["logprobs"], batch[i]["logprobs"], atol=1e-5, rtol=0)
 
 
-def test_small_kv_budget_splits_batches_without_changing_results(ckpt, engine):
+def test_small_kv_budget_gives_fewer_slots_without_changing_results(ckpt, engine):
     reqs = _reqs(PROMPTS * 2, max_new_tokens=8, ignore_eos=True, temperature=0.9)
     for i, r in enumerate(reqs):
         r["sampling"]["seed"] = i
     per_token = engine._backend.kv_bytes_per_token
     small = RolloutEngine(ckpt, dtype="float32", max_batch_size=3, kv_cache_bytes=2 * 15 * per_token)
-    assert len(small._backend._plan_batches(parse_requests(reqs, vocab_size=47, max_positions=64))) >= 4
     assert [r["token_ids"] for r in small.generate(reqs)] == [r["token_ids"] for r in engine.generate(reqs)]
+    stats = small._backend.scheduler.last_stats
+    assert (stats["num_slots"], stats["slot_len"]) == (2, 15)  # longest prompt 7 + 8 new tokens
+    assert stats["admitted_while_decoding"] == len(reqs) - 2
     with pytest.raises(ValueError, match="id=0.*KV cache"):
         small.generate(_reqs([[5] * 30], max_new_tokens=20))
+
+
+def test_continuous_batching_refills_slots_and_returns_each_request_once_in_order(ckpt, engine):
+    # 10 requests of different lengths through 3 slots: finished slots take waiting requests
+    # within the call, so all 3 slots stay busy until the waiting queue is empty.
+    lengths = [3, 11, 5, 2, 9, 7, 4, 12, 6, 8]
+    reqs = [{"id": 100 - i, "prompt_ids": PROMPTS[i % 4],
+             "sampling": {"max_new_tokens": n, "ignore_eos": True, "seed": i, "temperature": 1.0}}
+            for i, n in enumerate(lengths)]
+    three = RolloutEngine(ckpt, dtype="float32", max_batch_size=3)
+    out = three.generate(reqs)
+    assert [r["id"] for r in out] == [r["id"] for r in reqs]
+    assert [len(r["token_ids"]) for r in out] == lengths
+    stats = three._backend.scheduler.last_stats
+    assert stats["num_slots"] == 3 and stats["admitted_while_decoding"] == len(reqs) - 3
+    # decode tokens = all tokens less each request's first (sampled at prefill)
+    assert stats["busy_steps"] == sum(lengths) - len(lengths)
+    # the batch is full except in the tail, when nothing waits: at most 2 idle slots for the
+    # last max_new_tokens steps
+    assert stats["slot_steps"] - stats["busy_steps"] <= 2 * max(lengths)
+    assert stats["busy_steps"] / stats["slot_steps"] > 0.75
+    # each request's tokens are those it gets alone in a roomy engine
+    alone = [engine.generate([r])[0] for r in reqs]
+    assert [r["token_ids"] for r in out] == [a["token_ids"] for a in alone]
+    for r, a in zip(out, alone):
+        torch.testing.assert_close(r["logprobs"], a["logprobs"], atol=1e-5, rtol=0)
+
+
+def test_counter_rng_is_uniform_and_keyed_by_seed_and_position():
+    from roles.rollout.torch_engine.sampler import uniform
+
+    seeds = torch.arange(4000) % 40
+    positions = torch.arange(4000) // 40
+    u = uniform(seeds, positions)
+    assert 0 <= float(u.min()) and float(u.max()) < 1
+    assert abs(float(u.mean()) - 0.5) < 0.02 and len(set(u.tolist())) > 3990
+    assert torch.equal(u[:40], uniform(seeds[:40], positions[:40]))  # no hidden state
+    assert torch.equal(uniform(torch.tensor([7, 7]), torch.tensor([3, 3])), uniform(torch.tensor([7]), torch.tensor([3])).repeat(2))
+
+
+def test_tied_embeddings_checkpoint_matches_hf(tmp_path):
+    tied = build_tiny_checkpoint(str(tmp_path / "tied"), seed=2, tie_word_embeddings=True)
+    eng, model = RolloutEngine(tied, dtype="float32"), load_causal_lm(tied, "float32")
+    assert eng.weights_checksum() == checksum_named_tensors(model.state_dict().items())
+    out = eng.generate(_reqs(PROMPTS, temperature=0, max_new_tokens=6, ignore_eos=True))
+    assert [r["token_ids"] for r in out] == [_greedy_reference(model, p, 6) for p in PROMPTS]
 
 
 def test_update_weights_by_buckets_matches_source_checksum(ckpt, other_ckpt):

@@ -23,7 +23,7 @@ def test_release_resume_moves_the_ledger_and_guards_endpoints(ckpt, fake_gpus):
     gpu = fake_gpus[0]
     gpu.set_lease_holder("rollout-0")
     eng = RolloutEngine(ckpt, dtype="float32", max_batch_size=4)
-    weights = nbytes_of(eng._backend.model)
+    weights = eng._backend.weights_bytes
     kv = eng._backend.kv_cache_bytes
     assert kv == 4 * 64 * eng._backend.kv_bytes_per_token  # default: max_batch_size full-context rows
     assert gpu.usage("rollout-0", "weights") == weights and gpu.usage("rollout-0", "kv_cache") == kv
@@ -32,7 +32,7 @@ def test_release_resume_moves_the_ledger_and_guards_endpoints(ckpt, fake_gpus):
 
     assert eng.release(["kv_cache", "weights"]) == {"state": "released", "bytes_in_use": 0}
     assert gpu.usage("rollout-0") == 0 and eng.engine_state() == "released"
-    with pytest.raises(RuntimeError, match=r"generate\(\) while \['kv_cache', 'weights'\] released"):
+    with pytest.raises(RuntimeError, match=r"generate\(\) while \['cuda_graph', 'kv_cache', 'weights'\] released"):
         eng.generate(REQ)
     with pytest.raises(RuntimeError, match=r"resume\(\['weights'\]\) first"):
         eng.update_weights({"dtype": "float32", "names": [], "shapes": [], "flat": torch.zeros(0)})
@@ -55,6 +55,22 @@ def test_release_resume_moves_the_ledger_and_guards_endpoints(ckpt, fake_gpus):
         eng.release(["optimizer"])
 
 
+def test_cuda_graph_tag_rides_along_with_weights_and_kv_cache(ckpt, fake_gpus):
+    fake_gpus[0].set_lease_holder("rollout-0")
+    eng = RolloutEngine(ckpt, dtype="float32", max_batch_size=4)
+    full = eng.memory_report()["bytes_in_use"]
+    assert eng.release(["cuda_graph"]) == {"state": "cuda_graph_released", "bytes_in_use": full}  # no graphs on CPU
+    with pytest.raises(RuntimeError, match=r"resume\(\['cuda_graph'\]\) first"):
+        eng.generate(REQ)
+    assert eng.resume(["cuda_graph"])["state"] == "ready"
+    eng.release(["kv_cache"])
+    assert eng._released == {"kv_cache", "cuda_graph"}  # graphs point into the cache
+    with pytest.raises(ValueError, match=r"needs the weights and the KV cache resident; resume\(\['kv_cache'\]\)"):
+        eng.resume(["cuda_graph"])
+    assert eng.resume(["kv_cache"]) == {"state": "ready", "bytes_in_use": full}
+    assert eng._released == set()
+
+
 def test_constructing_without_the_lease_or_room_fails_clearly(ckpt, fake_gpus):
     with pytest.raises(LeaseViolation, match="rollout-0"):
         RolloutEngine(ckpt, dtype="float32")
@@ -66,7 +82,7 @@ def test_constructing_without_the_lease_or_room_fails_clearly(ckpt, fake_gpus):
 def test_mem_fraction_sizes_the_kv_cache_from_the_device(ckpt, fake_gpus):
     fake_gpus[0].set_lease_holder("rollout-0")
     eng = RolloutEngine(ckpt, dtype="float32", mem_fraction=0.5)
-    assert eng._backend.kv_cache_bytes == (32 << 20) - nbytes_of(eng._backend.model)
+    assert eng._backend.kv_cache_bytes == (32 << 20) - eng._backend.weights_bytes
 
 
 def test_device_memory_kinds_and_cpu_ledger(fake_gpus, monkeypatch):

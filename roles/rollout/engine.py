@@ -6,6 +6,14 @@ Lifecycle (Actor states, published as `state` events when spawned):
     released --resume(["weights"])--> kv_cache_released --update_weights(b)...--> (same)
     kv_cache_released --resume(["kv_cache"])--> ready
 
+Memory tags: "weights", "kv_cache" and "cuda_graph" (the decode graphs and their pool).
+Graphs hold the addresses of the weights and the KV cache, so "cuda_graph" rides along:
+releasing "weights" or "kv_cache" releases it too, and it comes back by itself once both
+are resident again (graphs are re-captured at first use). Releasing "cuda_graph" alone
+frees only the graphs (state "cuda_graph_released"); resume(["cuda_graph"]) takes them back.
+Callers that name only ["kv_cache", "weights"] (ppo/loop.py, ppo/colocation.py) thus free
+and restore everything.
+
 `generate` needs "ready"; `update_weights` needs the weights resident ("ready" or
 "kv_cache_released"). A weight sync is: `update_weights(bucket)` per bucket (each return
 is the ack that lets the sender reuse its buffer), then `set_weight_version(v)`, which
@@ -24,14 +32,17 @@ from roles.weight_sync import received
 from roles.rollout.sampling import parse_requests, request_seed
 from runtime import Actor, endpoint
 
-TAGS = ("weights", "kv_cache")
+TAGS = ("weights", "kv_cache", "cuda_graph")
+_GRAPH_HOLDS = ("weights", "kv_cache")  # what the graphs point into
+# sglang's adapter releases its graphs with its kv_cache (SGLANG_TAGS) and knows no third tag
+_BACKEND_TAGS = {"torch": TAGS, "sglang": ("weights", "kv_cache")}
 DTYPES = ("float32", "bfloat16", "float16")
-_MEMORY_STATES = ("ready", "kv_cache_released", "weights_released", "released")
+_MEMORY_STATES = ("ready", "kv_cache_released", "weights_released", "cuda_graph_released", "released")
 
 
 def _build_backend(name: str, hf_checkpoint: str, *, seed: int, **common):
     if name == "torch":
-        from roles.rollout.torch_backend import TorchBackend
+        from roles.rollout.torch_engine import TorchBackend
 
         return TorchBackend(hf_checkpoint, **common)  # seeds arrive per request
     from roles.rollout.sglang_backend import SglangBackend
@@ -53,8 +64,9 @@ class RolloutEngine(Actor):
       kv_cache_bytes: torch only: KV-cache budget; default: max_batch_size full-context rows.
       mem_fraction: fraction of one GPU for weights + KV cache (sglang's mem_fraction_static;
         torch: the KV budget is that fraction of the device minus the weights).
-      options: extra backend options: torch {"attn_implementation"}; sglang: any other
-        `sglang.Engine` keyword (tp_size, attention_backend, ...).
+      options: extra backend options: torch {"cuda_graphs", "sync_every", "load_format"}
+        (torch_engine/backend.py); sglang: any other `sglang.Engine` keyword (tp_size,
+        attention_backend, ...).
 
     Constructing the engine loads the weights and reserves the KV cache on its GPU(s), so
     in a colocated group the engine must hold the GPUs' lease when it is spawned.
@@ -99,6 +111,7 @@ class RolloutEngine(Actor):
         self._max_positions = config.max_position_embeddings
         holder = self.context.name if self.context is not None else f"rollout-{engine_index}"
         self._memory = DeviceMemory(holder)
+        self._backend_tags = _BACKEND_TAGS[backend]
         self._backend = _build_backend(
             backend, hf_checkpoint, seed=seed, memory=self._memory, dtype=dtype,
             max_batch_size=max_batch_size, kv_cache_bytes=kv_cache_bytes, mem_fraction=mem_fraction,
@@ -143,15 +156,19 @@ class RolloutEngine(Actor):
     # -- memory -----------------------------------------------------------------------
     @endpoint
     def release(self, tags: list[str]) -> dict:
-        """Free "weights" (offloaded, kept for resume) and/or "kv_cache" on the GPU(s).
+        """Free "weights" (offloaded, kept for resume), "kv_cache" and/or "cuda_graph".
 
+        Releasing "weights" or "kv_cache" releases "cuda_graph" too (module docstring).
         Returns {"state", "bytes_in_use"}: what the lease handoff reports as left behind.
         Releasing what is already released is a no-op.
         """
-        todo = [t for t in self._check_tags(tags) if t not in self._released]
+        tags = self._check_tags(tags)
+        if set(tags) & set(_GRAPH_HOLDS):
+            tags = self._check_tags([*tags, "cuda_graph"])
+        todo = [t for t in tags if t not in self._released]
         if todo:
             t0, before = time.time(), self._backend.bytes_in_use()
-            self._backend.release(todo)
+            self._backend.release([t for t in todo if t in self._backend_tags])
             self._released.update(todo)
             self.set_state(self._memory_state())
             after = self._backend.bytes_in_use()
@@ -160,11 +177,21 @@ class RolloutEngine(Actor):
 
     @endpoint
     def resume(self, tags: list[str]) -> dict:
-        """Take back "weights" and/or "kv_cache" (needs the lease on fake/real GPUs)."""
-        todo = [t for t in self._check_tags(tags) if t in self._released]
+        """Take back "weights", "kv_cache" and/or "cuda_graph" (needs the lease on fake/real GPUs).
+
+        "cuda_graph" comes back with the last of "weights" and "kv_cache"; alone, it needs both.
+        """
+        tags = self._check_tags(tags)
+        resident_after = set(TAGS) - (self._released - set(tags))
+        if "cuda_graph" in tags and not set(_GRAPH_HOLDS) <= resident_after:
+            raise ValueError(f"resume(['cuda_graph']) needs the weights and the KV cache resident; "
+                             f"resume({sorted(set(_GRAPH_HOLDS) - resident_after)}) with it")
+        if set(_GRAPH_HOLDS) <= resident_after:
+            tags = self._check_tags([*tags, "cuda_graph"])
+        todo = [t for t in tags if t in self._released]
         if todo:
             t0, before = time.time(), self._backend.bytes_in_use()
-            self._backend.resume(todo)
+            self._backend.resume([t for t in todo if t in self._backend_tags])
             self._released.difference_update(todo)
             self.set_state(self._memory_state())
             after = self._backend.bytes_in_use()
@@ -177,7 +204,8 @@ class RolloutEngine(Actor):
 
     @endpoint
     def engine_state(self) -> str:
-        """The lifecycle state: ready, kv_cache_released, weights_released or released."""
+        """The lifecycle state: ready, kv_cache_released, weights_released, cuda_graph_released
+        or released."""
         return self.state
 
     # -- weights ----------------------------------------------------------------------
@@ -224,8 +252,9 @@ class RolloutEngine(Actor):
         return [t for t in TAGS if t in tags]  # fixed order: weights move before the cache
 
     def _memory_state(self) -> str:
-        if self._released == set(TAGS):
+        held = self._released & set(_GRAPH_HOLDS)
+        if held == set(_GRAPH_HOLDS):
             return "released"
-        if self._released:
-            return f"{next(iter(self._released))}_released"
-        return "ready"
+        if held:
+            return f"{next(iter(held))}_released"
+        return "cuda_graph_released" if self._released else "ready"

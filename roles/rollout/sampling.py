@@ -1,4 +1,6 @@
-"""Generate requests and the next-token sampler, shared by the rollout backends.
+"""Generate requests and their sampling semantics, shared by the rollout backends.
+
+The `torch` backend implements them on the device in torch_engine/sampler.py.
 
 Semantics follow sglang's SamplingParams so both backends answer the same request alike:
 
@@ -23,7 +25,6 @@ import dataclasses
 import hashlib
 from dataclasses import dataclass
 
-import torch
 
 GREEDY_EPS = 1e-6  # sglang's threshold: smaller temperatures mean greedy
 
@@ -113,43 +114,6 @@ def request_seed(engine_seed: int, engine_index: int, call_index: int, request: 
     key = f"{engine_seed}/{engine_index}/{call_index}/{request.id}".encode()
     # 31 bits: a seed any consumer (torch, sglang's sampling_seed) takes as a plain int
     return int.from_bytes(hashlib.blake2b(key, digest_size=4).digest(), "little") >> 1
-
-
-def sample_next(
-    logits: torch.Tensor,  # [B, V] float32
-    params: list[SamplingParams],
-    generators: list[torch.Generator],
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Sample one token per row; return (tokens [B] int64, logprobs [B] float32).
-
-    Each row draws only from its own generator, so a request's samples do not depend on
-    which other requests share its batch.
-    """
-    temps = torch.tensor([1.0 if p.greedy else p.temperature for p in params], device=logits.device)
-    logprobs = torch.log_softmax(logits / temps[:, None], dim=-1)  # [B, V]
-    probs = _cut_top_k_top_p(logprobs.exp(), params)
-    tokens = torch.empty(len(params), dtype=torch.long, device=logits.device)
-    for row, (p, gen) in enumerate(zip(params, generators)):
-        if p.greedy:
-            tokens[row] = logits[row].argmax()
-        else:
-            tokens[row] = torch.multinomial(probs[row], 1, generator=gen)[0]
-    return tokens, logprobs.gather(1, tokens[:, None])[:, 0]
-
-
-def _cut_top_k_top_p(probs: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
-    """Zero the probabilities that top-k / top-p exclude (rows without either are untouched)."""
-    if all(p.top_k == -1 and p.top_p >= 1 for p in params):
-        return probs
-    vocab = probs.shape[-1]
-    top_k = torch.tensor([vocab if p.top_k == -1 else p.top_k for p in params], device=probs.device)
-    # inf, not 1.0, when disabled: float rounding can push the cumulative mass past 1.0
-    top_p = torch.tensor([p.top_p if p.top_p < 1 else float("inf") for p in params], device=probs.device)
-    sorted_probs, order = probs.sort(dim=-1, descending=True)  # [B, V]
-    mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
-    rank = torch.arange(vocab, device=probs.device)[None, :]
-    drop = (rank >= top_k[:, None]) | (mass_before > top_p[:, None])
-    return torch.zeros_like(probs).scatter(-1, order, sorted_probs.masked_fill(drop, 0.0))
 
 
 def _is_int(x) -> bool:

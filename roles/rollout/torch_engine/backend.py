@@ -1,0 +1,155 @@
+"""The built-in rollout backend: Tandem's own decoder, slot KV cache, CUDA graphs, batching.
+
+Memory, under the engine's three tags (see RolloutEngine.release):
+- "weights": the fused weight storages. Released = offloaded to pinned CPU memory on a
+  real GPU (only the ledger changes on fake GPUs / CPU); resumed = copied back. Kept, not
+  freed, so an engine resumed without a weight sync serves the weights it had.
+- "kv_cache": one buffer of `kv_cache_bytes`, allocated on resume, freed on release.
+- "cuda_graph": the decode graphs and their pool. They hold the addresses of the other
+  two, so the engine releases them whenever it releases either; they are captured again
+  lazily at the first decode step that needs each batch size.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from roles.device import DeviceMemory, nbytes_of
+from roles.rollout.sampling import GenerateRequest
+from roles.rollout.torch_engine.decoder import Decoder, ModelSpec, Weights, rope_parameters
+from roles.rollout.torch_engine.graphs import DecodeGraphs
+from roles.rollout.torch_engine.kv_cache import KVCache
+from roles.rollout.torch_engine.scheduler import Scheduler
+
+# cuda_graphs: capture decode steps (real GPU only). sync_every: decode steps between host
+# syncs (default 16 on a GPU, 1 elsewhere). load_format: "safetensors" (the checkpoint's
+# weights) or "dummy" (random weights of the checkpoint's shapes, for benchmarks that load
+# real ones through update_weights, as vLLM/sglang's load_format="dummy").
+TORCH_OPTIONS = {"cuda_graphs": bool, "sync_every": int, "load_format": str}
+LOAD_FORMATS = ("safetensors", "dummy")
+MEMORY_TAGS = ("weights", "kv_cache", "cuda_graph")
+
+
+class TorchBackend:
+    def __init__(
+        self,
+        hf_checkpoint: str,
+        *,
+        memory: DeviceMemory,
+        dtype: str,
+        max_batch_size: int,
+        kv_cache_bytes: int | None,
+        mem_fraction: float | None,
+        options: dict,
+    ):
+        options = _check_options(options)
+        self.memory = memory
+        self.spec = ModelSpec.from_checkpoint(hf_checkpoint)
+        self.weights = Weights(self.spec, getattr(torch, dtype))
+        self.weights.allocate(torch.device("cpu"))
+        dummy = options.get("load_format", "safetensors") == "dummy"
+        if not dummy:
+            self.weights.load_checkpoint(hf_checkpoint)
+        self._move_weights("device")
+        if dummy:
+            _dummy_init(self.weights)  # on the device: fast even at billions of weights
+        self.kv_bytes_per_token = self.spec.kv_bytes_per_token * self.weights.dtype.itemsize
+        self.kv_cache_bytes = self._kv_budget(kv_cache_bytes, mem_fraction, max_batch_size)
+        self.cache = KVCache(memory=memory, num_bytes=self.kv_cache_bytes, num_layers=self.spec.num_layers,
+                             num_kv_heads=self.spec.num_kv_heads, head_dim=self.spec.head_dim,
+                             dtype=self.weights.dtype, max_slots=max_batch_size)
+        self.cache.allocate()
+        on_gpu = memory.kind == "cuda"
+        self.graphs = DecodeGraphs(memory, enabled=options.get("cuda_graphs", True))
+        self.decoder = Decoder(self.weights, *rope_parameters(hf_checkpoint))
+        self.scheduler = Scheduler(self.decoder, self.cache, self.graphs,
+                                   sync_every=options.get("sync_every", 16 if on_gpu else 1),
+                                   slot_quantum=64 if on_gpu else 1)
+
+    @property
+    def weights_bytes(self) -> int:
+        return nbytes_of(list(self.weights.storages.values()))
+
+    def _kv_budget(self, kv_cache_bytes: int | None, mem_fraction: float | None, max_batch_size: int) -> int:
+        if kv_cache_bytes is not None and mem_fraction is not None:
+            raise ValueError("backend 'torch': give kv_cache_bytes or mem_fraction, not both")
+        if kv_cache_bytes is not None:
+            return kv_cache_bytes
+        if mem_fraction is not None:
+            capacity = self.memory.capacity_bytes()
+            if capacity is None:
+                raise ValueError("mem_fraction needs a GPU or fake GPU to take a fraction of; "
+                                 "on the CPU give kv_cache_bytes instead")
+            budget = int(capacity * mem_fraction) - self.weights_bytes
+            if budget <= 0:
+                raise ValueError(
+                    f"mem_fraction={mem_fraction} of {capacity} bytes leaves no room for a KV cache "
+                    f"after {self.weights_bytes} bytes of weights; raise mem_fraction"
+                )
+            return budget
+        # Default: room for max_batch_size sequences of the model's full context.
+        return max_batch_size * self.spec.max_positions * self.kv_bytes_per_token
+
+    # -- memory -----------------------------------------------------------------------
+    def release(self, tags: list[str]) -> None:
+        """Free the tagged memory. The engine adds "cuda_graph" to any release of the other two."""
+        if "cuda_graph" in tags:  # first: graphs point into the weights and the cache
+            self.graphs.free()
+            self.scheduler.drop_state()
+        if "weights" in tags:
+            self._move_weights("cpu")
+        if "kv_cache" in tags:
+            self.scheduler.drop_state()
+            self.cache.free()
+
+    def resume(self, tags: list[str]) -> None:
+        """Restore the tagged memory; "cuda_graph" needs nothing now (graphs are captured on use)."""
+        if "weights" in tags:
+            self._move_weights("device")
+        if "kv_cache" in tags:
+            self.cache.allocate()
+
+    def _move_weights(self, where: str) -> None:
+        keys = list(self.weights.storages)
+        moved = self.memory.move([self.weights.storages[k] for k in keys], where, tag="weights")
+        self.weights.set_storages(dict(zip(keys, moved)))
+
+    def bytes_in_use(self) -> int:
+        return self.memory.bytes_in_use()
+
+    # -- weights ----------------------------------------------------------------------
+    def load_weights(self, bucket: dict) -> int:
+        return self.weights.load_bucket(bucket)
+
+    def finish_weight_update(self) -> None:
+        """Weights were copied in place into the storages the graphs read: nothing to flush."""
+
+    def weights_checksum(self) -> dict[str, str]:
+        return self.weights.checksum()
+
+    # -- generation -------------------------------------------------------------------
+    def generate(self, requests: list[GenerateRequest], seeds: list[int]) -> list[dict]:
+        return self.scheduler.generate(requests, seeds)
+
+
+def _check_options(options: dict) -> dict:
+    unknown = sorted(set(options) - set(TORCH_OPTIONS))
+    if unknown:
+        raise ValueError(f"backend 'torch': unknown options {unknown}; allowed: {sorted(TORCH_OPTIONS)}")
+    for name, kind in TORCH_OPTIONS.items():
+        if name in options and type(options[name]) is not kind:
+            raise ValueError(f"backend 'torch': option {name}={options[name]!r} must be a {kind.__name__}")
+    if options.get("sync_every", 1) < 1:
+        raise ValueError(f"backend 'torch': option sync_every={options['sync_every']} must be >= 1")
+    if options.get("load_format", "safetensors") not in LOAD_FORMATS:
+        raise ValueError(f"backend 'torch': option load_format={options['load_format']!r} must be one of {LOAD_FORMATS}")
+    return options
+
+
+def _dummy_init(weights: Weights) -> None:
+    with torch.no_grad():
+        for key, t in weights.storages.items():
+            if t.dim() == 1 and "bias" not in key:
+                t.fill_(1.0)  # norm scales
+            else:
+                t.normal_(0.0, 0.02, generator=torch.Generator(t.device).manual_seed(0))

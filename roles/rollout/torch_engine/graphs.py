@@ -1,0 +1,80 @@
+"""CUDA-graph capture and replay of the decode step, one graph per (batch size, shape key).
+
+A decode step reads and writes only preallocated tensors (the slot state, the KV cache,
+the weights' storages), so its graph is replayed as is: new tokens come in through the
+state tensors, new weights through in-place copies into the same storages. Anything that
+changes those addresses (releasing the weights or the KV cache) must `free()` the graphs
+first; they are captured again lazily, at the first step that needs each batch size.
+
+All graphs share one memory pool, accounted under the "cuda_graph" tag. Off on the CPU
+and on fake GPUs: `run` then simply calls the step.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Hashable
+
+import torch
+
+from roles.device import DeviceMemory
+
+BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512)
+
+
+def batch_bucket(n: int, max_slots: int) -> int:
+    """The graph batch size that serves n rows: the smallest listed size >= n (or max_slots)."""
+    return next((b for b in BATCH_SIZES if b >= n and b <= max_slots), max_slots)
+
+
+class DecodeGraphs:
+    def __init__(self, memory: DeviceMemory, *, enabled: bool):
+        self.memory = memory
+        self.enabled = enabled and memory.kind == "cuda"
+        self._graphs: dict[Hashable, torch.cuda.CUDAGraph] = {}
+        self._pool = None
+        self._reserved_before: int | None = None
+        self.num_captures = 0
+
+    def run(self, key: Hashable, step: Callable[[], None], state: list[torch.Tensor]) -> None:
+        """Run `step` once: replay its graph for `key`, capturing it first if needed.
+
+        `state` lists the tensors `step` updates in place; the warm-up run before a capture
+        is undone on them so that capturing does not advance the decode.
+        """
+        if not self.enabled:
+            step()
+            return
+        graph = self._graphs.get(key)
+        if graph is None:
+            graph = self._capture(step, state)
+            self._graphs[key] = graph
+        graph.replay()
+
+    def _capture(self, step: Callable[[], None], state: list[torch.Tensor]) -> torch.cuda.CUDAGraph:
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+            self._reserved_before = torch.cuda.memory_reserved()
+        saved = [t.clone() for t in state]
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # warm-up off the capture: lazy inits, cuBLAS handles
+            step()
+        torch.cuda.current_stream().wait_stream(side)
+        for t, s in zip(state, saved):
+            t.copy_(s)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool):
+            step()
+        self.num_captures += 1
+        self.memory.account("cuda_graph", max(0, torch.cuda.memory_reserved() - self._reserved_before))
+        return graph
+
+    def free(self) -> None:
+        """Drop every graph and its pool; memory goes back to the driver."""
+        had = bool(self._graphs) or self._pool is not None
+        self._graphs.clear()
+        self._pool = None
+        if had and self.memory.kind == "cuda":
+            torch.cuda.synchronize()
+            torch.cuda.empty_cache()
+        self.memory.account("cuda_graph", 0)

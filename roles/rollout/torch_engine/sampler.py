@@ -1,0 +1,111 @@
+"""Next-token sampling on the device, with a counter-based RNG.
+
+Semantics are those of roles/rollout/sampling.py (greedy below GREEDY_EPS, top-k then
+top-p on the temperature-scaled distribution, log-prob of the sampled token BEFORE the
+cut). The random draw is one uniform per (request seed, position of the sampled token),
+computed by hashing those two integers: no generator state, so a request's tokens do not
+depend on which rows share its batch or when it was scheduled, and the whole step runs
+inside a CUDA graph (seeds and positions are tensors the graph reads).
+
+A token is drawn by inverting the CDF of the (cut) distribution at that uniform.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from roles.rollout.sampling import SamplingParams
+
+_M32 = 0xFFFFFFFF
+
+
+@dataclass
+class SamplingRows:
+    """Per-row sampling parameters as device tensors ([B] each)."""
+
+    temperature: torch.Tensor  # float32; 1.0 for greedy rows (their log-probs use T = 1)
+    greedy: torch.Tensor  # bool
+    top_k: torch.Tensor  # int64; vocab size when disabled
+    top_p: torch.Tensor  # float32; inf when disabled (float rounding can push the mass past 1)
+    seed: torch.Tensor  # int64, >= 0
+
+    @classmethod
+    def build(cls, params: list[SamplingParams], seeds: list[int], vocab: int, device) -> SamplingRows:
+        return cls(
+            temperature=torch.tensor([1.0 if p.greedy else p.temperature for p in params], device=device),
+            greedy=torch.tensor([p.greedy for p in params], device=device),
+            top_k=torch.tensor([vocab if p.top_k == -1 else p.top_k for p in params], device=device),
+            top_p=torch.tensor([p.top_p if p.top_p < 1 else float("inf") for p in params], device=device),
+            seed=torch.tensor([s % (1 << 63) for s in seeds], dtype=torch.long, device=device),
+        )
+
+    @classmethod
+    def empty(cls, n: int, vocab: int, device) -> SamplingRows:
+        return cls.build([SamplingParams()] * n, [0] * n, vocab, device)
+
+    def assign(self, rows: torch.Tensor, other: SamplingRows) -> None:
+        """self[rows] = other, in place (graphs read these tensors' storage)."""
+        for name in ("temperature", "greedy", "top_k", "top_p", "seed"):
+            getattr(self, name)[rows] = getattr(other, name)
+
+    def head(self, n: int) -> SamplingRows:
+        return SamplingRows(self.temperature[:n], self.greedy[:n], self.top_k[:n], self.top_p[:n], self.seed[:n])
+
+
+def needs_cut(params: list[SamplingParams]) -> bool:
+    """Whether any request uses top-k/top-p (then the sampler sorts the vocabulary)."""
+    return any(not p.greedy and (p.top_k != -1 or p.top_p < 1) for p in params)
+
+
+def sample(
+    logits: torch.Tensor,  # [B, V] float32
+    rows: SamplingRows,  # [B] each
+    positions: torch.Tensor,  # [B] int64: the position the sampled token will take
+    *,
+    cut: bool,  # False: no row uses top-k/top-p, skip the sort
+) -> tuple[torch.Tensor, torch.Tensor]:  # tokens [B] int64, logprobs [B] float32
+    logprobs = torch.log_softmax(logits / rows.temperature[:, None], dim=-1)  # [B, V]
+    probs = logprobs.exp()
+    u = uniform(rows.seed, positions)  # [B]
+    if cut:
+        vocab = probs.shape[-1]
+        sorted_probs, order = probs.sort(dim=-1, descending=True)
+        mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
+        rank = torch.arange(vocab, device=probs.device)[None, :]
+        drop = (rank >= rows.top_k[:, None]) | (mass_before > rows.top_p[:, None])
+        cdf = sorted_probs.masked_fill(drop, 0.0).cumsum(dim=-1)
+        index = _invert(cdf, u)
+        drawn = order.gather(1, index[:, None])[:, 0]
+    else:
+        drawn = _invert(probs.cumsum(dim=-1), u)
+    tokens = torch.where(rows.greedy, logits.argmax(dim=-1), drawn)
+    return tokens, logprobs.gather(1, tokens[:, None])[:, 0]
+
+
+def _invert(cdf: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """First index whose cumulative mass exceeds u * total (zero-mass tokens are never hit)."""
+    target = (u * cdf[:, -1]).unsqueeze(1).contiguous()
+    return torch.searchsorted(cdf, target, right=True)[:, 0].clamp_(max=cdf.shape[-1] - 1)
+
+
+def uniform(seeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """A float32 uniform in [0, 1) per (seed, position): murmur3's 32-bit finaliser, chained.
+
+    int64 arithmetic holding 32-bit values: products wrap, and the low 32 bits kept are the
+    same as unsigned 32-bit arithmetic would give, on CPU and CUDA alike.
+    """
+    h = _fmix32((seeds & _M32) ^ _fmix32((seeds >> 32) + 0x9E3779B9))
+    h = _fmix32(h ^ ((positions * 0x9E3779B1) & _M32))
+    return (h >> 8).float() * (1.0 / (1 << 24))
+
+
+def _fmix32(x: torch.Tensor) -> torch.Tensor:
+    x = x & _M32
+    x = x ^ (x >> 16)
+    x = (x * 0x85EBCA6B) & _M32
+    x = x ^ (x >> 13)
+    x = (x * 0xC2B2AE35) & _M32
+    return x ^ (x >> 16)
+

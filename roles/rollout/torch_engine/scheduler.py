@@ -1,0 +1,254 @@
+"""Continuous batching over the slot KV cache: prefill packed, decode on the device.
+
+One `generate` call runs this loop until every request is done:
+
+1. admit: waiting requests take the free slots (lowest first); their prompts are packed
+   into prefill forwards of at most PREFILL_TOKENS tokens, and each one's first token is
+   sampled from its last prompt position.
+2. decode: `n` steps over the slots [0, B) (B: the graph batch size covering the highest
+   busy slot), entirely on the device: each step feeds every slot's last token, writes its
+   K/V at its position, samples, and appends (token, log-prob) to a ring of `sync_every`
+   rows. `n` is at most `sync_every` and at most the fewest tokens any busy row still may
+   take, so length finishes are never overrun.
+3. sync: the ring comes to the host once; finishes are decided there (max_new_tokens first,
+   then stop ids, as sampling.py says) and freed slots are refilled at step 1 of the same
+   call, so a long tail does not idle the batch.
+
+A row that stopped on a token keeps decoding garbage until the next sync (at most
+`sync_every - 1` steps); its slot has room for that, and nothing it computes is kept.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from itertools import islice
+
+import torch
+import torch.nn.functional as F
+
+from roles.rollout.sampling import GenerateRequest
+from roles.rollout.torch_engine.decoder import Decoder
+from roles.rollout.torch_engine.graphs import DecodeGraphs, batch_bucket
+from roles.rollout.torch_engine.kv_cache import Geometry, KVCache
+from roles.rollout.torch_engine.sampler import SamplingRows, needs_cut, sample
+
+PREFILL_TOKENS = 16384  # packed prompt tokens per prefill forward (activations scale with it)
+
+
+class SlotState:
+    """The per-slot tensors a decode step reads and updates in place ([max_slots] each)."""
+
+    def __init__(self, num_slots: int, sync_every: int, vocab: int, device: torch.device):
+        self.tokens = torch.zeros(num_slots, dtype=torch.long, device=device)  # last token of each slot
+        self.positions = torch.zeros(num_slots, dtype=torch.long, device=device)  # that token's position
+        self.rows = SamplingRows.empty(num_slots, vocab, device)
+        self.ring_tokens = torch.zeros(sync_every, num_slots, dtype=torch.long, device=device)
+        self.ring_logprobs = torch.zeros(sync_every, num_slots, dtype=torch.float32, device=device)
+        self.ring_index = torch.zeros(1, dtype=torch.long, device=device)
+        self.slot_ids = torch.arange(num_slots, device=device)
+
+    def mutable(self) -> list[torch.Tensor]:
+        """What a decode step changes (restored after a graph's warm-up run)."""
+        return [self.tokens, self.positions, self.ring_tokens, self.ring_logprobs, self.ring_index]
+
+
+class Scheduler:
+    def __init__(self, decoder: Decoder, cache: KVCache, graphs: DecodeGraphs, *, sync_every: int,
+                 slot_quantum: int):
+        self.decoder = decoder
+        self.spec = decoder.spec
+        self.cache = cache
+        self.graphs = graphs
+        self.sync_every = sync_every
+        self.slot_quantum = slot_quantum  # slot lengths rounded up to it, so graph keys repeat
+        self.state: SlotState | None = None
+        self._steps: dict[tuple, callable] = {}
+        self.last_stats: dict = {}
+
+    def drop_state(self) -> None:
+        """Forget the device state (the KV cache or weights are going away)."""
+        self.state = None
+        self._steps.clear()
+        self.decoder.drop_rope()
+
+    # -- the loop ---------------------------------------------------------------------
+    @torch.no_grad()
+    def generate(self, requests: list[GenerateRequest], seeds: list[int]) -> list[dict]:
+        geometry = self._geometry(requests)
+        self.cache.shape(geometry)
+        if self.state is None:
+            device = self.cache.memory.device
+            self.state = SlotState(self.cache.max_slots, self.sync_every, self.spec.vocab, device)
+            self.decoder.build_rope(self.spec.max_positions + self.sync_every + self.slot_quantum, device)
+        cut = needs_cut([r.sampling for r in requests])
+        eos = frozenset(self.spec.eos_ids)
+        stops = [frozenset() if r.sampling.ignore_eos else frozenset(r.sampling.stop_token_ids) | eos
+                 for r in requests]
+        tokens: list[list[int]] = [[] for _ in requests]
+        logprobs: list[list[float]] = [[] for _ in requests]
+        finish: list[str | None] = [None] * len(requests)
+        waiting = deque(range(len(requests)))
+        slot_request: list[int | None] = [None] * geometry.num_slots
+        stats = {"num_slots": geometry.num_slots, "slot_len": geometry.slot_len, "decode_steps": 0,
+                 "slot_steps": 0, "busy_steps": 0, "num_prefills": 0, "admitted_while_decoding": 0}
+
+        def take(r: int, token: int, logprob: float) -> bool:
+            """Append one sampled token to request r; True when r is finished."""
+            tokens[r].append(token)
+            logprobs[r].append(logprob)
+            if len(tokens[r]) >= requests[r].sampling.max_new_tokens:
+                finish[r] = "length"  # checked before stop tokens, as sglang does
+            elif token in stops[r]:
+                finish[r] = "stop"
+            return finish[r] is not None
+
+        while True:
+            while waiting and None in slot_request:  # 1. admit
+                free = [s for s, r in enumerate(slot_request) if r is None]
+                admitted = self._pack(list(islice(waiting, len(free))), requests)
+                for _ in admitted:
+                    waiting.popleft()
+                slots = free[:len(admitted)]
+                stats["num_prefills"] += 1
+                if stats["decode_steps"]:
+                    stats["admitted_while_decoding"] += len(admitted)
+                first = self._prefill([requests[r] for r in admitted], [seeds[r] for r in admitted], slots, cut)
+                for s, r, (tok, lp) in zip(slots, admitted, first):
+                    slot_request[s] = None if take(r, tok, lp) else r
+            busy = [s for s, r in enumerate(slot_request) if r is not None]
+            if not busy:
+                break
+            batch = batch_bucket(busy[-1] + 1, geometry.num_slots)  # 2. decode
+            steps = min([self.sync_every] + [requests[slot_request[s]].sampling.max_new_tokens
+                                             - len(tokens[slot_request[s]]) for s in busy])
+            step = self._step(batch, geometry, cut)
+            for _ in range(steps):
+                self.graphs.run((batch, geometry, cut), step, self.state.mutable())
+            ring_tokens = self.state.ring_tokens[:steps, :batch].tolist()  # 3. sync (one transfer each)
+            ring_logprobs = self.state.ring_logprobs[:steps, :batch].tolist()
+            self.state.ring_index.zero_()
+            stats["decode_steps"] += steps
+            stats["slot_steps"] += steps * batch
+            freed = []
+            for s in busy:
+                r = slot_request[s]
+                for j in range(steps):
+                    stats["busy_steps"] += 1
+                    if take(r, ring_tokens[j][s], ring_logprobs[j][s]):
+                        slot_request[s] = None
+                        freed.append(s)
+                        break
+            if freed:  # idle slots decode position 0 of their own slot: harmless, never past the end
+                index = torch.tensor(freed, device=self.state.positions.device)
+                self.state.positions[index] = 0
+        self.last_stats = stats
+        return [{"id": req.id, "token_ids": tokens[i], "logprobs": logprobs[i], "finish_reason": finish[i]}
+                for i, req in enumerate(requests)]
+
+    def _geometry(self, requests: list[GenerateRequest]) -> Geometry:
+        longest = max(requests, key=lambda r: len(r.prompt_ids) + r.sampling.max_new_tokens)
+        # the last sampled token is never fed back, but up to sync_every - 1 steps may run past it
+        need = len(longest.prompt_ids) + longest.sampling.max_new_tokens + self.sync_every - 1
+        rounded = -(-need // self.slot_quantum) * self.slot_quantum
+        geometry = self.cache.geometry_for(rounded)
+        if geometry.num_slots == 0:
+            geometry = self.cache.geometry_for(need)
+        if geometry.num_slots == 0:
+            raise ValueError(
+                f"request id={longest.id}: prompt {len(longest.prompt_ids)} + max_new_tokens "
+                f"{longest.sampling.max_new_tokens} tokens need {need * self.cache.bytes_per_token} bytes of "
+                f"KV cache, more than kv_cache_bytes={self.cache.num_bytes}; raise kv_cache_bytes (or "
+                "mem_fraction) or shorten the request"
+            )
+        return geometry
+
+    @staticmethod
+    def _pack(admitted: list[int], requests: list[GenerateRequest]) -> list[int]:
+        """The first of `admitted` that fit one prefill forward, sorted so equal prompt lengths are adjacent."""
+        chosen, total = [], 0
+        for r in admitted:
+            n = len(requests[r].prompt_ids)
+            if chosen and total + n > PREFILL_TOKENS:
+                break
+            chosen.append(r)
+            total += n
+        return sorted(chosen, key=lambda r: len(requests[r].prompt_ids))
+
+    # -- prefill ----------------------------------------------------------------------
+    def _prefill(self, reqs: list[GenerateRequest], seeds: list[int], slots: list[int],
+                 cut: bool) -> list[tuple[int, float]]:
+        """Run the packed prompts, fill their slots' cache and state; return each first (token, logprob)."""
+        device = self.state.tokens.device
+        lengths = [len(r.prompt_ids) for r in reqs]
+        tokens = torch.tensor([t for r in reqs for t in r.prompt_ids], device=device)  # [N]
+        positions = torch.cat([torch.arange(n) for n in lengths]).to(device)  # [N]
+        slot_of_token = torch.repeat_interleave(torch.tensor(slots), torch.tensor(lengths)).to(device)
+        groups = []  # (first token, number of prompts, prompt length): runs of equal lengths
+        start = 0
+        for n in lengths:
+            if groups and groups[-1][2] == n:
+                groups[-1][1] += 1
+            else:
+                groups.append([start, 1, n])
+            start += n
+        s = self.spec
+
+        def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            keys, values = self.cache.layer(layer)
+            keys[slot_of_token, :, positions] = k  # [N, KV, D] into [S, KV, T, D]
+            values[slot_of_token, :, positions] = v
+            out = torch.empty_like(q)
+            for first, num, length in groups:
+                span = slice(first, first + num * length)
+                qg, kg, vg = (t[span].view(num, length, -1, s.head_dim).transpose(1, 2) for t in (q, k, v))
+                og = F.scaled_dot_product_attention(qg, kg, vg, is_causal=True, enable_gqa=True)
+                out[span] = og.transpose(1, 2).reshape(num * length, s.num_heads, s.head_dim)
+            return out
+
+        hidden = self.decoder.forward(tokens, positions, attend)
+        last = torch.tensor(lengths).cumsum(0).to(device) - 1
+        logits = self.decoder.logits(hidden[last])  # [R, V]
+        rows = SamplingRows.build([r.sampling for r in reqs], seeds, s.vocab, device)
+        length_t = torch.tensor(lengths, device=device)
+        first, logprob = sample(logits, rows, length_t, cut=cut)
+        index = torch.tensor(slots, device=device)
+        self.state.tokens[index] = first
+        self.state.positions[index] = length_t
+        self.state.rows.assign(index, rows)
+        return list(zip(first.tolist(), logprob.tolist()))
+
+    # -- decode -----------------------------------------------------------------------
+    def _step(self, batch: int, geometry: Geometry, cut: bool):
+        """The decode step over slots [0, batch): only preallocated tensors, so it can be graphed."""
+        key = (batch, geometry, cut)
+        if key in self._steps:
+            return self._steps[key]
+        st, s = self.state, self.spec
+        group = s.num_heads // s.num_kv_heads
+        key_positions = torch.arange(geometry.slot_len, device=st.tokens.device)
+
+        def step() -> None:
+            tokens, positions, rows = st.tokens[:batch], st.positions[:batch], st.rows.head(batch)
+            slot_ids = st.slot_ids[:batch]
+            visible = (key_positions[None, :] <= positions[:, None])[:, None, None, :]  # [B, 1, 1, T]
+
+            def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+                keys, values = self.cache.layer(layer)
+                keys[slot_ids, :, positions] = k  # [B, KV, D]
+                values[slot_ids, :, positions] = v
+                # one query token per row: the G query heads of a kv head are G "query positions"
+                qg = q.view(batch, s.num_kv_heads, group, s.head_dim)
+                out = F.scaled_dot_product_attention(qg, keys[:batch], values[:batch], attn_mask=visible)
+                return out.reshape(batch, s.num_heads, s.head_dim)
+
+            hidden = self.decoder.forward(tokens, positions, attend)
+            new, logprob = sample(self.decoder.logits(hidden), rows, positions + 1, cut=cut)
+            ring = (st.ring_index.expand(batch), slot_ids)
+            st.ring_tokens.index_put_(ring, new)
+            st.ring_logprobs.index_put_(ring, logprob)
+            tokens.copy_(new)
+            positions.add_(1)
+            st.ring_index.add_(1)
+
+        self._steps[key] = step
+        return step
