@@ -307,3 +307,34 @@ def test_render_shows_roles_metrics_and_leases():
     assert "2.0 GiB" in text and "10.0" in text and "killed by SIGKILL" in text
     assert "step 2: loss=0.5  kl=0.01" in text
     assert "gpu 0: lease free (actor keeps 512 B)" in text
+
+
+PHASES = [
+    {"event": "lease", "gpu": 0, "holder": "rollout-0", "action": "acquire", "bytes_left": None, "residuals": {}},
+    {"event": "phase", "phase": "step", "action": "begin", "track": "driver", "step": 3},
+    {"event": "phase", "phase": "rollout", "action": "begin", "track": "driver", "step": 3},
+    {"event": "phase", "phase": "rollout", "action": "end", "track": "driver", "step": 3, "seconds": 1.5},
+    {"event": "lease", "gpu": 0, "holder": "rollout-0", "action": "release", "bytes_left": 0, "residuals": {}},
+    {"event": "lease", "gpu": 0, "holder": "actor", "action": "acquire", "bytes_left": None, "residuals": {}},
+    {"event": "phase", "phase": "onload", "action": "span", "role": "actor", "t0": 4.5, "seconds": 0.25,
+     "gpus": [0], "bytes": 3 << 20, "bytes_in_use": 3 << 20},
+    {"event": "phase", "phase": "log_probs", "action": "begin", "track": "driver", "step": 3},
+]
+
+
+def test_monitor_shows_the_running_phase_the_lease_holder_and_bytes_per_gpu():
+    from rich.console import Console
+    state = MonitorState()
+    for seq, event in enumerate(PHASES, start=1):
+        state.apply({"seq": seq, "ts": float(seq), **event})
+    assert [p["name"] for p in state.phases] == ["step", "log_probs"]
+    assert state.gpu_bytes == {0: {"rollout-0": 0, "actor": 3 << 20}}
+    console = Console(record=True, width=160)
+    console.print(render(state, "runs/x"))
+    text = console.export_text()
+    assert "phase: step > log_probs (step 3)" in text
+    assert "last finished: actor: onload 0.25 s" in text
+    assert "gpu 0: lease actor; 3.0 MiB in use: actor 3.0 MiB, rollout-0 0 B" in text
+    state.apply({"seq": 99, "ts": 9.0, "event": "phase", "phase": "log_probs", "action": "end", "track": "driver",
+                 "step": 3, "seconds": 2.0})
+    assert [p["name"] for p in state.phases] == ["step"]
