@@ -25,8 +25,7 @@ from ppo.generated import resolve_paths
 from ppo.placement import Placement, plan_placement
 from roles.reward.actor import RewardScorer
 from roles.rollout.engine import RolloutEngine
-from roles.trainer.actor import ActorTrainer
-from roles.trainer.critic import CriticTrainer
+from roles.trainer import BackendUnavailable, TrainerGroup, trainer_classes
 from runtime import ActorHandle, Supervisor
 from runtime.events import read_events
 
@@ -52,9 +51,9 @@ class Job:
     placement: Placement
     engines: list[ActorHandle]
     engine_tenants: list[Tenant]
-    actor: ActorHandle
+    actor: TrainerGroup  # one handle for the actor's ranks (roles.trainer.group)
     actor_tenant: Tenant
-    critic: ActorHandle | None
+    critic: TrainerGroup | None
     critic_tenant: Tenant | None
     scorers: list[ActorHandle]
     colocation: Colocation
@@ -89,17 +88,50 @@ def trainer_config(cfg: PPOConfig, hf_checkpoint: str, *, critic: bool, dtype: s
     }
 
 
+def rollout_backend_problem(cfg: PPOConfig) -> str | None:
+    """Why the configured rollout backend cannot run on this machine, or None."""
+    if cfg.engine.rollout_backend != "sglang":
+        return None
+    from roles.rollout.sglang_backend import sglang_problem
+
+    problem = sglang_problem()
+    if problem is None:
+        import torch
+
+        if not torch.cuda.is_available():
+            problem = ("rollout backend 'sglang' needs CUDA GPUs and this machine has none; "
+                       "use --rollout-backend torch (with --fake-gpus on a CPU machine)")
+    return problem
+
+
+def engine_settings(cfg: PPOConfig) -> dict:
+    """RolloutEngine's batch, memory and backend options from the recipe (sglang: the
+    `sglang.Engine` keywords miles would pass)."""
+    e = cfg.engine
+    if e.rollout_backend != "sglang":
+        return {"max_batch_size": C.samples_per_rollout(cfg)}
+    options = {"tp_size": e.rollout_num_gpus_per_engine}
+    if C.offload_rollout(cfg):  # release/resume_memory_occupation work only with the memory saver
+        options["enable_memory_saver"] = True
+    if e.sglang_disable_cuda_graph:
+        options["disable_cuda_graph"] = True
+    if e.sglang_enable_deterministic_inference:  # the only mode in which per-request seeds hold
+        options["enable_deterministic_inference"] = True
+    return {"max_batch_size": e.sglang_max_running_requests or C.samples_per_rollout(cfg),
+            "mem_fraction": e.sglang_mem_fraction_static, "options": options}
+
+
 def start_job(cfg: PPOConfig, console: RunConsole | None = None) -> Job:
     """Build the run dir and start the roles; `console` (default: as cfg.logging asks) prints
     each start-up stage and its time."""
     console = console or RunConsole.for_config(cfg)
-    if cfg.training.train_backend != "torch" or cfg.engine.rollout_backend != "torch":
-        # megatron and sglang adapters exist (see roles/), but running them needs CUDA and
-        # their packages; the driver wires only the torch backends for now.
-        raise NotImplementedError(
-            f"train_backend={cfg.training.train_backend!r}, rollout_backend={cfg.engine.rollout_backend!r}: "
-            "this build of the driver runs the torch backends; pass --train-backend torch "
-            "--rollout-backend torch (see docs/architecture.md, Backends)")
+    problem = rollout_backend_problem(cfg)
+    if problem is not None:  # checked before anything is written or started
+        raise JobSetupError(problem)
+    try:
+        actor_cls, critic_cls = trainer_classes(cfg.training.train_backend)
+    except BackendUnavailable as e:  # megatron without megatron-core or CUDA: nothing was started
+        raise JobSetupError(str(e)) from e
     run_dir = Path(cfg.logging.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.json").write_text(json.dumps(to_dict(cfg), indent=2))
@@ -141,17 +173,19 @@ def start_job(cfg: PPOConfig, console: RunConsole | None = None) -> Job:
             for g in gpus:
                 sup.leases.acquire(g, name)
             engines.append(sup.spawn(
-                name, RolloutEngine, hf_checkpoint, backend="torch", engine_index=i,
+                name, RolloutEngine, hf_checkpoint, backend=cfg.engine.rollout_backend, engine_index=i,
                 seed=cfg.rollout.rollout_seed, dtype=dtype, gpus=gpus, restart="one_for_one",
-                max_batch_size=C.samples_per_rollout(cfg), env=ROLE_ENV))
+                **engine_settings(cfg), env=ROLE_ENV))
             engine_tenants.append(engine_tenant(engines[-1], tuple(gpus), offloads=C.offload_rollout(cfg)))
-        actor = sup.spawn("actor", ActorTrainer, trainer_config(cfg, hf_checkpoint, critic=False, dtype=dtype),
-                          gpus=plan.actor_gpus, restart="temporary", env=ROLE_ENV)
+        # Trainers are rank groups, one process per GPU (roles.trainer.group); they die as one.
+        actor = TrainerGroup.spawn(sup, "actor", actor_cls,
+                                   trainer_config(cfg, hf_checkpoint, critic=False, dtype=dtype),
+                                   gpus=plan.actor_gpus, env=ROLE_ENV)
         critic = None
         if C.uses_critic(cfg):
-            critic = sup.spawn("critic", CriticTrainer,
-                               trainer_config(cfg, hf_checkpoint, critic=True, dtype=dtype),
-                               gpus=plan.critic_gpus, restart="temporary", env=ROLE_ENV)
+            critic = TrainerGroup.spawn(sup, "critic", critic_cls,
+                                        trainer_config(cfg, hf_checkpoint, critic=True, dtype=dtype),
+                                        gpus=plan.critic_gpus, env=ROLE_ENV)
         console.begin("waiting for the roles to load their weights")
         t0 = time.monotonic()
         sup.wait_ready()

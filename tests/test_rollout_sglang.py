@@ -1,151 +1,58 @@
-"""The sglang adapter against a contract fake of sglang's in-process Engine.
+"""The sglang adapter, held to sglang's source.
 
-sglang cannot run here, so `FakeSglangEngine` stands in for it: the same method names and
-keyword arguments as `sglang.Engine` (generate, release/resume_memory_occupation,
-update_weights_from_tensor, flush_cache), sglang's SamplingParams checks, and outputs in
-sglang's format (`output_ids`, `meta_info.output_token_logprobs` as (logprob, id, text),
-`meta_info.finish_reason` dicts). Installed as the `sglang` modules for each test.
+CPU tests run RolloutEngine(backend="sglang") against tests/fakes/sglang_engine.py, a fake
+rebuilt from sglang 0.5.23 (each behaviour cites the sglang file and line it copies). The
+GPU test runs sglang's real serializer and FlattenedTensorBucket between a trainer process,
+the engine process and two sglang "TP rank" processes on one GPU, as a colocated sync does.
 """
 
-import base64
-import pickle
+import multiprocessing as mp
+import os
+import queue
+import subprocess
 import sys
-import types
-from dataclasses import dataclass
+import time
+from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 from ppo.tiny_model import EOS_ID, load_causal_lm
 from roles.rollout import RolloutEngine
-from roles.weight_sync import pack_buckets, push_weights
+from roles.rollout import sglang_backend
+from roles.rollout.sglang_backend import flattened_bucket_payloads
+from roles.weight_sync import checksum_named_tensors, pack_buckets, push_weights, unpack_bucket
+from tests.fakes import sglang_engine
 
-# sglang.srt.sampling.sampling_params.SamplingParams keywords
-SGLANG_SAMPLING_KEYS = {
-    "max_new_tokens", "stop", "stop_token_ids", "stop_regex", "temperature", "top_p", "top_k",
-    "min_p", "frequency_penalty", "presence_penalty", "repetition_penalty", "min_new_tokens", "n",
-    "json_schema", "regex", "ebnf", "structural_tag", "ignore_eos", "skip_special_tokens",
-    "spaces_between_special_tokens", "no_stop_trim", "custom_params", "stream_interval",
-    "logit_bias", "sampling_seed",
-}
-VOCAB = 47
-
-
-@dataclass
-class FlattenedTensorMetadata:  # sglang.srt.weight_sync.tensor_bucket.FlattenedTensorMetadata
-    name: str
-    shape: torch.Size
-    dtype: torch.dtype
-    start_idx: int
-    end_idx: int
-    numel: int
-
-
-class MultiprocessingSerializer:  # sglang.srt.utils.MultiprocessingSerializer (pickle, base64 for str)
-    @staticmethod
-    def serialize(obj, output_str: bool = False):
-        data = pickle.dumps(obj)
-        return base64.b64encode(data).decode() if output_str else data
-
-    @staticmethod
-    def deserialize(data):
-        return pickle.loads(base64.b64decode(data) if isinstance(data, str) else data)
-
-
-class FakeSglangEngine:
-    instances: list = []
-
-    def __init__(self, **server_args):
-        self.server_args = server_args
-        self.paused: set[str] = set()
-        self.weights: dict[str, torch.Tensor] = {}
-        self.calls: list[tuple] = []
-        self.abort_ids: set[int] = set()
-        FakeSglangEngine.instances.append(self)
-
-    def generate(self, prompt=None, sampling_params=None, input_ids=None, return_logprob=False,
-                 logprob_start_len=None, top_logprobs_num=None, stream=False, rid=None):
-        assert prompt is None and isinstance(input_ids[0], list) and not stream
-        if self.paused:
-            raise RuntimeError(f"generate with paused memory {self.paused}")  # a real crash
-        self.calls.append(("generate", sampling_params))
-        return [self._one(ids, sp, return_logprob) for ids, sp in zip(input_ids, sampling_params)]
-
-    def _one(self, ids, sp, return_logprob):
-        assert set(sp) <= SGLANG_SAMPLING_KEYS, set(sp) - SGLANG_SAMPLING_KEYS
-        assert sp["temperature"] >= 0 and 0 < sp["top_p"] <= 1 and (sp["top_k"] == -1 or sp["top_k"] >= 1)
-        out, finish = [], None
-        for i in range(sp["max_new_tokens"]):
-            out.append((sum(ids) * 7 + 3 * i + sp.get("sampling_seed", 0)) % VOCAB)
-            if len(out) >= sp["max_new_tokens"]:
-                finish = {"type": "length", "length": sp["max_new_tokens"]}
-            elif not sp.get("ignore_eos") and out[-1] in set(sp.get("stop_token_ids") or []) | {EOS_ID}:
-                finish = {"type": "stop", "matched": out[-1]}
-            if finish:
-                break
-        if sum(ids) in self.abort_ids:
-            finish = {"type": "abort", "message": "aborted by test"}
-        meta = {"id": "rid", "finish_reason": finish, "prompt_tokens": len(ids), "completion_tokens": len(out)}
-        if return_logprob:
-            meta["output_token_logprobs"] = [(-(i + 1) / 10, t, None) for i, t in enumerate(out)]
-        return {"output_ids": out, "meta_info": meta}
-
-    def release_memory_occupation(self, tags=None):
-        self.calls.append(("release", tags))
-        self.paused.update(tags)
-
-    def resume_memory_occupation(self, tags=None):
-        self.calls.append(("resume", tags))
-        self.paused.difference_update(tags)
-
-    def update_weights_from_tensor(self, named_tensors, load_format=None, flush_cache=True):
-        assert load_format == "flattened_bucket"
-        assert len(named_tensors) == self.server_args.get("tp_size", 1)  # one payload per TP rank
-        self.calls.append(("update_weights", flush_cache))
-        if "weights" in self.paused:
-            return False, "weights are released"
-        bucket = MultiprocessingSerializer.deserialize(named_tensors[0])
-        flat = bucket["flattened_tensor"]
-        for m in bucket["metadata"]:
-            assert m.dtype == flat.dtype and m.end_idx - m.start_idx == m.numel
-            self.weights[m.name] = flat[m.start_idx:m.end_idx].reshape(m.shape).clone()
-        return True, "Success"
-
-    def flush_cache(self):
-        self.calls.append(("flush_cache",))
+REPO = Path(__file__).resolve().parent.parent
+SAVER = {"enable_memory_saver": True}
 
 
 @pytest.fixture
 def fake_sglang(monkeypatch):
-    FakeSglangEngine.instances.clear()
-    modules = {
-        "sglang": types.ModuleType("sglang"),
-        "sglang.srt": types.ModuleType("sglang.srt"),
-        "sglang.srt.utils": types.ModuleType("sglang.srt.utils"),
-        "sglang.srt.weight_sync": types.ModuleType("sglang.srt.weight_sync"),
-        "sglang.srt.weight_sync.tensor_bucket": types.ModuleType("sglang.srt.weight_sync.tensor_bucket"),
-    }
-    modules["sglang"].Engine = FakeSglangEngine
-    modules["sglang.srt.utils"].MultiprocessingSerializer = MultiprocessingSerializer
-    modules["sglang.srt.weight_sync.tensor_bucket"].FlattenedTensorMetadata = FlattenedTensorMetadata
-    for name, module in modules.items():
-        monkeypatch.setitem(sys.modules, name, module)
-    return FakeSglangEngine
+    return sglang_engine.install(monkeypatch, eos_id=EOS_ID)
 
 
-def _engine(ckpt, **kw):
+def _engine(ckpt, fake_sglang, **kw):
     eng = RolloutEngine(ckpt, backend="sglang", **kw)
-    return eng, FakeSglangEngine.instances[-1]
+    return eng, fake_sglang.instances[-1]
 
 
-def test_engine_arguments(ckpt, fake_sglang):
-    _, fake = _engine(ckpt, seed=5, dtype="bfloat16", max_batch_size=32, mem_fraction=0.6,
-                      options={"tp_size": 2, "attention_backend": "fa3"})
+def _gen(eng, prompt, **sampling):
+    return eng.generate([{"id": 0, "prompt_ids": prompt, "sampling": {"max_new_tokens": 3, **sampling}}])[0]
+
+
+def test_engine_arguments_are_server_args(ckpt, fake_sglang):
+    _, fake = _engine(ckpt, fake_sglang, seed=5, dtype="bfloat16", max_batch_size=32, mem_fraction=0.6,
+                      options={"tp_size": 2, "attention_backend": "fa3", **SAVER})
     assert fake.server_args == {
         "model_path": ckpt, "dtype": "bfloat16", "random_seed": 5, "max_running_requests": 32,
-        "skip_tokenizer_init": True, "enable_memory_saver": True, "mem_fraction_static": 0.6,
-        "tp_size": 2, "attention_backend": "fa3",
+        "skip_tokenizer_init": True, "mem_fraction_static": 0.6, "tp_size": 2,
+        "attention_backend": "fa3", "enable_memory_saver": True,
     }
+    with pytest.raises(TypeError, match="Unexpected keyword argument 'cuda_graph'"):  # not a ServerArgs field
+        RolloutEngine(ckpt, backend="sglang", options={"cuda_graph": False})
     with pytest.raises(ValueError, match=r"options \['dtype'\]"):
         RolloutEngine(ckpt, backend="sglang", options={"dtype": "float16"})
     with pytest.raises(ValueError, match="kv_cache_bytes is for backend 'torch'"):
@@ -153,7 +60,7 @@ def test_engine_arguments(ckpt, fake_sglang):
 
 
 def test_generate_translates_requests_and_results(ckpt, fake_sglang):
-    eng, fake = _engine(ckpt)
+    eng, fake = _engine(ckpt, fake_sglang)
     requests = [
         {"id": 4, "prompt_ids": [5, 6], "sampling": {"temperature": 0.5, "top_p": 0.9, "top_k": 5,
                                                      "max_new_tokens": 6, "stop_token_ids": [9], "seed": 3}},
@@ -163,8 +70,8 @@ def test_generate_translates_requests_and_results(ckpt, fake_sglang):
     results = eng.generate(requests)
     sent = fake.calls[-1][1]
     assert sent[0] == {"temperature": 0.5, "top_p": 0.9, "top_k": 5, "max_new_tokens": 6,
-                       "stop_token_ids": [9], "ignore_eos": False, "sampling_seed": 3}
-    assert isinstance(sent[1]["sampling_seed"], int) and sent[1]["ignore_eos"] is True
+                       "stop_token_ids": [9], "ignore_eos": False}  # no sampling_seed: sglang would ignore it
+    assert sent[1]["ignore_eos"] is True and sent[1]["top_k"] == -1
     expected = [fake._one(ids, sp, True) for ids, sp in zip([[5, 6], [2, 3, 4]], sent)]
     for req, result, out in zip(requests, results, expected):
         assert result["id"] == req["id"] and result["weight_version"] == 7
@@ -172,43 +79,105 @@ def test_generate_translates_requests_and_results(ckpt, fake_sglang):
         assert result["logprobs"] == [lp for lp, _, _ in out["meta_info"]["output_token_logprobs"]]
         assert result["finish_reason"] == out["meta_info"]["finish_reason"]["type"]
     assert results[1]["finish_reason"] == "length" and len(results[1]["token_ids"]) == 5
-
-
-def test_stop_and_abort(ckpt, fake_sglang):
-    eng, fake = _engine(ckpt)
-    # (sum*7 + 3i) % 47 for prompt [1]: 7, 10, 13, ... -> 13 is the third token
-    out = eng.generate([{"id": 0, "prompt_ids": [1], "sampling": {"max_new_tokens": 8, "stop_token_ids": [13],
-                                                                  "seed": 0}}])[0]
+    # (sum*7 + 3i) % 47 for prompt [1] with random_seed 0: 7, 10, 13 -> 13 is a stop token
+    out = _gen(eng, [1], max_new_tokens=8, stop_token_ids=[13])
     assert (out["token_ids"], out["finish_reason"]) == ([7, 10, 13], "stop")
-    fake.abort_ids.add(1)
-    with pytest.raises(RuntimeError, match="did not finish request id=0.*abort"):
-        eng.generate([{"id": 0, "prompt_ids": [1], "sampling": {"max_new_tokens": 3}}])
 
 
-def test_release_resume_and_weight_sync(ckpt, fake_sglang):
-    eng, fake = _engine(ckpt, dtype="bfloat16", options={"tp_size": 2})
+def test_seeds_hold_only_in_deterministic_mode(ckpt, fake_sglang):
+    """sglang samples with a request's sampling_seed only under enable_deterministic_inference."""
+    eng, fake = _engine(ckpt, fake_sglang, options={"enable_deterministic_inference": True})
+    a, b = _gen(eng, [1], seed=3), _gen(eng, [1], seed=4)
+    assert fake.calls[-1][1][0]["sampling_seed"] == 4 and a["token_ids"] != b["token_ids"]
+    eng2, fake2 = _engine(ckpt, fake_sglang)
+    a, b = _gen(eng2, [1], seed=3), _gen(eng2, [1], seed=4)
+    assert "sampling_seed" not in fake2.calls[-1][1][0] and a["token_ids"] == b["token_ids"]
+
+
+def test_abort_is_an_error_naming_the_request(ckpt, fake_sglang):
+    eng, fake = _engine(ckpt, fake_sglang)
+    fake.abort_prompts[1] = {"message": "Aborted"}  # e.g. abort_request(): an output, no status code
+    with pytest.raises(RuntimeError, match="did not finish request id=0.*'abort'"):
+        _gen(eng, [1])
+    fake.abort_prompts[1] = {"message": "input too long", "status_code": 400}  # sglang raises itself
+    with pytest.raises(ValueError, match="input too long"):
+        _gen(eng, [1])
+
+
+def test_release_resume_tags_and_memory_saver(ckpt, fake_sglang):
+    eng, fake = _engine(ckpt, fake_sglang, options=SAVER)
     assert eng.release(["weights", "kv_cache"])["state"] == "released"
-    assert fake.calls[-1] == ("release", ["weights", "kv_cache", "cuda_graph"])
+    assert fake.calls[-2:] == [("release", ["weights", "kv_cache", "cuda_graph"]), ("flush_cache",)]
     eng.resume(["weights"])
-    assert fake.calls[-1] == ("resume", ["weights"])
+    assert fake.calls[-1] == ("resume", ["weights"]) and fake.offload_tags == {"kv_cache", "cuda_graph"}
+    eng.resume(["weights"])  # RolloutEngine skips what is resident: sglang would raise KeyError
+    with pytest.raises(KeyError):
+        fake.resume_memory_occupation(tags=["weights"])
+    eng.resume(["kv_cache"])
+    assert fake.calls[-1] == ("resume", ["kv_cache", "cuda_graph"]) and not fake.offload_tags
+    plain, _ = _engine(ckpt, fake_sglang)  # without the memory saver sglang would free nothing
+    with pytest.raises(RuntimeError, match="enable_memory_saver"):
+        plain.release(["kv_cache"])
 
+
+def test_weight_sync_is_a_session_with_one_payload_per_tp_rank(ckpt, fake_sglang):
+    eng, fake = _engine(ckpt, fake_sglang, dtype="bfloat16", options={"tp_size": 2, **SAVER})
+    eng.release(["weights", "kv_cache"])
+    eng.resume(["weights"])  # miles' order: weights back, sync, then the KV cache
     source = load_causal_lm(ckpt, "bfloat16").state_dict()
-    push_weights(source.items(), eng.update_weights, buffer_bytes=8 * 1024)
+    for version in (1, 2):
+        del fake.calls[:]
+        push_weights(source.items(), eng.update_weights, buffer_bytes=8 * 1024)
+        eng.set_weight_version(version)
+        kinds = [c[0] for c in fake.calls]
+        assert kinds[:2] == ["flush_cache", "begin_weight_update"] and kinds[-1] == "end_weight_update"
+        assert set(kinds[2:-1]) == {"update_weights"} and len(kinds) > 5
+        assert all(c == ("update_weights", "flattened_bucket", False) for c in fake.calls[2:-1])
+        assert fake.session is None
     assert set(fake.weights) == set(source)
     for name, tensor in source.items():
         assert fake.weights[name].dtype == torch.bfloat16 and torch.equal(fake.weights[name], tensor), name
-    assert all(call == ("update_weights", False) for call in fake.calls if call[0] == "update_weights")
-    assert ("flush_cache",) not in fake.calls
-    eng.set_weight_version(1)
-    assert fake.calls[-1] == ("flush_cache",)  # once, when the update is complete
-
     eng.resume(["kv_cache"])
-    assert fake.calls[-1] == ("resume", ["kv_cache", "cuda_graph"]) and not fake.paused
-    assert eng.generate([{"id": 0, "prompt_ids": [1], "sampling": {"max_new_tokens": 2}}])[0]["weight_version"] == 1
+    assert _gen(eng, [1])["weight_version"] == 2
+
+
+def test_fake_rejects_what_sglang_rejects(ckpt, fake_sglang):
+    eng, fake = _engine(ckpt, fake_sglang, dtype="bfloat16", options={"tp_size": 2})
+    named = [("model.norm.weight", torch.ones(64, dtype=torch.bfloat16))]
+    bucket = next(pack_buckets(named, 1 << 20))
+    payloads = flattened_bucket_payloads(named, bucket["flat"], num_ranks=2, sgl=eng._backend.sgl, device=None)
+    ok, msg = fake.update_weights_from_tensor(payloads, load_format="flattened_bucket")
+    assert not ok and "between begin_weight_update() and end_weight_update()" in msg
+    assert fake.begin_weight_update() == (True, "Success")
+    assert fake.begin_weight_update()[0] is False  # one session at a time
+    with pytest.raises(RuntimeError, match="already read"):  # one payload for every rank
+        fake.update_weights_from_tensor([payloads[0]] * 2, load_format="flattened_bucket")
+    with pytest.raises(IndexError):
+        fake.update_weights_from_tensor(payloads[1:], load_format="flattened_bucket")
+    with pytest.raises(TypeError, match="unexpected keyword argument 'seed'"):
+        fake.generate(input_ids=[[1]], sampling_params=[{"max_new_tokens": 1, "seed": 1}])
+    with pytest.raises(RuntimeError, match="Blocked unsafe global"):
+        fake.update_weights_from_tensor(
+            [sglang_engine.MultiprocessingSerializer.serialize(SimpleNamespace(), output_str=True)] * 2,
+            load_format="flattened_bucket")
+
+
+def test_payload_is_a_flattened_tensor_bucket(fake_sglang):
+    """Our payload has FlattenedTensorBucket(named_tensors=...)'s layout (bytes, byte offsets)."""
+    from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorBucket
+
+    named = [("a", torch.randn(3, 4, dtype=torch.bfloat16)), ("b", torch.randn(5, dtype=torch.bfloat16))]
+    bucket = next(pack_buckets(named, 1 << 20))
+    sgl = sglang_backend.import_sglang()
+    [payload] = flattened_bucket_payloads(unpack_bucket(bucket), bucket["flat"], num_ranks=1, sgl=sgl, device=None)
+    got = sgl.MultiprocessingSerializer.deserialize(payload)
+    want = FlattenedTensorBucket(named_tensors=named)
+    assert got["metadata"] == want.get_metadata()
+    assert torch.equal(got["flattened_tensor"], want.get_flattened_tensor())
 
 
 def test_weight_bucket_checks_and_no_checksum(ckpt, fake_sglang):
-    eng, fake = _engine(ckpt, dtype="bfloat16")
+    eng, fake = _engine(ckpt, fake_sglang, dtype="bfloat16")
     cases = [
         ([("model.layers.5.mlp.up_proj.weight", torch.zeros(128, 64, dtype=torch.bfloat16))], "unknown tensor"),
         ([("model.norm.weight", torch.zeros(32, dtype=torch.bfloat16))], r"shape \[32\].*\[64\]"),
@@ -217,12 +186,155 @@ def test_weight_bucket_checks_and_no_checksum(ckpt, fake_sglang):
     for named, match in cases:
         with pytest.raises(ValueError, match=match):
             eng.update_weights(next(pack_buckets(named, 1 << 20)))
-    assert fake.weights == {}
+    assert fake.weights == {} and fake.session is None
     with pytest.raises(RuntimeError, match="needs backend 'torch'"):
         eng.weights_checksum()
 
 
-def test_missing_sglang_is_a_clear_error(ckpt, monkeypatch):
+def test_missing_or_untested_sglang_is_a_clear_error(ckpt, monkeypatch):
     monkeypatch.setitem(sys.modules, "sglang", None)  # makes `import sglang` fail
     with pytest.raises(ImportError, match="needs the sglang package.*backend 'torch'"):
         RolloutEngine(ckpt, backend="sglang")
+    from importlib import metadata
+
+    real = metadata.version
+    for installed, match in ((None, "not installed"), ("0.5.20", "tested with sglang>=0.5.21,<0.5.24, but 0.5.20")):
+        def version(dist, installed=installed):
+            if dist != "sglang":
+                return real(dist)
+            if installed is None:
+                raise metadata.PackageNotFoundError(dist)
+            return installed
+        monkeypatch.setattr(metadata, "version", version)
+        assert match in sglang_backend.sglang_problem()
+
+
+def test_pinned_range_is_pyprojects():
+    text = (REPO / "pyproject.toml").read_text()
+    assert f'sglang = ["sglang{sglang_backend.SGLANG_VERSIONS}"]' in text
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU message")
+@pytest.mark.timeout(120)
+def test_launch_with_sglang_and_no_gpu_exits_2_with_one_message(tmp_path):
+    """Before anything starts: one line on stderr, exit 2, no traceback."""
+    proc = subprocess.run(
+        [sys.executable, "launch.py", "--recipe", "tiny_ppo", "--no-fake-gpus", "--rollout-backend", "sglang",
+         "--run-dir", str(tmp_path / "run")],
+        cwd=REPO, capture_output=True, text=True, timeout=110)
+    assert proc.returncode == 2, proc.stderr
+    assert "Traceback" not in proc.stderr and "rollout backend 'sglang'" in proc.stderr, proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    assert not (tmp_path / "run").exists()  # nothing started, nothing written
+
+
+# -- GPU: the real weight payload path, trainer -> engine -> sglang ranks, one GPU ------------------
+
+def _real_sglang() -> SimpleNamespace:
+    """sglang's serializer, patch and tensor bucket from the installed wheel. Their module
+    imports pull sglang's runtime (triton, aiohttp, ...), which the GPU run installs."""
+    from sglang.srt.utils import MultiprocessingSerializer
+    from sglang.srt.utils.patch_torch import monkey_patch_torch_reductions
+    from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorBucket, FlattenedTensorMetadata
+
+    return SimpleNamespace(MultiprocessingSerializer=MultiprocessingSerializer,
+                           monkey_patch_torch_reductions=monkey_patch_torch_reductions,
+                           FlattenedTensorMetadata=FlattenedTensorMetadata,
+                           FlattenedTensorBucket=FlattenedTensorBucket)
+
+
+def _gpu_trainer(to_engine, acks, buffer_bytes: int) -> None:
+    """The actor trainer's side of a colocated sync: pack, share by CUDA IPC, wait for the ack."""
+    from roles.cuda_ipc import physical_gpu
+    from roles.weight_sync import for_receiver
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    named = [(f"layer{i}.weight", torch.randn(1024, 8192 + i, dtype=torch.bfloat16, device="cuda", generator=g))
+             for i in range(12)]
+    to_engine.put({"want": checksum_named_tensors(named)})
+
+    def send(bucket):
+        to_engine.put(for_receiver(bucket, [physical_gpu(0)]))
+        acks.get(timeout=60)
+
+    push_weights(named, send, buffer_bytes)
+    to_engine.put(None)
+
+
+def _gpu_rank(payloads, replies) -> None:
+    """One sglang TP rank: tp_worker.deserialize_own_rank, then the flattened_bucket load."""
+    sgl = _real_sglang()
+    weights = {}
+    while (payload := payloads.get(timeout=60)) is not None:
+        sgl.monkey_patch_torch_reductions()
+        data = sgl.MultiprocessingSerializer.deserialize(payload)
+        bucket = sgl.FlattenedTensorBucket(flattened_tensor=data["flattened_tensor"], metadata=data["metadata"])
+        for name, tensor in bucket.reconstruct_tensors():
+            weights[name] = tensor.clone()  # model.load_weights copies into the parameters
+        del data, bucket
+        torch.cuda.synchronize()
+        replies.put("loaded")
+    replies.put(checksum_named_tensors(weights.items()))
+
+
+def _legacy_payload(named, flat, sgl) -> str:
+    """What the adapter sent before this fix: the received bucket, serialized as is."""
+    metadata, start = [], 0
+    for name, tensor in named:
+        metadata.append(sgl.FlattenedTensorMetadata(name=name, shape=tensor.shape, dtype=flat.dtype,
+                                                    start_idx=start, end_idx=start + tensor.numel(),
+                                                    numel=tensor.numel()))
+        start += tensor.numel()
+    return sgl.MultiprocessingSerializer.serialize({"flattened_tensor": flat, "metadata": metadata}, output_str=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.timeout(120)
+def test_colocated_sync_through_sglangs_real_payload_path():
+    from roles.weight_sync import received
+
+    sgl = _real_sglang()
+    ctx = mp.get_context("spawn")
+    to_engine, acks = ctx.Queue(), ctx.Queue()
+    rank_in, rank_out = [ctx.Queue(), ctx.Queue()], [ctx.Queue(), ctx.Queue()]
+    procs = [ctx.Process(target=_gpu_trainer, args=(to_engine, acks, 64 << 20), daemon=True)]
+    procs += [ctx.Process(target=_gpu_rank, args=(rank_in[r], rank_out[r]), daemon=True) for r in range(2)]
+    for p in procs:
+        p.start()
+    try:
+        want = to_engine.get(timeout=60)["want"]
+        legacy_error, seconds, nbytes, buckets = None, 0.0, 0, 0
+        while (msg := to_engine.get(timeout=60)) is not None:
+            bucket = received(msg)  # RolloutEngine.update_weights maps the IPC handle first
+            assert bucket["flat"].is_cuda
+            named = unpack_bucket(bucket)
+            if legacy_error is None:
+                with pytest.raises(RuntimeError, match="received from another process") as info:
+                    _legacy_payload(named, bucket["flat"], sgl)
+                legacy_error = str(info.value).splitlines()[0]
+            t0 = time.perf_counter()
+            payloads = flattened_bucket_payloads(named, bucket["flat"], num_ranks=2, sgl=sgl,
+                                                 device=torch.device("cuda", 0))
+            seconds += time.perf_counter() - t0
+            nbytes += bucket["flat"].numel() * bucket["flat"].element_size()
+            buckets += 1
+            for r in range(2):
+                rank_in[r].put(payloads[r])
+            assert [rank_out[r].get(timeout=60) for r in range(2)] == ["loaded", "loaded"]
+            del payloads, bucket, named
+            acks.put("ack")
+        for r in range(2):
+            rank_in[r].put(None)
+        got = [rank_out[r].get(timeout=60) for r in range(2)]
+        assert got[0] == want and got[1] == want  # every rank holds the trainer's exact weights
+        print(f"\nSGLANG_PAYLOAD old path: {legacy_error!r}; new path: {buckets} buckets, "
+              f"{nbytes / 2**20:.0f} MiB, clone+serialize x2 ranks {seconds * 1e3:.1f} ms "
+              f"({nbytes / seconds / 1e9:.1f} GB/s)")
+        for p in procs:
+            p.join(timeout=30)
+            assert p.exitcode == 0, p
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=5)

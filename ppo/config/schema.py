@@ -177,7 +177,12 @@ class EngineConfig:
     rollout_num_gpus_per_engine: int = knob(1, "GPUs per engine (the engine's TP size)", ge=1)
     sglang_mem_fraction_static: float | None = knob(None, "sglang's default when unset",
                                                     gt=0.0, lt=1.0)
-    sglang_max_running_requests: int | None = knob(None, "sglang's default when unset", ge=1)
+    sglang_max_running_requests: int | None = knob(
+        None, "requests an engine decodes at once; unset: the samples of one rollout", ge=1)
+    sglang_disable_cuda_graph: bool = knob(False, "run sglang's decode without CUDA graphs")
+    sglang_enable_deterministic_inference: bool = knob(
+        False, "sglang samples with each request's seed only in this mode (batch-invariant "
+        "kernels, pytorch sampler: slower); otherwise samples do not reproduce per request")
     update_weight_buffer_size: int = knob(512 * 1024**2, "bytes per weight-sync bucket", ge=1)
     check_weight_update_equal: bool = knob(False, "verify engine weights after each sync (slow)")
 

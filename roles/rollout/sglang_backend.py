@@ -1,18 +1,31 @@
 """The production rollout backend: an adapter over sglang's in-process `sglang.Engine`.
 
-It translates Tandem requests, results, memory tags and weight buckets to sglang's API:
+Pinned to SGLANG_VERSIONS (pyproject's `sglang` extra). Each call below was read in the
+source of 0.5.21 and 0.5.23, which agree on all of them; tests/fakes/sglang_engine.py
+models them with the file and line each behaviour copies.
 
+- start: `Engine(**kwargs)`; kwargs are `ServerArgs` fields (sglang rejects others).
+  `skip_tokenizer_init=True`: we speak token ids only.
 - generate: `Engine.generate(input_ids=[...], sampling_params=[...], return_logprob=True)`;
-  results come from `meta_info["output_token_logprobs"]` ((logprob, token_id, text)
-  tuples) and `meta_info["finish_reason"]["type"]`. sglang's logprobs are those of the
-  temperature-scaled distribution, as the torch backend's (see sampling.py).
-- release/resume: `release_memory_occupation(tags=...)` / `resume_memory_occupation(tags=...)`
-  with sglang's own tag names; our "kv_cache" also covers sglang's "cuda_graph" buffers,
-  which serve the same decoding. The engine is started with `enable_memory_saver=True`,
-  which these calls need (it requires the torch_memory_saver package).
-- update_weights: `update_weights_from_tensor(load_format="flattened_bucket")`: our bucket
-  already is a flat tensor plus (name, shape) metadata, so it goes as one payload per TP
-  rank without re-packing. The cache is flushed once per update, in finish_weight_update.
+  a result is `output_ids` plus `meta_info["output_token_logprobs"]` ((logprob, token_id,
+  None) tuples) and `meta_info["finish_reason"]` ({"type": "stop" | "length" | "abort"}).
+- seeds: sglang ignores a request's `sampling_seed` unless the engine runs with
+  `enable_deterministic_inference=True` (sampling_batch_info.py builds the seed tensor only
+  then, and that mode forces the pytorch sampler and batch-invariant kernels). Without it,
+  samples come from the scheduler's generator seeded once by `random_seed`: a run does not
+  reproduce request by request. So the seed is sent only in that mode.
+- release/resume: `release_memory_occupation(tags)` / `resume_memory_occupation(tags)`;
+  they need `enable_memory_saver=True` (else they free nothing). Our "kv_cache" also
+  covers sglang's "cuda_graph" buffers, as miles' offload and onload_kv do.
+- weights: one update is `flush_cache()`, `begin_weight_update()`, one
+  `update_weights_from_tensor(load_format="flattened_bucket")` per bucket, then
+  `end_weight_update()` (sglang >= 0.5.21 rejects updates outside that session), the order
+  miles uses. Each TP rank gets its own serialized payload (sglang's tp_worker deserializes
+  only `payloads[tp_rank]`; a payload read twice breaks torch's CUDA-IPC refcounts).
+- pause/continue generation: not needed. Updates reach this actor only between `generate`
+  calls (one message at a time), so sglang is idle when its weights change.
+- shutdown: sglang's Engine children (scheduler, detokenizer) die with the role: the
+  supervisor kills the role's whole process tree.
 
 sglang is imported lazily: only this backend needs it, and only on a GPU machine.
 """
@@ -22,6 +35,7 @@ from __future__ import annotations
 import glob
 import json
 import os
+from importlib import metadata
 from types import SimpleNamespace
 
 import torch
@@ -30,29 +44,52 @@ from roles.device import DeviceMemory
 from roles.rollout.sampling import GenerateRequest
 from roles.weight_sync import dtype_name, unpack_bucket
 
+SGLANG_VERSIONS = ">=0.5.21,<0.5.24"  # keep equal to pyproject's `sglang` extra
 # Engine arguments RolloutEngine sets itself; passing them in `options` would be ambiguous.
 RESERVED_OPTIONS = frozenset({
     "model_path", "dtype", "random_seed", "mem_fraction_static", "max_running_requests",
-    "skip_tokenizer_init", "enable_memory_saver",
+    "skip_tokenizer_init",
 })
 SGLANG_TAGS = {"weights": ["weights"], "kv_cache": ["kv_cache", "cuda_graph"]}
 
 
+def sglang_problem() -> str | None:
+    """Why backend 'sglang' cannot start here (not installed, wrong version), or None.
+
+    Reads the installed version only: importing sglang itself takes seconds and a GPU stack.
+    """
+    from packaging.specifiers import SpecifierSet
+
+    try:
+        version = metadata.version("sglang")
+    except metadata.PackageNotFoundError:
+        return ("rollout backend 'sglang' needs the sglang package, which is not installed here; "
+                f"install it on the GPU machine (pip install 'sglang{SGLANG_VERSIONS}', or "
+                "pip install '.[sglang]') or use --rollout-backend torch")
+    if version not in SpecifierSet(SGLANG_VERSIONS):
+        return (f"rollout backend 'sglang' is tested with sglang{SGLANG_VERSIONS}, but {version} is "
+                f"installed; pip install 'sglang{SGLANG_VERSIONS}' (pip install '.[sglang]')")
+    return None
+
+
 def import_sglang() -> SimpleNamespace:
-    """The three sglang names the adapter uses, or an ImportError saying what to do."""
+    """The sglang names the adapter uses, or an ImportError saying what to do."""
     try:
         import sglang
         from sglang.srt.utils import MultiprocessingSerializer
+        from sglang.srt.utils.patch_torch import monkey_patch_torch_reductions
         from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorMetadata
     except ImportError as e:
         raise ImportError(
             "rollout backend 'sglang' needs the sglang package, which is not importable here "
-            f"({e}); install it on the GPU machine (pip install 'sglang[all]') or use backend 'torch'"
+            f"({e}); install it on the GPU machine (pip install 'sglang{SGLANG_VERSIONS}') or use "
+            "backend 'torch'"
         ) from e
     return SimpleNamespace(
         Engine=sglang.Engine,
         MultiprocessingSerializer=MultiprocessingSerializer,
         FlattenedTensorMetadata=FlattenedTensorMetadata,
+        monkey_patch_torch_reductions=monkey_patch_torch_reductions,
     )
 
 
@@ -74,6 +111,57 @@ def checkpoint_tensor_specs(hf_checkpoint: str) -> dict[str, list[int]]:
     return specs
 
 
+def engine_kwargs(hf_checkpoint: str, *, dtype: str, seed: int, max_batch_size: int,
+                  mem_fraction: float | None, options: dict) -> dict:
+    """`sglang.Engine` keyword arguments (ServerArgs fields) for RolloutEngine's settings."""
+    clash = sorted(RESERVED_OPTIONS & set(options))
+    if clash:
+        raise ValueError(f"backend 'sglang': options {clash} are set by RolloutEngine's own "
+                         "arguments (dtype, seed, mem_fraction, max_batch_size); remove them")
+    kwargs = dict(model_path=hf_checkpoint, dtype=dtype, random_seed=seed,
+                  max_running_requests=max_batch_size, skip_tokenizer_init=True, **options)
+    if mem_fraction is not None:
+        kwargs["mem_fraction_static"] = mem_fraction
+    return kwargs
+
+
+def flattened_bucket_payloads(named: list[tuple[str, torch.Tensor]], flat: torch.Tensor, *,
+                              num_ranks: int, sgl: SimpleNamespace, device: torch.device | None) -> list[str]:
+    """sglang's `flattened_bucket` payloads of one bucket, one per TP rank.
+
+    The payload holds a tensor this process allocated: a bucket mapped from the trainer over
+    CUDA IPC cannot be shared again (torch: "Attempted to send CUDA tensor received from
+    another process"), so it is cloned on its GPU; a CPU bucket is copied to `device` (the
+    engine's first GPU) so sglang's scheduler loads from device memory; with no `device`
+    (CPU tests) it goes as is. The clone costs one device-to-device copy of the bucket and
+    the bucket's bytes until sglang has loaded it. Each rank's payload is serialized
+    separately, so each holds its own CUDA-IPC reference.
+
+    The layout is `FlattenedTensorBucket(named_tensors=...)`'s: bytes (uint8) with byte
+    offsets, which its `reconstruct_tensors` views back as each tensor's dtype.
+    """
+    if flat.is_cuda:
+        own = flat.clone()
+    elif device is not None:
+        own = flat.to(device)
+    else:
+        own = flat
+    own = own.view(torch.uint8)
+    metadata_, start = [], 0
+    for name, tensor in named:
+        nbytes = tensor.numel() * tensor.element_size()
+        metadata_.append(sgl.FlattenedTensorMetadata(
+            name=name, shape=tensor.shape, dtype=tensor.dtype,
+            start_idx=start, end_idx=start + nbytes, numel=nbytes))
+        start += nbytes
+    if own.is_cuda:
+        sgl.monkey_patch_torch_reductions()  # GPU named by UUID, as sglang's receivers expect
+        torch.cuda.current_stream(own.device).synchronize()  # the copy lands before any rank reads
+    return [sgl.MultiprocessingSerializer.serialize({"flattened_tensor": own, "metadata": metadata_},
+                                                    output_str=True)
+            for _ in range(num_ranks)]
+
+
 class SglangBackend:
     def __init__(
         self,
@@ -90,34 +178,32 @@ class SglangBackend:
         if kv_cache_bytes is not None:
             raise ValueError("backend 'sglang' sizes its KV cache with mem_fraction "
                              "(sglang's mem_fraction_static); kv_cache_bytes is for backend 'torch'")
-        clash = sorted(RESERVED_OPTIONS & set(options))
-        if clash:
-            raise ValueError(f"backend 'sglang': options {clash} are set by RolloutEngine's own "
-                             "arguments (dtype, seed, mem_fraction, max_batch_size); remove them")
+        kwargs = engine_kwargs(hf_checkpoint, dtype=dtype, seed=seed, max_batch_size=max_batch_size,
+                               mem_fraction=mem_fraction, options=options)
         self.sgl = import_sglang()
         self.memory = memory
         self.dtype = dtype
         self.tp_size = options.get("tp_size", 1)
+        self.memory_saver = bool(options.get("enable_memory_saver", False))
+        self.deterministic = bool(options.get("enable_deterministic_inference", False))
         self.specs = checkpoint_tensor_specs(hf_checkpoint)
-        kwargs = dict(
-            model_path=hf_checkpoint,
-            dtype=dtype,
-            random_seed=seed,
-            max_running_requests=max_batch_size,
-            skip_tokenizer_init=True,  # we speak token ids only
-            enable_memory_saver=True,  # needed by release/resume_memory_occupation
-            **options,
-        )
-        if mem_fraction is not None:
-            kwargs["mem_fraction_static"] = mem_fraction
         self.engine = self.sgl.Engine(**kwargs)
+        self._updating = False  # inside begin_weight_update() ... end_weight_update()
 
     # -- memory -----------------------------------------------------------------------
     def release(self, tags: list[str]) -> None:
+        self._check_memory_saver("release")
         self.engine.release_memory_occupation(tags=[t for tag in tags for t in SGLANG_TAGS[tag]])
 
     def resume(self, tags: list[str]) -> None:
+        self._check_memory_saver("resume")
         self.engine.resume_memory_occupation(tags=[t for tag in tags for t in SGLANG_TAGS[tag]])
+
+    def _check_memory_saver(self, what: str) -> None:
+        if not self.memory_saver:  # sglang would return having freed nothing
+            raise RuntimeError(f"backend 'sglang': {what} needs the engine started with "
+                               "options={'enable_memory_saver': True} (ppo sets it when engines "
+                               "offload, e.g. --colocate)")
 
     def bytes_in_use(self) -> int:
         """Device-wide used bytes on a real GPU: sglang allocates in its scheduler process,
@@ -141,26 +227,34 @@ class SglangBackend:
             if dtype_name(tensor.dtype) != self.dtype:
                 raise ValueError(f"update_weights: tensor {name!r} has dtype {dtype_name(tensor.dtype)}, "
                                  f"the engine runs in {self.dtype}; cast on the sender")
-        flat, metadata, start = bucket["flat"], [], 0
-        for name, tensor in named:
-            metadata.append(self.sgl.FlattenedTensorMetadata(
-                name=name, shape=tensor.shape, dtype=flat.dtype,
-                start_idx=start, end_idx=start + tensor.numel(), numel=tensor.numel(),
-            ))
-            start += tensor.numel()
-        payload = self.sgl.MultiprocessingSerializer.serialize(
-            {"flattened_tensor": flat, "metadata": metadata}, output_str=True
-        )
-        # One payload per TP rank: each rank deserializes (and releases) its own copy.
+        if not self._updating:
+            self._begin_update()
+        device = torch.device("cuda", 0) if self.memory.kind == "cuda" else None
+        payloads = flattened_bucket_payloads(named, bucket["flat"], num_ranks=self.tp_size, sgl=self.sgl,
+                                             device=device)
         success, message = self.engine.update_weights_from_tensor(
-            named_tensors=[payload] * self.tp_size, load_format="flattened_bucket", flush_cache=False
-        )
+            named_tensors=payloads, load_format="flattened_bucket", flush_cache=False)
         if not success:
             raise RuntimeError(f"sglang rejected a weight bucket of {len(named)} tensors: {message}")
         return len(named)
 
+    def _begin_update(self) -> None:
+        # As miles: drop the prefix cache of the old weights, then open the session.
+        flushed = self.engine.flush_cache()
+        if not flushed.success:
+            raise RuntimeError(f"sglang could not flush its cache before a weight update: {flushed.message}")
+        success, message = self.engine.begin_weight_update()
+        if not success:
+            raise RuntimeError(f"sglang refused begin_weight_update(): {message}")
+        self._updating = True
+
     def finish_weight_update(self) -> None:
-        self.engine.flush_cache()  # prefix-cache entries were computed with the old weights
+        if not self._updating:  # a version set without new weights (e.g. after --load)
+            return
+        success, message = self.engine.end_weight_update()
+        if not success:
+            raise RuntimeError(f"sglang refused end_weight_update(): {message}")
+        self._updating = False
 
     def weights_checksum(self) -> dict[str, str]:
         raise RuntimeError("weights_checksum needs backend 'torch': sglang offers no exact read-back "
@@ -170,33 +264,37 @@ class SglangBackend:
     def generate(self, requests: list[GenerateRequest], seeds: list[int]) -> list[dict]:
         outputs = self.engine.generate(
             input_ids=[r.prompt_ids for r in requests],
-            sampling_params=[_sampling_params(r, seed) for r, seed in zip(requests, seeds)],
+            sampling_params=[_sampling_params(r, seed if self.deterministic else None)
+                             for r, seed in zip(requests, seeds)],
             return_logprob=True,
         )
         return [_result(r, out) for r, out in zip(requests, outputs)]
 
 
-def _sampling_params(request: GenerateRequest, seed: int) -> dict:
+def _sampling_params(request: GenerateRequest, seed: int | None) -> dict:
     s = request.sampling
-    return {
+    params = {
         "temperature": s.temperature,
         "top_p": s.top_p,
         "top_k": s.top_k,
         "max_new_tokens": s.max_new_tokens,
         "stop_token_ids": list(s.stop_token_ids),
         "ignore_eos": s.ignore_eos,
-        "sampling_seed": seed,  # used by sglang's deterministic sampling mode
     }
+    if seed is not None:
+        params["sampling_seed"] = seed
+    return params
 
 
 def _result(request: GenerateRequest, output: dict) -> dict:
     meta = output["meta_info"]
-    reason = (meta.get("finish_reason") or {}).get("type")
+    finish = meta.get("finish_reason")
+    reason = finish.get("type") if isinstance(finish, dict) else None
     if reason not in ("stop", "length"):
-        raise RuntimeError(f"sglang did not finish request id={request.id}: finish_reason={meta.get('finish_reason')}")
+        raise RuntimeError(f"sglang did not finish request id={request.id}: finish_reason={finish}")
     entries = meta["output_token_logprobs"]
     token_ids = [int(e[1]) for e in entries]
-    if "output_ids" in output and list(output["output_ids"]) != token_ids:
+    if list(output["output_ids"]) != token_ids:
         raise RuntimeError(f"sglang request id={request.id}: output_ids and output_token_logprobs disagree")
     return {"id": request.id, "token_ids": token_ids,
             "logprobs": [float(e[0]) for e in entries], "finish_reason": reason}
