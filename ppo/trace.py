@@ -207,6 +207,11 @@ class TraceBuilder:
             out += self._set_bytes(e["gpus"], track, e["bytes_in_use"], e["ts"])
         return out
 
+    def _on_checkpoint(self, e: dict) -> list[dict]:  # published when a save is done
+        where, out = self._driver()
+        return out + [self._instant(where, f"checkpoint {e.get('step')}", e["ts"], save=e.get("save"),
+                                    save_hf=e.get("save_hf"))]
+
     def _on_metrics(self, e: dict) -> list[dict]:
         (pid, _), out = self._driver()
         reward = (e.get("metrics") or {}).get("rollout/raw_reward")
