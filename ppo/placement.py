@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ppo.config import PPOConfig, num_engines, uses_critic
+from ppo.config import PPOConfig, actor_gpus_per_node, data_parallel_size, num_engines, uses_critic
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -23,6 +23,8 @@ class Placement:
     num_nodes: int
     num_gpus_per_node: int
     fake_gpus: bool
+    train_backend: str  # "torch": data parallel ranks; "megatron": TP x PP x CP x DP ranks
+    trainer_parallel: dict[str, int]  # each trainer's rank group: {"tp", "pp", "cp", "dp"}, one rank per GPU
 
     def node_of(self, gpu: int) -> int:
         return gpu // self.num_gpus_per_node
@@ -37,7 +39,7 @@ def plan_placement(cfg: PPOConfig) -> Placement:
     p = cfg.placement
     per_node, per_engine = p.num_gpus_per_node, cfg.engine.rollout_num_gpus_per_engine
     actor = [node * per_node + i
-             for node in range(p.actor_num_nodes) for i in range(p.actor_num_gpus_per_node)]
+             for node in range(p.actor_num_nodes) for i in range(actor_gpus_per_node(cfg))]
     if p.colocate:
         engines = [actor[i:i + per_engine] for i in range(0, len(actor), per_engine)]
     else:
@@ -51,7 +53,23 @@ def plan_placement(cfg: PPOConfig) -> Placement:
         num_nodes=max(used) // per_node + 1,
         num_gpus_per_node=per_node,
         fake_gpus=p.fake_gpus,
+        train_backend=cfg.training.train_backend,
+        trainer_parallel=trainer_parallel(cfg),
     )
+
+
+def trainer_parallel(cfg: PPOConfig) -> dict[str, int]:
+    """The rank layout of the actor's (and the critic's) group: tp x pp x cp x dp = its GPUs."""
+    q = cfg.parallelism
+    return {"tp": q.tensor_model_parallel_size, "pp": q.pipeline_model_parallel_size,
+            "cp": q.context_parallel_size, "dp": data_parallel_size(cfg)}
+
+
+def format_ranks(plan: Placement, gpus: list[int]) -> str:
+    """'2 ranks: dp 2' (torch) or '8 ranks: tp 2 x pp 1 x cp 2 x dp 2' (megatron)."""
+    par = plan.trainer_parallel
+    dims = ["dp"] if plan.train_backend == "torch" else ["tp", "pp", "cp", "dp"]
+    return f"{len(gpus)} ranks: " + " x ".join(f"{d} {par[d]}" for d in dims)
 
 
 def _engines_after(taken: set[int], count: int, per_engine: int, per_node: int) -> list[list[int]]:
@@ -68,15 +86,15 @@ def _engines_after(taken: set[int], count: int, per_engine: int, per_node: int) 
 
 def format_placement(plan: Placement) -> str:
     """A role | GPUs | nodes table for the dry run."""
-    rows = [("actor", plan.actor_gpus)]
+    rows = [("actor", plan.actor_gpus, format_ranks(plan, plan.actor_gpus))]
     if plan.critic_gpus:
-        rows.append(("critic", plan.critic_gpus))
-    rows += [(f"engine {i}", gpus) for i, gpus in enumerate(plan.engines)]
+        rows.append(("critic", plan.critic_gpus, format_ranks(plan, plan.critic_gpus)))
+    rows += [(f"engine {i}", gpus, "") for i, gpus in enumerate(plan.engines)]
     kind = "fake GPUs" if plan.fake_gpus else "GPUs"
-    lines = [f"{'role':<12}{kind:<24}nodes"]
-    for role, gpus in rows:
+    lines = [f"{'role':<12}{kind:<24}{'nodes':<8}processes"]
+    for role, gpus, ranks in rows:
         nodes = sorted({plan.node_of(g) for g in gpus})
-        lines.append(f"{role:<12}{_span(gpus):<24}{_span(nodes)}")
+        lines.append(f"{role:<12}{_span(gpus):<24}{_span(nodes):<8}{ranks or '1'}".rstrip())
     lines.append(f"{'reward':<12}{f'cpu x {plan.num_reward_workers}':<24}-")
     lines.append(f"{plan.num_nodes} node(s) x {plan.num_gpus_per_node} {kind}")
     return "\n".join(lines)

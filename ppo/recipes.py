@@ -61,12 +61,13 @@ def math_prompts(path: str, **rollout: object) -> RolloutConfig:
 
 
 def qwen3_4b_ppo() -> PPOConfig:
-    """Qwen3-4B PPO on DAPO-Math-17k, one node of 8 GPUs, colocated (the miles PPO example).
+    """Qwen3-4B PPO on DAPO-Math-17k, one node of 4 GPUs, colocated (the miles PPO example).
 
     The paths are placeholders in miles' layout: pass --hf-checkpoint (HF dir, also the
-    tokenizer), --ref-load (megatron torch_dist conversion of it) and --prompt-data. miles'
-    script defaults to 4 GPUs; here the actor (and so the critic) spans all 8, giving two
-    data-parallel ranks of TP1 x PP2 x CP2, with one sglang engine per GPU.
+    tokenizer; `python -m ppo.make_checkpoint --arch qwen3-4b DIR` writes an untrained one),
+    --ref-load (megatron torch_dist conversion of it) and --prompt-data. As miles ships it:
+    the actor (and so the critic) is one data-parallel rank of TP1 x PP2 x CP2 over the
+    node's 4 GPUs, with one sglang engine per GPU; `--num-gpus-per-node 8` gives two ranks.
     """
     return PPOConfig(
         checkpoint=CheckpointConfig(
@@ -102,7 +103,7 @@ def qwen3_4b_ppo() -> PPOConfig:
             sglang_mem_fraction_static=0.8,
             sglang_max_running_requests=512,
         ),
-        placement=PlacementConfig(actor_num_nodes=1, actor_num_gpus_per_node=8, colocate=True),
+        placement=PlacementConfig(actor_num_nodes=1, num_gpus_per_node=4, colocate=True),
     )
 
 

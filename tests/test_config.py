@@ -165,7 +165,8 @@ def test_global_batch_size_and_eps_clip_high_resolve():
     assert global_batch_size(override(cfg, global_batch_size=None)) == 512
     assert global_batch_size(override(cfg, global_batch_size=None, num_steps_per_rollout=4)) == 128
     assert eps_clip_high(cfg) == 0.2 and eps_clip_high(override(cfg, eps_clip_high=0.28)) == 0.28
-    assert data_parallel_size(qwen3_4b_ppo()) == 2
+    assert data_parallel_size(qwen3_4b_ppo()) == 1  # TP1 x PP2 x CP2 over 4 GPUs
+    assert data_parallel_size(override(qwen3_4b_ppo(), num_gpus_per_node=8)) == 2
 
 
 @pytest.mark.parametrize("name", sorted(RECIPES))

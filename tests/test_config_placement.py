@@ -10,8 +10,13 @@ from ppo.placement import format_placement, plan_placement
 from ppo.recipes import qwen3_4b_ppo, tiny_ppo
 
 
+def qwen_on_eight_gpus():
+    """qwen3_4b_ppo (4 GPUs as miles ships it) on a node of 8: the actor takes them all."""
+    return override(qwen3_4b_ppo(), num_gpus_per_node=8)
+
+
 def test_qwen_recipe_colocates_everything_on_eight_gpus():
-    plan = plan_placement(qwen3_4b_ppo())
+    plan = plan_placement(qwen_on_eight_gpus())
     assert plan.actor_gpus == list(range(8))
     assert plan.critic_gpus == list(range(8))
     assert plan.engines == [[g] for g in range(8)]
@@ -26,7 +31,7 @@ def test_tiny_recipe_uses_two_fake_gpus():
 
 
 def test_colocated_engines_tile_the_actor_gpus_across_nodes():
-    cfg = override(qwen3_4b_ppo(), actor_num_nodes=2, rollout_num_gpus_per_engine=4)
+    cfg = override(qwen_on_eight_gpus(), actor_num_nodes=2, rollout_num_gpus_per_engine=4)
     plan = plan_placement(cfg)
     assert plan.actor_gpus == list(range(16)) and plan.num_nodes == 2
     assert plan.engines == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11], [12, 13, 14, 15]]
@@ -39,7 +44,7 @@ def test_grpo_has_no_critic():
 
 
 def test_separate_engines_fill_the_free_gpus_after_the_actor():
-    cfg = override(qwen3_4b_ppo(), colocate=False, actor_num_gpus_per_node=4,
+    cfg = override(qwen_on_eight_gpus(), colocate=False, actor_num_gpus_per_node=4,
                    rollout_num_gpus=4, rollout_num_gpus_per_engine=2, global_batch_size=32)
     plan = plan_placement(cfg)
     assert plan.actor_gpus == [0, 1, 2, 3]
@@ -48,7 +53,7 @@ def test_separate_engines_fill_the_free_gpus_after_the_actor():
 
 
 def test_separate_engines_never_straddle_a_node():
-    cfg = override(qwen3_4b_ppo(), colocate=False, actor_num_nodes=2, actor_num_gpus_per_node=6,
+    cfg = override(qwen_on_eight_gpus(), colocate=False, actor_num_nodes=2, actor_num_gpus_per_node=6,
                    rollout_num_gpus=8, rollout_num_gpus_per_engine=4,
                    pipeline_model_parallel_size=1, context_parallel_size=3, global_batch_size=16)
     assert validate(cfg) == []
@@ -88,10 +93,17 @@ def test_any_valid_placement_is_consistent(nodes, per_node, data):
 
 
 def test_table_lists_every_role():
-    table = format_placement(plan_placement(qwen3_4b_ppo()))
+    table = format_placement(plan_placement(qwen_on_eight_gpus()))
     lines = table.splitlines()
-    assert lines[1].split() == ["actor", "0-7", "0"]
-    assert lines[2].split() == ["critic", "0-7", "0"]
-    assert lines[3].split() == ["engine", "0", "0", "0"]
+    # the trainers are rank groups: one process per GPU, qwen3_4b_ppo's TP x PP x CP x DP layout
+    assert lines[1].split() == ["actor", "0-7", "0", "8", "ranks:", "tp", "1", "x", "pp", "2", "x", "cp", "2",
+                                "x", "dp", "2"]
+    assert lines[2].split()[:4] == ["critic", "0-7", "0", "8"]
+    assert lines[3].split() == ["engine", "0", "0", "0", "1"]
     assert "engine 7" in table and "cpu x 1" in table
     assert lines[-1] == "1 node(s) x 8 GPUs"
+
+
+def test_torch_trainers_show_their_data_parallel_ranks():
+    table = format_placement(plan_placement(tiny_ppo()))
+    assert table.splitlines()[1].split() == ["actor", "0-1", "0", "2", "ranks:", "dp", "2"]

@@ -44,7 +44,7 @@ def test_qwen3_4b_ppo_follows_the_miles_example():
     assert (e.rollout_backend, e.rollout_num_gpus_per_engine, e.sglang_mem_fraction_static,
             e.sglang_max_running_requests) == ("sglang", 1, 0.8, 512)
     pl = cfg.placement
-    assert (pl.actor_num_nodes, pl.actor_num_gpus_per_node, pl.colocate) == (1, 8, True)
+    assert (pl.actor_num_nodes, pl.actor_num_gpus_per_node, pl.num_gpus_per_node, pl.colocate) == (1, None, 4, True)
     assert uses_critic(cfg) and offload_train(cfg) and not needs_ref(cfg)
     assert cfg.checkpoint.save_interval == 20
 

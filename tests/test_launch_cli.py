@@ -24,21 +24,30 @@ def run_launch(*args: str) -> subprocess.CompletedProcess:
 
 
 @pytest.mark.timeout(60)
-def test_dry_run_places_qwen_on_eight_gpus():
-    proc = run_launch("--recipe", "qwen3_4b_ppo", "--dry-run")
+@pytest.mark.parametrize("num_gpus_per_node, dp", [(None, 1), (8, 2)])
+def test_dry_run_places_qwen_as_miles_ships_it(num_gpus_per_node, dp):
+    """TP1 x PP2 x CP2 over the node's 4 GPUs is one data-parallel rank, the critic in the
+    actor's layout; --num-gpus-per-node 8 gives two."""
+    flags = () if num_gpus_per_node is None else ("--num-gpus-per-node", str(num_gpus_per_node))
+    proc = run_launch("--recipe", "qwen3_4b_ppo", *flags, "--dry-run")
     assert proc.returncode == 0, proc.stderr
     resolved, end = json.JSONDecoder().raw_decode(proc.stdout)
     cfg = from_dict(resolved["config"])
     assert cfg.logging.run_dir.startswith("runs/qwen3_4b_ppo-")
-    assert cfg == override(qwen3_4b_ppo(), run_dir=cfg.logging.run_dir)
+    changed = {} if num_gpus_per_node is None else {"num_gpus_per_node": num_gpus_per_node}
+    assert cfg == override(qwen3_4b_ppo(), run_dir=cfg.logging.run_dir, **changed)
     derived = resolved["derived"]
     assert derived["uses_critic"] and not derived["needs_ref"] and derived["offload_train"]
-    assert (derived["num_engines"], derived["data_parallel_size"]) == (8, 2)
+    gpus = 4 * dp
+    assert (derived["num_engines"], derived["data_parallel_size"]) == (gpus, dp)
     assert derived["critic_optimizer"]["lr"] == 1e-5 and derived["actor_optimizer"]["lr"] == 1e-6
     rows = [line.split() for line in proc.stdout[end:].strip().splitlines()]
-    assert ["actor", "0-7", "0"] in rows and ["critic", "0-7", "0"] in rows
-    engines = [row for row in rows if row[0] == "engine"]
-    assert engines == [["engine", str(i), str(i), "0"] for i in range(8)]
+    for role in ("actor", "critic"):
+        (row,) = [r for r in rows if r[0] == role]
+        assert row[:3] == [role, f"0-{gpus - 1}", "0"]
+        assert " ".join(row[3:]).endswith(f"tp 1 x pp 2 x cp 2 x dp {dp}")
+    engines = [row[:4] for row in rows if row[0] == "engine"]
+    assert engines == [["engine", str(i), str(i), "0"] for i in range(gpus)]
 
 
 @pytest.mark.timeout(60)

@@ -10,6 +10,7 @@ global batch size) are computed by the functions re-exported here, never written
 from ppo.config.cli import build_parser, parse_args, parse_cli
 from ppo.config.derived import (
     OptimizerSettings,
+    actor_gpus_per_node,
     actor_num_gpus,
     actor_optimizer,
     critic_load,
@@ -53,7 +54,7 @@ __all__ = [
     "CheckpointConfig", "ConfigError", "EngineConfig", "LoggingConfig", "OptimizerConfig",
     "OptimizerSettings", "ParallelismConfig", "PlacementConfig", "PPOAlgoConfig", "PPOConfig",
     "RewardConfig", "RolloutConfig", "TrainingConfig",
-    "actor_num_gpus", "actor_optimizer", "build_parser", "critic_load", "critic_optimizer",
+    "actor_gpus_per_node", "actor_num_gpus", "actor_optimizer", "build_parser", "critic_load", "critic_optimizer",
     "critic_save", "data_parallel_size", "derived_values", "ensure_valid", "eps_clip_high",
     "from_dict", "global_batch_size", "model_parallel_size", "needs_ref", "num_engines",
     "offload_rollout", "offload_train", "override", "parse_args", "parse_cli",

@@ -94,8 +94,15 @@ def offload_rollout(cfg: PPOConfig) -> bool:
     return p.colocate if p.offload_rollout is None else p.offload_rollout
 
 
+def actor_gpus_per_node(cfg: PPOConfig) -> int:
+    """--actor-num-gpus-per-node, or every GPU of the node when unset (so --num-gpus-per-node
+    8 gives a recipe written for 4 GPUs two data-parallel ranks)."""
+    p = cfg.placement
+    return p.num_gpus_per_node if p.actor_num_gpus_per_node is None else p.actor_num_gpus_per_node
+
+
 def actor_num_gpus(cfg: PPOConfig) -> int:
-    return cfg.placement.actor_num_nodes * cfg.placement.actor_num_gpus_per_node
+    return cfg.placement.actor_num_nodes * actor_gpus_per_node(cfg)
 
 
 def rollout_num_gpus(cfg: PPOConfig) -> int | None:

@@ -192,7 +192,8 @@ class PlacementConfig:
     """Where roles run. The critic has no flags: it sits on the actor's GPUs (as in miles)."""
 
     actor_num_nodes: int = knob(1, ge=1)
-    actor_num_gpus_per_node: int = knob(8, ge=1)
+    actor_num_gpus_per_node: int | None = knob(
+        None, "GPUs per node for the actor (and the critic); unset: all of --num-gpus-per-node", ge=1)
     num_gpus_per_node: int = knob(8, "GPUs each node has", ge=1)
     rollout_num_gpus: int | None = knob(
         None, "GPUs for engines; with --colocate it is the actor's GPU count", ge=1)

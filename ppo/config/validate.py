@@ -239,12 +239,12 @@ def _backends(cfg: PPOConfig) -> list[str]:
 def _placement(cfg: PPOConfig) -> list[str]:
     p, e, out = cfg.placement, cfg.engine, []
     actor_gpus = d.actor_num_gpus(cfg)
-    if p.actor_num_gpus_per_node > p.num_gpus_per_node:
+    if d.actor_gpus_per_node(cfg) > p.num_gpus_per_node:
         out.append(_bad("actor_num_gpus_per_node", p.actor_num_gpus_per_node,
                         f"must be <= --num-gpus-per-node {p.num_gpus_per_node}"))
     if actor_gpus % d.model_parallel_size(cfg):
         out.append(f"--actor-num-nodes {p.actor_num_nodes} x --actor-num-gpus-per-node "
-                   f"{p.actor_num_gpus_per_node} = {actor_gpus} actor GPUs (shared by the critic) "
+                   f"{d.actor_gpus_per_node(cfg)} = {actor_gpus} actor GPUs (shared by the critic) "
                    f"must be divisible by TP x PP x CP = {d.model_parallel_size(cfg)}: each trainer is one "
                    "rank per GPU in a TP x PP x CP x DP grid. Please set --actor-num-gpus-per-node to a "
                    "multiple of it, or lower --tensor-model-parallel-size, --pipeline-model-parallel-size "
@@ -259,10 +259,10 @@ def _placement(cfg: PPOConfig) -> list[str]:
             out.append(_bad("rollout_num_gpus", p.rollout_num_gpus,
                             f"with --colocate the engines run on the actor's {actor_gpus} GPUs. "
                             f"Please remove --rollout-num-gpus or set it to {actor_gpus}"))
-        if p.actor_num_gpus_per_node % e.rollout_num_gpus_per_engine:
+        if d.actor_gpus_per_node(cfg) % e.rollout_num_gpus_per_engine:
             out.append(_bad("rollout_num_gpus_per_engine", e.rollout_num_gpus_per_engine,
                             "with --colocate it must divide --actor-num-gpus-per-node "
-                            f"{p.actor_num_gpus_per_node} so engines do not straddle nodes"))
+                            f"{d.actor_gpus_per_node(cfg)} so engines do not straddle nodes"))
     elif p.rollout_num_gpus is None:
         out.append("--rollout-num-gpus (placement.rollout_num_gpus) is not set. Please add "
                    "--rollout-num-gpus N (or --colocate to share the actor's GPUs)")
