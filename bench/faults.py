@@ -74,7 +74,7 @@ SCENARIOS = {
     "engine killed mid-generation": ("rollout-0", signal.SIGKILL, ("rollout-0", "generating"), 1, {}),
     "scorer killed mid-scoring": ("reward-0", signal.SIGKILL, ("reward-0", "scoring"), 1, {}),
     "scorer hung (SIGSTOP) mid-scoring": ("reward-0", signal.SIGSTOP, ("reward-0", "scoring"), 1, {}),
-    "trainer killed mid-training": ("actor", signal.SIGKILL, ("actor", "training"), 1, {}),
+    "trainer killed mid-training": ("actor.1", signal.SIGKILL, ("actor.1", "training"), 1, {}),
     "restart storm (engine killed 5 times)": ("rollout-1", signal.SIGKILL, ("rollout-1", "generating"), 5, {}),
 }
 

@@ -46,6 +46,15 @@ def trainer_tenant(trainer: ActorHandle, gpus: tuple[int, ...], *, offloads: boo
                   lambda: trainer.offload.call([]), offloads)
 
 
+def per_gpu(tenant: Tenant, report: dict, tag: str | None = None) -> dict[int, int]:
+    """{gpu: bytes the tenant holds there} (only those under `tag` when given) from its memory
+    report: a rank group reports each rank's GPU ("by_gpu", roles.trainer.group), a
+    one-process role one figure that holds on each of its GPUs."""
+    by_gpu = report.get("by_gpu") or {g: report for g in tenant.gpus}
+    return {g: by_gpu[g]["bytes_in_use"] if tag is None else by_gpu[g].get("ledger", {}).get(tag, 0)
+            for g in tenant.gpus}
+
+
 class Colocation:
     def __init__(self, leases: LeaseTable, holding: tuple[str, ...] = ()):
         """`holding`: tenants that hold their leases already (engines take theirs at spawn)."""
@@ -65,11 +74,10 @@ class Colocation:
         reports = gather([t.free(tags) if t.offloads else t.report() for t in tenants])
         for t, rep in zip(tenants, reports):
             if t.offloads:
-                may_keep = rep.get("ledger", {}).get(keep, 0) if keep else 0
+                may_keep = per_gpu(t, rep, keep) if keep else 0
             else:
-                may_keep = rep["bytes_in_use"]
-            self.leases.release_all(list(t.gpus), t.name, {g: rep["bytes_in_use"] for g in t.gpus},
-                                    may_keep=may_keep)
+                may_keep = per_gpu(t, rep)
+            self.leases.release_all(list(t.gpus), t.name, per_gpu(t, rep), may_keep=may_keep)
             self.holding.discard(t.name)
         self.seconds += time.monotonic() - t0
 
@@ -97,8 +105,7 @@ class Colocation:
         t0 = time.monotonic()
         for r, rep in zip(shared, gather([r.report() for r in shared])):
             if r.name in self.holding:
-                self.leases.release_all(list(r.gpus), r.name, {g: rep["bytes_in_use"] for g in r.gpus},
-                                        may_keep=rep["bytes_in_use"])
+                self.leases.release_all(list(r.gpus), r.name, per_gpu(r, rep), may_keep=per_gpu(r, rep))
                 self.holding.discard(r.name)
         if sender.name not in self.holding:
             self.leases.acquire_all(list(sender.gpus), sender.name)
@@ -107,8 +114,7 @@ class Colocation:
         yield
         t0 = time.monotonic()
         rep = sender.report().result()
-        self.leases.release_all(list(sender.gpus), sender.name, {g: rep["bytes_in_use"] for g in sender.gpus},
-                                may_keep=rep["bytes_in_use"])
+        self.leases.release_all(list(sender.gpus), sender.name, per_gpu(sender, rep), may_keep=per_gpu(sender, rep))
         self.holding.discard(sender.name)
         self.seconds += time.monotonic() - t0
 
@@ -120,7 +126,7 @@ class Colocation:
         t0 = time.monotonic()
         rep = tenant.free(tags).result()
         for g in tenant.gpus:
-            self.leases.report(g, tenant.name, rep["bytes_in_use"])
+            self.leases.report(g, tenant.name, per_gpu(tenant, rep)[g])
         self.seconds += time.monotonic() - t0
 
     def take_time(self) -> float:

@@ -148,12 +148,14 @@ def run(job: Job) -> list[dict]:
             counters.skipped_updates, counters.skipped_samples = skipped, skipped_samples
             checkpoint.save_if_due(job, step, data=data, version=version, counters=counters)
     except ActorDied as e:
-        if e.role not in ("actor", "critic"):
+        group = next((g for g in (actor, critic) if g is not None and g.rank_of(e.role) is not None), None)
+        if group is None:
             raise
         save = cfg.checkpoint.save
         resume = (f"resume from the last checkpoint with --load {save}" if save
                   else "no checkpoint was being written (--save unset): the run must start over")
-        raise TrainerDied(f"the {e.role} trainer died ({e.reason}); the run stopped. "
+        raise TrainerDied(f"the {group.name} trainer died: its rank {group.rank_of(e.role)} ({e.role}) died "
+                          f"({e.reason}); the run stopped. "
                           f"Error file: {e.error_file or 'none (killed without a traceback)'}; {resume}") from e
     finally:
         log.close()

@@ -35,6 +35,7 @@ class ActorContext:
     run_dir: str
     gpus: tuple[int, ...]
     publish: Callable[..., None]  # publish(event, **fields) onto the run's event bus
+    group: str | None = None  # its group: for a rank of a rank group, the role's name ("actor")
 
 
 class IllegalTransition(RuntimeError):

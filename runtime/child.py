@@ -61,6 +61,7 @@ class ChildBoot:
     parent_pid: int
     error_file: str
     peers: tuple[tuple[str, int, str], ...]  # (name, incarnation, endpoint) known at spawn
+    group: str | None = None  # the child spec's group (a rank group's role name)
 
     def __reduce__(self):
         # The class goes as pickled bytes: unpickling it imports the user's module, and an
@@ -238,7 +239,8 @@ class _Child:
         self.phase = "unpickling its class"
         cls = boot.load_class()
         obj = cls.__new__(cls)
-        obj._tandem_ctx = ActorContext(boot.name, boot.incarnation, boot.run_dir, boot.gpus, self.publish)
+        obj._tandem_ctx = ActorContext(boot.name, boot.incarnation, boot.run_dir, boot.gpus, self.publish,
+                                       group=boot.group)
         obj._tandem_state = "starting"
         self.phase = "decoding its arguments"
         hdr = wire.decode_header(self.cfg, boot.init_frames)

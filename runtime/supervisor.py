@@ -6,7 +6,8 @@ the strategy and the restart limit, as in Erlang/OTP:
 - ``one_for_one``: restart the dead child alone (stateless roles).
 - ``one_for_all``: restart every member of the child's named group (a colocated GPU
   group whose members share IPC handles and NCCL state).
-- ``temporary``: never restart; callers get ActorDied.
+- ``temporary``: never restart; callers get ActorDied. Temporary children of one group
+  (a rank group, ``spawn_group``) die together: the first death stops the others.
 
 Death is seen from the process sentinel; hangs from missed heartbeats. Past the
 restart intensity (``max_restarts`` within ``restart_window_s``), or when a child dies
@@ -44,7 +45,7 @@ from runtime.events import EventBus, watch_socket
 from runtime.fakegpu import create_fake_devices
 from runtime.handle import ActorGroup, ActorHandle, Address, Caller, Directory
 from runtime.memory import LeaseTable
-from runtime.process import exit_reason, kill_tree, read_text, start_with_env
+from runtime.process import exit_reason, free_port, kill_tree, read_text, start_with_env
 
 RESTART_POLICIES = ("one_for_one", "one_for_all", "temporary")
 MAX_IPC_PATH = 100  # sun_path is 108 bytes on Linux
@@ -186,6 +187,31 @@ class Supervisor:
                 raise
         return self.handle(name)
 
+    def spawn_group(self, name: str, cls: type, *args, gpus: Sequence[int], env: dict[str, str] | None = None,
+                    **kwargs) -> list[ActorHandle]:
+        """Start a rank group: ``cls(*args, **kwargs)`` once per GPU, rank i named ``f"{name}.{i}"``
+        on ``gpus[i]`` alone, with the torch.distributed environment set before any import:
+        MASTER_ADDR=127.0.0.1, MASTER_PORT (a free port, one per group), RANK, WORLD_SIZE and
+        LOCAL_RANK (= RANK: one node). Returns the ranks' handles in rank order.
+
+        The group lives and dies as one (``restart="temporary"``, ``group=name``): when a rank
+        dies the others are stopped, and calls to any of them raise the ActorDied of the rank
+        that died. It is never restarted: its ranks would need a new rendezvous.
+        """
+        if not gpus:
+            raise ValueError(f"{name}: a rank group needs gpus (one rank per GPU)")
+        if "." in name:
+            raise ValueError(f"rank group name {name!r}: must not contain '.' (ranks are named NAME.RANK)")
+        with self._lock:
+            if any(c.spec.group == name for c in self._children.values()):
+                raise ValueError(f"a group named {name!r} already exists")
+        port = free_port("127.0.0.1")
+        return [self.spawn(f"{name}.{rank}", cls, *args, gpus=[gpu], restart="temporary", group=name,
+                           env={**(env or {}), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+                                "RANK": str(rank), "WORLD_SIZE": str(len(gpus)), "LOCAL_RANK": str(rank)},
+                           **kwargs)
+                for rank, gpu in enumerate(gpus)]
+
     def handle(self, name: str) -> ActorHandle:
         child = self._children[name]
         return ActorHandle(name, child.spec.cls.__name__, endpoints_of(child.spec.cls), self.caller,
@@ -305,7 +331,8 @@ class Supervisor:
             run_dir=str(self.run_dir), gpus=spec.gpus, mailbox=endpoint, control=self.control_endpoint,
             token=self.cfg.token, max_message_bytes=self.cfg.max_message_bytes, spin_us=self.cfg.spin_us,
             shm_prefix=self.cfg.shm_prefix, heartbeat_interval=self.heartbeat_interval,
-            parent_pid=os.getpid(), error_file=self._error_file(child), peers=peers)
+            parent_pid=os.getpid(), error_file=self._error_file(child), peers=peers,
+            group=spec.group)
         env = {"CUDA_VISIBLE_DEVICES": ",".join(map(str, spec.gpus)), "CUDA_DEVICE_ORDER": "PCI_BUS_ID",
                **({"TANDEM_FAKE_GPU_DIR": self.fake_gpu_dir} if self.fake_gpu_dir else {}),
                ERROR_FILE_ENV: self._error_file(child), **spec.env}
@@ -446,7 +473,14 @@ class Supervisor:
                                "error_file": err_file if err_text else None})
         self.bus.publish("died", role=spec.name, incarnation=child.incarnation, pid=child.process.pid,
                          gpus=list(spec.gpus), reason=reason, error_file=err_file if err_text else None)
-        if self._stopping or spec.restart == "temporary":
+        if self._stopping:
+            return
+        if spec.restart == "temporary":
+            if spec.group:  # a rank group dies as one; its calls name the rank that died
+                peers = [c for c in self._children.values()
+                         if c.spec.group == spec.group and c is not child and c.state != "dead"]
+                self._stop_children(peers, reason=f"stopped with its group {spec.group!r}: {spec.name!r} died "
+                                                  f"({reason})", cause=err)
             return
         if not child.ever_ready:
             self._give_up(f"actor {spec.name!r} died while starting ({reason}); not restarting it, "
@@ -489,10 +523,12 @@ class Supervisor:
         self._stop_children(children, reason=f"supervisor gave up: {message}")
         self.caller.fail_all(self._failure)
 
-    def _stop_children(self, children: list[_Child], reason: str, event: str = "died") -> None:
+    def _stop_children(self, children: list[_Child], reason: str, event: str = "died",
+                       cause: ActorDied | None = None) -> None:
         """SIGTERM all at once, wait the grace period, SIGKILL the rest (and their descendants).
 
-        `event` is "died" when the stop is a failure's consequence, "stopped" at a clean shutdown."""
+        `event` is "died" when the stop is a failure's consequence, "stopped" at a clean shutdown.
+        `cause`: the error that calls to the stopped children raise (default: their own death)."""
         live = [c for c in children if c.process is not None and c.process.exitcode is None]
         for c in live:
             try:
@@ -509,7 +545,7 @@ class Supervisor:
         for c in children:
             if c.state != "dead":
                 c.state = "dead"
-                err = ActorDied(c.spec.name, c.incarnation, reason)
+                err = cause or ActorDied(c.spec.name, c.incarnation, reason)
                 self.directory.mark_dead(c.spec.name, c.incarnation, err)
                 self.caller.fail_destination(c.spec.name, c.incarnation, err)
                 self.bus.publish(event, role=c.spec.name, incarnation=c.incarnation, pid=c.process.pid,

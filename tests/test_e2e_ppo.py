@@ -33,8 +33,10 @@ def test_colocated_iterations_never_overlap_and_weights_match_after_every_sync(t
         assert {"actor", "critic", f"rollout-{gpu}"} <= growers  # the handoff really happened
     from runtime.events import read_events
     moves = [(e["role"], e["new"]) for e in read_events(tmp_path / "run") if e["event"] == "state"]
-    for move in [("actor", "onloaded"), ("actor", "training"), ("critic", "training"), ("actor", "offloaded"),
-                 ("rollout-0", "released"), ("rollout-1", "ready")]:
+    # trainers are rank groups (one process per GPU); each rank publishes its lifecycle
+    for move in [("actor.0", "onloaded"), ("actor.1", "training"), ("critic.0", "training"),
+                 ("critic.1", "training"), ("actor.1", "offloaded"), ("rollout-0", "released"),
+                 ("rollout-1", "ready")]:
         assert move in moves  # lifecycles are published as events
     lines = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
     assert len(lines) == 3 and "rollout/raw_reward" in json.loads(lines[0])

@@ -70,9 +70,10 @@ def test_trainer_killed_stops_the_run_naming_the_role_and_how_to_resume(tmp_path
     import ppo.loop as loop
     real_start = loop.start_job
 
-    def start_and_arm(c):
-        job = job_holder["job"] = real_start(c)
-        Injector(job, "actor", after_first_rollout("actor", "training")).start()
+    def start_and_arm(c, *args):
+        job = job_holder["job"] = real_start(c, *args)
+        # one rank of the actor's group (2 ranks on the 2 fake GPUs) dies mid-update
+        Injector(job, "actor.1", after_first_rollout("actor.1", "training")).start()
         return job
 
     loop.start_job = start_and_arm
@@ -83,7 +84,7 @@ def test_trainer_killed_stops_the_run_naming_the_role_and_how_to_resume(tmp_path
     finally:
         loop.start_job = real_start
     msg = str(info.value)
-    assert "the actor trainer died (killed by SIGKILL)" in msg
+    assert "the actor trainer died: its rank 1 (actor.1) died (killed by SIGKILL)" in msg
     assert f"--load {tmp_path / 'ckpt'}" in msg
     assert time.monotonic() - t0 < 120
     assert job_holder["job"].sup._closed  # everything was shut down

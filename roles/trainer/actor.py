@@ -9,11 +9,11 @@ from typing import Any, Iterator, Mapping
 import torch
 
 from ppo.algorithms import aggregate, kl_estimate, policy_loss
-from roles.device import DeviceMemory
 from roles.trainer.batching import ACTOR_TRAIN_KEYS, MicroBatch
 from roles.trainer.checkpoint import save_hf_checkpoint
 from roles.trainer.config import TrainerConfig
 from roles.trainer.core import TrainCore, token_share
+from roles.trainer.distributed import is_rank_zero
 from roles.trainer.model import load_policy, policy_log_probs
 from roles.weight_sync import checksum_named_tensors, for_receiver, push_weights
 from roles.trainer.role import TrainerRole
@@ -27,6 +27,7 @@ class ActorTrainer(TrainerRole):
     """
 
     def __init__(self, config: TrainerConfig | Mapping[str, Any]):
+        self._join_group()
         self.config = config if isinstance(config, TrainerConfig) else TrainerConfig.from_dict(config)
         torch.manual_seed(self.config.seed)
         model = load_policy(self.config.hf_checkpoint, gradient_checkpointing=self.config.gradient_checkpointing)
@@ -34,8 +35,7 @@ class ActorTrainer(TrainerRole):
         self._ref_params = (
             [p.detach().clone() for p in model.parameters()] if self.config.keep_ref else None
         )
-        holder = self.context.name if self.context is not None else "actor"
-        self._core = TrainCore(self.config, model, DeviceMemory(holder))
+        self._core = TrainCore(self.config, model, self._device_memory("actor"))
         self._started()
 
     @property
@@ -81,12 +81,13 @@ class ActorTrainer(TrainerRole):
     # ---- training -----------------------------------------------------------------------
 
     @endpoint
-    def train(self, batch: dict) -> dict:
+    def train(self, batch: dict, mini_batches: list[dict] | None = None) -> dict:
         """One PPO pass over the batch; metrics (miles names) averaged over optimizer steps:
         pg_loss, pg_clipfrac, ppo_kl, entropy_loss (when entropy_coef != 0 or log_entropy),
-        kl_loss (when use_kl_loss), grad_norm, lr (of the last step), skipped_nonfinite."""
+        kl_loss (when use_kl_loss), grad_norm, lr (of the last step), skipped_nonfinite.
+        `mini_batches`: a rank's share of each mini-batch (roles.trainer.group)."""
         required = ACTOR_TRAIN_KEYS + (("ref_log_probs",) if self.config.use_kl_loss else ())
-        return self._train(batch, required, self._micro_loss)
+        return self._train(batch, required, self._micro_loss, mini_batches)
 
     def _micro_loss(self, mb: MicroBatch, counts: dict) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         cfg = self.config
@@ -146,8 +147,11 @@ class ActorTrainer(TrainerRole):
         Each bucket goes to all engines at once (`update_weights.call`); the next bucket
         reuses the buffer, so it is packed only after every engine acked this one. On a GPU,
         engines on the same physical GPU (`engine_gpus`, physical ids) get CUDA IPC handles.
+        In a rank group rank 0 sends (one copy of the weights is enough); the others return zeros.
         """
         start = time.monotonic()
+        if not is_rank_zero():
+            return {"bytes": 0, "buckets": 0, "seconds": 0.0}
         gpus = engine_gpus or [None] * len(engines)
 
         def send(bucket: dict) -> None:
@@ -170,7 +174,10 @@ class ActorTrainer(TrainerRole):
     @endpoint
     def save_hf(self, path: str) -> dict:
         """An HF checkpoint of the policy (what the engines run: HF names, compute dtype) with
-        the config and tokenizer of the checkpoint it started from, written atomically."""
+        the config and tokenizer of the checkpoint it started from, written atomically. In a
+        rank group rank 0 writes."""
         start = time.monotonic()
+        if not is_rank_zero():
+            return {"path": path, "seconds": 0.0}
         save_hf_checkpoint(path, weights=dict(self.named_weights()), source=self.config.hf_checkpoint)
         return {"path": path, "seconds": time.monotonic() - start}

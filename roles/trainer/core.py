@@ -6,6 +6,15 @@ micro-batches. Micro-batch losses are aggregated with the whole mini-batch's sam
 token counts (ppo.algorithms.aggregate's sharding contract), so they sum to the loss of
 the mini-batch in one piece, however it was split.
 
+Data parallel (a rank of a group, roles.trainer.group): the rank gets its share of each
+mini-batch and the global counts; after its micro-batches it all-reduces the gradients
+and the loss and metric sums (SUM, roles.trainer.distributed), so every rank steps on the
+gradient of the whole mini-batch, skips the same steps, and reports the same metrics.
+This is DDP's no_sync-then-sync schedule without its overlap of communication and
+backward; DDP itself does not fit here: its reducer keeps grad-sized buckets on the device
+it was built on, but a trainer moves its parameters between the CPU and the GPU, and the
+forwards bypass the model's forward(), where DDP hooks in.
+
 Memory: the trainer starts with everything on the CPU and nothing accounted, so that it
 can be built while another role holds the GPU lease; `onload(["params", "optimizer"])`
 before computing. Three tags are accounted with roles.device.DeviceMemory:
@@ -39,23 +48,16 @@ from roles.trainer.batching import (
 )
 from roles.trainer.checkpoint import load_checkpoint, save_checkpoint
 from roles.trainer.config import TrainerConfig
+from roles.trainer.distributed import all_reduce_floats, all_reduce_sum_
 from roles.trainer.optim import build_adamw, clip_grad_norm, is_state_tensor, optimizer_state_bytes, set_lr
 from roles.trainer.rng import capture_rng, restore_rng
+from roles.trainer.sharding import aggregation_counts
 
 MEMORY_TAGS = ("params", "grads", "optimizer")
 
 # (micro-batch, aggregation counts of its mini-batch) -> (loss, metrics). Metrics must be
 # scaled so that summing them over the micro-batches of a mini-batch gives its value.
 MicroLoss = Callable[[MicroBatch, dict], tuple[torch.Tensor, dict[str, torch.Tensor]]]
-
-
-def aggregation_counts(valid: torch.Tensor, mode: str) -> dict:
-    """The whole mini-batch's counts for ppo.algorithms.aggregate, given its valid mask [n, R]."""
-    if mode == "sum-of-sample-mean":
-        rows = valid.shape[0]
-    else:  # seq-mean modes count the rows with at least one valid token
-        rows = int(valid.any(-1).sum())
-    return {"global_batch_size": rows, "global_token_count": int(valid.sum())}
 
 
 def token_share(mb: MicroBatch, counts: dict) -> float:
@@ -149,9 +151,12 @@ class TrainCore:
 
     # ---- training -----------------------------------------------------------------------
 
-    def train(self, batch: dict, required: tuple[str, ...], micro_loss: MicroLoss) -> dict:
+    def train(self, batch: dict, required: tuple[str, ...], micro_loss: MicroLoss,
+              mini_batches: list[dict] | None = None) -> dict:
         """One pass over `batch`; returns metrics averaged over its optimizer steps.
 
+        `mini_batches`: a data-parallel rank's plan (the rank contract in
+        roles.trainer.group); None when `batch` is the whole batch.
         A step whose loss or grad norm is not finite is skipped: no weight, optimizer or
         schedule change, and `skipped_nonfinite` counts it; its own (non-finite) metrics
         still enter the means, so the log shows them.
@@ -159,14 +164,11 @@ class TrainCore:
         self.require_onloaded("params", "optimizer")
         n = check_batch(batch, required)
         seqs = sequences(batch)
-        mode = self.config.loss_agg_mode
         self.model.train()
         per_step: list[dict[str, float]] = []
         skipped = 0
         lr = self.schedule.lr_at(self.step)
-        for mini in split_mini_batches(n, self.config.global_batch_size):
-            idx = torch.tensor(mini)
-            counts = aggregation_counts(valid_mask(batch["loss_mask"][idx], batch["response_lens"][idx]), mode)
+        for mini, counts in self._steps(batch, n, mini_batches):
             total_loss = 0.0
             sums: dict[str, float] = {}
             for mb in self.micro_batches(batch, mini, seqs, required):
@@ -177,6 +179,7 @@ class TrainCore:
                 total_loss += float(loss.detach())
                 for key, value in metrics.items():
                     sums[key] = sums.get(key, 0.0) + float(value)
+            total_loss, sums = self._reduce_over_ranks(total_loss, sums)
             grad_norm = clip_grad_norm(self.model, self.config.clip_grad) if math.isfinite(total_loss) else math.nan
             if math.isfinite(total_loss) and math.isfinite(grad_norm):
                 lr = self.schedule.lr_at(self.step)
@@ -201,6 +204,32 @@ class TrainCore:
                                    dtype=self.config.torch_dtype, training=training,
                                    gradient_checkpointing=self.config.gradient_checkpointing, with_logits=has_lm_head)
         return self.memory.transient("activations", nbytes, phase="train" if training else "forward")
+
+    def _steps(self, batch: dict, n: int, mini_batches: list[dict] | None) -> Iterator[tuple[list[int], dict]]:
+        """(rows, aggregation counts of the whole mini-batch) for each optimizer step."""
+        if mini_batches is None:
+            for mini in split_mini_batches(n, self.config.global_batch_size):
+                idx = torch.tensor(mini)
+                valid = valid_mask(batch["loss_mask"][idx], batch["response_lens"][idx])
+                yield mini, aggregation_counts(valid, self.config.loss_agg_mode)
+            return
+        if sum(m["num_samples"] for m in mini_batches) != n or min(m["num_samples"] for m in mini_batches) < 1:
+            raise ValueError(f"mini_batches {[m['num_samples'] for m in mini_batches]} must split the {n} rows "
+                             "of this share, at least one row each")
+        start = 0
+        for m in mini_batches:
+            yield (list(range(start, start + m["num_samples"])),
+                   {"global_batch_size": m["global_batch_size"], "global_token_count": m["global_token_count"]})
+            start += m["num_samples"]
+
+    def _reduce_over_ranks(self, loss: float, sums: dict[str, float]) -> tuple[float, dict[str, float]]:
+        """Sum the gradients, the loss and the metric sums over the data-parallel ranks (no-op alone)."""
+        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+        all_reduce_sum_(grads)
+        total = all_reduce_floats({**sums, "__loss": loss, "__num_grads": len(grads), "__one": 1})
+        assert total.pop("__num_grads") == len(grads) * total.pop("__one"), \
+            "data-parallel ranks disagree on which parameters have gradients"
+        return total.pop("__loss"), total
 
     def _account_grads(self) -> None:
         nbytes = sum(p.grad.numel() * p.grad.element_size() for p in self.model.parameters() if p.grad is not None)

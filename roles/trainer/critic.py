@@ -7,7 +7,6 @@ from typing import Any, Mapping
 import torch
 
 from ppo.algorithms import value_loss
-from roles.device import DeviceMemory
 from roles.trainer.batching import CRITIC_TRAIN_KEYS, MicroBatch
 from roles.trainer.config import TrainerConfig
 from roles.trainer.core import TrainCore, token_share
@@ -23,13 +22,13 @@ class CriticTrainer(TrainerRole):
     """
 
     def __init__(self, config: TrainerConfig | Mapping[str, Any]):
+        self._join_group()
         self.config = config if isinstance(config, TrainerConfig) else TrainerConfig.from_dict(config)
         torch.manual_seed(self.config.seed)
         model = load_value_model(
             self.config.hf_checkpoint, seed=self.config.seed, gradient_checkpointing=self.config.gradient_checkpointing
         )
-        holder = self.context.name if self.context is not None else "critic"
-        self._core = TrainCore(self.config, model, DeviceMemory(holder))
+        self._core = TrainCore(self.config, model, self._device_memory("critic"))
         self._started()
 
     @property
@@ -45,10 +44,11 @@ class CriticTrainer(TrainerRole):
         return {"values": self._core.forward_only(batch, self._values)}
 
     @endpoint
-    def train(self, batch: dict) -> dict:
+    def train(self, batch: dict, mini_batches: list[dict] | None = None) -> dict:
         """One pass of clipped value-loss updates; metrics averaged over optimizer steps:
-        value_loss, value_clipfrac, grad_norm, lr (of the last step), skipped_nonfinite."""
-        return self._train(batch, CRITIC_TRAIN_KEYS, self._micro_loss)
+        value_loss, value_clipfrac, grad_norm, lr (of the last step), skipped_nonfinite.
+        `mini_batches`: a rank's share of each mini-batch (roles.trainer.group)."""
+        return self._train(batch, CRITIC_TRAIN_KEYS, self._micro_loss, mini_batches)
 
     def _micro_loss(self, mb: MicroBatch, counts: dict) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         values = self._values(mb)

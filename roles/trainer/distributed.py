@@ -81,8 +81,3 @@ def all_reduce_floats(values: dict[str, float]) -> dict[str, float]:
 
 def is_rank_zero() -> bool:
     return not dist.is_initialized() or dist.get_rank() == 0
-
-
-def barrier() -> None:
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.barrier()

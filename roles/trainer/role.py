@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import time
 
+from roles.device import DeviceMemory
 from roles.trainer.core import TrainCore
+from roles.trainer.distributed import Rank, init_from_env, is_rank_zero
 from runtime import Actor, endpoint
 
 
@@ -24,6 +26,23 @@ class TrainerRole(Actor):
         "training": frozenset({"onloaded"}),
     }
     _core: TrainCore
+    _rank: Rank = Rank(0, 1)
+
+    def _join_group(self) -> None:
+        """Call first in __init__: a rank of a rank group joins its process group (the rank
+        contract, roles.trainer.group); an in-process or single trainer is rank 0 of 1."""
+        self._rank = init_from_env()
+
+    def _device_memory(self, default: str) -> DeviceMemory:
+        """The memory ledger under the role's name: a rank group's lease on each GPU is the role's."""
+        ctx = self.context
+        return DeviceMemory(default if ctx is None else ctx.group or ctx.name)
+
+    @endpoint
+    def rank_layout(self) -> dict:
+        """{"dp_rank", "dp_size", "is_output"}: every rank of the torch backend is a data-parallel
+        replica whose results count."""
+        return {"dp_rank": self._rank.rank, "dp_size": self._rank.world_size, "is_output": True}
 
     def _started(self) -> None:
         """Call at the end of __init__: a new trainer holds nothing on the device."""
@@ -53,7 +72,10 @@ class TrainerRole(Actor):
     @endpoint
     def save(self, path: str) -> dict:
         """Weights (safetensors, the model's parameter names), optimizer state, step and RNG
-        state, written atomically."""
+        state, written atomically. In a rank group rank 0 writes (the replicas are equal); the
+        others return at once."""
+        if not is_rank_zero():
+            return {"path": path, "step": self._core.step, "seconds": 0.0}
         return self._core.save(path, dict(self._core.model.named_parameters()))
 
     @endpoint
@@ -64,9 +86,12 @@ class TrainerRole(Actor):
     def _settle(self) -> None:
         self.set_state("offloaded" if {"params", "optimizer"} <= self._core.offloaded else "onloaded")
 
-    def _train(self, batch: dict, required: tuple[str, ...], micro_loss) -> dict:
+    def _train(self, batch: dict, required: tuple[str, ...], micro_loss, mini_batches: list[dict] | None) -> dict:
+        if mini_batches is None and self._rank.distributed:
+            raise ValueError(f"rank {self._rank.rank} of {self._rank.world_size}: train needs mini_batches, its "
+                             "share of each mini-batch (roles.trainer.group.TrainerGroup passes them)")
         self.set_state("training")
         try:
-            return self._core.train(batch, required, micro_loss)
+            return self._core.train(batch, required, micro_loss, mini_batches)
         finally:
             self.set_state("onloaded")
