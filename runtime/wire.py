@@ -5,9 +5,13 @@ A message is ``[header, frame0, frame1, ...]``. The header is a msgpack map
 is the msgpack-encoded payload in which every array is an ext reference to an
 entry of ``bufs = [(lib, dtype, shape, where)]``; ``where`` is a frame index, or
 ``[segment name, offset, ticket]`` for arrays in shared memory between processes of
-one host: large ones, and views of ``shared_empty`` arrays (see runtime.shm).
-Arrays never pass through msgpack or pickle: frames are sent ``copy=False`` from
-64 KiB and decoded as zero-copy views.
+one host: large ones, and views of ``shared_empty`` arrays (see runtime.shm), or the
+array's bytes themselves for small arrays (up to ``inline_max_bytes``): a frame of its
+own costs a small call more than the bytes do (zmq builds, sends and receives one more
+message part), so below that size the bytes ride in the header.
+Arrays never pass through msgpack's object model or pickle: frames are sent
+``copy=False`` from 64 KiB and decoded as zero-copy views; inline bytes are copied once
+into a writable buffer, as received frames are writable.
 
 Array types are plugged in through a small codec registry so this module never
 imports torch: numpy is built in, torch tensors are recognised by their type's
@@ -120,6 +124,9 @@ class WireConfig:
     max_message_bytes: int = 16 << 30
     shm_prefix: str | None = None  # None: no shared memory (e.g. across hosts)
     shm_min_bytes: int = 1 << 20
+    # Arrays up to this size travel inside the header (see the module doc); the header's
+    # cap (max_header_bytes) still holds: past half of it, arrays go as frames again.
+    inline_max_bytes: int = 8 << 10
     # How long callers poll for a reply, and actors for the next call, before they sleep
     # (handle.Caller._spin, child._Child._serve): a ZeroMQ round trip crosses six threads, and
     # waking them across vCPUs is most of its time (python -m bench.transport_floor).
@@ -182,6 +189,8 @@ class _Encoder:
         self.bufs: list[list] = []
         self.frames: list = []
         self.segments: list = []
+        self.inline_bytes = 0
+        self.inline_budget = cfg.max_header_bytes // 2
 
     def add_array(self, lib: str, dtype: str, arr: np.ndarray) -> msgpack.ExtType:
         flat = np.ascontiguousarray(arr)  # (1-d for a 0-d arr: the spec keeps arr.shape)
@@ -196,6 +205,9 @@ class _Encoder:
             name, offset, ticket, generation = placed
             self.segments.append((name, ticket, generation))
             where: Any = [name, offset, ticket]
+        elif data.nbytes <= self.cfg.inline_max_bytes and self.inline_bytes + data.nbytes <= self.inline_budget:
+            self.inline_bytes += data.nbytes
+            where = data.tobytes()
         else:
             where = len(self.frames) + 1
             self.frames.append(data)
@@ -328,7 +340,11 @@ def _decode_buf(cfg: WireConfig, spec, frames: list):
         raise WireError(f"malformed shape {shape!r}")
     if not isinstance(nbytes, int) or not 0 <= nbytes <= cfg.max_message_bytes:
         raise WireError(f"declared size {nbytes!r} is out of range (max_message_bytes={cfg.max_message_bytes})")
-    if _is_int(where):
+    if isinstance(where, bytes):
+        if len(where) != nbytes:
+            raise WireError(f"inline buffer holds {len(where)} bytes, header says {nbytes}")
+        buf = bytearray(where)  # writable, as a received frame is
+    elif _is_int(where):
         if not 1 <= where < len(frames):
             raise WireError(f"frame {where} is missing (message has {len(frames) - 1} frames)")
         buf = _buf(frames[where])

@@ -100,6 +100,77 @@ def test_large_arrays_travel_by_shared_memory_and_segments_are_reused():
     assert not [n for n in os.listdir(SHM_DIR) if n.startswith("tandem-test-wire")]
 
 
+# --- small arrays inline ----------------------------------------------------------------
+
+INLINE = wire.WireConfig(token="t").inline_max_bytes
+
+
+def encoded(obj, cfg):
+    enc = wire.encode(cfg, {"kind": "call", "id": 1, "src": "a", "dst": "b", "method": "m", "inc": 0,
+                            "deadline": None}, obj)
+    return enc, [bytes(f) for f in enc.frames]
+
+
+@pytest.mark.parametrize("nbytes, inline", [(8, True), (INLINE, True), (INLINE + 8, False)])
+def test_arrays_up_to_the_threshold_ride_in_the_header(nbytes, inline):
+    a = np.arange(nbytes // 8, dtype=np.float64)
+    enc, frames = encoded([a, {"x": 1}], wire.WireConfig(token="t"))
+    assert len(frames) == (1 if inline else 2)
+    hdr = wire.decode_header(wire.WireConfig(token="t"), frames)
+    assert isinstance(hdr["bufs"][0][3], bytes) == inline
+    b, meta = wire.decode_body(wire.WireConfig(token="t"), hdr, frames)
+    np.testing.assert_array_equal(a, b)
+    assert meta == {"x": 1}
+
+
+@pytest.mark.parametrize("inline_max_bytes", [0, INLINE], ids=["frames", "inline"])
+@pytest.mark.parametrize("dtype", TORCH_DTYPES, ids=str)
+def test_torch_dtypes_round_trip_on_both_paths(dtype, inline_max_bytes):
+    cfg = wire.WireConfig(token="t", inline_max_bytes=inline_max_bytes)
+    a = (torch.arange(6) % 7).to(torch.float32).reshape(2, 3).to(dtype)
+    enc, frames = encoded(a, cfg)
+    assert len(frames) == (2 if inline_max_bytes == 0 else 1)
+    b = wire.decode_body(cfg, wire.decode_header(cfg, frames), frames)
+    assert b.dtype == a.dtype and b.shape == a.shape
+    assert torch.equal(a.view(torch.uint8), b.view(torch.uint8)) if a.element_size() == 1 else torch.equal(a, b)
+
+
+@pytest.mark.parametrize("a", [np.zeros((3, 0, 2), np.float32), torch.zeros(0, 4, dtype=torch.bfloat16),
+                               np.array(5, dtype=np.int64)],
+                         ids=["numpy zero-size", "torch zero-size", "0-d"])
+def test_zero_size_and_0d_arrays_inline(a):
+    cfg = wire.WireConfig(token="t")
+    enc, frames = encoded(a, cfg)
+    assert len(frames) == 1
+    b = wire.decode_body(cfg, wire.decode_header(cfg, frames), frames)
+    assert b.shape == a.shape and b.dtype == a.dtype and (b == a).all()
+
+
+def test_non_contiguous_arrays_inline_and_received_arrays_are_writable_copies():
+    cfg = wire.WireConfig(token="t")
+    t = torch.arange(24, dtype=torch.bfloat16).reshape(4, 6).T  # [6, 4], not contiguous
+    a = np.arange(40, dtype=np.int32)[::3]
+    enc, frames = encoded([t, a], cfg)
+    assert len(frames) == 1
+    hdr = wire.decode_header(cfg, frames)
+    bt, ba = wire.decode_body(cfg, hdr, frames)
+    assert torch.equal(bt, t) and bt.is_contiguous()
+    np.testing.assert_array_equal(ba, a)
+    ba[0] = -1  # writable, as an array received in a frame is, and not a view of the header
+    bt[0, 0] = 7
+    assert wire.decode_body(cfg, hdr, frames)[1][0] == 0
+
+
+def test_inline_arrays_stop_at_half_the_header_cap():
+    cfg = wire.WireConfig(token="t", max_message_bytes=128 * 4096)  # header cap 4 KiB: 2 KiB inline
+    arrays = [np.full(128, i, dtype=np.float64) for i in range(5)]  # 1 KiB each
+    enc, frames = encoded(arrays, cfg)
+    assert len(frames) == 1 + 3  # two inline, three as frames
+    assert len(frames[0]) <= cfg.max_header_bytes
+    got = wire.decode_body(cfg, wire.decode_header(cfg, frames), frames)
+    assert all(np.array_equal(x, y) for x, y in zip(arrays, got))
+
+
 # --- malformed input --------------------------------------------------------------------
 
 def header(**over):
@@ -124,6 +195,8 @@ def header(**over):
     ([header(bufs=[["numpy", "uint8", [-1], 1, 1]]), b"x"], "malformed shape"),
     ([header(bufs=[["numpy", "uint8", [4], ["/etc/passwd", 4096, 0], 4]])], "malformed buffer location"),
     ([header(bufs=[["jax", "uint8", [4], 1, 4]]), b"xxxx"], "unknown array library"),
+    ([header(bufs=[["numpy", "float32", [4], b"x" * 15, 16]])], "inline buffer holds 15 bytes"),
+    ([header(bufs=[["numpy", "float32", [5], b"x" * 16, 16]])], "needs 20 bytes"),
     ([header(body=b"\xd4\x05\x00")], "unknown ext type"),
 ])
 def test_malformed_messages_raise_wire_error(frames, match):
