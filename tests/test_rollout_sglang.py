@@ -154,7 +154,7 @@ def test_fake_rejects_what_sglang_rejects(ckpt, fake_sglang):
         fake.update_weights_from_tensor([payloads[0]] * 2, load_format="flattened_bucket")
     with pytest.raises(IndexError):
         fake.update_weights_from_tensor(payloads[1:], load_format="flattened_bucket")
-    with pytest.raises(TypeError, match="unexpected keyword argument 'seed'"):
+    with pytest.raises(TypeError, match="Unexpected keyword argument 'seed'"):
         fake.generate(input_ids=[[1]], sampling_params=[{"max_new_tokens": 1, "seed": 1}])
     with pytest.raises(RuntimeError, match="Blocked unsafe global"):
         fake.update_weights_from_tensor(

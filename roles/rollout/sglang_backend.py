@@ -9,6 +9,8 @@ models them with the file and line each behaviour copies.
 - generate: `Engine.generate(input_ids=[...], sampling_params=[...], return_logprob=True)`;
   a result is `output_ids` plus `meta_info["output_token_logprobs"]` ((logprob, token_id,
   None) tuples) and `meta_info["finish_reason"]` ({"type": "stop" | "length" | "abort"}).
+  Log-probs are of the temperature-scaled distribution, as the torch backend's (sglang's
+  layers/sampler.py:192-198; a greedy request runs at T = 1, sampling_params.py:245-248).
 - seeds: sglang ignores a request's `sampling_seed` unless the engine runs with
   `enable_deterministic_inference=True` (sampling_batch_info.py builds the seed tensor only
   then, and that mode forces the pytorch sampler and batch-invariant kernels). Without it,

@@ -45,15 +45,16 @@ SERVER_ARGS_FIELDS = {
     "enable_deterministic_inference": "srt/arg_groups/fields/exec_.py:1153",
     "tp_size": "srt/arg_groups/fields/parallel.py:45",
     "log_level": "srt/arg_groups/fields/observability.py:31",
-    "attention_backend": "srt/arg_groups/fields/exec_.py",
+    "attention_backend": "srt/arg_groups/fields/exec_.py:207",
 }
-# srt/sampling/sampling_params.py:150-200: SamplingParams keywords (an unknown one is a TypeError)
+# srt/sampling/sampling_params.py:140-200: SamplingParams is a msgspec Struct (kw_only): an
+# unknown keyword is a TypeError. Its public fields:
 SAMPLING_KEYS = {
     "max_new_tokens", "stop", "stop_token_ids", "stop_regex", "temperature", "top_p", "top_k",
     "min_p", "frequency_penalty", "presence_penalty", "repetition_penalty", "min_new_tokens", "n",
-    "json_schema", "regex", "ebnf", "structural_tag", "ignore_eos", "skip_special_tokens",
-    "spaces_between_special_tokens", "no_stop_trim", "custom_params", "stream_interval",
-    "logit_bias", "sampling_seed",
+    "beam_width", "json_schema", "regex", "ebnf", "structural_tag", "ignore_eos", "skip_special_tokens",
+    "spaces_between_special_tokens", "no_stop_trim", "stream_interval", "logit_bias", "sampling_seed",
+    "custom_params", "watermark",
 }
 GPU_MEMORY_ALL_TYPES = ["kv_cache", "weights", "cuda_graph"]  # srt/constants.py:2-10
 VOCAB = 47
@@ -218,7 +219,7 @@ class FakeEngine:
         out, finish = [], None
         for i in range(sp["max_new_tokens"]):
             out.append((sum(ids) * 7 + 3 * i + (seed or 0)) % VOCAB)
-            if len(out) >= sp["max_new_tokens"]:  # Req.check_finished tests the length first
+            if len(out) >= sp["max_new_tokens"]:  # Req.update_finish_state (schedule_batch.py:2038-2046): length first
                 finish = {"type": "length", "length": sp["max_new_tokens"]}  # schedule_batch.py:320-329
             elif not sp.get("ignore_eos") and out[-1] in set(sp.get("stop_token_ids") or []) | {EOS_ID}:
                 finish = {"type": "stop", "matched": out[-1]}  # schedule_batch.py:284-293
@@ -298,7 +299,7 @@ def _verify(sp: dict) -> dict:
     """srt/sampling/sampling_params.py: SamplingParams(**sp) then verify() (:252-311)."""
     unknown = set(sp) - SAMPLING_KEYS
     if unknown:
-        raise TypeError(f"SamplingParams got an unexpected keyword argument '{sorted(unknown)[0]}'")
+        raise TypeError(f"Unexpected keyword argument '{sorted(unknown)[0]}'")
     if not 0.0 < sp.get("top_p", 1.0) <= 1.0:
         raise ValueError(f"top_p must be in (0, 1], got {sp['top_p']}.")
     top_k = sp.get("top_k", -1)
