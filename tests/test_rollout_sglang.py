@@ -376,3 +376,10 @@ def test_driver_starts_sglang_engines_with_the_recipes_settings():
     assert engine_settings(cfg)["max_batch_size"] == 64  # unset: one rollout's samples (8 prompts x 8)
     assert engine_settings(tiny_ppo()) == {"max_batch_size": 512}
     assert rollout_backend_problem(tiny_ppo()) is None
+
+
+def test_weight_check_is_refused_with_sglang_at_config_time():
+    from ppo.config import ConfigError, parse_args
+
+    with pytest.raises(ConfigError, match="check-weight-update-equal.*no exact read-back"):
+        parse_args(["--recipe", "qwen3_4b_ppo", "--check-weight-update-equal"])

@@ -226,6 +226,10 @@ def _backends(cfg: PPOConfig) -> list[str]:
     if cfg.engine.rollout_backend == "torch" and cfg.engine.rollout_num_gpus_per_engine != 1:
         out.append(_bad("rollout_num_gpus_per_engine", cfg.engine.rollout_num_gpus_per_engine,
                         "must be 1 with --rollout-backend torch (a torch engine is one device)"))
+    if cfg.engine.rollout_backend == "sglang" and cfg.engine.check_weight_update_equal:
+        out.append(_set_but("check_weight_update_equal", True, "--rollout-backend is 'sglang', "
+                            "which has no exact read-back of its weights. Please add "
+                            "--rollout-backend torch or --no-check-weight-update-equal"))
     if cfg.placement.fake_gpus:
         for name, value in (("train_backend", t.train_backend),
                             ("rollout_backend", cfg.engine.rollout_backend)):
