@@ -12,12 +12,14 @@ models them with the file and line each behaviour copies.
   Log-probs are of the temperature-scaled distribution, as the torch backend's (sglang's
   layers/sampler.py:192-198; a greedy request runs at T = 1, sampling_params.py:245-248).
 - seeds: sglang ignores a request's `sampling_seed` unless the engine runs with
-  `enable_deterministic_inference=True` (sampling_batch_info.py builds the seed tensor only
-  then, and that mode forces the pytorch sampler and batch-invariant kernels). Without it,
-  samples come from the scheduler's generator seeded once by `random_seed`: a run does not
-  reproduce request by request. So the seed is sent only in that mode.
+  `enable_deterministic_inference=True` (sampling_batch_info.py:157-172 builds the seed
+  tensor only then; the mode forces the pytorch sampler and batch-invariant kernels,
+  arg_groups/overrides.py:1030-1035). Without it, samples come from the scheduler's
+  generator seeded once by `random_seed`, so a request's sample depends on the batch it
+  ran in. The seed is therefore sent only in that mode.
 - release/resume: `release_memory_occupation(tags)` / `resume_memory_occupation(tags)`;
-  they need `enable_memory_saver=True` (else they free nothing). Our "kv_cache" also
+  they need `enable_memory_saver=True` (else sglang's memory-saver adapter is a no-op and
+  they free nothing: utils/torch_memory_saver_adapter.py:139-165). Our "kv_cache" also
   covers sglang's "cuda_graph" buffers, as miles' offload and onload_kv do.
 - weights: one update is `flush_cache()`, `begin_weight_update()`, one
   `update_weights_from_tensor(load_format="flattened_bucket")` per bucket, then
@@ -26,8 +28,8 @@ models them with the file and line each behaviour copies.
   only `payloads[tp_rank]`; a payload read twice breaks torch's CUDA-IPC refcounts).
 - pause/continue generation: not needed. Updates reach this actor only between `generate`
   calls (one message at a time), so sglang is idle when its weights change.
-- shutdown: sglang's Engine children (scheduler, detokenizer) die with the role: the
-  supervisor kills the role's whole process tree.
+- shutdown: sglang's Engine children (scheduler, detokenizer) die with the role: they stay
+  in the role's session, which the supervisor kills as one (runtime/process.py kill_tree).
 
 sglang is imported lazily: only this backend needs it, and only on a GPU machine.
 """
