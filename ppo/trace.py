@@ -72,6 +72,7 @@ class TraceBuilder:
         self._open: dict[tuple[int, int], int] = {}  # open B spans per thread
         self._state_open: set[str] = set()  # roles whose state span is open
         self._bytes: dict[int, dict[str, int]] = {}  # gpu -> holder -> bytes in use
+        self._groups: dict[str, str] = {}  # a rank ("actor.1") -> its group, whose name holds the leases
 
     def add(self, event: dict) -> list[dict]:
         if self._t0 is None:
@@ -151,6 +152,8 @@ class TraceBuilder:
         return out
 
     def _on_spawned(self, e: dict) -> list[dict]:
+        if e.get("group"):
+            self._groups[e["role"]] = e["group"]
         out = self._state_span(e["role"], "starting", e["ts"], incarnation=e.get("incarnation"), pid=e.get("pid"))
         return out + [self._instant(self._role(e["role"])[0], f"spawned #{e.get('incarnation')}", e["ts"],
                                     gpus=e.get("gpus"), pid=e.get("pid"))]
@@ -204,7 +207,7 @@ class TraceBuilder:
             out.append({"ph": "X", "name": name, "pid": where[0], "tid": where[1], "ts": self._us(t0),
                         "dur": round(e.get("seconds", 0.0) * 1e6, 1), "args": args})
         if e.get("gpus") and e.get("bytes_in_use") is not None:
-            out += self._set_bytes(e["gpus"], track, e["bytes_in_use"], e["ts"])
+            out += self._set_bytes(e["gpus"], self._groups.get(track, track), e["bytes_in_use"], e["ts"])
         return out
 
     def _on_checkpoint(self, e: dict) -> list[dict]:  # published when a save is done

@@ -54,7 +54,8 @@ class MonitorState:
         self.leases: dict[int, dict] = {}  # gpu -> {"holder": str | None, "residuals": {holder: bytes}}
         self.gpu_bytes: dict[int, dict[str, int]] = {}  # gpu -> holder -> bytes in use, as last reported
         self.phases: list[dict] = []  # driver phases begun and not ended, outermost first
-        self.last_phase: dict | None = None  # the latest phase event that ended or was a span
+        self.last_phase: dict | None = None  # the latest phase that ended (begin/end: the driver's)
+        self.groups: dict[str, str] = {}  # a rank ("actor.1") -> its group, whose name holds the leases
         self.step: int | None = None
         self.metrics: dict = {}
         self.supervisor_pid: int | None = None
@@ -82,6 +83,8 @@ class MonitorState:
         self.supervisor_pid = event.get("pid")
 
     def _on_spawned(self, event: dict) -> None:
+        if event.get("group"):
+            self.groups[event["role"]] = event["group"]
         row = self._row(event)
         row.state = "starting"
         # A new incarnation starts its counters from zero.
@@ -137,16 +140,15 @@ class MonitorState:
         if event["action"] == "begin":
             self.phases.append({"name": event["phase"], "track": track, "step": event.get("step"),
                                 "ts": event["ts"]})
-        else:
-            if event["action"] == "end":  # the innermost open phase of that name ends
-                for i in range(len(self.phases) - 1, -1, -1):
-                    if self.phases[i]["name"] == event["phase"] and self.phases[i]["track"] == track:
-                        del self.phases[i]
-                        break
+        elif event["action"] == "end":  # the innermost open phase of that name ends
+            for i in range(len(self.phases) - 1, -1, -1):
+                if self.phases[i]["name"] == event["phase"] and self.phases[i]["track"] == track:
+                    del self.phases[i]
+                    break
             self.last_phase = {"name": event["phase"], "track": track, "seconds": event.get("seconds")}
-        if event.get("gpus") and event.get("bytes_in_use") is not None:
+        if event.get("gpus") and event.get("bytes_in_use") is not None:  # a role's span reports its bytes
             for gpu in event["gpus"]:
-                self.gpu_bytes.setdefault(gpu, {})[track] = event["bytes_in_use"]
+                self.gpu_bytes.setdefault(gpu, {})[self.groups.get(track, track)] = event["bytes_in_use"]
 
     def _on_metrics(self, event: dict) -> None:
         self.step = event.get("step")

@@ -329,11 +329,15 @@ def test_monitor_shows_the_running_phase_the_lease_holder_and_bytes_per_gpu():
         state.apply({"seq": seq, "ts": float(seq), **event})
     assert [p["name"] for p in state.phases] == ["step", "log_probs"]
     assert state.gpu_bytes == {0: {"rollout-0": 0, "actor": 3 << 20}}
+    state.apply({"seq": 50, "ts": 9.0, "event": "spawned", "role": "actor.1", "group": "actor", "incarnation": 0})
+    state.apply({"seq": 51, "ts": 9.0, "event": "phase", "phase": "offload", "action": "span", "role": "actor.1",
+                 "t0": 8.5, "seconds": 0.5, "gpus": [1], "bytes_in_use": 0})
+    assert state.gpu_bytes[1] == {"actor": 0}  # a rank's bytes count under its group, the lease holder
     console = Console(record=True, width=160)
     console.print(render(state, "runs/x"))
     text = console.export_text()
     assert "phase: step > log_probs (step 3)" in text
-    assert "last finished: actor: onload 0.25 s" in text
+    assert "last finished: driver: rollout 1.50 s" in text  # role spans do not count: they are many
     assert "gpu 0: lease actor; 3.0 MiB in use: actor 3.0 MiB, rollout-0 0 B" in text
     state.apply({"seq": 99, "ts": 9.0, "event": "phase", "phase": "log_probs", "action": "end", "track": "driver",
                  "step": 3, "seconds": 2.0})

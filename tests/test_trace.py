@@ -88,6 +88,7 @@ def test_trace_has_a_track_per_role_and_gpu_with_phases_bytes_buckets_and_leases
         assert {"actor", "critic", f"rollout-{gpu}"} <= set(holders)  # the handoffs, one span per lease
         counters = [e for e in trace if e["ph"] == "C" and procs[e["pid"]] == f"gpu {gpu}"]
         assert counters and max(sum(e["args"].values()) for e in counters) > 0
+        assert set(counters[-1]["args"]) == {"actor", "critic", f"rollout-{gpu}"}  # by lease holder (a rank counts as its group)
     states = by_track("rollout-0", "B")
     assert states["generating"] == NUM_ROLLOUT and states["starting"] == 1
     assert by_track("reward-0", "B")["scoring"] >= NUM_ROLLOUT
