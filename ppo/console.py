@@ -5,7 +5,9 @@
            `[ppo] step=3/20 reward=0.1250 response_len=2.00 step_time=1.23s elapsed=4s eta=21s`,
            and a `[ppo] step=... running phase=...` line whenever `log_interval_s` passed
            without one (long steps)
-    json   one JSON object per line with a "type": startup, ready, rollout, progress, done
+    json   one JSON object per line with a "type": startup (a stage and its seconds; the wait
+           for the roles adds each role's spawn-to-ready seconds), rollout (step, all metrics,
+           eta_s), progress (the periodic line), done (the summary)
     quiet  nothing; errors still reach stderr from whoever raises them
 
 Everything goes to stdout. `--log-format auto` (the default) picks rich when stdout is a
