@@ -174,6 +174,21 @@ def test_continuous_batching_refills_slots_and_returns_each_request_once_in_orde
         torch.testing.assert_close(r["logprobs"], a["logprobs"], atol=1e-5, rtol=0)
 
 
+def test_syncing_every_few_steps_changes_nothing(ckpt, engine):
+    # On a GPU the host looks at the decode only every `sync_every` steps: rows that stopped
+    # meanwhile run on as garbage, idle slots run too. Results must not show it, call after call.
+    lazy = RolloutEngine(ckpt, dtype="float32", max_batch_size=3, options={"sync_every": 5})
+    for call in range(3):
+        reqs = _reqs(PROMPTS * 2, first_id=10 * call, max_new_tokens=9 + call, temperature=1.0)
+        for r in reqs:
+            r["sampling"]["stop_token_ids"] = [7, 8, 9]
+        got, want = lazy.generate(reqs), engine.generate(reqs)
+        assert [(r["token_ids"], r["finish_reason"]) for r in got] == [(r["token_ids"], r["finish_reason"]) for r in want]
+        assert {r["finish_reason"] for r in got} == {"stop", "length"}
+        for a, b in zip(got, want):
+            torch.testing.assert_close(a["logprobs"], b["logprobs"], atol=1e-5, rtol=0)
+
+
 def test_counter_rng_is_uniform_and_keyed_by_seed_and_position():
     from roles.rollout.torch_engine.sampler import uniform
 

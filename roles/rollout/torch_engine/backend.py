@@ -21,11 +21,12 @@ from roles.rollout.torch_engine.graphs import DecodeGraphs
 from roles.rollout.torch_engine.kv_cache import KVCache
 from roles.rollout.torch_engine.scheduler import Scheduler
 
-# cuda_graphs: capture decode steps (real GPU only). sync_every: decode steps between host
+# cuda_graphs: capture decode steps (real GPU only). compile: fuse the elementwise ops with
+# torch.compile (real GPU only; default on there). sync_every: decode steps between host
 # syncs (default 16 on a GPU, 1 elsewhere). load_format: "safetensors" (the checkpoint's
 # weights) or "dummy" (random weights of the checkpoint's shapes, for benchmarks that load
 # real ones through update_weights, as vLLM/sglang's load_format="dummy").
-TORCH_OPTIONS = {"cuda_graphs": bool, "sync_every": int, "load_format": str}
+TORCH_OPTIONS = {"cuda_graphs": bool, "compile": bool, "sync_every": int, "load_format": str}
 LOAD_FORMATS = ("safetensors", "dummy")
 MEMORY_TAGS = ("weights", "kv_cache", "cuda_graph")
 
@@ -61,10 +62,11 @@ class TorchBackend:
         self.cache.allocate()
         on_gpu = memory.kind == "cuda"
         self.graphs = DecodeGraphs(memory, enabled=options.get("cuda_graphs", True))
-        self.decoder = Decoder(self.weights, *rope_parameters(hf_checkpoint))
+        self.decoder = Decoder(self.weights, *rope_parameters(hf_checkpoint),
+                               compile_ops=on_gpu and options.get("compile", True))
         self.scheduler = Scheduler(self.decoder, self.cache, self.graphs,
                                    sync_every=options.get("sync_every", 16 if on_gpu else 1),
-                                   slot_quantum=64 if on_gpu else 1)
+                                   slot_quantum=64 if on_gpu else 1, span_quantum=256 if on_gpu else 1)
 
     @property
     def weights_bytes(self) -> int:

@@ -197,14 +197,30 @@ class Weights:
 
 
 class Decoder:
-    """The forward pass. `rope_table(length)` positions are precomputed once per device."""
+    """The forward pass. `build_rope(length)` precomputes cos/sin once per device.
 
-    def __init__(self, weights: Weights, rope_inv_freq: torch.Tensor, rope_scaling: float):
+    `compile_ops=True` runs the elementwise pieces (norms, rope, SwiGLU, residual adds)
+    through torch.compile with dynamic shapes: fused kernels instead of ~50 small ones per
+    block, which a decode step at small batch is otherwise bound by. Same math; on the CPU
+    and in the tests it stays off.
+    """
+
+    def __init__(self, weights: Weights, rope_inv_freq: torch.Tensor, rope_scaling: float, *,
+                 compile_ops: bool = False):
         self.w = weights
         self.spec = weights.spec
         self._inv_freq = rope_inv_freq  # [D/2] float32, as HF's rotary embedding computes it
         self._rope_scaling = rope_scaling
         self.cos = self.sin = None  # [T, D] in the model dtype
+        ops = (_rms_norm, _add_rms_norm, _attention_inputs, _swiglu)
+        if compile_ops:
+            import torch._inductor.config
+
+            # a handful of small kernels: compile them in-process rather than in a pool of
+            # worker processes that would outlive the call as children of this role
+            torch._inductor.config.compile_threads = 1
+            ops = tuple(torch.compile(op, dynamic=True) for op in ops)
+        self._norm, self._add_norm, self._attention_inputs, self._swiglu = ops
 
     def build_rope(self, length: int, device: torch.device) -> None:
         """cos/sin for positions [0, length): HF's formula (fp32 product, then the model dtype)."""
@@ -227,25 +243,18 @@ class Decoder:
         s, st = self.spec, self.w.storages
         n = tokens.shape[0]
         x = F.embedding(tokens, st["embed"])
-        cos, sin = self.cos[positions][:, None, :], self.sin[positions][:, None, :]  # [N, 1, D]
-        q_size, kv_size = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
+        cos, sin = self.cos[positions], self.sin[positions]  # [N, D]
+        h = self._norm(x, st["0.ln1"], s.rms_eps)
         for i in range(s.num_layers):
-            h = _rms_norm(x, st[f"{i}.ln1"], s.rms_eps)
             qkv = F.linear(h, st[f"{i}.qkv"], st.get(f"{i}.qkv_bias"))  # [N, (H + 2KV) D]
-            q = qkv[:, :q_size].view(n, s.num_heads, s.head_dim)
-            k = qkv[:, q_size:q_size + kv_size].view(n, s.num_kv_heads, s.head_dim)
-            v = qkv[:, q_size + kv_size:].view(n, s.num_kv_heads, s.head_dim)
-            if s.qk_norm:
-                q = _rms_norm(q, st[f"{i}.q_norm"], s.rms_eps)
-                k = _rms_norm(k, st[f"{i}.k_norm"], s.rms_eps)
-            q = q * cos + _rotate_half(q) * sin
-            k = k * cos + _rotate_half(k) * sin
+            q, k, v = self._attention_inputs(qkv, cos, sin, st.get(f"{i}.q_norm"), st.get(f"{i}.k_norm"),
+                                             s.num_heads, s.num_kv_heads, s.rms_eps)
             out = attend(i, q, k, v)  # [N, H, D]
-            x = x + F.linear(out.reshape(n, q_size), st[f"{i}.o"])
-            h = _rms_norm(x, st[f"{i}.ln2"], s.rms_eps)
-            gate, up = F.linear(h, st[f"{i}.gate_up"]).chunk(2, dim=-1)
-            x = x + F.linear(F.silu(gate) * up, st[f"{i}.down"])
-        return _rms_norm(x, st["norm"], s.rms_eps)
+            x, h = self._add_norm(x, F.linear(out.reshape(n, -1), st[f"{i}.o"]), st[f"{i}.ln2"], s.rms_eps)
+            down = F.linear(self._swiglu(F.linear(h, st[f"{i}.gate_up"])), st[f"{i}.down"])
+            following = st[f"{i + 1}.ln1"] if i + 1 < s.num_layers else st["norm"]
+            x, h = self._add_norm(x, down, following, s.rms_eps)
+        return h
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, V] float32
         return F.linear(hidden, self.w.named["lm_head.weight"]).float()
@@ -256,6 +265,31 @@ def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     return weight * xf.to(x.dtype)
+
+
+def _add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor,
+                  eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The residual add and the next norm: (x + delta, norm(x + delta))."""
+    x = x + delta
+    return x, _rms_norm(x, weight, eps)
+
+
+def _attention_inputs(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, q_norm: torch.Tensor | None,
+                      k_norm: torch.Tensor | None, num_heads: int, num_kv_heads: int,
+                      eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Split fused q|k|v rows into heads, apply Qwen3's per-head norms, then rope to q and k."""
+    n, head_dim = qkv.shape[0], cos.shape[-1]
+    q, k, v = qkv.split([num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], dim=-1)
+    q, k, v = q.view(n, num_heads, head_dim), k.view(n, num_kv_heads, head_dim), v.view(n, num_kv_heads, head_dim)
+    if q_norm is not None:
+        q, k = _rms_norm(q, q_norm, eps), _rms_norm(k, k_norm, eps)
+    cos, sin = cos[:, None, :], sin[:, None, :]
+    return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin, v.contiguous()
+
+
+def _swiglu(gate_up: torch.Tensor) -> torch.Tensor:
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:

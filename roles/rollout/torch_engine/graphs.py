@@ -63,7 +63,7 @@ class DecodeGraphs:
         for t, s in zip(state, saved):
             t.copy_(s)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
+        with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
             step()
         self.num_captures += 1
         self.memory.account("cuda_graph", max(0, torch.cuda.memory_reserved() - self._reserved_before))

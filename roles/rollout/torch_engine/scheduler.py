@@ -54,13 +54,14 @@ class SlotState:
 
 class Scheduler:
     def __init__(self, decoder: Decoder, cache: KVCache, graphs: DecodeGraphs, *, sync_every: int,
-                 slot_quantum: int):
+                 slot_quantum: int, span_quantum: int):
         self.decoder = decoder
         self.spec = decoder.spec
         self.cache = cache
         self.graphs = graphs
         self.sync_every = sync_every
         self.slot_quantum = slot_quantum  # slot lengths rounded up to it, so graph keys repeat
+        self.span_quantum = span_quantum  # likewise the attended span of the slots
         self.state: SlotState | None = None
         self._steps: dict[tuple, callable] = {}
         self.last_stats: dict = {}
@@ -80,6 +81,7 @@ class Scheduler:
             device = self.cache.memory.device
             self.state = SlotState(self.cache.max_slots, self.sync_every, self.spec.vocab, device)
             self.decoder.build_rope(self.spec.max_positions + self.sync_every + self.slot_quantum, device)
+        self.state.positions.zero_()  # slots idle from the last call restart from 0
         cut = needs_cut([r.sampling for r in requests])
         eos = frozenset(self.spec.eos_ids)
         stops = [frozenset() if r.sampling.ignore_eos else frozenset(r.sampling.stop_token_ids) | eos
@@ -121,26 +123,30 @@ class Scheduler:
             batch = batch_bucket(busy[-1] + 1, geometry.num_slots)  # 2. decode
             steps = min([self.sync_every] + [requests[slot_request[s]].sampling.max_new_tokens
                                              - len(tokens[slot_request[s]]) for s in busy])
-            step = self._step(batch, geometry, cut)
+            # attention reads only the cache positions these steps can reach (rounded, so graphs repeat)
+            reach = max(len(requests[slot_request[s]].prompt_ids) + len(tokens[slot_request[s]]) for s in busy)
+            span = min(geometry.slot_len, -(-(reach + steps) // self.span_quantum) * self.span_quantum)
+            key = (batch, geometry, cut, span)
+            step = self._step(key)
             for _ in range(steps):
-                self.graphs.run((batch, geometry, cut), step, self.state.mutable())
+                self.graphs.run(key, step, self.state.mutable())
             ring_tokens = self.state.ring_tokens[:steps, :batch].tolist()  # 3. sync (one transfer each)
             ring_logprobs = self.state.ring_logprobs[:steps, :batch].tolist()
             self.state.ring_index.zero_()
             stats["decode_steps"] += steps
             stats["slot_steps"] += steps * batch
-            freed = []
             for s in busy:
                 r = slot_request[s]
                 for j in range(steps):
                     stats["busy_steps"] += 1
                     if take(r, ring_tokens[j][s], ring_logprobs[j][s]):
                         slot_request[s] = None
-                        freed.append(s)
                         break
-            if freed:  # idle slots decode position 0 of their own slot: harmless, never past the end
-                index = torch.tensor(freed, device=self.state.positions.device)
-                self.state.positions[index] = 0
+            # idle slots in the batch decode garbage from position 0 of their own slot: harmless,
+            # and never past the span, as long as they restart from 0 at every sync
+            idle = [s for s in range(batch) if slot_request[s] is None]
+            if idle:
+                self.state.positions[torch.tensor(idle, device=self.state.positions.device)] = 0
         self.last_stats = stats
         return [{"id": req.id, "token_ids": tokens[i], "logprobs": logprobs[i], "finish_reason": finish[i]}
                 for i, req in enumerate(requests)]
@@ -200,7 +206,7 @@ class Scheduler:
             out = torch.empty_like(q)
             for first, num, length in groups:
                 span = slice(first, first + num * length)
-                qg, kg, vg = (t[span].view(num, length, -1, s.head_dim).transpose(1, 2) for t in (q, k, v))
+                qg, kg, vg = (t[span].reshape(num, length, -1, s.head_dim).transpose(1, 2) for t in (q, k, v))
                 og = F.scaled_dot_product_attention(qg, kg, vg, is_causal=True, enable_gqa=True)
                 out[span] = og.transpose(1, 2).reshape(num * length, s.num_heads, s.head_dim)
             return out
@@ -218,14 +224,15 @@ class Scheduler:
         return list(zip(first.tolist(), logprob.tolist()))
 
     # -- decode -----------------------------------------------------------------------
-    def _step(self, batch: int, geometry: Geometry, cut: bool):
-        """The decode step over slots [0, batch): only preallocated tensors, so it can be graphed."""
-        key = (batch, geometry, cut)
+    def _step(self, key: tuple[int, Geometry, bool, int]):
+        """The decode step over slots [0, batch), attending to cache positions [0, span): only
+        preallocated tensors, so it can be graphed."""
         if key in self._steps:
             return self._steps[key]
+        batch, _, cut, span = key
         st, s = self.state, self.spec
         group = s.num_heads // s.num_kv_heads
-        key_positions = torch.arange(geometry.slot_len, device=st.tokens.device)
+        key_positions = torch.arange(span, device=st.tokens.device)
 
         def step() -> None:
             tokens, positions, rows = st.tokens[:batch], st.positions[:batch], st.rows.head(batch)
@@ -237,8 +244,9 @@ class Scheduler:
                 keys[slot_ids, :, positions] = k  # [B, KV, D]
                 values[slot_ids, :, positions] = v
                 # one query token per row: the G query heads of a kv head are G "query positions"
-                qg = q.view(batch, s.num_kv_heads, group, s.head_dim)
-                out = F.scaled_dot_product_attention(qg, keys[:batch], values[:batch], attn_mask=visible)
+                qg = q.reshape(batch, s.num_kv_heads, group, s.head_dim)
+                out = F.scaled_dot_product_attention(qg, keys[:batch, :, :span], values[:batch, :, :span],
+                                                     attn_mask=visible)
                 return out.reshape(batch, s.num_heads, s.head_dim)
 
             hidden = self.decoder.forward(tokens, positions, attend)
@@ -250,5 +258,6 @@ class Scheduler:
             positions.add_(1)
             st.ring_index.add_(1)
 
-        self._steps[key] = step
+        if self.graphs.enabled:  # eager steps are cheap to rebuild; keep only what graphs replay
+            self._steps[key] = step
         return step
