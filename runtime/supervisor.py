@@ -12,8 +12,10 @@ the strategy and the restart limit, as in Erlang/OTP:
 Death is seen from the process sentinel; hangs from missed heartbeats. Past the
 restart intensity (``max_restarts`` within ``restart_window_s``), or when a child dies
 before it was ever ready, the supervisor stops everything and raises SupervisionFailed
-with the role's error file. Shutdown: SIGTERM to all at once, a grace period, SIGKILL
-to each child's process group.
+with the role's error file. A child spawned holding its GPUs' leases (a rollout engine,
+which loads its weights while starting) that dies while another role holds one of them
+restarts when it holds them all again, and counts toward the intensity only then.
+Shutdown: SIGTERM to all at once, a grace period, SIGKILL to each child's process group.
 """
 
 from __future__ import annotations
@@ -60,6 +62,9 @@ class ChildSpec:
     restart: str
     group: str | None
     env: dict[str, str]
+    # Spawned holding the leases of all its GPUs: it allocates there while starting (an
+    # engine loads its weights), so a restart waits until it holds them again.
+    lease_to_start: bool = False
 
 
 @dataclass
@@ -130,7 +135,8 @@ class Supervisor:
             fake_devices = {d.index: d for d in create_fake_devices(self.fake_gpu_dir, fake_gpus, fake_gpu_bytes)}
         # one lease per GPU the job may use; fake GPUs are numbered 0..fake_gpus-1
         self.leases = LeaseTable(sorted(fake_devices) if fake_devices else list(gpus),
-                                 on_event=self.bus.publish, fake_devices=fake_devices)
+                                 on_event=self._on_lease_event, fake_devices=fake_devices)
+        self._deferred: dict[str, str] = {}  # children whose restart waits for their leases: reason
 
         self._children: dict[str, _Child] = {}
         self._lock = threading.RLock()          # guards _children and restart bookkeeping
@@ -173,8 +179,11 @@ class Supervisor:
                 "inc": 0, "deadline": None}, [list(args), kwargs])
         except (TypeError, ValueError, wire.WireError) as e:
             raise StartupError(f"role {name!r}: cannot send the arguments of {cls.__name__}(...): {e}") from e
+        leases = self.leases.snapshot()
         spec = ChildSpec(name, cls, [bytes(f) for f in init.frames], tuple(int(g) for g in gpus),
-                         restart, group, dict(env or {}))
+                         restart, group, dict(env or {}),
+                         lease_to_start=bool(gpus) and all(leases.get(int(g), {}).get("holder") == name
+                                                           for g in gpus))
         with self._lock:
             if name in self._children:
                 raise ValueError(f"an actor named {name!r} already exists")
@@ -486,14 +495,9 @@ class Supervisor:
             self._give_up(f"actor {spec.name!r} died while starting ({reason}); not restarting it, "
                           "since a start-up failure usually repeats", err_file, err_text)
             return
-        now = time.monotonic()
-        self._restart_times.append(now)
-        while self._restart_times and now - self._restart_times[0] > self.restart_window_s:
-            self._restart_times.popleft()
-        if len(self._restart_times) > self.max_restarts:
-            self._give_up(f"restart intensity exceeded: {len(self._restart_times)} restarts within "
-                          f"{self.restart_window_s} s (max_restarts={self.max_restarts}); "
-                          f"last death: {spec.name!r}: {reason}", err_file, err_text)
+        if spec.lease_to_start and spec.restart == "one_for_one" and self._defer_restart(child, reason):
+            return
+        if not self._count_restart(spec.name, reason, err_file, err_text):
             return
         if spec.restart == "one_for_all":
             members = [c for c in self._children.values() if c.spec.group == spec.group]
@@ -503,6 +507,56 @@ class Supervisor:
             members = [child]
         for c in members:
             self._restart(c, reason)
+
+    def _count_restart(self, name: str, reason: str, err_file: str, err_text: str | None) -> bool:
+        """Record a restart; past the restart intensity, give up and return False."""
+        now = time.monotonic()
+        self._restart_times.append(now)
+        while self._restart_times and now - self._restart_times[0] > self.restart_window_s:
+            self._restart_times.popleft()
+        if len(self._restart_times) > self.max_restarts:
+            self._give_up(f"restart intensity exceeded: {len(self._restart_times)} restarts within "
+                          f"{self.restart_window_s} s (max_restarts={self.max_restarts}); "
+                          f"last death: {name!r}: {reason}", err_file, err_text)
+            return False
+        return True
+
+    def _lease_wait(self, spec: ChildSpec) -> dict[str, str | None]:
+        """{gpu: holder} of the child's GPUs whose lease it does not hold."""
+        leases = self.leases.snapshot()
+        return {str(g): leases[g]["holder"] for g in spec.gpus if leases[g]["holder"] != spec.name}
+
+    def _defer_restart(self, child: _Child, reason: str) -> bool:
+        """A child that allocates on its GPUs while starting, dead while it does not hold
+        their leases (another role works there), would only fail to allocate and count
+        restarts until the supervisor gives up. Its restart waits instead until it holds
+        them all again (`_on_lease_event`). False when it holds them now: restart at once."""
+        name = child.spec.name
+        with self._lock:
+            self._deferred[name] = reason
+        waiting = self._lease_wait(child.spec)
+        if not waiting:
+            with self._lock:
+                return self._deferred.pop(name, None) is None  # True: _on_lease_event restarted it
+        self.bus.publish("restart_deferred", role=name, incarnation=child.incarnation, gpus=list(child.spec.gpus),
+                         waiting_for=waiting, reason=reason)
+        return True
+
+    def _on_lease_event(self, event: str, **fields) -> None:
+        """The lease table's events (called under its lock, in the thread that changed it):
+        published, and an acquisition restarts a child that was waiting for it."""
+        self.bus.publish(event, **fields)
+        name = fields.get("holder")
+        if fields.get("action") != "acquire" or name not in self._deferred:
+            return
+        with self._lock:
+            child = self._children[name]
+            if self._stopping or name not in self._deferred or self._lease_wait(child.spec):
+                return
+            reason = self._deferred.pop(name)
+        err_file = self._error_file(child)
+        if self._count_restart(name, reason, err_file, read_text(err_file)):
+            self._restart(child, reason)
 
     def _restart(self, child: _Child, reason: str) -> None:
         with self._lock:

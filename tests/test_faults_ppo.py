@@ -96,3 +96,36 @@ def test_skipped_updates_past_the_limit_stop_the_run_with_a_hint():
     assert check_skipped(cfg, 2) == 2
     with pytest.raises(RuntimeError, match=r"3 optimizer steps were skipped .*--max-skipped-updates 2"):
         check_skipped(cfg, 3)
+
+
+def when_the_actor_takes_gpu0():
+    """A trigger: the actor takes GPU 0's lease from the engines, once rollout 0 is logged."""
+    logged = []
+
+    def trigger(e: dict) -> bool:
+        if e["event"] == "metrics":
+            logged.append(e)
+        return (bool(logged) and e["event"] == "lease" and e["action"] == "acquire" and e["gpu"] == 0
+                and e["holder"] == "actor")
+    return trigger
+
+
+def test_engine_killed_while_the_actor_holds_its_gpu_restarts_when_the_lease_comes_back(tmp_path):
+    """The dead engine cannot load its weights while the actor holds the GPU's lease: the
+    supervisor defers its restart (not counted toward the restart intensity) until the loop
+    hands the lease back to the engines, and the run completes."""
+    values = dict(num_rollout=3, rollout_batch_size=16, check_weight_update_equal=True)
+    history, inj = run_with_fault(tmp_path, "rollout-0", when_the_actor_takes_gpu0(), **values)
+    events = read_events(tmp_path / "run")
+    died = next(e for e in events if e["event"] == "died" and e["role"] == "rollout-0")
+    deferred = next(e for e in events if e["event"] == "restart_deferred" and e["role"] == "rollout-0")
+    assert deferred["ts"] >= died["ts"] and deferred["waiting_for"]["0"] in ("actor", "critic")
+    taken = next(e for e in events if e["event"] == "lease" and e["action"] == "acquire"
+                 and e["holder"] == "rollout-0" and e["ts"] > died["ts"])
+    restarted = next(e for e in events if e["event"] == "restarted" and e["role"] == "rollout-0")
+    assert restarted["ts"] >= taken["ts"]  # not before the engine holds its GPU again
+    assert not any(e["event"] == "failed" for e in events)
+    assert sum(1 for e in events if e["event"] == "died" and e["role"] == "rollout-0") == 1  # no failed restarts
+    assert [h["step"] for h in history] == [0, 1, 2]
+    assert_full_batches(tmp_path, values, 3)
+    assert all(h["rollout/log_probs_diff"] < 1e-4 for h in history)  # it runs the current policy

@@ -12,7 +12,7 @@ import psutil
 import pytest
 import zmq
 
-from runtime import ActorDied, Supervisor, SupervisionFailed
+from runtime import Actor, ActorDied, Supervisor, SupervisionFailed, endpoint
 from runtime.events import read_events
 from tests.actors import Counter, DiesOnCall, Echo, FailsInInit
 
@@ -234,3 +234,57 @@ def test_shutdown_sigterms_then_sigkills_and_cleans_shared_memory(run_dir):
     assert time.monotonic() - t0 < 5
     assert not [n for n in os.listdir("/dev/shm") if n.startswith(sup.cfg.shm_prefix)]
     assert wait_for(lambda: not psutil.pid_exists(grand) or psutil.Process(grand).status() == "zombie")
+
+
+class LoadsOnItsGpu(Actor):
+    """Allocates on its fake GPU while starting, as a rollout engine loads its weights; a
+    class of this module so that role processes can import it."""
+
+    def __init__(self, nbytes: int):
+        from runtime.fakegpu import visible_fake_devices
+
+        self.devices = visible_fake_devices()
+        self.nbytes = nbytes
+        self.take()
+
+    @endpoint
+    def take(self):
+        for d in self.devices:
+            d.set_usage(self.context.name, "weights", self.nbytes)
+
+    @endpoint
+    def free(self):
+        for d in self.devices:
+            d.set_usage(self.context.name, "weights", 0)
+
+
+def test_a_role_dead_while_another_holds_its_gpu_restarts_when_it_holds_the_lease_again(run_dir):
+    """Without the deferral the restart fails to allocate (the trainer holds the lease), each
+    failure counts toward the restart intensity, and the supervisor gives up."""
+    sup = Supervisor(run_dir, heartbeat_interval=0.1, heartbeat_timeout=2.0, shutdown_grace_s=2.0,
+                     fake_gpus=1, fake_gpu_bytes=1 << 30, max_restarts=2)
+    try:
+        sup.leases.acquire(0, "engine")
+        engine = sup.spawn("engine", LoadsOnItsGpu, 1000, gpus=[0])
+        other = sup.spawn("other", Echo)  # no GPU: restarts at once as before
+        sup.wait_ready()
+        engine.free()
+        sup.leases.release(0, "engine", 0)
+        sup.leases.acquire(0, "trainer")
+        engine.kill()
+        assert wait_for(lambda: any(e["event"] == "restart_deferred" for e in read_events(run_dir)))
+        time.sleep(1.0)
+        sup.check()  # not given up
+        assert sup._children["engine"].incarnation == 0 and sup._children["engine"].state == "dead"
+        other.kill()
+        assert restarted(sup, "other", 1)  # restarts at once, as before
+        sup.leases.release(0, "trainer", 0)
+        sup.leases.acquire(0, "engine")
+        engine.take()  # queued until the new incarnation is ready; it holds the lease, so it may grow
+        assert restarted(sup, "engine", 1)
+        sup.check()  # 2 restarts in all (other's, and the engine's when it took its GPU): none failed
+        assert sup._children["engine"].restarts == 1
+        deferred = next(e for e in read_events(run_dir) if e["event"] == "restart_deferred")
+        assert deferred["waiting_for"] == {"0": "trainer"} and deferred["reason"] == "killed by SIGKILL"
+    finally:
+        sup.shutdown()
