@@ -8,7 +8,7 @@ import torch
 from safetensors.torch import load_file
 
 from ppo.algorithms import AGG_MODES, aggregate
-from roles.trainer import ActorTrainer, CriticTrainer, TrainerGroup
+from roles.trainer import ActorTrainer, CriticTrainer, TrainerGroup, megatron_missing
 from roles.trainer.batching import valid_mask
 from roles.trainer.sharding import aggregation_counts, balance, plan_forward, plan_train, put_rows, take_rows
 from runtime import ActorDied, Supervisor
@@ -197,3 +197,15 @@ def test_rank_groups_need_gpus_and_unique_names(fake_sup):
         fake_sup.spawn_group("actor", ActorTrainer, {}, gpus=[])
     with pytest.raises(ValueError, match="must not contain '.'"):
         fake_sup.spawn_group("a.b", ActorTrainer, {}, gpus=[0])
+
+
+@pytest.mark.skipif(megatron_missing() is None, reason="megatron-core and CUDA are here: nothing to refuse")
+def test_megatron_backend_is_refused_before_anything_starts_where_it_cannot_run(tmp_path):
+    from ppo.config.serialize import override
+    from ppo.job import JobSetupError, start_job
+    from ppo.recipes import tiny_ppo
+
+    cfg = override(tiny_ppo(), run_dir=str(tmp_path / "run"), train_backend="megatron")
+    with pytest.raises(JobSetupError, match=r"--train-backend megatron cannot run here: .*--train-backend torch"):
+        start_job(cfg)
+    assert not (tmp_path / "run").exists()  # refused before the run dir was made

@@ -12,7 +12,7 @@ from roles.trainer.critic import CriticTrainer
 from roles.trainer.group import TrainerGroup
 
 __all__ = ["ActorTrainer", "BackendUnavailable", "CriticTrainer", "TrainerConfig", "TrainerGroup",
-           "trainer_classes"]
+           "megatron_missing", "trainer_classes"]
 
 TRAIN_BACKENDS = ("torch", "megatron")
 
