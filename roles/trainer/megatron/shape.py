@@ -163,6 +163,9 @@ def transformer_config_kwargs(
         params_dtype=torch_dtype,
         pipeline_dtype=torch_dtype,
         variable_seq_lengths=True,  # packed micro-batches differ in length
+        # dense model: no MoE, but TransformerConfig refuses variable_seq_lengths with the
+        # default "allgather" dispatcher whatever the expert count
+        moe_token_dispatcher_type="alltoall",
     )
     if recompute_granularity is not None:
         kwargs["recompute_granularity"] = recompute_granularity

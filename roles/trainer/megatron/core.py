@@ -1,0 +1,390 @@
+"""What the megatron actor and critic share: parallel state, the GPTModel under megatron's
+DDP and optimizer, packed forward passes, the train loop, offload by tag.
+
+Needs megatron-core (Python >= 3.12) and CUDA; imported lazily by roles.trainer.megatron.
+
+Train loop: the rank contract of roles.trainer.group and the aggregation of
+roles.trainer.core: each micro-batch loss is divided by the WHOLE mini-batch's counts, so
+gradients are summed over micro-batches and data-parallel ranks. megatron's DDP sums when
+calculate_per_token_loss is set (no 1/dp scaling), and finalize_model_grads is called
+without a token count (no 1/tokens scaling). The optimizer is megatron's (distributed
+optimizer: float32 main params and Adam state sharded over dp; torch AdamW without apex or
+transformer-engine); a step is skipped when the global loss or grad norm is not finite.
+
+Memory tags (roles.trainer.megatron.offload):
+  params     DDP's param buffers (compute dtype) - the weights the forward and the sync read
+  grads      DDP's grad buffers (float32), freed on offload, zeroed on onload
+  optimizer  float32 main params and Adam moments
+The trainer is built on the GPU (megatron's DDP allocates its buffers there) and
+offloads everything at the end of construction, so it needs the device while it starts.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import socket
+import time
+from typing import Callable, Iterator
+
+import torch
+import torch.distributed as dist
+
+from roles.device import DeviceMemory
+from roles.trainer.batching import check_batch, response_mask, scatter_rows, sequences, split_mini_batches, valid_mask
+from roles.trainer.distributed import all_reduce_floats
+from roles.trainer.megatron.config import MegatronTrainerConfig
+from roles.trainer.megatron.mapper import hf_to_megatron, stage_to_hf
+from roles.trainer.megatron.model import build_gpt_model, transformer_engine_available
+from roles.trainer.megatron.offload import TaggedOffloader
+from roles.trainer.megatron.packing import PackedMicroBatch, pack, plan_packed
+from roles.trainer.megatron.shape import ModelShape, shape_from_hf, transformer_config_kwargs
+from roles.trainer.sharding import aggregation_counts
+
+MEMORY_TAGS = ("params", "grads", "optimizer")
+
+# (model output of a micro-batch, the micro-batch, aggregation counts) -> (loss, metrics);
+# metrics scaled so that their sum over a mini-batch's micro-batches is its value.
+MegatronLoss = Callable[[object, PackedMicroBatch, dict], tuple[torch.Tensor, dict[str, torch.Tensor]]]
+
+
+def init_parallel(config: MegatronTrainerConfig) -> None:
+    """Join the rank group (or make a world of one) and set up megatron's parallel groups."""
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+    from roles.trainer.distributed import init_from_env
+
+    torch.cuda.set_device(0)  # a rank sees only its own GPU (CUDA_VISIBLE_DEVICES)
+    init_from_env()
+    if not dist.is_initialized():  # in-process trainer (tests, bench): a world of one
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(port))
+        dist.init_process_group("cpu:gloo,cuda:nccl", rank=0, world_size=1)
+    if not parallel_state.model_parallel_is_initialized():
+        parallel_state.initialize_model_parallel(
+            tensor_model_parallel_size=config.tensor_model_parallel_size,
+            pipeline_model_parallel_size=config.pipeline_model_parallel_size,
+            context_parallel_size=config.context_parallel_size,
+        )
+        model_parallel_cuda_manual_seed(config.seed)
+
+
+def load_hf_state(path: str) -> dict[str, torch.Tensor]:
+    """Every tensor of an HF checkpoint directory's safetensors files, on the CPU."""
+    from safetensors.torch import load_file
+
+    files = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
+    if not files:
+        raise FileNotFoundError(f"{path}: no .safetensors files (the megatron trainer loads HF safetensors)")
+    state: dict[str, torch.Tensor] = {}
+    for f in files:
+        state.update(load_file(os.path.join(path, f)))
+    return state
+
+
+class MegatronCore:
+    """One trainer's model, optimizer, memory and train loop (actor: critic=False)."""
+
+    def __init__(self, config: MegatronTrainerConfig, *, critic: bool, memory: DeviceMemory,
+                 hf_state: dict[str, torch.Tensor] | None = None):
+        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+        from megatron.core.transformer import TransformerConfig
+        from transformers import AutoConfig
+
+        self.config, self.critic, self.memory = config, critic, memory
+        init_parallel(config)
+        self.shape: ModelShape = shape_from_hf(AutoConfig.from_pretrained(config.hf_checkpoint))
+        self.use_te = transformer_engine_available()
+        self.spec = "te" if self.use_te else "local"
+        tconfig = TransformerConfig(
+            **transformer_config_kwargs(
+                self.shape, tp_size=config.tensor_model_parallel_size, pp_size=config.pipeline_model_parallel_size,
+                cp_size=config.context_parallel_size, dtype=config.dtype,
+                recompute_granularity=config.recompute_granularity, recompute_method=config.recompute_method,
+                recompute_num_layers=config.recompute_num_layers),
+            calculate_per_token_loss=True,  # DDP sums gradients (see the module note)
+        )
+        model = build_gpt_model(self.shape, tconfig, tp_size=1, critic=critic, use_te=self.use_te,
+                                pre_process=True, post_process=True)
+        self._load_hf(model, hf_state if hf_state is not None else self._initial_hf_state())
+        ddp_config = DistributedDataParallelConfig(
+            grad_reduce_in_fp32=True, overlap_grad_reduce=False,
+            use_distributed_optimizer=config.use_distributed_optimizer)
+        self.ddp = DistributedDataParallel(tconfig, ddp_config, model)
+        self.module = model
+        self.device = next(model.parameters()).device
+        half = config.dtype != "float32"
+        self.optimizer = get_megatron_optimizer(
+            OptimizerConfig(
+                optimizer="adam", lr=config.lr, min_lr=config.min_lr, weight_decay=config.weight_decay,
+                adam_beta1=config.betas[0], adam_beta2=config.betas[1], adam_eps=config.adam_eps,
+                clip_grad=config.clip_grad, bf16=config.dtype == "bfloat16", fp16=config.dtype == "float16",
+                params_dtype=tconfig.params_dtype, use_distributed_optimizer=config.use_distributed_optimizer),
+            [self.ddp],
+        )
+        from megatron.core.distributed import finalize_model_grads
+
+        # Sum, never average, over dp: finalize without a token count (module note).
+        tconfig.finalize_model_grads_func = lambda models, *args, **kw: finalize_model_grads(models, None)
+        tconfig.no_sync_func = self.ddp.no_sync
+        tconfig.grad_scale_func = self.optimizer.scale_loss if half and config.dtype == "float16" else None
+        self.tconfig = tconfig
+        self.schedule = config.lr_schedule_fn
+        self.step = 0
+        self.offloader = TaggedOffloader(memory)
+        self.offloader.register("params", self._param_tensors)
+        self.offloader.register("grads", lambda: [b.grad_data for b in self.ddp.buffers], keep=False)
+        self.offloader.register("optimizer", self._optimizer_tensors)
+        # The actor's reference policy is its initial weights: a CPU copy, swapped in for ref log-probs.
+        self.ref_params = ([p.detach().to("cpu", copy=True) for p in model.parameters()]
+                           if config.keep_ref and not critic else None)
+        for tag in MEMORY_TAGS:
+            self.memory.account(tag, self.offloader.nbytes(tag))
+        self.offload(list(MEMORY_TAGS))
+
+    # ---- weights ------------------------------------------------------------------------
+
+    def _initial_hf_state(self) -> dict[str, torch.Tensor]:
+        hf = load_hf_state(self.config.hf_checkpoint)
+        if not self.critic:
+            return hf
+        # The critic: the checkpoint's trunk and a fresh value head (seeded as the torch backend's).
+        state = {"backbone." + k.removeprefix("model."): v for k, v in hf.items() if k.startswith("model.")}
+        gen = torch.Generator().manual_seed(self.config.seed)
+        from roles.trainer.megatron.model import VALUE_HEAD_INIT_STD
+
+        state["value_head.weight"] = torch.empty(1, self.shape.hidden_size).normal_(0.0, VALUE_HEAD_INIT_STD,
+                                                                                     generator=gen)
+        state["value_head.bias"] = torch.zeros(1)
+        return state
+
+    def _load_hf(self, model: torch.nn.Module, hf: dict[str, torch.Tensor]) -> None:
+        target = hf_to_megatron(hf, self.shape, tp_rank=0, tp_size=1, pp_rank=0, pp_size=1, spec=self.spec,
+                                critic=self.critic)
+        params = dict(model.named_parameters())
+        if set(params) != set(target):
+            raise ValueError(f"megatron model and mapper disagree: model only {sorted(set(params) - set(target))[:5]}, "
+                             f"mapper only {sorted(set(target) - set(params))[:5]}")
+        with torch.no_grad():
+            for name, p in params.items():
+                p.copy_(target[name])
+
+    def named_hf_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """(HF name, tensor in the compute dtype) of this rank's weights (TP=PP=1: all of them)."""
+        state = {n: p.detach() for n, p in self.module.named_parameters()}
+        yield from stage_to_hf([state], self.shape, pp_rank=0, pp_size=1, spec=self.spec, critic=self.critic)
+
+    def _param_tensors(self) -> list[torch.Tensor]:
+        """DDP's flat param buffers (distributed optimizer), else the parameters themselves."""
+        flat = [b.param_data for b in self.ddp.buffers if b.param_data is not None]
+        return flat or [p.data for p in self.module.parameters()]
+
+    def _optimizer_tensors(self) -> list[torch.Tensor]:
+        out = []
+        for opt in getattr(self.optimizer, "chained_optimizers", [self.optimizer]):
+            # float32 main params: the distributed optimizer's shards, or the plain mixed-precision copies
+            main = getattr(opt, "shard_fp32_from_float16_groups", None) or getattr(opt, "fp32_from_float16_groups", [])
+            for group in main:
+                out += [p.data for p in group]
+            inner = opt.optimizer
+            for state in inner.state.values():
+                out += [v for k, v in state.items() if torch.is_tensor(v) and v.dim() > 0]
+        return out
+
+    # ---- memory -------------------------------------------------------------------------
+
+    @property
+    def offloaded(self) -> set[str]:
+        return self.offloader.offloaded
+
+    def offload(self, tags: list[str]) -> dict:
+        return self._place(tags, self.offloader.offload)
+
+    def onload(self, tags: list[str]) -> dict:
+        return self._place(tags, self.offloader.onload)
+
+    def _place(self, tags: list[str], move) -> dict:
+        bad = [t for t in tags if t not in MEMORY_TAGS]
+        if bad:
+            raise ValueError(f"memory tags {bad} unknown; allowed: {list(MEMORY_TAGS)}")
+        moves = {tag: move(tag) for tag in tags}
+        torch.cuda.empty_cache()
+        return {"ledger": self.memory.ledger(), "bytes_in_use": self.memory.bytes_in_use(), "moves": moves}
+
+    def require_onloaded(self, *tags: str) -> None:
+        missing = [t for t in tags if t in self.offloaded]
+        if missing:
+            raise RuntimeError(f"{missing} offloaded; call onload({missing}) first (the trainer starts offloaded)")
+
+    # ---- forward ------------------------------------------------------------------------
+
+    def forward(self, module, mb: PackedMicroBatch, processor):
+        """Run the packed micro-batch; `processor(hidden [Nr, H], output weight or None, output_layer)`
+        makes the output from the final-norm hidden states at the micro-batch's response rows."""
+        from megatron.core.packed_seq_params import PackedSeqParams
+
+        dev = self.device
+        cu = mb.cu_seqlens.to(dev)
+        params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
+                                 max_seqlen_q=mb.max_seqlen, max_seqlen_kv=mb.max_seqlen)
+        rows = mb.rows.to(dev)
+
+        def output_processor(*, hidden_states, output_layer, output_weight, **_):
+            return processor(hidden_states[:, 0][rows], output_weight, output_layer)  # [T, 1, H] -> [Nr, H]
+
+        return module(mb.input_ids.to(dev)[None], mb.position_ids.to(dev)[None], None, packed_seq_params=params,
+                      output_processor=output_processor)
+
+    def micro_batches(self, batch: dict, indices: list[int], seqs, keys: tuple[str, ...]) -> list[PackedMicroBatch]:
+        plan = plan_packed([len(seqs[i]) for i in indices], micro_batch_size=self.config.micro_batch_size,
+                           max_tokens=self.config.max_tokens_per_gpu)
+        return [pack(seqs, batch, [indices[g] for g in group], keys) for group in plan]
+
+    @torch.no_grad()
+    def forward_only(self, batch: dict, fn: Callable[[PackedMicroBatch], torch.Tensor]) -> torch.Tensor:
+        """fn's [n, Rm] output over the whole batch, [N, R] float32, zero at padding."""
+        self.require_onloaded("params")
+        n = check_batch(batch, ())
+        seqs = sequences(batch)
+        self.module.eval()
+        parts = [(mb.indices, fn(mb).float().cpu()) for mb in self.micro_batches(batch, list(range(n)), seqs, ())]
+        out = scatter_rows(parts, n, int(batch["response_lens"].max()))
+        return torch.where(response_mask(batch["response_lens"], out.shape[1]), out, 0.0)
+
+    # ---- training -----------------------------------------------------------------------
+
+    def train(self, batch: dict, required: tuple[str, ...], output: Callable, loss: MegatronLoss,
+              mini_batches: list[dict] | None = None) -> dict:
+        """One pass over `batch` (roles.trainer.core.TrainCore.train's contract);
+        `output(mb)` is the processor for `forward`, `loss(out, mb, counts)` the micro-batch loss."""
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        self.require_onloaded("params", "grads", "optimizer")
+        n = check_batch(batch, required)
+        seqs = sequences(batch)
+        self.ddp.train()
+        forward_backward = get_forward_backward_func()
+        per_step: list[dict[str, float]] = []
+        skipped = 0
+        lr = self.schedule.lr_at(self.step)
+        for mini, counts in self._steps(batch, n, mini_batches):
+            mbs = self.micro_batches(batch, mini, seqs, required)
+
+            def forward_step(data_iterator, model):
+                mb = next(data_iterator)
+                out = self.forward(model, mb, output(mb))
+
+                def loss_func(out_tensor):
+                    value, metrics = loss(out_tensor, mb, counts)
+                    reported = {k: v.detach().float().reshape(()) for k, v in metrics.items()}
+                    reported["__loss"] = value.detach().float()
+                    return value, torch.ones((), dtype=torch.int, device=value.device), reported
+
+                return out, loss_func
+
+            self._zero_grads()
+            stores = forward_backward(
+                forward_step_func=forward_step, data_iterator=iter(mbs), model=[self.ddp], num_microbatches=len(mbs),
+                seq_length=max(mb.num_tokens for mb in mbs), micro_batch_size=1, forward_only=False)
+            sums: dict[str, float] = {}
+            for store in stores:
+                for key, value in store.items():
+                    sums[key] = sums.get(key, 0.0) + float(value)
+            sums = all_reduce_floats(sums)
+            total_loss = sums.pop("__loss")
+            grad_norm = self._step_if_finite(total_loss)
+            if grad_norm is None:
+                skipped += 1
+                grad_norm = math.nan
+            else:
+                lr = self.schedule.lr_at(self.step - 1)
+            per_step.append({**sums, "grad_norm": grad_norm})
+        self._zero_grads()
+        metrics = {key: sum(s[key] for s in per_step) / len(per_step) for key in per_step[0]}
+        metrics.update(lr=lr, skipped_nonfinite=skipped)
+        return metrics
+
+    def _zero_grads(self) -> None:
+        """Zero DDP's grad buffer and drop every `.grad`: a non-distributed megatron optimizer
+        points param.grad at main_grad in prepare_grads, and a `.grad` left there would be
+        accumulated into main_grad a second time by DDP's hook at the next backward."""
+        self.ddp.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        for p in self.module.parameters():
+            p.grad = None
+
+    def _step_if_finite(self, total_loss: float) -> float | None:
+        """Clip and step unless the loss or grad norm is not finite; the norm, or None when skipped."""
+        if not math.isfinite(total_loss):
+            return None
+        found_inf = self.optimizer.prepare_grads()
+        grad_norm = float(self.optimizer.get_grad_norm())
+        if found_inf or not math.isfinite(grad_norm):
+            return None
+        if self.config.clip_grad > 0:
+            self.optimizer.clip_grad_norm(self.config.clip_grad)
+        lr = self.schedule.lr_at(self.step)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        self.optimizer.step_with_ready_grads()
+        self.step += 1
+        self.memory.account("optimizer", self.offloader.nbytes("optimizer"))  # Adam state exists from step 1
+        return grad_norm
+
+    def _steps(self, batch: dict, n: int, mini_batches: list[dict] | None):
+        if mini_batches is None:
+            for mini in split_mini_batches(n, self.config.global_batch_size):
+                idx = torch.tensor(mini)
+                yield mini, aggregation_counts(valid_mask(batch["loss_mask"][idx], batch["response_lens"][idx]),
+                                               self.config.loss_agg_mode)
+            return
+        if sum(m["num_samples"] for m in mini_batches) != n:
+            raise ValueError(f"mini_batches {[m['num_samples'] for m in mini_batches]} must split the {n} rows")
+        start = 0
+        for m in mini_batches:
+            yield (list(range(start, start + m["num_samples"])),
+                   {"global_batch_size": m["global_batch_size"], "global_token_count": m["global_token_count"]})
+            start += m["num_samples"]
+
+    # ---- checkpoints --------------------------------------------------------------------
+
+    def save(self, path: str) -> dict:
+        """HF-named weights, step and RNG (roles.trainer.checkpoint) by dp rank 0, plus each rank's
+        optimizer shard (main params and Adam state, this layout only) as optimizer.rank<r>.pt."""
+        from roles.trainer.checkpoint import save_checkpoint
+        from roles.trainer.rng import capture_rng
+
+        start = time.monotonic()
+        self.require_onloaded("params", "optimizer")
+        rank = dist.get_rank()
+        if rank == 0:
+            weights = {k: v.detach().cpu() for k, v in self.named_hf_weights()}
+            save_checkpoint(path, weights=weights, optimizer={}, step=self.step, rng=capture_rng())
+        dist.barrier()
+        torch.save({"tensors": [t.cpu() for t in self._optimizer_tensors()], "step": self.step},
+                   os.path.join(path, f"optimizer.rank{rank}.pt"))
+        dist.barrier()
+        return {"path": path, "step": self.step, "seconds": time.monotonic() - start}
+
+    def load(self, path: str) -> dict:
+        from roles.trainer.checkpoint import load_checkpoint
+        from roles.trainer.rng import restore_rng
+
+        self.require_onloaded("params", "optimizer")
+        ckpt = load_checkpoint(path)
+        self._load_hf(self.module, ckpt.weights)
+        shard = torch.load(os.path.join(path, f"optimizer.rank{dist.get_rank()}.pt"))
+        tensors = self._optimizer_tensors()
+        if [t.shape for t in tensors] != [t.shape for t in shard["tensors"]]:
+            raise ValueError(f"{path}: optimizer shard does not match this trainer's layout (same dp size needed)")
+        with torch.no_grad():
+            for t, saved in zip(tensors, shard["tensors"]):
+                t.copy_(saved)
+        self.step = ckpt.step
+        restore_rng(ckpt.rng)
+        return {"path": path, "step": self.step}

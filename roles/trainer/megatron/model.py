@@ -1,0 +1,78 @@
+"""Building megatron-core's GPTModel (actor) and its value-head variant (critic).
+
+Imports megatron lazily: this module is imported by the trainer, which CI imports on
+Python 3.11 without megatron-core; building a model needs megatron-core (Python >= 3.12).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from roles.trainer.megatron.shape import ModelShape
+
+# The critic's value head init, as miles' LinearForLastLayer: normal(0, 0.02), bias 0.
+VALUE_HEAD_INIT_STD = 0.02
+
+
+def transformer_engine_available() -> bool:
+    try:
+        import transformer_engine  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def layer_spec(shape: ModelShape, *, use_te: bool):
+    """transformer-engine's layer spec when it is installed, else megatron's local spec with
+    roles.trainer.megatron.attention.SDPACoreAttention as core attention."""
+    from megatron.core.models.gpt.gpt_layer_specs import (
+        get_gpt_layer_local_spec,
+        get_gpt_layer_with_transformer_engine_spec,
+    )
+
+    if use_te:
+        return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=shape.qk_norm)
+    from roles.trainer.megatron.attention import SDPACoreAttention
+
+    spec = get_gpt_layer_local_spec(qk_layernorm=shape.qk_norm, normalization="RMSNorm")
+    spec.submodules.self_attention.submodules.core_attention = SDPACoreAttention
+    return spec
+
+
+class ValueHead(nn.Module):
+    """Linear(hidden, 1) with bias, replicated on every TP rank; called as megatron calls its
+    output layer (returns (output, bias=None))."""
+
+    def __init__(self, hidden_size: int, dtype: torch.dtype, device: torch.device | str):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(1, hidden_size, dtype=dtype, device=device))
+        self.bias = nn.Parameter(torch.zeros(1, dtype=dtype, device=device))
+        with torch.no_grad():
+            self.weight.normal_(0.0, VALUE_HEAD_INIT_STD)
+
+    def forward(self, hidden: torch.Tensor, weight=None, runtime_gather_output=None):
+        return nn.functional.linear(hidden, self.weight, self.bias), None
+
+
+def build_gpt_model(shape: ModelShape, config, *, tp_size: int, critic: bool, use_te: bool,
+                    pre_process: bool, post_process: bool):
+    """One pipeline stage's GPTModel; `config` is a megatron TransformerConfig."""
+    from megatron.core.models.gpt import GPTModel
+
+    model = GPTModel(
+        config=config,
+        transformer_layer_spec=layer_spec(shape, use_te=use_te),
+        vocab_size=shape.padded_vocab(tp_size),
+        max_sequence_length=shape.max_position_embeddings,
+        pre_process=pre_process,
+        post_process=post_process,
+        parallel_output=True,  # logits stay vocab-parallel; roles.trainer.megatron.logprobs reduces
+        share_embeddings_and_output_weights=shape.tied_embeddings and not critic,
+        position_embedding_type="rope",
+        rotary_base=int(shape.rope_theta),
+    )
+    if critic and post_process:
+        device = model.decoder.final_layernorm.weight.device
+        model.output_layer = ValueHead(shape.hidden_size, config.params_dtype, device)
+    return model

@@ -1,0 +1,216 @@
+"""The megatron actor and critic trainer roles: the endpoints of roles.trainer.actor / critic
+(same names, arguments and results) over roles.trainer.megatron.core.MegatronCore.
+
+The PPO and value losses are ppo.algorithms' policy_loss / value_loss / kl_estimate /
+aggregate, combined exactly as the torch backend's actor and critic combine them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Iterator, Mapping
+
+import torch
+
+from ppo.algorithms import aggregate, kl_estimate, policy_loss, value_loss
+from roles.trainer.actor import ActorTrainer
+from roles.trainer.batching import ACTOR_TRAIN_KEYS, CRITIC_TRAIN_KEYS
+from roles.trainer.core import token_share
+from roles.trainer.megatron.config import MegatronTrainerConfig
+from roles.trainer.megatron.core import MegatronCore
+from roles.trainer.megatron.packing import PackedMicroBatch, chunked_log_probs
+from roles.trainer.role import TrainerRole
+from runtime import endpoint
+
+
+def _config(config: MegatronTrainerConfig | Mapping[str, Any]) -> MegatronTrainerConfig:
+    return config if isinstance(config, MegatronTrainerConfig) else MegatronTrainerConfig.from_dict(config)
+
+
+class _MegatronRole(TrainerRole):
+    _core: MegatronCore  # type: ignore[assignment]
+
+    def _build(self, config, *, critic: bool, role: str, hf_state: dict | None) -> None:
+        self._join_group()
+        self.config = _config(config)
+        torch.manual_seed(self.config.seed)
+        self._core = MegatronCore(self.config, critic=critic, memory=self._device_memory(role), hf_state=hf_state)
+        self._started()
+
+    @endpoint
+    def rank_layout(self) -> dict:
+        """{"dp_rank", "dp_size", "is_output"}: megatron's data-parallel rank; the output rank of
+        a dp rank is its TP rank 0, CP rank 0 on the last pipeline stage."""
+        from megatron.core import parallel_state as ps
+
+        is_output = (ps.get_tensor_model_parallel_rank() == 0 and ps.get_context_parallel_rank() == 0
+                     and ps.is_pipeline_last_stage())
+        return {"dp_rank": ps.get_data_parallel_rank(), "dp_size": ps.get_data_parallel_world_size(),
+                "is_output": is_output}
+
+    @endpoint
+    def save(self, path: str) -> dict:
+        """HF-named weights, step, RNG and each rank's optimizer shard (MegatronCore.save)."""
+        return self._core.save(path)
+
+    @endpoint
+    def load(self, path: str) -> dict:
+        return self._core.load(path)
+
+    def _train(self, batch: dict, required: tuple[str, ...], objective, mini_batches: list[dict] | None) -> dict:
+        if mini_batches is None and self._rank.distributed:
+            raise ValueError("train needs mini_batches in a rank group (roles.trainer.group.TrainerGroup passes them)")
+        self.set_state("training")
+        try:
+            return self._core.train(batch, required, objective.processor, objective.loss, mini_batches)
+        finally:
+            self.set_state("onloaded")
+
+
+class MegatronActorTrainer(_MegatronRole):
+    """The policy on megatron-core (roles.trainer.megatron); starts offloaded like ActorTrainer.
+
+    `hf_state` (in-process use: tests, bench) replaces reading the checkpoint's safetensors.
+    """
+
+    def __init__(self, config: MegatronTrainerConfig | Mapping[str, Any], hf_state: dict | None = None):
+        self._build(config, critic=False, role="actor", hf_state=hf_state)
+        self._ref_params = self._core.ref_params
+
+    # ---- forward ------------------------------------------------------------------------
+
+    def _processor(self, mb: PackedMicroBatch, *, with_entropy: bool, entropy_grad: bool):
+        cfg = self.config
+        vocab = self._core.shape.vocab_size
+        targets = mb.targets
+
+        def process(hidden, output_weight, output_layer):
+            weight = output_weight if output_weight is not None else output_layer.weight
+            lp, ent = chunked_log_probs(hidden, weight[:vocab], targets.to(hidden.device),
+                                        temperature=cfg.temperature, chunk=cfg.logits_chunk_tokens,
+                                        with_entropy=with_entropy, entropy_grad=entropy_grad)
+            # a tuple of tensors: megatron's wrappers walk outputs and cannot take None
+            return (lp, ent if ent is not None else lp.new_zeros(0))
+
+        return process
+
+    def _log_probs(self, mb: PackedMicroBatch) -> torch.Tensor:
+        lp, _ = self._core.forward(self._core.module, mb, self._processor(mb, with_entropy=False, entropy_grad=False))
+        return mb.to_rows(lp)
+
+    @endpoint
+    def compute_log_probs(self, batch: dict) -> dict:
+        """{"log_probs": float32 [N, R]} under the current policy, at the rollout temperature."""
+        return {"log_probs": self._core.forward_only(batch, self._log_probs)}
+
+    @endpoint
+    def compute_ref_log_probs(self, batch: dict) -> dict:
+        """{"log_probs": float32 [N, R]} under the reference (initial) policy."""
+        if self._ref_params is None:
+            raise RuntimeError("compute_ref_log_probs needs the reference copy; build the actor with keep_ref=True")
+        self._core.require_onloaded("params")
+        with self._swapped_in(self._ref_params):
+            return {"log_probs": self._core.forward_only(batch, self._log_probs)}
+
+    @contextlib.contextmanager
+    def _swapped_in(self, weights: list[torch.Tensor]) -> Iterator[None]:
+        params = list(self._core.module.parameters())
+        backup = [p.detach().to("cpu", copy=True) for p in params]
+        with torch.no_grad():
+            for param, w in zip(params, weights):
+                param.copy_(w, non_blocking=True)
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                for param, b in zip(params, backup):
+                    param.copy_(b, non_blocking=True)
+
+    # ---- training -----------------------------------------------------------------------
+
+    @endpoint
+    def train(self, batch: dict, mini_batches: list[dict] | None = None) -> dict:
+        """One PPO pass over the batch; metrics as ActorTrainer.train."""
+        required = ACTOR_TRAIN_KEYS + (("ref_log_probs",) if self.config.use_kl_loss else ())
+        return self._train(batch, required, self, mini_batches)
+
+    def processor(self, mb: PackedMicroBatch):
+        cfg = self.config
+        return self._processor(mb, with_entropy=cfg.entropy_coef != 0 or cfg.log_entropy,
+                               entropy_grad=cfg.entropy_coef != 0)
+
+    def loss(self, out, mb: PackedMicroBatch, counts: dict) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """The torch backend's policy objective (roles.trainer.actor._micro_loss) on [n, Rm] rows."""
+        cfg = self.config
+        lp_flat, ent_flat = out
+        log_probs = mb.to_rows(lp_flat)
+        entropy = mb.to_rows(ent_flat) if ent_flat.numel() else None
+        r = {k: v.to(log_probs.device) for k, v in mb.response.items()}
+        valid = mb.valid.to(log_probs.device)
+        pg_loss, pg_metrics = policy_loss(
+            log_probs, r["old_log_probs"], r["advantages"], valid,
+            eps_clip=cfg.eps_clip, eps_clip_high=cfg.eps_clip_high, eps_clip_c=cfg.eps_clip_c,
+            agg=cfg.loss_agg_mode, **counts,
+        )
+        share = token_share(mb, counts)
+        metrics = {"pg_loss": pg_loss.detach(), "pg_clipfrac": pg_metrics["pg_clipfrac"] * share,
+                   "ppo_kl": pg_metrics["ppo_kl"] * share}
+        loss = pg_loss
+        if entropy is not None:
+            entropy_loss = aggregate(entropy, valid, cfg.loss_agg_mode, **counts)
+            if cfg.entropy_coef != 0:
+                loss = loss - cfg.entropy_coef * entropy_loss
+            metrics["entropy_loss"] = entropy_loss.detach()
+        if cfg.use_kl_loss:
+            kl = kl_estimate(log_probs, r["ref_log_probs"], cfg.kl_loss_type)
+            kl_loss = aggregate(kl, valid, cfg.loss_agg_mode, **counts)
+            if cfg.kl_loss_coef != 0:
+                loss = loss + cfg.kl_loss_coef * kl_loss
+            metrics["kl_loss"] = kl_loss.detach()
+        return loss, {k: torch.as_tensor(v, dtype=torch.float32) for k, v in metrics.items()}
+
+    # ---- weights (ActorTrainer's endpoints over named_weights) ---------------------------
+
+    def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """(HF name, tensor in the compute dtype): megatron's tensors mapped back to HF names."""
+        self._core.require_onloaded("params")
+        yield from self._core.named_hf_weights()
+
+    weights_checksum = ActorTrainer.weights_checksum
+    sync_weights = ActorTrainer.sync_weights
+    save_hf = ActorTrainer.save_hf
+
+
+class MegatronCriticTrainer(_MegatronRole):
+    """The value model on megatron-core: the policy's trunk and an untied Linear(hidden, 1)."""
+
+    def __init__(self, config: MegatronTrainerConfig | Mapping[str, Any], hf_state: dict | None = None):
+        self._build(config, critic=True, role="critic", hf_state=hf_state)
+
+    def processor(self, mb: PackedMicroBatch):
+        def process(hidden, output_weight, output_layer):
+            return output_layer(hidden)[0].squeeze(-1).float()  # [Nr]
+
+        return process
+
+    def _values(self, mb: PackedMicroBatch) -> torch.Tensor:
+        return mb.to_rows(self._core.forward(self._core.module, mb, self.processor(mb)))
+
+    @endpoint
+    def compute_values(self, batch: dict) -> dict:
+        """{"values": float32 [N, R]}: values[i, r] = V(state before response token r)."""
+        return {"values": self._core.forward_only(batch, self._values)}
+
+    @endpoint
+    def train(self, batch: dict, mini_batches: list[dict] | None = None) -> dict:
+        """One pass of clipped value-loss updates; metrics as CriticTrainer.train."""
+        return self._train(batch, CRITIC_TRAIN_KEYS, self, mini_batches)
+
+    def loss(self, out, mb: PackedMicroBatch, counts: dict) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        values = mb.to_rows(out)
+        r = {k: v.to(values.device) for k, v in mb.response.items()}
+        loss, metrics = value_loss(values, r["old_values"], r["returns"], mb.valid.to(values.device),
+                                   value_clip=self.config.value_clip, agg=self.config.loss_agg_mode, **counts)
+        return loss, {"value_loss": loss.detach(),
+                      "value_clipfrac": torch.as_tensor(metrics["value_clipfrac"] * token_share(mb, counts))}
+

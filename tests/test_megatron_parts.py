@@ -1,0 +1,149 @@
+"""The megatron backend's parts that run without megatron-core: the config and its refusals,
+the HF -> TransformerConfig mapping, packed micro-batches, chunked log-probs, and offload
+by tag through pinned buffers (here: CPU storages, the same code path minus pinning)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import LlamaConfig, Qwen2Config, Qwen3Config
+
+from roles.device import DeviceMemory
+from roles.trainer.batching import collate, sequences
+from roles.trainer.megatron import MegatronTrainerConfig
+from roles.trainer.megatron.offload import TaggedOffloader
+from roles.trainer.megatron.packing import chunked_log_probs, pack, plan_packed
+from roles.trainer.megatron.shape import shape_from_hf, transformer_config_kwargs
+
+BASE = dict(hf_checkpoint="x", seed=0, lr=1e-6, min_lr=0.0, lr_decay_style="constant", lr_warmup_iters=0,
+            weight_decay=0.0, betas=(0.9, 0.999), clip_grad=1.0, global_batch_size=4, max_tokens_per_gpu=64,
+            eps_clip=0.2, value_clip=0.2, loss_agg_mode="token-mean", use_kl_loss=False, kl_loss_coef=0.0,
+            kl_loss_type="k1", entropy_coef=0.0, temperature=1.0, keep_ref=False)
+
+QWEN3_4B = dict(vocab_size=151936, hidden_size=2560, intermediate_size=9728, num_hidden_layers=36,
+                num_attention_heads=32, num_key_value_heads=8, head_dim=128, tie_word_embeddings=True,
+                rope_theta=1000000.0, rms_norm_eps=1e-6, max_position_embeddings=40960)
+
+
+@pytest.mark.parametrize("field", ["tensor_model_parallel_size", "pipeline_model_parallel_size",
+                                   "context_parallel_size"])
+def test_parallel_sizes_not_built_are_refused_at_validation(field):
+    with pytest.raises(ValueError, match=f"{field}=2 is not built yet"):
+        MegatronTrainerConfig(**BASE, **{field: 2})
+    assert getattr(MegatronTrainerConfig.from_dict({**BASE, field: 1}), field) == 1
+
+
+def test_recompute_flags_validated_and_mapped():
+    with pytest.raises(ValueError, match="recompute_method='uniform'.*recompute_granularity is not"):
+        MegatronTrainerConfig(**BASE, recompute_method="uniform")
+    with pytest.raises(ValueError, match="recompute_num_layers=None, expected >= 1"):
+        MegatronTrainerConfig(**BASE, recompute_granularity="full", recompute_method="uniform")
+    shape = shape_from_hf(Qwen3Config(**QWEN3_4B))
+    kw = transformer_config_kwargs(shape, tp_size=1, pp_size=1, cp_size=1, dtype="bfloat16",
+                                   recompute_granularity="full", recompute_method="block", recompute_num_layers=4)
+    assert (kw["recompute_granularity"], kw["recompute_method"], kw["recompute_num_layers"]) == ("full", "block", 4)
+    sel = transformer_config_kwargs(shape, tp_size=1, pp_size=1, cp_size=1, dtype="bfloat16",
+                                    recompute_granularity="selective", recompute_method=None, recompute_num_layers=None)
+    assert sel["recompute_granularity"] == "selective" and "recompute_method" not in sel
+
+
+def test_qwen3_4b_config_maps_to_megatron_fields():
+    shape = shape_from_hf(Qwen3Config(**QWEN3_4B))
+    assert (shape.num_query_groups, shape.head_dim, shape.qk_norm, shape.tied_embeddings) == (8, 128, True, True)
+    assert shape.rope_theta == 1e6 and shape.padded_vocab(1) == 151936
+    kw = transformer_config_kwargs(shape, tp_size=2, pp_size=1, cp_size=2, dtype="bfloat16",
+                                   recompute_granularity=None, recompute_method=None, recompute_num_layers=None)
+    assert kw["num_query_groups"] == 8 and kw["kv_channels"] == 128 and kw["ffn_hidden_size"] == 9728
+    assert kw["qk_layernorm"] and kw["gated_linear_unit"] and kw["normalization"] == "RMSNorm"
+    assert kw["activation_func"] is torch.nn.functional.silu and not kw["add_qkv_bias"]
+    assert kw["params_dtype"] is torch.bfloat16 and kw["sequence_parallel"] and kw["context_parallel_size"] == 2
+    assert "recompute_granularity" not in kw
+
+
+def test_llama_and_qwen2_shapes():
+    llama = shape_from_hf(LlamaConfig(hidden_size=64, num_attention_heads=8, num_key_value_heads=2,
+                                      intermediate_size=128, num_hidden_layers=2, vocab_size=100))
+    assert (llama.head_dim, llama.qk_norm, llama.qkv_bias, llama.tied_embeddings) == (8, False, False, False)
+    qwen2 = shape_from_hf(Qwen2Config(hidden_size=64, num_attention_heads=8, num_key_value_heads=2,
+                                      intermediate_size=128, num_hidden_layers=2, vocab_size=100))
+    assert qwen2.qkv_bias and not qwen2.qk_norm
+    with pytest.raises(ValueError, match="rope_scaling"):
+        shape_from_hf(LlamaConfig(rope_scaling={"rope_type": "linear", "factor": 2.0}))
+
+
+def test_plan_packed_fills_by_summed_tokens():
+    lengths = [10, 30, 25, 5, 40]
+    plan = plan_packed(lengths, max_tokens=50)
+    assert sorted(i for g in plan for i in g) == list(range(5))
+    assert all(sum(lengths[i] for i in g) <= 50 for g in plan)
+    assert plan == [[0, 4], [1, 3], [2]]  # first fit, longest first: 40+10, 30+5, 25
+    assert plan_packed(lengths, micro_batch_size=2) == [[0, 1], [2, 3], [4]]
+    assert plan_packed([70, 1], max_tokens=50) == [[0], [1]]  # too long: alone
+
+
+def _batch():
+    g = torch.Generator().manual_seed(0)
+    prompt_lens, response_lens = torch.tensor([3, 1, 4]), torch.tensor([2, 5, 1])
+    ids = torch.randint(1, 50, (3, 9), generator=g)
+    return {"input_ids": ids, "prompt_lens": prompt_lens, "response_lens": response_lens,
+            "loss_mask": torch.ones(3, 5), "old_log_probs": torch.randn(3, 5, generator=g)}
+
+
+def test_pack_rows_predict_the_same_tokens_as_the_padded_layout():
+    batch = _batch()
+    seqs = sequences(batch)
+    mb = pack(seqs, batch, [0, 1, 2], ("loss_mask", "old_log_probs"))
+    padded = collate(seqs, batch, [0, 1, 2], ("loss_mask", "old_log_probs"))
+    assert mb.cu_seqlens.tolist() == [0, 5, 11, 16] and mb.max_seqlen == 6
+    assert mb.position_ids.tolist() == [0, 1, 2, 3, 4, 0, 1, 2, 3, 4, 5, 0, 1, 2, 3, 4]
+    # row k of the packed layout predicts the token response token r of sample i sits at
+    for k in range(len(mb.rows)):
+        i, r = int(mb.row_sample[k]), int(mb.row_offset[k])
+        assert mb.input_ids[mb.rows[k] + 1] == padded.input_ids[i, padded.prompt_lens[i] + r] == mb.targets[k]
+    assert torch.equal(mb.valid, padded.valid)
+    flat = torch.arange(len(mb.rows), dtype=torch.float32) + 1
+    rows = mb.to_rows(flat)
+    assert rows.shape == (3, 5) and rows[2, 1:].eq(0).all() and rows[1].tolist() == [3, 4, 5, 6, 7]
+
+
+def test_chunked_log_probs_equal_full_logits_with_gradients():
+    g = torch.Generator().manual_seed(1)
+    hidden = torch.randn(37, 16, generator=g, dtype=torch.float64, requires_grad=True)
+    weight = torch.randn(23, 16, generator=g, dtype=torch.float64, requires_grad=True)
+    targets = torch.randint(0, 23, (37,), generator=g)
+    lp, ent = chunked_log_probs(hidden, weight, targets, temperature=0.7, chunk=8, with_entropy=True)
+    logits = (hidden @ weight.t()) / 0.7
+    ref_lp = logits.log_softmax(-1).gather(-1, targets[:, None]).squeeze(-1)
+    ref_ent = -(logits.softmax(-1) * logits.log_softmax(-1)).sum(-1)
+    tol = dict(rtol=1e-5, atol=1e-5)  # the chunks compute in float32, as the trainer does
+    torch.testing.assert_close(lp.double(), ref_lp, **tol)
+    torch.testing.assert_close(ent.double(), ref_ent, **tol)
+    (lp.sum() + 0.1 * ent.sum()).backward()
+    gh, gw = hidden.grad.clone(), weight.grad.clone()
+    hidden.grad = weight.grad = None
+    (ref_lp.sum() + 0.1 * ref_ent.sum()).backward()
+    torch.testing.assert_close(gh, hidden.grad, **tol)
+    torch.testing.assert_close(gw, weight.grad, **tol)
+
+
+def test_offloader_frees_storages_restores_views_and_accounts():
+    memory = DeviceMemory("actor")
+    flat = torch.arange(12, dtype=torch.float32)
+    views = [flat[:5], flat[5:]]  # like parameters viewing DDP's param buffer
+    grads = torch.ones(4)
+    off = TaggedOffloader(memory)
+    off.register("params", lambda: views)
+    off.register("grads", lambda: [grads], keep=False)
+    memory.account("params", off.nbytes("params"))
+    report = off.offload("params")
+    assert report["bytes"] == 48 and flat.untyped_storage().nbytes() == 0 and "params" not in memory.ledger()
+    assert off.nbytes("params") == 48
+    pinned = off._pinned["params"]
+    off.onload("params")
+    assert torch.equal(views[1], torch.arange(5, 12, dtype=torch.float32)) and memory.ledger()["params"] == 48
+    off.offload("params")
+    assert off._pinned["params"] is pinned  # the pinned buffer is reused, not reallocated
+    off.onload("params")
+    assert off.offload("grads")["bytes"] == 0  # grads are freed, not copied
+    off.onload("grads")
+    assert torch.equal(grads, torch.zeros(4))
