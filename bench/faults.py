@@ -1,12 +1,16 @@
 """Fault injection into a running tiny_ppo job, and the table of what it survived.
 
-    python -m bench.faults [--json FILE] [--repeat N]
+    python -m bench.faults [--json FILE] [--only NAME]
 
 Each scenario starts a small tiny_ppo job (2 fake GPUs, real role processes), injects a
 fault when the run's event log shows the moment it waits for, and reads what happened
 from the same log and the sample dumps: whether the job recovered, how many samples were
 lost (must be 0), the time from the fault to the supervisor seeing it, and the time until
 the replacement was ready.
+
+The chaos row kills engines and scorers several times each at seeded random moments of a
+longer run (`Chaos`) and checks that the run still completes every rollout and reaches the
+learning bar of tests/test_e2e_ppo.py; its times are medians (and maxima) over the kills.
 """
 
 from __future__ import annotations
@@ -14,7 +18,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import signal
+import statistics
 import tempfile
 import threading
 import time
@@ -26,7 +32,7 @@ from ppo.job import start_job
 from ppo.loop import TrainerDied, run
 from ppo.recipes import tiny_ppo
 from runtime import SupervisionFailed
-from runtime.events import read_events
+from runtime.events import follow_events, read_events
 
 
 class Injector(threading.Thread):
@@ -65,6 +71,128 @@ def after_first_rollout(role: str, state: str):
     return trigger
 
 
+class Chaos(threading.Thread):
+    """SIGKILLs each of `victims` `kills_each` times, in a seeded random order, at random
+    moments once rollout 0 is logged, a few seconds apart and fewer than
+    `job.sup.max_restarts` within any restart window (the restart intensity is another
+    scenario's subject, not this one's).
+
+    A moment is random within the phases where a death is recovered: a scorer at any
+    time; an engine while it generates (replaced, its requests issued again) or while a
+    trainer holds its GPU (its restart waits for the lease). Not while the engine's memory
+    changes hands or a weight sync runs: a death inside those calls still stops the run
+    (docs/reliability.md, known limits).
+    """
+
+    def __init__(self, job, victims: list[str], *, kills_each: int, seed: int):
+        super().__init__(daemon=True)
+        self.job, self.rng = job, random.Random(seed)
+        self.plan = [v for v in victims for _ in range(kills_each)]
+        self.rng.shuffle(self.plan)
+        self.kills: list[tuple[str, int, float]] = []  # (victim, incarnation killed, time.time())
+        self.stop = False
+
+    def run(self):
+        engine_gpu = {t.name: t.gpus[0] for t in self.job.engine_tenants}
+        generating: set[str] = set()
+        holder: dict[int, str | None] = {}
+        logged, next_ok = False, 0.0
+        for e in follow_events(self.job.run_dir, poll_s=0.005):
+            if self.stop or not self.plan:
+                return
+            kind = e["event"]
+            logged |= kind == "metrics"
+            if kind == "state" and e["role"] in engine_gpu:
+                (generating.add if e["new"] == "generating" else generating.discard)(e["role"])
+            elif kind == "lease":
+                holder[e["gpu"]] = e["holder"] if e["action"] == "acquire" else None
+            victim = self.plan[0]
+            window = [t for _, _, t in self.kills if time.time() - t < self.job.sup.restart_window_s]
+            if not logged or time.time() < next_ok or len(window) >= self.job.sup.max_restarts - 1:
+                continue
+            if victim in engine_gpu:
+                in_window = victim in generating or holder.get(engine_gpu[victim]) in ("actor", "critic")
+            else:
+                in_window = True
+            child = self.job.sup._children[victim]
+            if not in_window or child.state != "ready" or self.rng.random() > 0.3:
+                continue  # not now: a later event is a later moment
+            time.sleep(self.rng.uniform(0.0, 0.02))
+            try:
+                self.job.sup.kill(victim, signal.SIGKILL)
+            except ProcessLookupError:
+                continue
+            self.kills.append((victim, child.incarnation, time.time()))
+            self.plan.pop(0)
+            next_ok = time.time() + self.rng.uniform(1.0, 5.0)
+
+    def outcome(self) -> dict:
+        """Per kill: detected (the `died` event of that incarnation) and recovered (the
+        `ready` event of a later one), with the times from the kill."""
+        events = read_events(self.job.run_dir)
+        detect, recover = [], []
+        for victim, inc, t in self.kills:
+            died = [e["ts"] for e in events if e["event"] in ("died", "hung") and e.get("role") == victim
+                    and e["incarnation"] == inc]
+            ready = [e["ts"] for e in events if e["event"] == "ready" and e.get("role") == victim
+                     and e["incarnation"] > inc]
+            if died:
+                detect.append(died[0] - t)
+            if ready:
+                recover.append(min(ready) - t)
+        return {"kills": len(self.kills), "recovered": len(recover),
+                "kills_by_role": {v: sum(k[0] == v for k in self.kills) for v in sorted({k[0] for k in self.kills})},
+                "detect_s": statistics.median(detect) if detect else None, "detect_max_s": max(detect, default=None),
+                "recover_s": statistics.median(recover) if recover else None,
+                "recover_max_s": max(recover, default=None)}
+
+
+def samples_lost(job, num_rollout: int, completed: bool) -> int:
+    """Samples missing from (or twice in) the sample dumps; a completed run dumps them all."""
+    cfg = job.cfg
+    expected = cfg.rollout.rollout_batch_size * cfg.rollout.n_samples_per_prompt
+    lost = 0
+    for step in range(num_rollout):
+        f = job.run_dir / "samples" / f"rollout_{step:05d}.jsonl"
+        if f.exists():
+            indices = [json.loads(x)["index"] for x in f.read_text().splitlines()]
+            lost += expected - len(set(indices)) + (len(indices) - len(set(indices)))
+        elif completed:
+            lost += expected
+    return lost
+
+
+def learning_bar(history: list[dict]) -> tuple[float, float, bool]:
+    """tests/test_e2e_ppo.py's bar: the first 5 rollouts' mean reward below 0.25 (chance
+    level), the last 5 at least 0.25 above it."""
+    rewards = [h["rollout/raw_reward"] for h in history]
+    first, last = sum(rewards[:5]) / 5, sum(rewards[-5:]) / 5
+    return first, last, first < 0.25 and last - first >= 0.25
+
+
+def run_chaos(workdir: Path, *, num_rollout: int, batch: int, kills_each: int, seed: int = 0) -> dict:
+    """A tiny_ppo run with engines and scorers killed at random (`Chaos`); its row."""
+    cfg = tiny_job_config(workdir / "run", num_rollout=num_rollout, rollout_batch_size=batch)
+    job = start_job(cfg)
+    victims = [e.name for e in job.engines] + [s.name for s in job.scorers]
+    chaos = Chaos(job, victims, kills_each=kills_each, seed=seed)
+    chaos.start()
+    outcome, history = "completed", []
+    try:
+        history = run(job)
+    except (TrainerDied, SupervisionFailed) as e:
+        outcome = f"stopped: {type(e).__name__}"
+    finally:
+        chaos.stop = True
+        job.close()
+        chaos.join(timeout=10)
+    first, last, reached = learning_bar(history) if len(history) >= 10 else (None, None, False)
+    return {"fault": f"chaos: {', '.join(victims)} killed {kills_each}x each at random (seed {seed})",
+            "outcome": outcome, "rollouts": len(history),
+            "samples_lost": samples_lost(job, num_rollout, outcome == "completed"),
+            "reward_first5": first, "reward_last5": last, "learning_bar": reached, **chaos.outcome()}
+
+
 def tiny_job_config(run_dir: Path, **values):
     return ensure_valid(override(tiny_ppo(), run_dir=str(run_dir), **values))
 
@@ -98,15 +226,7 @@ def run_scenario(name: str, workdir: Path) -> dict:
     deaths = [e for e in events if e["event"] in ("died", "hung") and e.get("role") == victim]
     readies = [e for e in events if e["event"] == "ready" and e.get("role") == victim]
     # a logged rollout must hold every sample exactly once; a completed run logs them all
-    expected = batch * cfg.rollout.n_samples_per_prompt
-    lost = 0
-    for step in range(num_rollout):
-        f = job.run_dir / "samples" / f"rollout_{step:05d}.jsonl"
-        if f.exists():
-            indices = [json.loads(x)["index"] for x in f.read_text().splitlines()]
-            lost += expected - len(set(indices)) + (len(indices) - len(set(indices)))
-        elif outcome == "completed":
-            lost += expected
+    lost = samples_lost(job, num_rollout, outcome == "completed")
     first = inj.fired_at[0] if inj.fired_at else None
     detect = (deaths[0]["ts"] - first) if first and deaths else None
     recovered_ready = [e for e in readies if first and e["ts"] > first]
@@ -115,23 +235,40 @@ def run_scenario(name: str, workdir: Path) -> dict:
             "detect_s": detect, "recover_s": (recovered_ready[0]["ts"] - first) if recovered_ready and first else None}
 
 
+def fmt(v) -> str:
+    return "-" if v is None else f"{v:.2f}"
+
+
 def main(argv=None) -> list[dict]:
     ap = argparse.ArgumentParser(prog="python -m bench.faults", description=__doc__.splitlines()[0])
     ap.add_argument("--json", help="write the rows here")
-    ap.add_argument("--only", help="run only the scenarios whose name contains this")
+    ap.add_argument("--only", help="run only the scenarios whose name contains this ('chaos': the chaos row)")
+    ap.add_argument("--chaos-rollouts", type=int, default=100, help="rollouts of the chaos run")
+    ap.add_argument("--chaos-kills", type=int, default=2, help="kills of each engine and scorer in the chaos run")
+    ap.add_argument("--seed", type=int, default=0, help="seed of the chaos run's kill order and moments")
     args = ap.parse_args(argv)
     rows = []
-    for name in SCENARIOS:
+    for name in [*SCENARIOS, "chaos"]:
         if args.only and args.only not in name:
             continue
         with tempfile.TemporaryDirectory(prefix="tdm-faults-") as d:
-            rows.append(run_scenario(name, Path(d)))
+            if name == "chaos":
+                row = run_chaos(Path(d), num_rollout=args.chaos_rollouts, batch=32, kills_each=args.chaos_kills,
+                                seed=args.seed)
+                row = dict(row, injected=row["kills"], outcome=f"{row['outcome']}, {row['rollouts']} rollouts, "
+                           f"learning bar {'reached' if row['learning_bar'] else 'NOT reached'} "
+                           f"(reward {fmt(row['reward_first5'])} -> {fmt(row['reward_last5'])})")
+                rows.append(row)
+            else:
+                rows.append(run_scenario(name, Path(d)))
         print(f"done: {name}", flush=True)
-    fmt = lambda v: "-" if v is None else f"{v:.2f}"  # noqa: E731
     print(f"\n{'fault':<40}{'injected':>9}{'recovered':>10}{'lost':>6}{'detect s':>10}{'recover s':>10}  outcome")
     for r in rows:
         print(f"{r['fault']:<40}{r['injected']:>9}{r['recovered']:>10}{r['samples_lost']:>6}"
               f"{fmt(r['detect_s']):>10}{fmt(r['recover_s']):>10}  {r['outcome']}")
+        if "kills_by_role" in r:
+            print(f"{'':<40}kills by role {r['kills_by_role']}; slowest detection {fmt(r['detect_max_s'])} s, "
+                  f"slowest recovery {fmt(r['recover_max_s'])} s (times: medians over the kills)")
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=2))
     return rows

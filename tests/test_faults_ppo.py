@@ -129,3 +129,15 @@ def test_engine_killed_while_the_actor_holds_its_gpu_restarts_when_the_lease_com
     assert [h["step"] for h in history] == [0, 1, 2]
     assert_full_batches(tmp_path, values, 3)
     assert all(h["rollout/log_probs_diff"] < 1e-4 for h in history)  # it runs the current policy
+
+
+def test_chaos_kills_engines_and_scorers_at_random_and_the_run_loses_nothing(tmp_path):
+    """The machinery of bench.faults' chaos row, on a short run: one kill of each victim."""
+    from bench.faults import run_chaos
+
+    row = run_chaos(tmp_path, num_rollout=4, batch=16, kills_each=1, seed=1)
+    assert row["outcome"] == "completed" and row["rollouts"] == 4
+    assert row["samples_lost"] == 0
+    assert row["kills"] >= 2 and row["recovered"] == row["kills"]
+    assert set(row["kills_by_role"]) <= {"rollout-0", "rollout-1", "reward-0", "reward-1"}
+    assert 0 <= row["detect_s"] < 1.0 and row["recover_s"] > row["detect_s"]
