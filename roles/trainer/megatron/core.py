@@ -108,6 +108,7 @@ class MegatronCore:
                 recompute_granularity=config.recompute_granularity, recompute_method=config.recompute_method,
                 recompute_num_layers=config.recompute_num_layers),
             calculate_per_token_loss=True,  # DDP sums gradients (see the module note)
+            perform_initialization=False,  # every weight is loaded from the HF state below
         )
         model = build_gpt_model(self.shape, tconfig, tp_size=1, critic=critic, use_te=self.use_te,
                                 pre_process=True, post_process=True)
