@@ -192,6 +192,30 @@ def test_a_dead_rank_stops_its_group_and_every_call_names_it(ckpt, fake_sup):
         os.kill(pid0, 0)
 
 
+@pytest.mark.timeout(60)
+def test_spawn_group_gives_each_rank_the_distributed_env_and_one_gpu(sup):
+    from tests.actors import Echo
+
+    ranks = sup.spawn_group("grp", Echo, gpus=[3, 5])
+    assert [r.name for r in ranks] == ["grp.0", "grp.1"]
+    keys = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "CUDA_VISIBLE_DEVICES")
+    envs = [r.env(*keys) for r in ranks]
+    assert envs[0]["MASTER_PORT"] == envs[1]["MASTER_PORT"] and int(envs[0]["MASTER_PORT"]) > 0
+    for rank, (env, gpu) in enumerate(zip(envs, ("3", "5"))):
+        assert env == dict(env, MASTER_ADDR="127.0.0.1", RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank),
+                           CUDA_VISIBLE_DEVICES=gpu)
+    other = sup.spawn_group("other", Echo, gpus=[0])
+    assert other[0].env("MASTER_PORT")["MASTER_PORT"] != envs[0]["MASTER_PORT"]  # one port per group
+
+
+def test_replicas_that_diverged_are_an_error_in_the_merged_checksum():
+    from roles.trainer.group import _merge_checksums
+
+    assert _merge_checksums([{"a": "1", "b": "2"}, {"a": "1", "b": "2"}, {}]) == {"a": "1", "b": "2"}
+    with pytest.raises(RuntimeError, match="rank 1 holds a different 'b'.*diverged"):
+        _merge_checksums([{"a": "1", "b": "2"}, {"a": "1", "b": "3"}])
+
+
 def test_rank_groups_need_gpus_and_unique_names(fake_sup):
     with pytest.raises(ValueError, match="needs gpus"):
         fake_sup.spawn_group("actor", ActorTrainer, {}, gpus=[])
