@@ -144,14 +144,23 @@ def test_two_ranks_train_exactly_as_one_process_on_the_same_global_batch(ckpt, t
     for key in ("pg_loss", "pg_clipfrac", "ppo_kl", "grad_norm", "lr", "skipped_nonfinite"):
         assert metrics[key] == pytest.approx(expected[key], rel=1e-5, abs=1e-6), key
 
-    group.save(str(tmp_path / "saved"))  # rank 0 writes
-    trained = load_file(str(tmp_path / "saved" / "model.safetensors"))
-    ours = dict(single.model.named_parameters())
-    assert set(trained) == set(ours)
-    for name, p in ours.items():
-        torch.testing.assert_close(trained[name], p.detach(), rtol=0, atol=2e-6, msg=name)
-    # the replicas stayed equal: the merged checksum sees no disagreement between the ranks
-    assert group.weights_checksum()
+    def assert_same_weights(folder):
+        group.save(str(tmp_path / folder))  # rank 0 writes
+        trained = load_file(str(tmp_path / folder / "model.safetensors"))
+        ours = dict(single.model.named_parameters())
+        assert set(trained) == set(ours)
+        for name, p in ours.items():
+            torch.testing.assert_close(trained[name], p.detach(), rtol=0, atol=2e-6, msg=name)
+        # the replicas stayed equal: the merged checksum sees no disagreement between the ranks
+        assert group.weights_checksum()
+
+    assert_same_weights("saved")
+
+    # A NaN in one row reaches one rank only; both must skip that mini-batch's step, and only it.
+    batch["advantages"][1, 0] = float("nan")
+    metrics, expected = group.train(batch), single.train(batch)
+    assert metrics["skipped_nonfinite"] == expected["skipped_nonfinite"] == 1
+    assert_same_weights("saved-after-skip")
 
     report = group.offload(["params", "optimizer"])
     assert set(report["by_gpu"]) == {0, 1} and all(r["bytes_in_use"] == 0 for r in report["by_gpu"].values())

@@ -44,8 +44,11 @@ def aggregation_counts(valid: torch.Tensor, mode: str) -> dict:
 
 
 def plan_forward(batch: dict, dp_size: int) -> list[list[int]]:
-    """Row indices of each dp rank's share of a forward-only batch."""
-    return balance(row_costs(batch), dp_size)
+    """Row indices of each dp rank's share of a forward-only batch (at least one row each)."""
+    costs = row_costs(batch)
+    if len(costs) < dp_size:
+        raise ValueError(f"a batch of {len(costs)} samples cannot give each of {dp_size} data-parallel ranks a row")
+    return balance(costs, dp_size)
 
 
 def plan_train(batch: dict, dp_size: int, global_batch_size: int, loss_agg_mode: str
