@@ -249,7 +249,10 @@ def _placement(cfg: PPOConfig) -> list[str]:
     if actor_gpus % d.model_parallel_size(cfg):
         out.append(f"--actor-num-nodes {p.actor_num_nodes} x --actor-num-gpus-per-node "
                    f"{d.actor_gpus_per_node(cfg)} = {actor_gpus} actor GPUs (shared by the critic) "
-                   f"must be divisible by TP x PP x CP = {d.model_parallel_size(cfg)}: each trainer is one "
+                   f"must be divisible by TP x PP x CP = {d.model_parallel_size(cfg)} (--tensor-model-parallel-size "
+                   f"{cfg.parallelism.tensor_model_parallel_size} x --pipeline-model-parallel-size "
+                   f"{cfg.parallelism.pipeline_model_parallel_size} x --context-parallel-size "
+                   f"{cfg.parallelism.context_parallel_size}): each trainer is one "
                    "rank per GPU in a TP x PP x CP x DP grid. Please set --actor-num-gpus-per-node to a "
                    "multiple of it, or lower --tensor-model-parallel-size, --pipeline-model-parallel-size "
                    "or --context-parallel-size")
