@@ -66,7 +66,7 @@ class TorchBackend:
                                compile_ops=on_gpu and options.get("compile", True))
         self.scheduler = Scheduler(self.decoder, self.cache, self.graphs,
                                    sync_every=options.get("sync_every", 16 if on_gpu else 1),
-                                   slot_quantum=64 if on_gpu else 1, span_quantum=256 if on_gpu else 1)
+                                   slot_quantum=64 if on_gpu else 1, span_quantum=64 if on_gpu else 1)
 
     @property
     def weights_bytes(self) -> int:

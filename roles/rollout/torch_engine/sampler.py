@@ -15,6 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from roles.rollout.sampling import SamplingParams
 
@@ -79,7 +80,7 @@ def sample(
         index = _invert(cdf, u)
         drawn = order.gather(1, index[:, None])[:, 0]
     else:
-        drawn = _invert(probs.cumsum(dim=-1), u)
+        drawn = _invert_blocked(probs, u)
     tokens = torch.where(rows.greedy, logits.argmax(dim=-1), drawn)
     return tokens, logprobs.gather(1, tokens[:, None])[:, 0]
 
@@ -88,6 +89,24 @@ def _invert(cdf: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     """First index whose cumulative mass exceeds u * total (zero-mass tokens are never hit)."""
     target = (u * cdf[:, -1]).unsqueeze(1).contiguous()
     return torch.searchsorted(cdf, target, right=True)[:, 0].clamp_(max=cdf.shape[-1] - 1)
+
+
+def _invert_blocked(probs: torch.Tensor, u: torch.Tensor, block: int = 128) -> torch.Tensor:
+    """`_invert(probs.cumsum(-1), u)` in two levels: block sums, then one block's prefix.
+
+    A scan over the whole vocabulary is one slow kernel (0.25 ms a decode step at Qwen's
+    152k vocabulary and batch 64); sums of 128-token blocks and two short scans are not.
+    """
+    rows, vocab = probs.shape
+    pad = -vocab % block
+    blocks = F.pad(probs, (0, pad)).view(rows, -1, block)  # [B, nb, block]
+    block_cdf = blocks.sum(dim=-1).cumsum(dim=-1)  # [B, nb]
+    target = (u * block_cdf[:, -1]).unsqueeze(1).contiguous()  # [B, 1]
+    b = torch.searchsorted(block_cdf, target, right=True).clamp_(max=block_cdf.shape[-1] - 1)  # [B, 1]
+    before = torch.where(b > 0, block_cdf.gather(1, (b - 1).clamp(min=0)), torch.zeros_like(target))
+    inner = blocks.gather(1, b[:, :, None].expand(rows, 1, block))[:, 0].cumsum(dim=-1)  # [B, block]
+    i = torch.searchsorted(inner, (target - before).contiguous(), right=True).clamp_(max=block - 1)
+    return (b * block + i)[:, 0].clamp_(max=vocab - 1)
 
 
 def uniform(seeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
