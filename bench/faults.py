@@ -33,6 +33,7 @@ from ppo.loop import TrainerDied, run
 from ppo.recipes import tiny_ppo
 from runtime import SupervisionFailed
 from runtime.events import follow_events, read_events
+from runtime.fakegpu import FakeDevice
 
 
 class Injector(threading.Thread):
@@ -78,10 +79,10 @@ class Chaos(threading.Thread):
     scenario's subject, not this one's).
 
     A moment is random within the phases where a death is recovered: a scorer at any
-    time; an engine while it generates (replaced, its requests issued again) or while a
-    trainer holds its GPU (its restart waits for the lease). Not while the engine's memory
-    changes hands or a weight sync runs: a death inside those calls still stops the run
-    (docs/reliability.md, known limits).
+    time; an engine early in a generation (replaced, its requests issued again) or while a
+    trainer holds its GPU and the engine holds nothing there (its restart waits for the
+    lease). Not while the engine's memory changes hands or a weight sync runs: a death
+    inside those calls still stops the run (docs/reliability.md, known limits).
     """
 
     def __init__(self, job, victims: list[str], *, kills_each: int, seed: int):
@@ -94,8 +95,8 @@ class Chaos(threading.Thread):
 
     def run(self):
         engine_gpu = {t.name: t.gpus[0] for t in self.job.engine_tenants}
-        generating: set[str] = set()
-        holder: dict[int, str | None] = {}
+        devices = {name: FakeDevice(self.job.sup.fake_gpu_dir, g) for name, g in engine_gpu.items()}
+        generating_since: dict[str, float] = {}  # engine -> ts of its `generating` event
         logged, next_ok = False, 0.0
         for e in follow_events(self.job.run_dir, poll_s=0.005):
             if self.stop or not self.plan:
@@ -103,21 +104,21 @@ class Chaos(threading.Thread):
             kind = e["event"]
             logged |= kind == "metrics"
             if kind == "state" and e["role"] in engine_gpu:
-                (generating.add if e["new"] == "generating" else generating.discard)(e["role"])
-            elif kind == "lease":
-                holder[e["gpu"]] = e["holder"] if e["action"] == "acquire" else None
+                if e["new"] == "generating":
+                    generating_since[e["role"]] = e["ts"]
+                else:
+                    generating_since.pop(e["role"], None)
             victim = self.plan[0]
             window = [t for _, _, t in self.kills if time.time() - t < self.job.sup.restart_window_s]
             if not logged or time.time() < next_ok or len(window) >= self.job.sup.max_restarts - 1:
                 continue
-            if victim in engine_gpu:
-                in_window = victim in generating or holder.get(engine_gpu[victim]) in ("actor", "critic")
-            else:
-                in_window = True
             child = self.job.sup._children[victim]
-            if not in_window or child.state != "ready" or self.rng.random() > 0.3:
+            if child.state != "ready" or self.rng.random() > 0.3:
                 continue  # not now: a later event is a later moment
             time.sleep(self.rng.uniform(0.0, 0.02))
+            if victim in engine_gpu and not self._engine_in_window(victim, engine_gpu[victim], devices[victim],
+                                                                  generating_since.get(victim)):
+                continue
             try:
                 self.job.sup.kill(victim, signal.SIGKILL)
             except ProcessLookupError:
@@ -125,6 +126,15 @@ class Chaos(threading.Thread):
             self.kills.append((victim, child.incarnation, time.time()))
             self.plan.pop(0)
             next_ok = time.time() + self.rng.uniform(1.0, 5.0)
+
+    def _engine_in_window(self, name: str, gpu: int, device: FakeDevice, generating_since: float | None) -> bool:
+        """Generating (its `generating` event is under 40 ms old: a tiny_ppo generation takes
+        about 70 ms), or holding nothing on its GPU while a trainer holds the lease (read
+        live from the lease table and the fake device's ledger: the weight sync, where the
+        actor holds the lease too, finds the engine holding its weights)."""
+        if generating_since is not None:
+            return time.time() - generating_since < 0.04
+        return self.job.sup.leases.holder(gpu) in ("actor", "critic") and device.usage(name) == 0
 
     def outcome(self) -> dict:
         """Per kill: detected (the `died` event of that incarnation) and recovered (the
