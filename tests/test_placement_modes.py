@@ -78,3 +78,25 @@ def test_placement_mode_learns_and_the_ledger_holds(tmp_path, mode):
     else:  # resident trainers side by side; the engine releases after every rollout
         assert both_resident
         assert engine.count(0) >= NUM_ROLLOUT
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("offload_train", [True, False])
+def test_disaggregated_engine_killed_mid_generation_is_resynced_from_the_actors_gpus(tmp_path, offload_train):
+    """The restarted engine gets the current policy from the actor, which takes its own (idle)
+    GPUs to send: resident, its bucket buffers are charged there, under its lease."""
+    from bench.faults import after_first_rollout
+    from tests.test_faults_ppo import assert_full_batches, run_with_fault
+
+    values = dict(DISAGGREGATED, offload_train=offload_train, num_rollout=3, rollout_batch_size=16,
+                  check_weight_update_equal=True)
+    history, _ = run_with_fault(tmp_path, "rollout-0", after_first_rollout("rollout-0", "generating"), **values)
+    assert sum(h["rollout/engine_restarts"] for h in history) == 1
+    assert all(h["rollout/log_probs_diff"] < 1e-4 for h in history)  # the restarted engine runs the policy
+    assert_full_batches(tmp_path, values, 3)
+    hist = FakeDevice(tmp_path / "run" / "fakegpu", 0).history()
+    assert check_no_overlap(hist) == []
+    # the sync buffers grew on the actor's GPU under its lease (a resident actor re-syncing the
+    # engine without the lease would have died of a LeaseViolation)
+    buffers = [h for h in hist if h["kind"] == "usage" and h["tag"] == "weight_sync_buffer" and h["nbytes"]]
+    assert buffers and all(h["lease_holder"] == "actor" for h in buffers)
