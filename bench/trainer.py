@@ -171,6 +171,43 @@ def bench_megatron(ckpt, shape, tokens_list, peak_tflops, results, deadline):
     return memory
 
 
+def bench_megatron_critic(ckpt, shape, tokens_list, peak_tflops, results, deadline):
+    """The critic: same trunk, value head instead of the LM head (train FLOPs counted without it)."""
+    from roles.trainer.megatron import MegatronCriticTrainer
+
+    cfg = trainer_config(ckpt, max(tokens_list), max(tokens_list) // SAMPLE_LEN)
+    cfg.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+    hf = {"backbone." + k.removeprefix("model."): v for k, v in hf_random_state(shape).items()}
+    hf["value_head.weight"] = torch.zeros(1, shape.hidden_size, device="cuda", dtype=torch.bfloat16)
+    hf["value_head.bias"] = torch.zeros(1, device="cuda", dtype=torch.bfloat16)
+    critic = MegatronCriticTrainer(cfg, hf_state=hf)
+    del hf
+    critic.onload(["params", "grads", "optimizer"])
+    head = 6 * shape.vocab_size * shape.hidden_size * (SAMPLE_LEN - PROMPT_LEN)
+    for tokens in tokens_list:
+        if time.monotonic() > deadline:
+            results.append({"backend": "megatron critic", "tokens": tokens, "skipped": "time budget"})
+            continue
+        n = tokens // SAMPLE_LEN
+        critic.config = critic._core.config = _with(critic.config, global_batch_size=n, max_tokens_per_gpu=tokens)
+        batch = make_batch(n, shape.vocab_size)
+        batch.update(old_values=torch.zeros_like(batch["advantages"]), returns=batch["advantages"])
+        torch.cuda.reset_peak_memory_stats()
+        critic.train(batch)
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        critic.train(batch)
+        torch.cuda.synchronize()
+        step_s = time.perf_counter() - start
+        results.append({"backend": "megatron critic", "tokens": tokens, "step_s": step_s, "logprob_s": float("nan"),
+                        "peak_gib": torch.cuda.max_memory_allocated() / 2**30,
+                        "mfu": (train_flops(shape, n) - head * n) / step_s / (peak_tflops * 1e12)})
+    critic.offload(["params", "grads", "optimizer"])
+    del critic
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
 def bench_torch(ckpt_dir, shape, tokens_list, peak_tflops, results, deadline):
     from safetensors.torch import save_file
 
@@ -180,9 +217,11 @@ def bench_torch(ckpt_dir, shape, tokens_list, peak_tflops, results, deadline):
     save_file(state, os.path.join(ckpt_dir, "model.safetensors"))
     del state
     n_max = max(tokens_list) // SAMPLE_LEN
-    # activation checkpointing, as the megatron side recomputes every layer
-    actor = ActorTrainer(TrainerConfig.from_dict({**trainer_config(ckpt_dir, max(tokens_list), n_max),
-                                                  "gradient_checkpointing": True}))
+    actor = ActorTrainer(TrainerConfig.from_dict(trainer_config(ckpt_dir, max(tokens_list), n_max)))
+    # Activation checkpointing, as the megatron side recomputes every layer. Enabled here rather
+    # than with gradient_checkpointing=True, whose call (activation_checkpointing_enable) is not
+    # a method of transformers 5 models.
+    actor.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     actor.onload(["params", "optimizer"])
     for tokens in tokens_list:
         if time.monotonic() > deadline:
@@ -238,7 +277,8 @@ def markdown(report: dict) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=int, nargs="+", default=[8192, 16384])
-    parser.add_argument("--backends", nargs="+", default=["megatron", "torch"], choices=["megatron", "torch"])
+    parser.add_argument("--backends", nargs="+", default=["megatron", "torch"],
+                        choices=["megatron", "megatron-critic", "torch"])
     parser.add_argument("--budget-s", type=float, default=200.0, help="skip what would start after this long")
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
     args = parser.parse_args()
@@ -257,6 +297,8 @@ def main() -> None:
             if backend == "megatron":
                 report["megatron_memory"] = bench_megatron(ckpt, shape, args.tokens, report["matmul_tflops"],
                                                            report["rows"], deadline)
+            elif backend == "megatron-critic":
+                bench_megatron_critic(ckpt, shape, args.tokens, report["matmul_tflops"], report["rows"], deadline)
             else:
                 bench_torch(ckpt, shape, args.tokens, report["matmul_tflops"], report["rows"], deadline)
         finally:
