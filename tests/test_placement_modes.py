@@ -100,3 +100,16 @@ def test_disaggregated_engine_killed_mid_generation_is_resynced_from_the_actors_
     # engine without the lease would have died of a LeaseViolation)
     buffers = [h for h in hist if h["kind"] == "usage" and h["tag"] == "weight_sync_buffer" and h["nbytes"]]
     assert buffers and all(h["lease_holder"] == "actor" for h in buffers)
+
+
+@pytest.mark.timeout(300)
+def test_tied_embeddings_pass_the_weight_check_after_every_sync(tmp_path):
+    """Qwen3-4B ties its embeddings; a tied model's run checks engine weights after each sync."""
+    from ppo.tiny_model import build_tiny_checkpoint
+
+    ckpt = build_tiny_checkpoint(str(tmp_path / "tied"), tie_word_embeddings=True)
+    cfg = ensure_valid(override(tiny_ppo(), run_dir=str(tmp_path / "run"), hf_checkpoint=ckpt, num_rollout=2,
+                                num_critic_only_steps=0, rollout_batch_size=16, check_weight_update_equal=True))
+    history = train(cfg)  # raises if an engine's weights differ from the actor's after a sync
+    assert [h["rollout/weight_version"] for h in history] == [1, 2]
+    assert all(h["rollout/log_probs_diff"] < 1e-4 for h in history)
