@@ -84,7 +84,7 @@ def test_plan_packed_fills_by_summed_tokens():
 def _batch():
     g = torch.Generator().manual_seed(0)
     prompt_lens, response_lens = torch.tensor([3, 1, 4]), torch.tensor([2, 5, 1])
-    ids = torch.randint(1, 50, (3, 9), generator=g)
+    ids = torch.randint(1, 40, (3, 9), generator=g)  # inside the tiny model's vocab (47)
     return {"input_ids": ids, "prompt_lens": prompt_lens, "response_lens": response_lens,
             "loss_mask": torch.ones(3, 5), "old_log_probs": torch.randn(3, 5, generator=g)}
 
@@ -147,3 +147,49 @@ def test_offloader_frees_storages_restores_views_and_accounts():
     assert off.offload("grads")["bytes"] == 0  # grads are freed, not copied
     off.onload("grads")
     assert torch.equal(grads, torch.zeros(4))
+
+
+@pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-mean", "sum-of-sample-mean"])
+def test_megatron_losses_equal_the_torch_backends_on_the_same_log_probs(ckpt, agg):
+    """The megatron roles' policy and value objectives (trainer.py) against the torch
+    backend's _micro_loss, fed the same model outputs: packed rows vs padded rows."""
+    from roles.trainer import ActorTrainer, CriticTrainer, TrainerConfig
+    from roles.trainer.megatron.trainer import MegatronActorTrainer, MegatronCriticTrainer
+    from roles.trainer.model import policy_log_probs, values_forward
+    from roles.trainer.sharding import aggregation_counts
+
+    over = dict(hf_checkpoint=ckpt, dtype="float32", loss_agg_mode=agg, use_kl_loss=True, kl_loss_coef=0.1,
+                keep_ref=True, entropy_coef=0.01)
+    torch_actor = ActorTrainer(TrainerConfig(**{**BASE, **over}))
+    meg_actor = object.__new__(MegatronActorTrainer)  # the objective only reads .config
+    meg_actor.config = MegatronTrainerConfig(**{**BASE, **over})
+    batch = _batch()
+    g = torch.Generator().manual_seed(3)
+    batch.update(advantages=torch.randn(3, 5, generator=g), ref_log_probs=torch.randn(3, 5, generator=g) - 3,
+                 old_values=torch.randn(3, 5, generator=g), returns=torch.randn(3, 5, generator=g))
+    keys = ("loss_mask", "old_log_probs", "advantages", "ref_log_probs")
+    seqs = sequences(batch)
+    padded, packed = collate(seqs, batch, [0, 1, 2], keys), pack(seqs, batch, [0, 1, 2], keys)
+    counts = aggregation_counts(padded.valid, agg)
+    with torch.no_grad():
+        lp, ent = policy_log_probs(torch_actor.model, padded, temperature=1.0, dtype=torch.float32, with_entropy=True)
+        expect_loss, expect = torch_actor._micro_loss(padded, counts)
+    flat = (lp[packed.row_sample, packed.row_offset], ent[packed.row_sample, packed.row_offset])
+    loss, metrics = meg_actor.loss(flat, packed, counts)
+    torch.testing.assert_close(loss, expect_loss)
+    assert set(metrics) == set(expect)
+    for k in expect:
+        torch.testing.assert_close(metrics[k].float(), torch.as_tensor(expect[k]).float(), msg=k)
+
+    critic_keys = ("loss_mask", "old_values", "returns")
+    torch_critic = CriticTrainer(TrainerConfig(**{**BASE, **over, "keep_ref": False, "use_kl_loss": False}))
+    meg_critic = object.__new__(MegatronCriticTrainer)
+    meg_critic.config = MegatronTrainerConfig(**{**BASE, **over, "keep_ref": False, "use_kl_loss": False})
+    padded, packed = collate(seqs, batch, [0, 1, 2], critic_keys), pack(seqs, batch, [0, 1, 2], critic_keys)
+    with torch.no_grad():
+        values = values_forward(torch_critic.model, padded, dtype=torch.float32)
+        expect_loss, expect = torch_critic._micro_loss(padded, counts)
+    loss, metrics = meg_critic.loss(values[packed.row_sample, packed.row_offset], packed, counts)
+    torch.testing.assert_close(loss, expect_loss)
+    for k in expect:
+        torch.testing.assert_close(metrics[k].float(), torch.as_tensor(expect[k]).float(), msg=k)
