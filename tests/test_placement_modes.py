@@ -23,14 +23,18 @@ MODES = {
     "disaggregated": DISAGGREGATED,
     "disaggregated-resident-trainers-offloading-engines": dict(
         DISAGGREGATED, offload_train=False, offload_rollout=True),
+    # no critic: the actor alone on its GPU stays resident by default (miles' disaggregated GRPO)
+    "disaggregated-grpo": dict(DISAGGREGATED, advantage_estimator="grpo", num_critic_only_steps=0),
 }
 
 
-def run_mode(tmp_path, mode: str) -> tuple[list[dict], dict[int, list[dict]]]:
+def run_mode(tmp_path, mode: str) -> tuple[list[dict], dict[int, list[dict]], int]:
+    """(metrics, each fake GPU's ledger history, critic-only warm-up steps) of a run in `mode`."""
     cfg = ensure_valid(override(tiny_ppo(), run_dir=str(tmp_path / "run"), num_rollout=NUM_ROLLOUT,
                                 check_weight_update_equal=True, rollout_batch_size=64, **MODES[mode]))
     history = train(cfg)
-    return history, {g: FakeDevice(tmp_path / "run" / "fakegpu", g).history() for g in (0, 1)}
+    devices = {g: FakeDevice(tmp_path / "run" / "fakegpu", g).history() for g in (0, 1)}
+    return history, devices, cfg.ppo.num_critic_only_steps
 
 
 def usage_by_holder(history: list[dict]) -> list[dict[str, int]]:
@@ -55,8 +59,9 @@ def learned(history: list[dict]) -> tuple[float, float]:
 @pytest.mark.timeout(400)
 @pytest.mark.parametrize("mode", list(MODES))
 def test_placement_mode_learns_and_the_ledger_holds(tmp_path, mode):
-    history, devices = run_mode(tmp_path, mode)
-    assert [h["rollout/weight_version"] for h in history] == list(range(NUM_ROLLOUT))  # synced every step
+    history, devices, warmup = run_mode(tmp_path, mode)
+    # synced after every step past the warm-up
+    assert [h["rollout/weight_version"] for h in history] == [max(0, s + 1 - warmup) for s in range(NUM_ROLLOUT)]
     first, last = learned(history)
     assert last - first >= 0.1, f"{mode}: reward did not rise: first 3 {first:.2f}, last 3 {last:.2f}"
     for gpu, hist in devices.items():
@@ -66,16 +71,22 @@ def test_placement_mode_learns_and_the_ledger_holds(tmp_path, mode):
         assert {"actor", "critic", "rollout-0"} <= growers[0] and {"actor", "critic", "rollout-1"} <= growers[1]
         return
     # disaggregated: trainers on gpu 0, the engine on gpu 1, never shared
-    assert growers[0] == {"actor", "critic"} and growers[1] == {"rollout-0"}
+    trainer_names = {"actor"} if mode == "disaggregated-grpo" else {"actor", "critic"}
+    assert growers[0] == trainer_names and growers[1] == {"rollout-0"}
     for gpu, names in ((0, ("actor", "critic")), (1, ("rollout-0",))):
         assert {h["holder"] for h in devices[gpu] if h["kind"] == "lease"} <= set(names) | {None}
     trainers = usage_by_holder(devices[0])
     engine = [u.get("rollout-0", 0) for u in usage_by_holder(devices[1])]
     both_resident = any(u.get("actor", 0) and u.get("critic", 0) for u in trainers)
-    if mode == "disaggregated":  # actor and critic take turns; the engine never lets go
-        assert not both_resident
+    if mode in ("disaggregated", "disaggregated-grpo"):  # the engine never lets go
         assert min(engine[engine.index(max(engine)):]) == max(engine)
-    else:  # resident trainers side by side; the engine releases after every rollout
+    if mode == "disaggregated":  # actor and critic take turns
+        assert not both_resident
+    if mode == "disaggregated-grpo":  # the actor, once onloaded, stays
+        actor = [u.get("actor", 0) for u in trainers]
+        assert min(actor[actor.index(max(actor)):]) > 0
+    if mode == "disaggregated-resident-trainers-offloading-engines":
+        # resident trainers side by side; the engine releases after every rollout
         assert both_resident
         assert engine.count(0) >= NUM_ROLLOUT
 
