@@ -4,7 +4,8 @@ colocated (tests/test_e2e_ppo.py runs it at length), disaggregated with miles' d
 (`--no-colocate`: trainers offload, since actor and critic share their GPUs; engines stay
 resident), and disaggregated with the two offload switches flipped (`--no-offload-train`:
 actor and critic resident side by side; `--offload-rollout`: engines release after each
-rollout). Every mode must learn the generated arithmetic a little within a short run.
+rollout), and disaggregated GRPO (no critic: the actor stays resident by default). Every
+mode must learn the generated arithmetic a little within a short run.
 """
 
 import pytest
