@@ -119,7 +119,6 @@ class MegatronCore:
         self.ddp = DistributedDataParallel(tconfig, ddp_config, model)
         self.module = model
         self.device = next(model.parameters()).device
-        half = config.dtype != "float32"
         self.optimizer = get_megatron_optimizer(
             OptimizerConfig(
                 optimizer="adam", lr=config.lr, min_lr=config.min_lr, weight_decay=config.weight_decay,
@@ -133,7 +132,7 @@ class MegatronCore:
         # Sum, never average, over dp: finalize without a token count (module note).
         tconfig.finalize_model_grads_func = lambda models, *args, **kw: finalize_model_grads(models, None)
         tconfig.no_sync_func = self.ddp.no_sync
-        tconfig.grad_scale_func = self.optimizer.scale_loss if half and config.dtype == "float16" else None
+        tconfig.grad_scale_func = self.optimizer.scale_loss if config.dtype == "float16" else None  # loss scaling
         self.tconfig = tconfig
         self.schedule = config.lr_schedule_fn
         self.step = 0
