@@ -230,13 +230,18 @@ class Supervisor:
         return ActorGroup(h if isinstance(h, ActorHandle) else self.handle(h) for h in handles_or_names)
 
     def wait_ready(self, names: Sequence[str] | None = None, timeout: float = 300.0) -> None:
-        """Block until the named actors (default: all) are ready; raises if one dies starting."""
+        """Block until the named actors (default: all) are ready; raises if one dies starting
+        (SupervisionFailed; ActorDied for a `temporary` one, which is never restarted)."""
         until = time.monotonic() + timeout
         names = list(names or self._children)
         while True:
             self.check()
             with self._lock:
                 pending = [n for n in names if self._children[n].state != "ready"]
+                gone = [n for n in pending if self._children[n].state == "dead"
+                        and self._children[n].spec.restart == "temporary"]
+            if gone:
+                self.directory.resolve(gone[0])  # raises its ActorDied (for a rank: the rank that died)
             if not pending:
                 return
             if time.monotonic() > until:

@@ -217,6 +217,16 @@ def test_spawn_group_gives_each_rank_the_distributed_env_and_one_gpu(sup):
     assert other[0].env("MASTER_PORT")["MASTER_PORT"] != envs[0]["MASTER_PORT"]  # one port per group
 
 
+@pytest.mark.timeout(60)
+def test_a_rank_that_fails_to_start_fails_wait_ready_at_once_with_its_traceback(sup):
+    from tests.actors import FailsInInit
+
+    sup.spawn_group("grp", FailsInInit, gpus=[0, 1])
+    with pytest.raises(ActorDied, match=r"(?s)grp\.[01].*bad checkpoint path") as info:
+        sup.wait_ready(timeout=50)
+    assert info.value.error_file and info.value.error_file.endswith(".0.txt")
+
+
 def test_replicas_that_diverged_are_an_error_in_the_merged_checksum():
     from roles.trainer.group import _merge_checksums
 
