@@ -113,7 +113,13 @@ def engine_settings(cfg: PPOConfig) -> dict:
     `sglang.Engine` keywords miles would pass)."""
     e = cfg.engine
     if e.rollout_backend != "sglang":
-        return {"max_batch_size": C.samples_per_rollout(cfg)}
+        # the built-in engine takes the same share of a real GPU as sglang would; fake GPUs
+        # and the CPU keep its default KV budget (max_batch_size full-context rows)
+        import torch
+
+        real_gpu = torch.cuda.is_available() and not cfg.placement.fake_gpus
+        return {"max_batch_size": C.samples_per_rollout(cfg),
+                "mem_fraction": e.sglang_mem_fraction_static if real_gpu else None}
     options = {"tp_size": e.rollout_num_gpus_per_engine}
     if C.offload_rollout(cfg):  # release/resume_memory_occupation work only with the memory saver
         options["enable_memory_saver"] = True

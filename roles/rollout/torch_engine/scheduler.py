@@ -91,8 +91,12 @@ class Scheduler:
         finish: list[str | None] = [None] * len(requests)
         waiting = deque(range(len(requests)))
         slot_request: list[int | None] = [None] * geometry.num_slots
+        # slot_steps: slots decoded (batch size x steps); busy_steps: of those, tokens kept.
+        # The *_queued pair counts only steps taken while requests were waiting: continuous
+        # batching should keep that ratio near 1 (the tail, once nothing waits, cannot be full).
         stats = {"num_slots": geometry.num_slots, "slot_len": geometry.slot_len, "decode_steps": 0,
-                 "slot_steps": 0, "busy_steps": 0, "num_prefills": 0, "admitted_while_decoding": 0}
+                 "slot_steps": 0, "busy_steps": 0, "slot_steps_queued": 0, "busy_steps_queued": 0,
+                 "num_prefills": 0, "admitted_while_decoding": 0}
 
         def take(r: int, token: int, logprob: float) -> bool:
             """Append one sampled token to request r; True when r is finished."""
@@ -135,6 +139,7 @@ class Scheduler:
             self.state.ring_index.zero_()
             stats["decode_steps"] += steps
             stats["slot_steps"] += steps * batch
+            busy_before = stats["busy_steps"]
             for s in busy:
                 r = slot_request[s]
                 for j in range(steps):
@@ -142,6 +147,9 @@ class Scheduler:
                     if take(r, ring_tokens[j][s], ring_logprobs[j][s]):
                         slot_request[s] = None
                         break
+            if waiting:
+                stats["slot_steps_queued"] += steps * batch
+                stats["busy_steps_queued"] += stats["busy_steps"] - busy_before
             # idle slots in the batch decode garbage from position 0 of their own slot: harmless,
             # and never past the span, as long as they restart from 0 at every sync
             idle = [s for s in range(batch) if slot_request[s] is None]
