@@ -117,9 +117,10 @@ def engine_settings(cfg: PPOConfig) -> dict:
         # and the CPU keep its default KV budget (max_batch_size full-context rows)
         import torch
 
-        real_gpu = torch.cuda.is_available() and not cfg.placement.fake_gpus
-        return {"max_batch_size": C.samples_per_rollout(cfg),
-                "mem_fraction": e.sglang_mem_fraction_static if real_gpu else None}
+        settings = {"max_batch_size": C.samples_per_rollout(cfg)}
+        if torch.cuda.is_available() and not cfg.placement.fake_gpus and e.sglang_mem_fraction_static:
+            settings["mem_fraction"] = e.sglang_mem_fraction_static
+        return settings
     options = {"tp_size": e.rollout_num_gpus_per_engine}
     if C.offload_rollout(cfg):  # release/resume_memory_occupation work only with the memory saver
         options["enable_memory_saver"] = True
