@@ -85,12 +85,15 @@ class Chaos(threading.Thread):
     inside those calls still stops the run (docs/reliability.md, known limits).
     """
 
-    def __init__(self, job, victims: list[str], *, kills_each: int, seed: int):
+    def __init__(self, job, victims: list[str], *, kills_each: int, seed: int,
+                 gap_s: tuple[float, float] = (1.0, 5.0)):
         super().__init__(daemon=True)
         self.job, self.rng = job, random.Random(seed)
         self.plan = [v for v in victims for _ in range(kills_each)]
+        self.gap_s = gap_s  # seconds between kills, drawn uniformly from this range
         self.rng.shuffle(self.plan)
         self.kills: list[tuple[str, int, float]] = []  # (victim, incarnation killed, time.time())
+        self.moments: list[str] = []  # per kill: "scorer", "engine generating", "engine, trainer on its GPU"
         self.stop = False
 
     def run(self):
@@ -124,8 +127,10 @@ class Chaos(threading.Thread):
             except ProcessLookupError:
                 continue
             self.kills.append((victim, child.incarnation, time.time()))
+            self.moments.append("scorer" if victim not in engine_gpu else
+                                "engine generating" if victim in generating_since else "engine, trainer on its GPU")
             self.plan.pop(0)
-            next_ok = time.time() + self.rng.uniform(1.0, 5.0)
+            next_ok = time.time() + self.rng.uniform(*self.gap_s)
 
     def _engine_in_window(self, name: str, gpu: int, device: FakeDevice, generating_since: float | None) -> bool:
         """Generating (its `generating` event is under 40 ms old: a tiny_ppo generation takes
@@ -152,6 +157,7 @@ class Chaos(threading.Thread):
                 recover.append(min(ready) - t)
         return {"kills": len(self.kills), "recovered": len(recover),
                 "kills_by_role": {v: sum(k[0] == v for k in self.kills) for v in sorted({k[0] for k in self.kills})},
+                "kills_by_moment": {m: self.moments.count(m) for m in sorted(set(self.moments))},
                 "detect_s": statistics.median(detect) if detect else None, "detect_max_s": max(detect, default=None),
                 "recover_s": statistics.median(recover) if recover else None,
                 "recover_max_s": max(recover, default=None)}
@@ -180,12 +186,13 @@ def learning_bar(history: list[dict]) -> tuple[float, float, bool]:
     return first, last, first < 0.25 and last - first >= 0.25
 
 
-def run_chaos(workdir: Path, *, num_rollout: int, batch: int, kills_each: int, seed: int = 0) -> dict:
+def run_chaos(workdir: Path, *, num_rollout: int, batch: int, kills_each: int, seed: int = 0,
+              gap_s: tuple[float, float] = (1.0, 5.0)) -> dict:
     """A tiny_ppo run with engines and scorers killed at random (`Chaos`); its row."""
     cfg = tiny_job_config(workdir / "run", num_rollout=num_rollout, rollout_batch_size=batch)
     job = start_job(cfg)
     victims = [e.name for e in job.engines] + [s.name for s in job.scorers]
-    chaos = Chaos(job, victims, kills_each=kills_each, seed=seed)
+    chaos = Chaos(job, victims, kills_each=kills_each, seed=seed, gap_s=gap_s)
     chaos.start()
     outcome, history = "completed", []
     try:
@@ -277,7 +284,8 @@ def main(argv=None) -> list[dict]:
         print(f"{r['fault']:<40}{r['injected']:>9}{r['recovered']:>10}{r['samples_lost']:>6}"
               f"{fmt(r['detect_s']):>10}{fmt(r['recover_s']):>10}  {r['outcome']}")
         if "kills_by_role" in r:
-            print(f"{'':<40}kills by role {r['kills_by_role']}; slowest detection {fmt(r['detect_max_s'])} s, "
+            print(f"{'':<40}kills by role {r['kills_by_role']}, by moment {r['kills_by_moment']}; "
+                  f"slowest detection {fmt(r['detect_max_s'])} s, "
                   f"slowest recovery {fmt(r['recover_max_s'])} s (times: medians over the kills)")
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=2))

@@ -135,9 +135,10 @@ def test_chaos_kills_engines_and_scorers_at_random_and_the_run_loses_nothing(tmp
     """The machinery of bench.faults' chaos row, on a short run: one kill of each victim."""
     from bench.faults import run_chaos
 
-    row = run_chaos(tmp_path, num_rollout=4, batch=16, kills_each=1, seed=1)
-    assert row["outcome"] == "completed" and row["rollouts"] == 4
+    row = run_chaos(tmp_path, num_rollout=5, batch=16, kills_each=1, seed=1, gap_s=(0.2, 0.5))
+    assert row["outcome"] == "completed" and row["rollouts"] == 5
     assert row["samples_lost"] == 0
     assert row["kills"] >= 2 and row["recovered"] == row["kills"]
     assert set(row["kills_by_role"]) <= {"rollout-0", "rollout-1", "reward-0", "reward-1"}
+    assert sum(row["kills_by_moment"].values()) == row["kills"]
     assert 0 <= row["detect_s"] < 1.0 and row["recover_s"] > row["detect_s"]
