@@ -64,7 +64,7 @@ class RolloutEngine(Actor):
       kv_cache_bytes: torch only: KV-cache budget; default: max_batch_size full-context rows.
       mem_fraction: fraction of one GPU for weights + KV cache (sglang's mem_fraction_static;
         torch: the KV budget is that fraction of the device minus the weights).
-      options: extra backend options: torch {"cuda_graphs", "sync_every", "load_format"}
+      options: extra backend options: torch {"cuda_graphs", "compile", "sync_every", "load_format"}
         (torch_engine/backend.py); sglang: any other `sglang.Engine` keyword (tp_size,
         attention_backend, ...).
 
@@ -168,7 +168,9 @@ class RolloutEngine(Actor):
         todo = [t for t in tags if t not in self._released]
         if todo:
             t0, before = time.time(), self._backend.bytes_in_use()
-            self._backend.release([t for t in todo if t in self._backend_tags])
+            mine = [t for t in todo if t in self._backend_tags]
+            if mine:  # sglang: an empty tag list would mean "everything"
+                self._backend.release(mine)
             self._released.update(todo)
             self.set_state(self._memory_state())
             after = self._backend.bytes_in_use()
@@ -191,7 +193,9 @@ class RolloutEngine(Actor):
         todo = [t for t in tags if t in self._released]
         if todo:
             t0, before = time.time(), self._backend.bytes_in_use()
-            self._backend.resume([t for t in todo if t in self._backend_tags])
+            mine = [t for t in todo if t in self._backend_tags]
+            if mine:
+                self._backend.resume(mine)
             self._released.difference_update(todo)
             self.set_state(self._memory_state())
             after = self._backend.bytes_in_use()
