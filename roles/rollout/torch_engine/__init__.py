@@ -1,5 +1,5 @@
 """The built-in `torch` rollout backend: one entry point, `TorchBackend` (backend.py)."""
 
-from roles.rollout.torch_engine.backend import MEMORY_TAGS, TorchBackend
+from roles.rollout.torch_engine.backend import TorchBackend
 
-__all__ = ["MEMORY_TAGS", "TorchBackend"]
+__all__ = ["TorchBackend"]

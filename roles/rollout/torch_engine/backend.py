@@ -28,7 +28,6 @@ from roles.rollout.torch_engine.scheduler import Scheduler
 # real ones through update_weights, as vLLM/sglang's load_format="dummy").
 TORCH_OPTIONS = {"cuda_graphs": bool, "compile": bool, "sync_every": int, "load_format": str}
 LOAD_FORMATS = ("safetensors", "dummy")
-MEMORY_TAGS = ("weights", "kv_cache", "cuda_graph")
 
 
 class TorchBackend:
@@ -54,7 +53,7 @@ class TorchBackend:
         self._move_weights("device")
         if dummy:
             _dummy_init(self.weights)  # on the device: fast even at billions of weights
-        self.kv_bytes_per_token = self.spec.kv_bytes_per_token * self.weights.dtype.itemsize
+        self.kv_bytes_per_token = self.spec.kv_elements_per_token * self.weights.dtype.itemsize
         self.kv_cache_bytes = self._kv_budget(kv_cache_bytes, mem_fraction, max_batch_size)
         self.cache = KVCache(memory=memory, num_bytes=self.kv_cache_bytes, num_layers=self.spec.num_layers,
                              num_kv_heads=self.spec.num_kv_heads, head_dim=self.spec.head_dim,

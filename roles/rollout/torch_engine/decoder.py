@@ -44,7 +44,6 @@ class ModelSpec:
     qk_norm: bool  # Qwen3 normalises q and k per head before rope
     qkv_bias: bool  # Qwen2 has q/k/v biases
     eos_ids: tuple[int, ...]
-    pad_id: int
 
     @classmethod
     def from_checkpoint(cls, hf_checkpoint: str) -> ModelSpec:
@@ -67,11 +66,10 @@ class ModelSpec:
             max_positions=cfg["max_position_embeddings"], rms_eps=cfg["rms_norm_eps"],
             tied=bool(cfg.get("tie_word_embeddings", False)), qk_norm=family == "qwen3",
             qkv_bias=bool(cfg.get("attention_bias", family == "qwen2")), eos_ids=eos,
-            pad_id=cfg.get("pad_token_id") or 0,
         )
 
     @property
-    def kv_bytes_per_token(self) -> int:
+    def kv_elements_per_token(self) -> int:
         """KV-cache elements per token (all layers, K and V); times the dtype's itemsize for bytes."""
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim
 

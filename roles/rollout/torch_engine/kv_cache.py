@@ -40,10 +40,6 @@ class KVCache:
         self.geometry: Geometry | None = None
         self.view: torch.Tensor | None = None  # [L, 2, S, KV, T, D] over the buffer
 
-    @property
-    def resident(self) -> bool:
-        return self._buffer is not None
-
     def allocate(self) -> None:
         self.memory.account("kv_cache", self.num_bytes)  # first: a lease violation must not allocate
         numel = self.num_bytes // self.dtype.itemsize
