@@ -161,6 +161,13 @@ def test_non_contiguous_arrays_inline_and_received_arrays_are_writable_copies():
     assert wire.decode_body(cfg, hdr, frames)[1][0] == 0
 
 
+def test_many_arrays_in_one_message_keep_their_order():
+    """Array references are written by hand (wire._pack_index): one byte below 128, five above."""
+    arrays = [np.full(3, i, dtype=np.int32) for i in range(300)]
+    got = roundtrip({"xs": arrays})["xs"]
+    assert [int(x[0]) for x in got] == list(range(300))
+
+
 def test_inline_arrays_stop_at_half_the_header_cap():
     cfg = wire.WireConfig(token="t", max_message_bytes=128 * 4096)  # header cap 4 KiB: 2 KiB inline
     arrays = [np.full(128, i, dtype=np.float64) for i in range(5)]  # 1 KiB each
