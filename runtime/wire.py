@@ -6,9 +6,9 @@ is the msgpack-encoded payload in which every array is an ext reference to an
 entry of ``bufs = [(lib, dtype, shape, where)]``; ``where`` is a frame index, or
 ``[segment name, offset, ticket]`` for arrays in shared memory between processes of
 one host: large ones, and views of ``shared_empty`` arrays (see runtime.shm), or the
-array's bytes themselves for small arrays (up to ``inline_max_bytes``): a frame of its
-own costs a small call more than the bytes do (zmq builds, sends and receives one more
-message part), so below that size the bytes ride in the header.
+array's bytes themselves for small arrays (up to ``inline_max_bytes``): one message part
+instead of two (no zmq.Frame per array on either side; a few microseconds per small array
+on the 2-core box, docs/benchmarks.md).
 Arrays never pass through msgpack's object model or pickle: frames are sent
 ``copy=False`` from 64 KiB and decoded as zero-copy views; inline bytes are copied once
 into a writable buffer, as received frames are writable.
