@@ -83,7 +83,7 @@ def run(job: Job) -> list[dict]:
             counters.scorer_restarts += faults.scorer_restarts
 
             # 2-3. engines hand the GPUs to the actor: old and reference log-probs
-            colo.vacate(job.engine_tenants, ["kv_cache", "weights"])
+            engine_handoff(job, lambda: colo.vacate(job.engine_tenants, ["kv_cache", "weights"]), version)
             colo.occupy([job.actor_tenant], ["params"])
             with perf.phase("log_probs"):
                 batch["old_log_probs"] = actor.compute_log_probs(select(batch))["log_probs"]
@@ -119,7 +119,8 @@ def run(job: Job) -> list[dict]:
                 colo.vacate([job.actor_tenant], ["grads", "optimizer"], keep="params")
 
                 # 7. weight sync: engines take their memory back, the actor streams buckets
-                colo.occupy(job.engine_tenants, ["weights"])
+                # (a restarted engine needs no sync of its own here: the weight sync follows)
+                engine_handoff(job, lambda: colo.occupy(job.engine_tenants, ["weights"]), 0)
                 version += 1
                 with colo.sending_weights(job.actor_tenant, job.engine_tenants), perf.phase("weight_sync"):
                     actor.sync_weights(engines, cfg.engine.update_weight_buffer_size, version,
@@ -127,10 +128,10 @@ def run(job: Job) -> list[dict]:
                 if cfg.engine.check_weight_update_equal:
                     check_weights_equal(job)
                 colo.drop_residual(job.actor_tenant, ["params"])
-                colo.occupy(job.engine_tenants, ["kv_cache"])
+                engine_handoff(job, lambda: colo.occupy(job.engine_tenants, ["kv_cache"]), version)
             else:
                 # 8. weights unchanged: engines take back everything they released
-                colo.occupy(job.engine_tenants, ["weights", "kv_cache"])
+                engine_handoff(job, lambda: colo.occupy(job.engine_tenants, ["weights", "kv_cache"]), version)
 
             perf["perf/offload_time"] = colo.take_time()
             perf["perf/step_time"] = time.monotonic() - t_step
@@ -160,6 +161,22 @@ def run(job: Job) -> list[dict]:
     finally:
         log.close()
     return log.history
+
+
+def engine_handoff(job: Job, handoff, version: int) -> None:
+    """Run a memory handoff of the engines (`colo.vacate`/`colo.occupy`); an engine found
+    dead in it (killed just before, or during its release/resume) is waited for and
+    brought to `version` (0: no sync), and the handoff runs again: its steps are idempotent
+    (releasing what is released or taking what is resident costs nothing, leases already
+    taken are kept)."""
+    while True:
+        try:
+            return handoff()
+        except ActorDied as e:
+            engine = next((x for x in job.engines if x.name == e.role), None)
+            if engine is None:
+                raise
+            recover(job, engine, e.incarnation, version)
 
 
 def recover(job: Job, role, dead_incarnation: int, version: int) -> None:

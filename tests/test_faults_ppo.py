@@ -142,3 +142,18 @@ def test_chaos_kills_engines_and_scorers_at_random_and_the_run_loses_nothing(tmp
     assert set(row["kills_by_role"]) <= {"rollout-0", "rollout-1", "reward-0", "reward-1"}
     assert sum(row["kills_by_moment"].values()) == row["kills"]
     assert 0 <= row["detect_s"] < 1.0 and row["recover_s"] > row["detect_s"]
+
+
+def test_engine_killed_as_its_generation_ends_is_recovered_at_the_handoff(tmp_path):
+    """Killed once it has generated (it holds its GPU, the scorers still work): the loop's
+    next call to it is the release of its memory, which finds it dead or restarting; the
+    handoff waits for the new incarnation, syncs it, and runs again."""
+    values = dict(num_rollout=3, rollout_batch_size=16, check_weight_update_equal=True)
+    done_generating = after_first_rollout("rollout-0", "ready")
+    history, inj = run_with_fault(tmp_path, "rollout-0", done_generating, **values)
+    events = read_events(tmp_path / "run")
+    assert any(e["event"] == "restarted" and e["role"] == "rollout-0" for e in events)
+    assert not any(e["event"] == "failed" for e in events)
+    assert [h["step"] for h in history] == [0, 1, 2]
+    assert_full_batches(tmp_path, values, 3)
+    assert all(h["rollout/log_probs_diff"] < 1e-4 for h in history)
