@@ -79,10 +79,10 @@ class Chaos(threading.Thread):
     scenario's subject, not this one's).
 
     A moment is random within the phases where a death is recovered: a scorer at any
-    time; an engine early in a generation (replaced, its requests issued again) or while a
-    trainer holds its GPU and the engine holds nothing there (its restart waits for the
-    lease). Not while the engine's memory changes hands or a weight sync runs: a death
-    inside those calls still stops the run (docs/reliability.md, known limits).
+    time; an engine early in a generation (replaced, its requests issued again; if the
+    generation is over by then, the next handoff recovers it) or while a trainer holds its
+    GPU and the engine holds nothing there (its restart waits for the lease). Not during a
+    weight sync: a death inside it still stops the run (docs/reliability.md, known limits).
     """
 
     def __init__(self, job, victims: list[str], *, kills_each: int, seed: int,
