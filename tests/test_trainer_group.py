@@ -2,6 +2,7 @@
 over real rank processes (2 ranks on 2 fake GPUs, gloo) that matches one process."""
 
 import os
+import time
 
 import pytest
 import torch
@@ -193,10 +194,13 @@ def test_a_dead_rank_stops_its_group_and_every_call_names_it(ckpt, fake_sup):
         group.onload.call(["params"]).result(timeout=30)
     assert info.value.role == "actor.1" and "SIGKILL" in info.value.reason
     assert group.rank_of(info.value.role) == 1
+    # the group stops its peers (asynchronously: rank 0 may still answer until it is stopped)
+    deadline = time.monotonic() + 20
+    while fake_sup._children["actor.0"].process.is_alive() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not fake_sup._children["actor.0"].process.is_alive()
     with pytest.raises(ActorDied, match="actor.1"):  # the stopped peer's calls name the dead rank too
         group.ranks[0].rank_layout()
-    fake_sup._children["actor.0"].process.join(timeout=10)
-    assert not fake_sup._children["actor.0"].process.is_alive()
     with pytest.raises(ProcessLookupError):
         os.kill(pid0, 0)
 
