@@ -231,6 +231,30 @@ def test_gradient_checkpointing_gives_the_same_update(ckpt):
     assert checksums[0] == checksums[1]
 
 
+@pytest.mark.parametrize("renamed", [True, False], ids=["activation_checkpointing", "gradient_checkpointing"])
+def test_checkpointing_is_enabled_under_either_transformers_name(ckpt, renamed):
+    """Recent transformers 5.x calls it activation_checkpointing_enable; the GPU image's 5.x
+    only has gradient_checkpointing_enable (the missing name broke the torch trainer there)."""
+    from transformers import AutoModelForCausalLM
+
+    from roles.trainer.model import enable_checkpointing
+
+    model = AutoModelForCausalLM.from_pretrained(ckpt)
+    calls = []
+    if not renamed:
+        # The older transformers: only the old name, doing the work itself under the old keyword.
+        def old_name(self, gradient_checkpointing_kwargs=None):
+            calls.append(gradient_checkpointing_kwargs)
+            self._activation_checkpointing_enable(gradient_checkpointing_kwargs)  # what the old call did
+
+        model.__class__ = type("OlderTransformers", (model.__class__,),
+                               {"activation_checkpointing_enable": None, "gradient_checkpointing_enable": old_name})
+    assert not model.is_gradient_checkpointing
+    enable_checkpointing(model)
+    assert model.is_gradient_checkpointing
+    assert calls == ([] if renamed else [{"use_reentrant": False}])
+
+
 # ---- reference copy -----------------------------------------------------------------------
 
 

@@ -29,9 +29,23 @@ def _prepare(model: PreTrainedModel, gradient_checkpointing: bool) -> PreTrained
             f"{model.config.model_type}: final_logit_softcapping is not supported by the torch trainer"
         )
     if gradient_checkpointing:
-        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        enable_checkpointing(model)
     model.config.use_cache = False
     return model
+
+
+def enable_checkpointing(model: PreTrainedModel) -> None:
+    """Recompute every decoder layer in backward (non-reentrant torch checkpoint).
+
+    transformers renamed the call: recent 5.x has `activation_checkpointing_enable` (and keeps
+    `gradient_checkpointing_enable` as a deprecated alias), earlier versions, such as the GPU
+    image's 5.x, only `gradient_checkpointing_enable`.
+    """
+    enable = getattr(model, "activation_checkpointing_enable", None)
+    if enable is not None:
+        enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
 
 def load_policy(path: str, *, gradient_checkpointing: bool = False) -> PreTrainedModel:
