@@ -85,10 +85,13 @@ def trainer_config(cfg: PPOConfig, hf_checkpoint: str, *, critic: bool, dtype: s
         "kl_loss_type": p.kl_loss_type, "entropy_coef": p.entropy_coef, "log_entropy": True,
         "temperature": cfg.rollout.rollout_temperature,
         "keep_ref": not critic and C.needs_ref(cfg),
-        # the megatron trainer builds its model parallelism from these (and refuses what it lacks)
+        # the megatron trainer builds its model parallelism and recompute from these (and refuses
+        # what it lacks); the torch backend's only recompute is HF checkpointing of every layer
         **({name: getattr(cfg.parallelism, name) for name in
             ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size")}
-           if t.train_backend == "megatron" else {}),
+           | {name: getattr(t, name) for name in
+              ("recompute_granularity", "recompute_method", "recompute_num_layers")}
+           if t.train_backend == "megatron" else {"gradient_checkpointing": t.recompute_granularity == "full"}),
     }
 
 

@@ -206,3 +206,26 @@ def test_from_dict_validates_values_and_fills_missing_keys():
 def test_override_rejects_unknown_fields():
     with pytest.raises(ConfigError, match="learning_rate: unknown config field"):
         override(tiny_ppo(), learning_rate=1.0)
+
+
+def test_recompute_flags_reach_the_trainer_configs():
+    """miles' --recompute-* flags land in MegatronTrainerConfig (megatron) and turn on HF
+    checkpointing of every layer (torch backend)."""
+    from ppo.job import trainer_config
+    from roles.trainer import TrainerConfig
+    from roles.trainer.megatron import MegatronTrainerConfig
+
+    one_gpu_layout = ["--pipeline-model-parallel-size", "1", "--context-parallel-size", "1"]
+    flags = ["--recompute-granularity", "full", "--recompute-method", "block", "--recompute-num-layers", "6"]
+    cfg = parse_args(["--recipe", "qwen3_4b_ppo", *one_gpu_layout, *flags])
+    for critic in (False, True):
+        mt = MegatronTrainerConfig.from_dict(trainer_config(cfg, "ckpt", critic=critic, dtype="bfloat16"))
+        assert (mt.recompute_granularity, mt.recompute_method, mt.recompute_num_layers) == ("full", "block", 6)
+    assert MegatronTrainerConfig.from_dict(trainer_config(
+        parse_args(["--recipe", "qwen3_4b_ppo", *one_gpu_layout]), "ckpt", critic=False, dtype="bfloat16")).recompute_granularity is None
+
+    torch_flags = ["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"]
+    for argv, expected in (([], False), (torch_flags, True)):
+        tc = TrainerConfig.from_dict(trainer_config(parse_args(["--recipe", "tiny_ppo", *argv]), "ckpt",
+                                                    critic=False, dtype="float32"))
+        assert tc.gradient_checkpointing is expected

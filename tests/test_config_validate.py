@@ -74,6 +74,12 @@ FIELD_RULES = [
     ({"use_kl_loss": 1}, ["--use-kl-loss 1", "expected bool, got int"]),
     ({"rollout_batch_size": 2.0}, ["--rollout-batch-size 2.0", "expected int"]),
     ({"input_key": None}, ["--input-key", "rollout.input_key", "must not be None"]),
+    ({"recompute_granularity": "layer"},
+     ["--recompute-granularity 'layer'", "training.recompute_granularity", "one of: full, selective"]),
+    ({"recompute_method": "all", "recompute_granularity": "full", "recompute_num_layers": 1},
+     ["--recompute-method 'all'", "training.recompute_method", "one of: uniform, block"]),
+    ({"recompute_num_layers": 0, "recompute_granularity": "full", "recompute_method": "block"},
+     ["--recompute-num-layers 0", "training.recompute_num_layers", ">= 1"]),
 ]
 
 
@@ -162,6 +168,19 @@ CROSS_RULES = [
      ["--micro-batch-size 24", "training.micro_batch_size", "2 data-parallel ranks"]),
     (TINY, {"save_interval": 5},
      ["--save-interval is set but --save (checkpoint.save) is not. Please add --save"]),
+    (QWEN, {"recompute_method": "uniform"},
+     ["--recompute-method 'uniform' (training.recompute_method) is set but --recompute-granularity",
+      "Please add --recompute-granularity full"]),
+    (QWEN, {"recompute_granularity": "full", "recompute_num_layers": 1},
+     ["--recompute-granularity 'full'", "needs --recompute-method", "Please add --recompute-method uniform"]),
+    (QWEN, {"recompute_granularity": "full", "recompute_method": "block"},
+     ["--recompute-granularity 'full'", "Please add --recompute-num-layers"]),
+    (QWEN, {"recompute_granularity": "selective", "recompute_num_layers": 2},
+     ["--recompute-num-layers 2", "is 'selective'", "Please remove --recompute-num-layers"]),
+    (TINY, {"recompute_granularity": "full", "recompute_method": "block", "recompute_num_layers": 1},
+     ["--recompute-granularity 'full'", "torch backend recomputes every whole layer only",
+      "--train-backend megatron"]),
+    (TINY, {"recompute_granularity": "selective"}, ["--recompute-granularity 'selective'", "torch backend"]),
     (TINY, {"use_wandb": True},
      ["--use-wandb is set but --wandb-project", "Please add --wandb-project"]),
 ]

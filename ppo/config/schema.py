@@ -25,6 +25,9 @@ OPTIMIZERS = ("adam", "sgd")
 LR_DECAY_STYLES = ("constant", "linear", "cosine")
 TRAIN_BACKENDS = ("torch", "megatron")
 ROLLOUT_BACKENDS = ("torch", "sglang")
+# Activation recompute, as megatron's TransformerConfig takes it (miles' flags).
+RECOMPUTE_GRANULARITIES = ("full", "selective")
+RECOMPUTE_METHODS = ("uniform", "block")
 # Reward functions known when no registry is passed to `validate`; the reward role owns the
 # implementations and passes its own registry keys.
 RM_TYPES = ("deepscaler", "dapo", "math", "tiny_exact")
@@ -156,6 +159,16 @@ class TrainingConfig:
                                  ge=1)
     use_dynamic_batch_size: bool = knob(False, "pack micro batches up to --max-tokens-per-gpu")
     max_tokens_per_gpu: int | None = knob(None, "token budget per micro batch and GPU", ge=1)
+    recompute_granularity: str | None = knob(
+        None, "activation recompute: full (whole layers, picked by --recompute-method and "
+        "--recompute-num-layers) or selective (megatron: core attention); unset: none",
+        choices=RECOMPUTE_GRANULARITIES)
+    recompute_method: str | None = knob(
+        None, "full recompute: uniform (every layer, in units of --recompute-num-layers) or "
+        "block (the first --recompute-num-layers layers of each pipeline stage)",
+        choices=RECOMPUTE_METHODS)
+    recompute_num_layers: int | None = knob(None, "layers per recompute unit (uniform) or "
+                                            "recomputed per stage (block)", ge=1)
     seed: int = knob(1234, "seed of model init and training")
     max_skipped_updates: int = knob(
         10, "stop the run when more optimizer steps than this were skipped for a non-finite "

@@ -223,6 +223,7 @@ def _backends(cfg: PPOConfig) -> list[str]:
             out.append("--train-backend megatron starts from a megatron checkpoint but neither "
                        "--load nor --ref-load (checkpoint.ref_load) is set. Please add --ref-load "
                        "PATH (torch_dist)")
+    out += _recompute(t)
     if cfg.engine.rollout_backend == "torch" and cfg.engine.rollout_num_gpus_per_engine != 1:
         out.append(_bad("rollout_num_gpus_per_engine", cfg.engine.rollout_num_gpus_per_engine,
                         "must be 1 with --rollout-backend torch (a torch engine is one device)"))
@@ -237,6 +238,35 @@ def _backends(cfg: PPOConfig) -> list[str]:
                 out.append(_set_but("fake_gpus", True, f"--{name.replace('_', '-')} is "
                                     f"{value!r}, which needs real GPUs. Please add "
                                     f"--{name.replace('_', '-')} torch"))
+    return out
+
+
+def _recompute(t) -> list[str]:
+    """miles' recompute flags as megatron's TransformerConfig accepts them; the torch backend
+    recomputes whole layers only (HF gradient checkpointing of every layer)."""
+    g, m, n, out = t.recompute_granularity, t.recompute_method, t.recompute_num_layers, []
+    if g is None:
+        for name, value in (("recompute_method", m), ("recompute_num_layers", n)):
+            if value is not None:
+                out.append(_set_but(name, value, "--recompute-granularity (training.recompute_granularity) "
+                                    "is not. Please add --recompute-granularity full"))
+        return out
+    if g == "full":
+        if m is None:
+            out.append(_bad("recompute_granularity", g, "needs --recompute-method (uniform or block). "
+                            "Please add --recompute-method uniform"))
+        if n is None:
+            out.append(_bad("recompute_granularity", g, "needs --recompute-num-layers. "
+                            "Please add --recompute-num-layers 1"))
+    else:
+        for name, value in (("recompute_method", m), ("recompute_num_layers", n)):
+            if value is not None:
+                out.append(_set_but(name, value, f"--recompute-granularity is {g!r}, which recomputes core "
+                                    f"attention in every layer. Please remove --{name.replace('_', '-')}"))
+    if t.train_backend == "torch" and (g, m, n) != ("full", "uniform", 1) and not out:
+        out.append(_bad("recompute_granularity", g, "the torch backend recomputes every whole layer only "
+                        "(--recompute-granularity full --recompute-method uniform --recompute-num-layers 1); "
+                        "others need --train-backend megatron"))
     return out
 
 
