@@ -138,15 +138,41 @@ def test_offloader_frees_storages_restores_views_and_accounts():
     report = off.offload("params")
     assert report["bytes"] == 48 and flat.untyped_storage().nbytes() == 0 and "params" not in memory.ledger()
     assert off.nbytes("params") == 48
-    pinned = off._pinned["params"]
     off.onload("params")
     assert torch.equal(views[1], torch.arange(5, 12, dtype=torch.float32)) and memory.ledger()["params"] == 48
+    assert "params" not in off._pinned  # the construction-time offload's buffers are freed at its onload
     off.offload("params")
-    assert off._pinned["params"] is pinned  # the pinned buffer is reused, not reallocated
+    pinned = off._pinned["params"][0]
+    off.onload("params")
+    assert off._pinned["params"][0] is pinned  # kept from the second offload on
+    off.offload("params")
+    assert off._pinned["params"][0] is pinned  # and reused, not reallocated
     off.onload("params")
     assert off.offload("grads")["bytes"] == 0  # grads are freed, not copied
     off.onload("grads")
     assert torch.equal(grads, torch.zeros(4))
+
+
+def test_offloader_reuses_buffers_by_size_when_new_state_appears():
+    """Adam's moments appear at the first step: the main params' buffers are reused, only the
+    new storages get buffers, and a buffer no storage matches any more is dropped."""
+    memory = DeviceMemory("actor")
+    main, moments = [torch.zeros(6)], []
+    off = TaggedOffloader(memory)
+    off.register("optimizer", lambda: main + moments)
+    for _ in range(2):  # past the construction-time offload
+        off.offload("optimizer")
+        off.onload("optimizer")
+    kept = off._pinned["optimizer"][0]
+    moments += [torch.ones(3), torch.ones(3)]
+    off.offload("optimizer")
+    bufs = off._pinned["optimizer"]
+    assert bufs[0] is kept and [b.numel() for b in bufs] == [24, 12, 12]
+    off.onload("optimizer")
+    assert torch.equal(moments[1], torch.ones(3))
+    main.clear()
+    off.offload("optimizer")
+    assert [b.numel() for b in off._pinned["optimizer"]] == [12, 12]
 
 
 @pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-mean", "sum-of-sample-mean"])

@@ -9,6 +9,20 @@ and sees the data again once onload resizes the storage and copies back. Tags wi
 `keep=False` (grads) are not copied: their content is meaningless between train calls, so
 offload only frees them and onload zeroes them.
 
+Host memory is the scarce side on one GPU (an offloaded Qwen3-4B trainer pins ~56 GB, and
+the host may have 128 GiB for two trainers and an engine), so no pinned byte is held for
+nothing:
+- at each offload a tag's buffers are matched to its storages by size, so buffers of
+  storages that still exist are reused and only new ones (Adam's moments, which appear at
+  the first step) are pinned; a buffer no storage matches is freed;
+- the tag's first offload is the one at construction (the trainer starts offloaded): its
+  buffers are freed at the following onload. The state changes shape at the first step,
+  and a tag that a one-GPU plan keeps resident (`--offload-train-level optimizer` keeps
+  the weights) is never offloaded again. From the second offload on, a tag moves every
+  iteration and keeps its buffers.
+Freed pinned buffers go back to the OS (torch's pinned-host cache is emptied), not to a
+cache that would keep them pinned.
+
 Every move reports bytes and GB/s per tag; accounting goes through roles.device.DeviceMemory
 (account before allocating on onload, after freeing on offload) so the lease checks hold.
 """
@@ -46,6 +60,7 @@ class TaggedOffloader:
         self._keep: dict[str, bool] = {}
         self._freed: dict[str, list[tuple[torch.UntypedStorage, int]]] = {}
         self._pinned: dict[str, list[torch.Tensor]] = {}
+        self._offloads: dict[str, int] = {}  # offloads of each tag so far
         self.offloaded: set[str] = set()
 
     def register(self, tag: str, tensors: Callable[[], list[torch.Tensor]], *, keep: bool = True) -> None:
@@ -77,6 +92,7 @@ class TaggedOffloader:
         for st in storages:
             st.resize_(0)
         self.offloaded.add(tag)
+        self._offloads[tag] = self._offloads.get(tag, 0) + 1
         self.memory.account(tag, 0)
         return _report(moved, seconds)
 
@@ -96,21 +112,47 @@ class TaggedOffloader:
             else:
                 _as_bytes(st).zero_()
         _synchronize([st for st, _ in freed])
+        seconds = time.perf_counter() - start
+        del pinned  # the buffers may be freed below
         self.offloaded.discard(tag)
-        return _report(moved, time.perf_counter() - start)
+        if self._offloads[tag] == 1 and self._pinned.pop(tag, None):  # the construction-time offload
+            _empty_host_cache()
+        return _report(moved, seconds)
 
     def _pinned_buffers(self, tag: str, storages: list[torch.UntypedStorage]) -> list[torch.Tensor]:
-        bufs = self._pinned.get(tag, [])
-        if [b.numel() for b in bufs] != [st.nbytes() for st in storages]:
-            pin = bool(storages) and storages[0].device.type == "cuda"
-            bufs = [torch.empty(st.nbytes(), dtype=torch.uint8, pin_memory=pin) for st in storages]
-            self._pinned[tag] = bufs
+        """One buffer per storage: the tag's existing buffers reused by size, new ones pinned,
+        unmatched ones freed."""
+        pool = _by_size(self._pinned.pop(tag, []))
+        pin = bool(storages) and storages[0].device.type == "cuda"
+        bufs = [pool[st.nbytes()].pop() if pool.get(st.nbytes())
+                else torch.empty(st.nbytes(), dtype=torch.uint8, pin_memory=pin) for st in storages]
+        self._pinned[tag] = bufs
+        if any(pool.values()):
+            del pool
+            _empty_host_cache()
         return bufs
+
+
+def _by_size(buffers: list[torch.Tensor]) -> dict[int, list[torch.Tensor]]:
+    pool: dict[int, list[torch.Tensor]] = {}
+    for b in buffers:
+        pool.setdefault(b.numel(), []).append(b)
+    return pool
 
 
 def _synchronize(storages: list[torch.UntypedStorage]) -> None:
     if storages and storages[0].device.type == "cuda":
         torch.cuda.synchronize(storages[0].device)
+
+
+def _empty_host_cache() -> None:
+    """Return freed pinned blocks to the OS (torch keeps them cached, still pinned, otherwise)."""
+    if not torch.cuda.is_available():
+        return
+    empty = (getattr(getattr(torch, "accelerator", None), "empty_host_cache", None)
+             or getattr(torch._C, "_host_emptyCache", None))
+    if empty is not None:
+        empty()
 
 
 def _report(nbytes: int, seconds: float) -> dict:
