@@ -33,19 +33,26 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 
 def pack_buckets(named_tensors: NamedTensors, buffer_bytes: int, *,
-                 on_alloc: Callable[[int], None] | None = None) -> Iterator[dict]:
+                 on_alloc: Callable[[int], None] | None = None, num_buffers: int = 1) -> Iterator[dict]:
     """Yield buckets of HF-named tensors, one dtype per bucket, each at most `buffer_bytes`.
 
-    Tensors keep their input order within a dtype. One flat buffer of `buffer_bytes`, on
-    the tensors' device, is allocated per dtype seen and REUSED for every bucket of that
-    dtype, so peak extra memory is `buffer_bytes` per dtype, not the model size. A tensor
-    larger than `buffer_bytes` gets a bucket of its own whose `flat` is a view of that
-    tensor (made contiguous if it is not already), so it costs no buffer.
+    Tensors keep their input order within a dtype. `num_buffers` flat buffers of
+    `buffer_bytes`, on the tensors' device, are allocated per dtype seen and REUSED in turn
+    for the buckets of that dtype, so peak extra memory is `num_buffers * buffer_bytes` per
+    dtype, not the model size. A tensor larger than `buffer_bytes` gets a bucket of its own
+    whose `flat` is a view of that tensor (made contiguous if it is not already), so it
+    costs no buffer.
 
-    Reuse contract: a yielded bucket's `flat` stays valid only until the generator is
-    resumed. The caller sends the bucket, waits for every receiver's ack, and only then
-    asks for the next bucket, which may overwrite the same buffer. `push_weights` does
-    exactly this; receivers must copy what they keep (`unpack_bucket` returns views).
+    Reuse contract: a yielded bucket's `flat` stays valid until the generator has been
+    resumed `num_buffers` times. With one buffer the caller sends the bucket, waits for
+    every receiver's ack, and only then asks for the next bucket; with two it may ask for
+    the next one first (double buffering) and must wait for this bucket's acks before the
+    one after. `push_weights` does exactly this; receivers must copy what they keep
+    (`unpack_bucket` returns views).
+
+    A bucket's copies run as one batched copy (`torch._foreach_copy_`) when it is sealed,
+    straight from the input tensors, which may be strided views: inputs must stay unchanged
+    until their bucket is yielded.
 
     `on_alloc(nbytes)` is called before each buffer is allocated, with the bytes of all
     buffers allocated so far (this one included): the sender accounts them (and a lease
@@ -53,8 +60,19 @@ def pack_buckets(named_tensors: NamedTensors, buffer_bytes: int, *,
     """
     if not isinstance(buffer_bytes, int) or buffer_bytes <= 0:
         raise ValueError(f"buffer_bytes={buffer_bytes!r} must be a positive int")
+    if not isinstance(num_buffers, int) or num_buffers < 1:
+        raise ValueError(f"num_buffers={num_buffers!r} must be an int >= 1")
     open_buckets: dict[torch.dtype, _OpenBucket] = {}
     allocated = 0
+
+    def allocate(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        nonlocal allocated
+        numel = _buffer_elements(dtype, buffer_bytes)
+        allocated += numel * dtype.itemsize
+        if on_alloc is not None:
+            on_alloc(allocated)
+        return torch.empty(numel, dtype=dtype, device=device)
+
     for name, tensor in named_tensors:
         tensor = tensor.detach()
         if tensor.numel() * tensor.element_size() > buffer_bytes:
@@ -63,13 +81,11 @@ def pack_buckets(named_tensors: NamedTensors, buffer_bytes: int, *,
             continue
         bucket = open_buckets.get(tensor.dtype)
         if bucket is None:
-            allocated += _buffer_elements(tensor.dtype, buffer_bytes) * tensor.element_size()
-            if on_alloc is not None:
-                on_alloc(allocated)
-            bucket = open_buckets[tensor.dtype] = _OpenBucket(tensor.dtype, buffer_bytes, tensor.device)
+            bucket = open_buckets[tensor.dtype] = _OpenBucket(
+                tensor.dtype, num_buffers, lambda d=tensor.dtype, dev=tensor.device: allocate(d, dev))
         if not bucket.fits(tensor):
             yield bucket.seal()
-            bucket.clear()  # the caller has acked: the buffer may be overwritten now
+            bucket.next_buffer()  # the caller has acked the bucket that used it: it may be overwritten now
         bucket.add(name, tensor)
     for bucket in open_buckets.values():
         if bucket.names:
@@ -100,27 +116,42 @@ SYNC_BUFFER_TAG = "weight_sync_buffer"
 
 
 def push_weights(named_tensors: NamedTensors, send: Callable[[dict], Any], buffer_bytes: int, *,
-                 memory: DeviceMemory | None = None) -> dict:
+                 memory: DeviceMemory | None = None, num_buffers: int = 1) -> dict:
     """Pack `named_tensors` and call `send(bucket)` for each bucket; return totals.
 
-    `send` must not return before every receiver has acked the bucket (e.g. it calls the
-    engines' `update_weights` and waits on the futures): the next bucket reuses the buffer.
+    num_buffers=1: `send` must not return before every receiver has acked the bucket (e.g.
+    it calls the engines' `update_weights` and waits on the futures): the next bucket
+    reuses the buffer. num_buffers=2 (double buffering): `send` may return at once with a
+    waitable (`.result()`, e.g. a call's future) that completes when every receiver acked;
+    the next bucket is packed into the other buffer meanwhile, and a bucket's waitable is
+    waited for before its buffer is packed again (and before this returns).
     `memory`: the sender's ledger, when the tensors live on its device (so the buffers do):
     the buffers are accounted under `SYNC_BUFFER_TAG` while they exist; the sender must hold
     its GPUs' lease for that (ppo.colocation's `sending_weights`).
     """
     num_buckets = num_tensors = num_bytes = 0
     on_alloc = None if memory is None else (lambda nbytes: memory.account(SYNC_BUFFER_TAG, nbytes))
+    in_flight: list[Any] = []
     try:
-        for bucket in pack_buckets(named_tensors, buffer_bytes, on_alloc=on_alloc):
-            send(bucket)
+        for bucket in pack_buckets(named_tensors, buffer_bytes, on_alloc=on_alloc, num_buffers=num_buffers):
+            in_flight.append(send(bucket))
             num_buckets += 1
             num_tensors += len(bucket["names"])
             num_bytes += bucket["flat"].numel() * bucket["flat"].element_size()
+            while len(in_flight) >= num_buffers:  # the next bucket may reuse the oldest one's buffer
+                _wait(in_flight.pop(0))
+        while in_flight:
+            _wait(in_flight.pop(0))
     finally:
         if memory is not None:
             memory.account(SYNC_BUFFER_TAG, 0)  # the generator is done: its buffers are garbage
     return {"num_buckets": num_buckets, "num_tensors": num_tensors, "num_bytes": num_bytes}
+
+
+def _wait(acked: Any) -> None:
+    """Wait for what `send` returned: a waitable (`.result()`), or nothing (it already waited)."""
+    if acked is not None and hasattr(acked, "result"):
+        acked.result()
 
 
 def for_receiver(bucket: dict, receiver_gpus: list[int] | None) -> dict:
@@ -214,28 +245,44 @@ def _bit_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 class _OpenBucket:
-    """The bucket being filled for one dtype, over its reusable flat buffer."""
+    """The bucket being filled for one dtype, over `num_buffers` reusable flat buffers taken
+    in turn; copies are queued and run together when the bucket is sealed."""
 
-    def __init__(self, dtype: torch.dtype, buffer_bytes: int, device: torch.device):
+    def __init__(self, dtype: torch.dtype, num_buffers: int, allocate: Callable[[], torch.Tensor]):
         self.dtype = dtype
-        self.buffer = torch.empty(_buffer_elements(dtype, buffer_bytes), dtype=dtype, device=device)
+        self.buffers = [allocate()]
+        self.num_buffers, self.allocate = num_buffers, allocate
+        self.index = 0  # the buffer being filled
+        self.buffer = self.buffers[0]
         self.names: list[str] = []
         self.shapes: list[list[int]] = []
+        self.dst: list[torch.Tensor] = []
+        self.src: list[torch.Tensor] = []
         self.used = 0  # elements filled
 
     def fits(self, tensor: torch.Tensor) -> bool:
         return self.used + tensor.numel() <= self.buffer.numel()
 
     def add(self, name: str, tensor: torch.Tensor) -> None:
-        self.buffer[self.used : self.used + tensor.numel()].copy_(tensor.reshape(-1))
+        self.dst.append(self.buffer[self.used : self.used + tensor.numel()].view(tensor.shape))
+        self.src.append(tensor)
         self.names.append(name)
         self.shapes.append(list(tensor.shape))
         self.used += tensor.numel()
 
     def seal(self) -> dict:
+        if self.dst:
+            # one batched copy per bucket: hundreds of tensors cost a few kernel launches, not one each
+            torch._foreach_copy_(self.dst, self.src)
+            self.dst, self.src = [], []
         return _bucket(self.dtype, self.names, self.shapes, self.buffer[: self.used])
 
-    def clear(self) -> None:
+    def next_buffer(self) -> None:
+        """Start an empty bucket in the next buffer (allocated on first use)."""
+        self.index = (self.index + 1) % self.num_buffers
+        if self.index == len(self.buffers):
+            self.buffers.append(self.allocate())
+        self.buffer = self.buffers[self.index]
         self.names, self.shapes, self.used = [], [], 0
 
 
@@ -244,7 +291,7 @@ def _bucket(dtype: torch.dtype, names: list[str], shapes: list[list[int]], flat:
 
 
 def _buffer_elements(dtype: torch.dtype, buffer_bytes: int) -> int:
-    return buffer_bytes // torch.empty((), dtype=dtype).element_size()
+    return buffer_bytes // dtype.itemsize
 
 
 def _numel(shape: list[int]) -> int:

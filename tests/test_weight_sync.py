@@ -74,6 +74,45 @@ def test_push_weights_counts_and_waits_per_bucket():
     assert totals["num_bytes"] == sum(t.numel() * t.element_size() for _, t in named)
 
 
+def test_strided_views_are_packed_in_their_row_major_order():
+    """The megatron mapper hands the packer views (fc1's halves, q/k/v splits of a fused
+    tensor): one batched copy must read them exactly as .contiguous() would."""
+    fused = torch.arange(2 * 6 * 3, dtype=torch.float32).reshape(2, 6, 3)  # 2 groups of 4 q rows, k, v
+    q, k, v = fused.split([4, 1, 1], dim=1)
+    named = [("t", fused[0].t()), ("q", q), ("k", k), ("v", v), ("s", torch.tensor(2.0)), ("half", fused[1, 3:])]
+    received, _ = _copy_received(named, buffer_bytes=1 << 10)
+    for name, tensor in named:
+        assert torch.equal(received[name], tensor.contiguous()), name
+
+
+def test_double_buffering_keeps_a_bucket_intact_until_its_acks():
+    named = [(f"t{i}", torch.full((10,), float(i))) for i in range(7)]  # 40 B each: 2 per 80-B bucket
+    storages, outstanding, waited = [], [], []
+
+    class Ack:
+        def __init__(self, bucket):
+            self.bucket, self.expected = bucket, bucket["flat"].clone()
+            outstanding.append(self)
+
+        def result(self):
+            # the receivers are still reading this bucket: packing the next one must not have touched it
+            assert torch.equal(self.bucket["flat"], self.expected)
+            outstanding.remove(self)
+            waited.append(self.bucket["names"])
+
+    def send(bucket):
+        storages.append(bucket["flat"].untyped_storage().data_ptr())
+        assert len(outstanding) <= 1  # at most the previous bucket is still being read
+        return Ack(bucket)
+
+    totals = push_weights(named, send, buffer_bytes=80, num_buffers=2)
+    assert totals["num_buckets"] == 4 and not outstanding
+    assert waited == [["t0", "t1"], ["t2", "t3"], ["t4", "t5"], ["t6"]]
+    assert storages[0] == storages[2] != storages[1] == storages[3]  # two buffers, in turn
+    with pytest.raises(ValueError, match="num_buffers"):
+        next(pack_buckets(named, 80, num_buffers=0))
+
+
 def test_unpack_rejects_inconsistent_buckets():
     bucket = next(pack_buckets([("w", torch.ones(3, 2))], buffer_bytes=64))
     with pytest.raises(ValueError, match="expected 1-D with 6 elements"):

@@ -156,28 +156,37 @@ def to_hf(name: str, shards: list[torch.Tensor], shape: ModelShape, *, layer_off
           critic: bool = False) -> list[tuple[str, torch.Tensor]]:
     """HF (name, tensor) pairs of megatron parameter `name`, from its shards of every TP rank
     in rank order. The HF tensors of the tied output layer are left out (the embedding
-    carries them)."""
+    carries them). With one shard every tensor but q/k/v is a view of the shard (no copy):
+    callers that keep or modify them copy first."""
     targets = hf_sources(name, shape, layer_offset=layer_offset, spec=spec, critic=critic)
     kind = _kind(name, critic)
     if name == "output_layer.weight" and not critic and shape.tied_embeddings:
         return []
     if kind == "qkv":
         d, qpg = shape.head_dim, shape.heads_per_group
-        full = torch.cat(shards, dim=0)
+        full = _cat(shards, dim=0)
         rest = full.shape[1:]
         grouped = full.reshape(shape.num_query_groups, (qpg + 2) * d, *rest)
         q, k, v = grouped.split([qpg * d, d, d], dim=1)
+        # the one copy of the mapping: q, k and v rows interleave per query group
         return [(t, x.reshape(-1, *rest)) for t, x in zip(targets, (q, k, v))]
     if kind == "fc1":
         halves = [s.chunk(2, dim=0) for s in shards]
-        gate = torch.cat([h[0] for h in halves], dim=0)
-        up = torch.cat([h[1] for h in halves], dim=0)
+        gate = _cat([h[0] for h in halves], dim=0)
+        up = _cat([h[1] for h in halves], dim=0)
         return [(targets[0], gate), (targets[1], up)]
     if kind == "row":
-        return [(targets[0], torch.cat(shards, dim=1))]
+        return [(targets[0], _cat(shards, dim=1))]
     if kind == "vocab":
-        return [(targets[0], torch.cat(shards, dim=0)[: shape.vocab_size])]
+        return [(targets[0], _cat(shards, dim=0)[: shape.vocab_size])]
     return [(targets[0], shards[0])]
+
+
+def _cat(parts: list[torch.Tensor], dim: int) -> torch.Tensor:
+    """torch.cat, except that one part is returned as is: at TP1 the HF tensors of
+    fc1, linear_proj/fc2, the embedding and the norms are views of megatron's parameters,
+    so the weight sync reads them without an intermediate copy."""
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=dim)
 
 
 def hf_to_megatron(hf: Mapping[str, torch.Tensor], shape: ModelShape, *, tp_rank: int, tp_size: int,
