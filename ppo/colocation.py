@@ -6,14 +6,15 @@ still holds, which the lease table checks against what it may keep (and, on fake
 against the exact ledger). The order of one PPO iteration is the loop's business; this
 module makes each step safe and timed, and decides what a step means for each tenant.
 
-Whether a tenant frees its memory when it gives up its GPUs is its `offloads` flag, as in
-miles: trainers follow `--offload-train` (`sleep`/`wake_up` of the whole trainer),
-engines `--offload-rollout` (release weights and KV cache after generating, take the
-weights back for the sync and the KV cache after it). Colocated, both are on: the roles
-take turns on the same GPUs. A tenant that does not offload still hands its lease over
-between its phases, keeping everything resident (the lease table records it as a
-residual): a second trainer on the same GPUs (the critic, which inherits the actor's)
-can then work beside it, and the fake-GPU ledger charges both against one device.
+What a tenant frees when it gives up its GPUs is its `frees` tags, as in miles: trainers
+follow `--offload-train` (`sleep`/`wake_up` of the whole trainer), engines
+`--offload-rollout` (release weights and KV cache after generating, take the weights back
+for the sync and the KV cache after it); `--offload-{train,rollout}-level` narrows them
+(a trainer that frees only its optimizer and grads, an engine only its KV cache). A tag
+the tenant does not free stays resident when it hands its lease over: the lease table
+records it as a residual, and the next holder works beside it (on one GPU: both
+trainers' weights and the engine's beside whichever trainer trains); the fake-GPU ledger
+charges them all against one device.
 """
 
 from __future__ import annotations
@@ -34,25 +35,48 @@ class Tenant:
     free: Callable[[list[str]], object]   # returns a future of {"bytes_in_use", ...}
     take: Callable[[list[str]], object]
     report: Callable[[], object]          # a future of {"bytes_in_use", ...}; moves nothing
-    offloads: bool                        # frees its memory when it gives up its GPUs
+    frees: tuple[str, ...]                # tags it frees when it gives up its GPUs (none: keeps all)
 
 
-def engine_tenant(engine: ActorHandle, gpus: tuple[int, ...], *, offloads: bool) -> Tenant:
-    return Tenant(engine.name, gpus, engine.release.call, engine.resume.call, engine.memory_report.call, offloads)
+def engine_tenant(engine: ActorHandle, gpus: tuple[int, ...], *, frees: tuple[str, ...]) -> Tenant:
+    return Tenant(engine.name, gpus, engine.release.call, engine.resume.call, engine.memory_report.call, frees)
 
 
-def trainer_tenant(trainer: ActorHandle, gpus: tuple[int, ...], *, offloads: bool) -> Tenant:
+def trainer_tenant(trainer: ActorHandle, gpus: tuple[int, ...], *, frees: tuple[str, ...]) -> Tenant:
     return Tenant(trainer.name, gpus, trainer.offload.call, trainer.onload.call,
-                  lambda: trainer.offload.call([]), offloads)
+                  lambda: trainer.offload.call([]), frees)
 
 
-def per_gpu(tenant: Tenant, report: dict, tag: str | None = None) -> dict[int, int]:
-    """{gpu: bytes the tenant holds there} (only those under `tag` when given) from its memory
-    report: a rank group reports each rank's GPU ("by_gpu", roles.trainer.group), a
-    one-process role one figure that holds on each of its GPUs."""
+def per_gpu(tenant: Tenant, report: dict, tags: tuple[str, ...] | None = None) -> dict[int, int]:
+    """{gpu: bytes the tenant holds there} (only those under its ledger's `tags` when given)
+    from its memory report: a rank group reports each rank's GPU ("by_gpu",
+    roles.trainer.group), a one-process role one figure that holds on each of its GPUs."""
     by_gpu = report.get("by_gpu") or {g: report for g in tenant.gpus}
-    return {g: by_gpu[g]["bytes_in_use"] if tag is None else by_gpu[g].get("ledger", {}).get(tag, 0)
-            for g in tenant.gpus}
+    return {g: by_gpu[g]["bytes_in_use"] if tags is None
+            else sum(by_gpu[g].get("ledger", {}).get(tag, 0) for tag in tags) for g in tenant.gpus}
+
+
+def allowed_residual(tenant: Tenant, report: dict, freed: list[str]) -> dict[int, int]:
+    """{gpu: bytes the tenant may keep} after freeing `freed`.
+
+    With a ledger (trainers): what it holds under every other tag, so a freed tag that left
+    bytes behind is caught, plus up to UNTRACKED_LIMIT of device memory no tag covers (on a
+    real GPU: megatron's rotary tables and optimizer flags; never on fake GPUs, where the
+    bytes in use are the ledger's sum). Without one (engines): nothing when it freed all of
+    its memory, and what it reports when it kept some (it cannot be checked tag by tag).
+    """
+    reports = report.get("by_gpu") or {None: report}
+    if not any("ledger" in r for r in reports.values()):
+        keeps_some = not set(ENGINE_TAGS) <= set(freed)
+        return per_gpu(tenant, report) if keeps_some else {g: 0 for g in tenant.gpus}
+    tags = {tag for r in reports.values() for tag in r.get("ledger", {})}
+    kept = per_gpu(tenant, report, tuple(sorted(tags - set(freed))))
+    tagged, used = per_gpu(tenant, report, tuple(sorted(tags))), per_gpu(tenant, report)
+    return {g: kept[g] + min(UNTRACKED_LIMIT, max(0, used[g] - tagged[g])) for g in tenant.gpus}
+
+
+ENGINE_TAGS = ("weights", "kv_cache")  # what an engine holds (its graphs go with either)
+UNTRACKED_LIMIT = 4 << 20
 
 
 class Colocation:
@@ -63,21 +87,18 @@ class Colocation:
         self.seconds = 0.0  # time spent handing memory over, for perf/offload_time
 
     def vacate(self, tenants: list[Tenant], tags: list[str], *, keep: str | None = None) -> None:
-        """Give up the tenants' leases: an offloading tenant frees `tags` first (in parallel)
-        and may leave only `keep` resident (the actor's weights, kept for the weight sync);
-        any other keeps all it holds. What stays becomes a residual the next holder is told of.
-        """
+        """Give up the tenants' leases: each tenant frees those of `tags` it frees (in
+        parallel), except `keep` (the actor's weights, kept for the weight sync), and may
+        leave only what it did not free. What stays becomes a residual the next holder is
+        told of."""
         tenants = [t for t in tenants if t.name in self.holding]
         if not tenants:
             return
         t0 = time.monotonic()
-        reports = gather([t.free(tags) if t.offloads else t.report() for t in tenants])
-        for t, rep in zip(tenants, reports):
-            if t.offloads:
-                may_keep = per_gpu(t, rep, keep) if keep else 0
-            else:
-                may_keep = per_gpu(t, rep)
-            self.leases.release_all(list(t.gpus), t.name, per_gpu(t, rep), may_keep=may_keep)
+        freed = [[tag for tag in tags if tag in t.frees and tag != keep] for t in tenants]
+        reports = gather([t.free(f) if f else t.report() for t, f in zip(tenants, freed)])
+        for t, f, rep in zip(tenants, freed, reports):
+            self.leases.release_all(list(t.gpus), t.name, per_gpu(t, rep), may_keep=allowed_residual(t, rep, f))
             self.holding.discard(t.name)
         self.seconds += time.monotonic() - t0
 
@@ -119,9 +140,10 @@ class Colocation:
         self.seconds += time.monotonic() - t0
 
     def drop_residual(self, tenant: Tenant, tags: list[str]) -> None:
-        """An offloading tenant without the lease frees what it kept (the actor's weights
-        after the sync); a tenant that does not offload keeps them."""
-        if not tenant.offloads or tenant.name in self.holding:
+        """A tenant without the lease frees those of `tags` it frees (the actor's weights
+        after the sync); the others stay resident."""
+        tags = [tag for tag in tags if tag in tenant.frees]
+        if not tags or tenant.name in self.holding:
             return
         t0 = time.monotonic()
         rep = tenant.free(tags).result()

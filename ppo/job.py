@@ -1,8 +1,9 @@
 """A PPO job's processes: the run directory, the supervisor and the roles, built from a config.
 
-Roles start in dependency order: reward scorers (CPU), then the engines (they load their
-weights on spawn, so each takes its GPU's lease first), then the trainers, which start
-offloaded and so need no lease.
+Roles start in dependency order: reward scorers (CPU), the trainers, which end their
+construction offloaded and so need no lease (megatron's build on the GPU and are waited
+for), then the engines (they load their weights on spawn, so each takes its GPU's lease
+first).
 """
 
 from __future__ import annotations
@@ -181,16 +182,7 @@ def start_job(cfg: PPOConfig, console: RunConsole | None = None) -> Job:
         scorers = [sup.spawn(f"reward-{i}", RewardScorer, cfg.reward.rm_type, cfg.reward.custom_rm_path,
                              cfg.reward.reward_timeout, restart="one_for_one", env=ROLE_ENV)
                    for i in range(plan.num_reward_workers)]
-        engines, engine_tenants = [], []
-        for i, gpus in enumerate(plan.engines):
-            name = f"rollout-{i}"
-            for g in gpus:
-                sup.leases.acquire(g, name)
-            engines.append(sup.spawn(
-                name, RolloutEngine, hf_checkpoint, backend=cfg.engine.rollout_backend, engine_index=i,
-                seed=cfg.rollout.rollout_seed, dtype=dtype, gpus=gpus, restart="one_for_one",
-                **engine_settings(cfg), env=ROLE_ENV))
-            engine_tenants.append(engine_tenant(engines[-1], tuple(gpus), offloads=C.offload_rollout(cfg)))
+        t0 = time.monotonic()
         # Trainers are rank groups, one process per GPU (roles.trainer.group); they die as one.
         actor = TrainerGroup.spawn(sup, "actor", actor_cls,
                                    trainer_config(cfg, hf_checkpoint, critic=False, dtype=dtype),
@@ -200,8 +192,23 @@ def start_job(cfg: PPOConfig, console: RunConsole | None = None) -> Job:
             critic = TrainerGroup.spawn(sup, "critic", critic_cls,
                                         trainer_config(cfg, hf_checkpoint, critic=True, dtype=dtype),
                                         gpus=plan.critic_gpus, env=ROLE_ENV)
+        if cfg.training.train_backend == "megatron":
+            # megatron builds its buffers on the GPU and offloads them at the end of its
+            # construction: it must be done before the engines take their memory (on one GPU,
+            # two Qwen3-4B trainers building beside an engine's KV cache would not fit)
+            console.begin("waiting for the trainers to build on their GPUs")
+            sup.wait_ready()
+        engines, engine_tenants = [], []
+        for i, gpus in enumerate(plan.engines):
+            name = f"rollout-{i}"
+            for g in gpus:
+                sup.leases.acquire(g, name)
+            engines.append(sup.spawn(
+                name, RolloutEngine, hf_checkpoint, backend=cfg.engine.rollout_backend, engine_index=i,
+                seed=cfg.rollout.rollout_seed, dtype=dtype, gpus=gpus, restart="one_for_one",
+                **engine_settings(cfg), env=ROLE_ENV))
+            engine_tenants.append(engine_tenant(engines[-1], tuple(gpus), frees=C.rollout_offload_tags(cfg)))
         console.begin("waiting for the roles to load their weights")
-        t0 = time.monotonic()
         sup.wait_ready()
         console.roles_ready(ready_seconds(read_events(run_dir)))
         sup.publish("job_ready", seconds=round(time.monotonic() - t0, 3))
@@ -210,9 +217,9 @@ def start_job(cfg: PPOConfig, console: RunConsole | None = None) -> Job:
         raise
     return Job(cfg=cfg, run_dir=run_dir, hf_checkpoint=hf_checkpoint, tok=tok, data=data, sup=sup, console=console,
                placement=plan, engines=engines, engine_tenants=engine_tenants, actor=actor,
-               actor_tenant=trainer_tenant(actor, tuple(plan.actor_gpus), offloads=C.offload_train(cfg)),
+               actor_tenant=trainer_tenant(actor, tuple(plan.actor_gpus), frees=C.train_offload_tags(cfg)),
                critic=critic,
-               critic_tenant=(trainer_tenant(critic, tuple(plan.critic_gpus), offloads=C.offload_train(cfg))
+               critic_tenant=(trainer_tenant(critic, tuple(plan.critic_gpus), frees=C.train_offload_tags(cfg))
                               if critic else None),
                scorers=scorers,
                colocation=Colocation(sup.leases, holding=tuple(t.name for t in engine_tenants)))

@@ -102,8 +102,8 @@ def run(job: Job) -> list[dict]:
 
             # 5. critic update
             if critic is not None:
+                colo.occupy([job.critic_tenant], ["optimizer", "grads"])
                 with perf.phase("critic_train"):
-                    critic.onload(["optimizer"])
                     critic_metrics = critic.train(dict(select(batch, "returns"), old_values=batch["values"]))
                 colo.vacate([job.critic_tenant], ["params", "grads", "optimizer"])
                 skipped = check_skipped(cfg, skipped + critic_metrics["skipped_nonfinite"])
@@ -111,7 +111,7 @@ def run(job: Job) -> list[dict]:
             # 6. actor update, unless the critic is still warming up
             actor_metrics = {}
             if step >= cfg.ppo.num_critic_only_steps:
-                colo.occupy([job.actor_tenant], ["params", "optimizer"])
+                colo.occupy([job.actor_tenant], ["params", "optimizer", "grads"])
                 with perf.phase("actor_train", metric="perf/train_time"):
                     keys = ("old_log_probs", "advantages") + (("ref_log_probs",) if "ref_log_probs" in batch else ())
                     actor_metrics = actor.train(select(batch, *keys))

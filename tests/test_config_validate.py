@@ -140,10 +140,8 @@ CROSS_RULES = [
     (QWEN, {"actor_num_gpus_per_node": 6},
      ["6 actor GPUs", "divisible by TP x PP x CP = 4", "--pipeline-model-parallel-size 2 x",
       "Please set --actor-num-gpus-per-node to a multiple of it"]),
-    (TINY, {"offload_train": False},
-     ["--no-offload-train (placement.offload_train)", "Please remove --no-offload-train"]),
-    (TINY, {"offload_rollout": False},
-     ["--no-offload-rollout (placement.offload_rollout)", "Please remove --no-offload-rollout"]),
+    (TINY, {"offload_train_level": "params"},
+     ["placement.offload_train_level", "'params'", "optimizer"]),
     (QWEN, {"rollout_num_gpus": 8},
      ["--rollout-num-gpus 8", "placement.rollout_num_gpus", "actor's 4 GPUs", "set it to 4"]),
     (QWEN, {"rollout_num_gpus_per_engine": 3},
@@ -211,13 +209,15 @@ def test_rm_types_come_from_the_registry_passed_in():
 def test_colocate_turns_offloading_on_without_a_flag():
     assert problems_of(TINY, offload_train=None, offload_rollout=None) == []
     assert problems_of(TINY, offload_train=True, offload_rollout=True) == []
+    # colocated roles may keep their memory beside each other (one-GPU plans)
+    assert problems_of(TINY, offload_train=False, offload_rollout=False) == []
 
 
 def test_several_problems_are_reported_together():
     problems = problems_of(TINY, lr=-1.0, gamma=2.0, rm_type="nope", use_wandb=True,
-                           offload_train=False, global_batch_size=96)
+                           offload_train_level="params", global_batch_size=96)
     for fragment in ("--lr -1.0", "--gamma 2.0", "--rm-type 'nope'", "--use-wandb",
-                     "--no-offload-train", "divisible by the global batch size 96"):
+                     "offload_train_level", "divisible by the global batch size 96"):
         assert_reported(problems, fragment)
     assert len(problems) == 6
 

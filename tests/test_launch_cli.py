@@ -97,6 +97,6 @@ def test_config_error_exits_2_before_training(monkeypatch, capsys):
     loop.train = lambda cfg: pytest.fail("training started on an invalid config")
     monkeypatch.setitem(sys.modules, "ppo.loop", loop)
     with pytest.raises(SystemExit) as info:
-        launch.main(["--colocate", "--no-offload-train"])
+        launch.main(["--rollout-batch-size", "0"])
     assert info.value.code == 2
-    assert "Please remove --no-offload-train" in capsys.readouterr().err
+    assert "--rollout-batch-size 0" in capsys.readouterr().err

@@ -26,6 +26,12 @@ MODES = {
         DISAGGREGATED, offload_train=False, offload_rollout=True),
     # no critic: the actor alone on its GPU stays resident by default (miles' disaggregated GRPO)
     "disaggregated-grpo": dict(DISAGGREGATED, advantage_estimator="grpo", num_critic_only_steps=0),
+    # the one-GPU plans of qwen3_4b_ppo (docs/benchmarks.md): trainers keep their weights and
+    # swap optimizers, the engine keeps its weights and KV cache; GRPO keeps everything
+    "colocated-resident-weights": dict(offload_train_level="optimizer", offload_rollout=False),
+    "colocated-kv-cache-only": dict(offload_train_level="optimizer", offload_rollout_level="kv_cache"),
+    "colocated-grpo-resident": dict(advantage_estimator="grpo", num_critic_only_steps=0,
+                                    offload_train=False, offload_rollout=False),
 }
 
 
@@ -71,6 +77,9 @@ def test_placement_mode_learns_and_the_ledger_holds(tmp_path, mode):
     if mode == "colocated":
         assert {"actor", "critic", "rollout-0"} <= growers[0] and {"actor", "critic", "rollout-1"} <= growers[1]
         return
+    if mode.startswith("colocated-"):
+        assert_resident_tags(mode, devices[0])
+        return
     # disaggregated: trainers on gpu 0, the engine on gpu 1, never shared
     trainer_names = {"actor"} if mode == "disaggregated-grpo" else {"actor", "critic"}
     assert growers[0] == trainer_names and growers[1] == {"rollout-0"}
@@ -90,6 +99,34 @@ def test_placement_mode_learns_and_the_ledger_holds(tmp_path, mode):
         # resident trainers side by side; the engine releases after every rollout
         assert both_resident
         assert engine.count(0) >= NUM_ROLLOUT
+
+
+def assert_resident_tags(mode: str, history: list[dict]) -> None:
+    """Each tag a plan keeps is never freed once it is first on the device; each tag it
+    offloads is (the optimizers take turns)."""
+    kept = {("actor", "params"), ("rollout-0", "weights")}
+    swapped = {("actor", "optimizer")}
+    if mode != "colocated-grpo-resident":
+        kept.add(("critic", "params"))
+        swapped.add(("critic", "optimizer"))
+    if mode == "colocated-kv-cache-only":
+        swapped.add(("rollout-0", "kv_cache"))
+    else:
+        kept.add(("rollout-0", "kv_cache"))
+    if mode == "colocated-grpo-resident":
+        kept |= swapped
+        swapped = set()
+    series: dict[tuple[str, str], list[int]] = {}
+    for h in history:
+        if h["kind"] == "usage":
+            series.setdefault((h["holder"], h["tag"]), []).append(h["nbytes"])
+    for key in kept:
+        values = series[key]
+        first = next(i for i, v in enumerate(values) if v)
+        assert all(values[first:]), f"{mode}: {key} was freed after it was first resident"
+    for key in swapped:
+        values = series[key]
+        assert max(values) and values.count(0) >= NUM_ROLLOUT // 2, f"{mode}: {key} stayed resident"
 
 
 @pytest.mark.timeout(300)

@@ -26,7 +26,9 @@ from ppo.config.derived import (
     offload_rollout,
     offload_train,
     rollout_num_gpus,
+    rollout_offload_tags,
     samples_per_rollout,
+    train_offload_tags,
     uses_critic,
 )
 from ppo.config.schema import (
@@ -58,5 +60,6 @@ __all__ = [
     "critic_save", "data_parallel_size", "derived_values", "ensure_valid", "eps_clip_high",
     "from_dict", "global_batch_size", "model_parallel_size", "needs_ref", "num_engines",
     "offload_rollout", "offload_train", "override", "parse_args", "parse_cli",
-    "rollout_num_gpus", "samples_per_rollout", "to_dict", "uses_critic", "validate",
+    "rollout_num_gpus", "rollout_offload_tags", "samples_per_rollout", "to_dict", "train_offload_tags",
+    "uses_critic", "validate",
 ]

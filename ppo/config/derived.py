@@ -94,6 +94,23 @@ def offload_rollout(cfg: PPOConfig) -> bool:
     return p.colocate if p.offload_rollout is None else p.offload_rollout
 
 
+def train_offload_tags(cfg: PPOConfig) -> tuple[str, ...]:
+    """The trainer memory tags an offloading trainer frees when it hands its GPUs over; none
+    when trainers do not offload."""
+    if not offload_train(cfg):
+        return ()
+    return {"all": ("params", "grads", "optimizer"), "optimizer": ("grads", "optimizer")}[
+        cfg.placement.offload_train_level]
+
+
+def rollout_offload_tags(cfg: PPOConfig) -> tuple[str, ...]:
+    """The engine memory tags an offloading engine releases after generating; none when
+    engines do not offload."""
+    if not offload_rollout(cfg):
+        return ()
+    return {"all": ("weights", "kv_cache"), "kv_cache": ("kv_cache",)}[cfg.placement.offload_rollout_level]
+
+
 def actor_gpus_per_node(cfg: PPOConfig) -> int:
     """--actor-num-gpus-per-node, or every GPU of the node when unset (so --num-gpus-per-node
     8 gives a recipe written for 4 GPUs two data-parallel ranks)."""
@@ -143,6 +160,8 @@ def derived_values(cfg: PPOConfig) -> dict:
         "eps_clip_high": eps_clip_high(cfg),
         "offload_train": offload_train(cfg),
         "offload_rollout": offload_rollout(cfg),
+        "train_offload_tags": list(train_offload_tags(cfg)),
+        "rollout_offload_tags": list(rollout_offload_tags(cfg)),
         "actor_num_gpus": actor_num_gpus(cfg),
         "rollout_num_gpus": rollout_num_gpus(cfg),
         "num_engines": num_engines(cfg),

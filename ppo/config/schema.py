@@ -28,6 +28,9 @@ ROLLOUT_BACKENDS = ("torch", "sglang")
 # Activation recompute, as megatron's TransformerConfig takes it (miles' flags).
 RECOMPUTE_GRANULARITIES = ("full", "selective")
 RECOMPUTE_METHODS = ("uniform", "block")
+# What an offloading trainer / engine frees when it hands its GPUs over (ppo.config.derived).
+OFFLOAD_TRAIN_LEVELS = ("all", "optimizer")
+OFFLOAD_ROLLOUT_LEVELS = ("all", "kv_cache")
 # Reward functions known when no registry is passed to `validate`; the reward role owns the
 # implementations and passes its own registry keys.
 RM_TYPES = ("deepscaler", "dapo", "math", "tiny_exact")
@@ -215,6 +218,13 @@ class PlacementConfig:
         None, "offload trainers while engines generate; on with --colocate or a critic")
     offload_rollout: bool | None = knob(
         None, "release engine weights and KV cache while trainers run; on with --colocate")
+    offload_train_level: str = knob(
+        "all", "what an offloading trainer frees when it hands its GPUs over: all, or optimizer "
+        "(optimizer and grads; the weights stay, for plans where both trainers' weights fit)",
+        choices=OFFLOAD_TRAIN_LEVELS)
+    offload_rollout_level: str = knob(
+        "all", "what an offloading engine releases: all (weights and KV cache), or kv_cache "
+        "(the weights stay)", choices=OFFLOAD_ROLLOUT_LEVELS)
     fake_gpus: bool = knob(False, "CPU run: roles compute on the CPU with fake GPU memory ledgers")
 
 

@@ -286,12 +286,10 @@ def _placement(cfg: PPOConfig) -> list[str]:
                    "rank per GPU in a TP x PP x CP x DP grid. Please set --actor-num-gpus-per-node to a "
                    "multiple of it, or lower --tensor-model-parallel-size, --pipeline-model-parallel-size "
                    "or --context-parallel-size")
+    # Colocated with --no-offload-train / --no-offload-rollout is allowed: a role that keeps its
+    # memory leaves it beside the next lease holder (a residual of the lease table), which
+    # fits when the GPU holds both (one-GPU plans; the fake-GPU ledger checks the sum).
     if p.colocate:
-        for name in ("offload_train", "offload_rollout"):
-            if getattr(p, name) is False:
-                out.append(_bad(name, False, "--colocate shares each GPU between engines and "
-                                "trainers, which take turns by offloading. Please remove "
-                                f"--no-{name.replace('_', '-')} (or --colocate)"))
         if p.rollout_num_gpus is not None and p.rollout_num_gpus != actor_gpus:
             out.append(_bad("rollout_num_gpus", p.rollout_num_gpus,
                             f"with --colocate the engines run on the actor's {actor_gpus} GPUs. "
