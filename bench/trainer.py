@@ -1,23 +1,36 @@
 """Trainer backends side by side on one GPU: megatron vs torch, Qwen3-4B shape, random init.
 
-    python -m bench.trainer [--tokens 8192 16384] [--backends megatron torch] [--out DIR]
+    python -m bench.trainer [--tokens 8192 16384] [--backends megatron torch megatron-critic]
+                            [--recompute 8192=full,none 16384=full,block:12] [--budget-s 170] [--out DIR]
 
 Per backend and packed micro-batch size (one micro-batch of that many tokens, 1024-token
 samples: 512 prompt + 512 response): one PPO train step (forward, backward, optimizer) timed
 after a warm-up step, reported as model-FLOPs utilisation against the bf16 matmul rate
-measured in the same run; the log-prob forward; peak memory. The megatron actor also
-reports offload/onload GB/s per tag against the pinned-copy rate measured in the same run,
-and the weight-sync packing time (megatron -> HF names -> flat buckets, no receiver).
-Both backends recompute activations (megatron: full/uniform/1 layer; torch: HF gradient
-checkpointing); MFU counts model FLOPs only (no recompute). Needs CUDA (megatron: megatron-core too). Writes bench_trainer.json/.md into --out.
+measured in the same run; the log-prob forward; peak memory and its part above the trainer's
+resident state (activations, logits chunks, optimizer temporaries).
+
+megatron rows run each activation-recompute setting of --recompute for that token count
+(`full` = full/uniform/1 layer, `block:N` = full recompute of the first N layers, `none`);
+the critic runs the lightest setting that fit the actor. The torch rows recompute every
+layer (HF checkpointing through the trainer's own switch), as its peer row always has.
+MFU counts model FLOPs only (no recompute).
+
+The megatron actor also reports: offload/onload GB/s per tag against the pinned-copy rate;
+its Adam step alone (torch AdamW as megatron runs it without apex, foreach vs fused); the
+weight sync from its tensors (megatron -> HF names -> flat 1 GiB buckets) without and with an
+in-process receiver that copies every tensor by name, against a device memcpy of the same
+bytes. Needs CUDA (megatron: megatron-core too). Writes bench_trainer.json/.md into --out.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import json
 import os
+import shutil
+import statistics
 import tempfile
 import time
 
@@ -28,6 +41,14 @@ QWEN3_4B = dict(model_type="qwen3", architectures=["Qwen3ForCausalLM"], vocab_si
                 head_dim=128, tie_word_embeddings=True, rope_theta=1000000.0, rms_norm_eps=1e-6,
                 max_position_embeddings=40960, hidden_act="silu", torch_dtype="bfloat16")
 SAMPLE_LEN, PROMPT_LEN = 1024, 512
+RECOMPUTE = {"full": ("full", "uniform", 1), "none": (None, None, None)}  # plus block:N
+
+
+def recompute_setting(name: str) -> tuple[str | None, str | None, int | None]:
+    """(granularity, method, num_layers) of a --recompute name."""
+    if name.startswith("block:"):
+        return "full", "block", int(name.split(":", 1)[1])
+    return RECOMPUTE[name]
 
 
 def matmul_tflops(n: int = 8192, iters: int = 20) -> float:
@@ -55,6 +76,18 @@ def pinned_copy_gbps(nbytes: int = 2 << 30) -> dict:
         torch.cuda.synchronize()
         out[name] = nbytes / (time.perf_counter() - start) / 1e9
     return out
+
+
+def memcpy_gbps(nbytes: int = 4 << 30) -> float:
+    """Device-to-device copy rate (bytes copied per second): the weight sync's ceiling."""
+    src = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    dst.copy_(src)
+    torch.cuda.synchronize()
+    return nbytes / (time.perf_counter() - start) / 1e9
 
 
 def hf_random_state(shape, device: str = "cuda") -> dict[str, torch.Tensor]:
@@ -111,9 +144,12 @@ def trainer_config(ckpt: str, tokens: int, num_samples: int) -> dict:
                 entropy_coef=0.0, temperature=1.0, keep_ref=False)
 
 
-def time_steps(trainer, batch: dict, steps: int = 2) -> tuple[float, float, float]:
-    """(seconds per train step after a warm-up step, log-prob forward seconds, peak GiB)."""
+def time_steps(trainer, batch: dict, steps: int = 2) -> dict:
+    """Seconds per train step after a warm-up step, the log-prob forward, peak GiB and the
+    peak above what was allocated before (activations and temporaries)."""
+    torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
+    resident = torch.cuda.memory_allocated()
     trainer.train(batch)
     torch.cuda.synchronize()
     start = time.perf_counter()
@@ -122,93 +158,156 @@ def time_steps(trainer, batch: dict, steps: int = 2) -> tuple[float, float, floa
     torch.cuda.synchronize()
     step_s = (time.perf_counter() - start) / steps
     start = time.perf_counter()
-    trainer.compute_log_probs(batch)
+    if hasattr(trainer, "compute_log_probs"):
+        trainer.compute_log_probs(batch)
     torch.cuda.synchronize()
-    return step_s, time.perf_counter() - start, torch.cuda.max_memory_allocated() / 2**30
+    peak = torch.cuda.max_memory_allocated()
+    return {"step_s": step_s, "logprob_s": time.perf_counter() - start if hasattr(trainer, "compute_log_probs")
+            else float("nan"), "peak_gib": peak / 2**30, "above_state_gib": (peak - resident) / 2**30}
 
 
-def bench_megatron(ckpt, shape, tokens_list, peak_tflops, results, deadline):
+def run_rows(trainer, label: str, shape, tokens_list, plan: dict, peak_tflops: float, results: list, deadline: float,
+             *, critic: bool = False) -> dict[int, str]:
+    """Rows of `trainer` for each token count and recompute setting in plan[tokens] (megatron;
+    None for the torch backend). Returns tokens -> the first setting that fit."""
+    fitted: dict[int, str] = {}
+    head = 6 * shape.vocab_size * shape.hidden_size * (SAMPLE_LEN - PROMPT_LEN)  # the LM head a critic lacks
+    for tokens in tokens_list:
+        n = tokens // SAMPLE_LEN
+        trainer.config = trainer._core.config = dataclasses.replace(trainer.config, global_batch_size=n,
+                                                                     max_tokens_per_gpu=tokens)
+        batch = make_batch(n, shape.vocab_size)
+        if critic:
+            batch.update(old_values=torch.zeros_like(batch["advantages"]), returns=batch["advantages"])
+        for setting in plan.get(tokens, [None]) if plan is not None else [None]:
+            row = {"backend": label, "tokens": tokens, "recompute": setting or "every layer (HF)"}
+            if time.monotonic() > deadline:
+                results.append({**row, "skipped": "time budget"})
+                continue
+            if setting is not None:
+                # Bench only: megatron's TransformerBlock reads these at every forward, so one
+                # model serves every setting (a rebuild per row would cost the device time).
+                tc = trainer._core.tconfig
+                tc.recompute_granularity, tc.recompute_method, tc.recompute_num_layers = recompute_setting(setting)
+            try:
+                row.update(time_steps(trainer, batch))
+                flops = train_flops(shape, n) - (head * n if critic else 0)
+                row["mfu"] = flops / row["step_s"] / (peak_tflops * 1e12)
+                fitted.setdefault(tokens, setting)
+            except torch.cuda.OutOfMemoryError as e:
+                row["error"] = f"OOM: {str(e)[:100]}"
+            results.append(row)
+            print(json.dumps(row, default=str), flush=True)
+            gc.collect()
+            torch.cuda.empty_cache()
+    return fitted
+
+
+def adam_step_ms(core) -> dict:
+    """The optimizer step alone (megatron's prepare_grads + step_with_ready_grads, over the
+    zeroed grad buffer), with the torch AdamW megatron falls back to without apex (foreach)
+    and with torch's fused kernel (which keeps its step counters on the device)."""
+    inner = [opt.optimizer for opt in getattr(core.optimizer, "chained_optimizers", [core.optimizer])]
+    out = {}
+    for mode in ("foreach", "fused"):
+        for opt in inner:
+            for group in opt.param_groups:
+                group["foreach"], group["fused"] = mode == "foreach", mode == "fused"
+            for state in opt.state.values():
+                if "step" in state:
+                    state["step"] = state["step"].to("cuda" if mode == "fused" else "cpu")
+        times = []
+        for _ in range(3):
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            base = torch.cuda.memory_allocated()
+            start = time.perf_counter()
+            core.optimizer.prepare_grads()
+            core.optimizer.step_with_ready_grads()
+            torch.cuda.synchronize()
+            times.append(time.perf_counter() - start)
+        out[mode] = {"ms": statistics.median(times) * 1e3,
+                     "temp_gib": (torch.cuda.max_memory_allocated() - base) / 2**30}
+    for opt in inner:  # back to what megatron built
+        for group in opt.param_groups:
+            group["foreach"], group["fused"] = None, None
+        for state in opt.state.values():
+            if "step" in state:
+                state["step"] = state["step"].cpu()
+    return out
+
+
+def sync_rows(actor, bucket_bytes: int = 1 << 30) -> dict:
+    """Weight sync from the megatron actor: packing alone, packing + an in-process receiver
+    (unpack, one batched copy into HF-shaped tensors), with one and two buffers; medians of 3."""
+    from roles.weight_sync import push_weights, unpack_bucket
+
+    receiver = {n: torch.empty_like(t) for n, t in actor.named_weights()}
+
+    def receive(bucket):
+        named = unpack_bucket(bucket)
+        torch._foreach_copy_([receiver[n] for n, _ in named], [t for _, t in named])
+
+    out = {}
+    for label, send, buffers in (("pack only", lambda b: None, 1), ("pack + receiver", receive, 1),
+                                 ("pack + receiver, 2 buffers", receive, 2)):
+        times = []
+        for _ in range(4):
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            totals = push_weights(actor.named_weights(), send, bucket_bytes, num_buffers=buffers)
+            torch.cuda.synchronize()
+            times.append(time.perf_counter() - start)
+        out[label] = {"s": statistics.median(times[1:]), **totals}
+    sent = dict(actor.named_weights())
+    out["exact"] = all(torch.equal(receiver[n], sent[n]) for n in receiver)
+    del receiver, sent
+    return out
+
+
+def bench_megatron(ckpt, shape, tokens_list, plan, peak_tflops, results, deadline) -> tuple[dict, dict]:
     from roles.trainer.megatron import MegatronActorTrainer
-    from roles.weight_sync import push_weights
 
     cfg = trainer_config(ckpt, max(tokens_list), max(tokens_list) // SAMPLE_LEN)
-    # Without transformer-engine's fused kernels a 4B model's activations at 8k tokens do not fit
-    # beside its 72 GB of weights, grads and Adam state: recompute every layer (miles' flags).
-    cfg.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
     actor = MegatronActorTrainer(cfg, hf_state=hf_random_state(shape))
     gc.collect()
     torch.cuda.empty_cache()
     onload = actor.onload(["params", "grads", "optimizer"])["moves"]
-    for tokens in tokens_list:
-        if time.monotonic() > deadline:
-            results.append({"backend": "megatron", "tokens": tokens, "skipped": "time budget"})
-            continue
-        n = tokens // SAMPLE_LEN
-        actor.config = actor._core.config = _with(actor.config, global_batch_size=n, max_tokens_per_gpu=tokens)
-        row = {"backend": "megatron", "tokens": tokens}
-        try:
-            step_s, fwd_s, peak = time_steps(actor, make_batch(n, shape.vocab_size))
-            row.update(step_s=step_s, logprob_s=fwd_s, peak_gib=peak,
-                       mfu=train_flops(shape, n) / step_s / (peak_tflops * 1e12))
-        except torch.cuda.OutOfMemoryError as e:
-            row["error"] = f"OOM: {str(e)[:120]}"
-        results.append(row)
-        torch.cuda.empty_cache()
+    fitted = run_rows(actor, "megatron", shape, tokens_list, plan, peak_tflops, results, deadline)
+    adam = adam_step_ms(actor._core)
     actor.offload(["grads", "optimizer"])  # the PPO order: only the weights stay for the sync
-    start = time.perf_counter()
-    totals = push_weights(actor.named_weights(), lambda bucket: torch.cuda.synchronize(), 1 << 30)
-    sync_s = time.perf_counter() - start
+    sync = sync_rows(actor)
     actor.onload(["grads", "optimizer"])
     offload = actor.offload(["params", "grads", "optimizer"])["moves"]
     onload2 = actor.onload(["params", "grads", "optimizer"])["moves"]
     actor.offload(["params", "grads", "optimizer"])
-    memory = {"offload": offload, "onload_first": onload, "onload": onload2,
-              "bytes_in_use_after_offload": actor._core.memory.bytes_in_use(),
-              "sync_pack_s": sync_s, "sync_bytes": totals["num_bytes"], "sync_buckets": totals["num_buckets"]}
+    memory = {"offload": offload, "onload_first": onload, "onload": onload2, "adam": adam, "sync": sync,
+              "bytes_in_use_after_offload": actor._core.memory.bytes_in_use()}
     del actor
     gc.collect()
     torch.cuda.empty_cache()
-    return memory
+    return memory, fitted
 
 
-def bench_megatron_critic(ckpt, shape, tokens_list, peak_tflops, results, deadline):
+def bench_megatron_critic(ckpt, shape, tokens_list, plan, peak_tflops, results, deadline) -> None:
     """The critic: same trunk, value head instead of the LM head (train FLOPs counted without it)."""
     from roles.trainer.megatron import MegatronCriticTrainer
 
     cfg = trainer_config(ckpt, max(tokens_list), max(tokens_list) // SAMPLE_LEN)
-    cfg.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
     hf = {"backbone." + k.removeprefix("model."): v for k, v in hf_random_state(shape).items()}
     hf["value_head.weight"] = torch.zeros(1, shape.hidden_size, device="cuda", dtype=torch.bfloat16)
     hf["value_head.bias"] = torch.zeros(1, device="cuda", dtype=torch.bfloat16)
     critic = MegatronCriticTrainer(cfg, hf_state=hf)
     del hf
     critic.onload(["params", "grads", "optimizer"])
-    head = 6 * shape.vocab_size * shape.hidden_size * (SAMPLE_LEN - PROMPT_LEN)
-    for tokens in tokens_list:
-        if time.monotonic() > deadline:
-            results.append({"backend": "megatron critic", "tokens": tokens, "skipped": "time budget"})
-            continue
-        n = tokens // SAMPLE_LEN
-        critic.config = critic._core.config = _with(critic.config, global_batch_size=n, max_tokens_per_gpu=tokens)
-        batch = make_batch(n, shape.vocab_size)
-        batch.update(old_values=torch.zeros_like(batch["advantages"]), returns=batch["advantages"])
-        torch.cuda.reset_peak_memory_stats()
-        critic.train(batch)
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        critic.train(batch)
-        torch.cuda.synchronize()
-        step_s = time.perf_counter() - start
-        results.append({"backend": "megatron critic", "tokens": tokens, "step_s": step_s, "logprob_s": float("nan"),
-                        "peak_gib": torch.cuda.max_memory_allocated() / 2**30,
-                        "mfu": (train_flops(shape, n) - head * n) / step_s / (peak_tflops * 1e12)})
+    run_rows(critic, "megatron critic", shape, tokens_list, plan, peak_tflops, results, deadline, critic=True)
     critic.offload(["params", "grads", "optimizer"])
     del critic
     gc.collect()
     torch.cuda.empty_cache()
 
 
-def bench_torch(ckpt_dir, shape, tokens_list, peak_tflops, results, deadline):
+def bench_torch(ckpt_dir, shape, tokens_list, peak_tflops, results, deadline) -> None:
     from safetensors.torch import save_file
 
     from roles.trainer import ActorTrainer, TrainerConfig
@@ -217,90 +316,102 @@ def bench_torch(ckpt_dir, shape, tokens_list, peak_tflops, results, deadline):
     save_file(state, os.path.join(ckpt_dir, "model.safetensors"))
     del state
     n_max = max(tokens_list) // SAMPLE_LEN
-    actor = ActorTrainer(TrainerConfig.from_dict(trainer_config(ckpt_dir, max(tokens_list), n_max)))
-    # Activation checkpointing, as the megatron side recomputes every layer. Enabled here rather
-    # than with gradient_checkpointing=True, whose call (activation_checkpointing_enable) is not
-    # a method of transformers 5 models.
-    actor.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    # gradient_checkpointing: HF checkpointing of every layer (roles.trainer.model.enable_checkpointing)
+    config = TrainerConfig.from_dict({**trainer_config(ckpt_dir, max(tokens_list), n_max),
+                                      "gradient_checkpointing": True})
+    actor = ActorTrainer(config)
     actor.onload(["params", "optimizer"])
-    for tokens in tokens_list:
-        if time.monotonic() > deadline:
-            results.append({"backend": "torch", "tokens": tokens, "skipped": "time budget"})
-            continue
-        n = tokens // SAMPLE_LEN
-        actor.config = actor._core.config = _with(actor.config, global_batch_size=n, max_tokens_per_gpu=tokens)
-        row = {"backend": "torch", "tokens": tokens}
-        try:
-            step_s, fwd_s, peak = time_steps(actor, make_batch(n, shape.vocab_size))
-            row.update(step_s=step_s, logprob_s=fwd_s, peak_gib=peak,
-                       mfu=train_flops(shape, n) / step_s / (peak_tflops * 1e12))
-        except torch.cuda.OutOfMemoryError as e:
-            row["error"] = f"OOM: {str(e)[:120]}"
-        results.append(row)
-        torch.cuda.empty_cache()
-    actor.offload(["params", "optimizer"])
+    run_rows(actor, "torch", shape, tokens_list, None, peak_tflops, results, deadline)
     del actor
     gc.collect()
     torch.cuda.empty_cache()
 
 
-def _with(config, **changes):
-    import dataclasses
-
-    return dataclasses.replace(config, **changes)
-
-
 def markdown(report: dict) -> str:
-    lines = [f"bf16 matmul {report['matmul_tflops']:.0f} TFLOP/s; pinned copy d2h {report['pinned']['d2h']:.1f} GB/s, "
-             f"h2d {report['pinned']['h2d']:.1f} GB/s", "",
-             "| backend | tokens / micro-batch | train step s | MFU | log-prob fwd s | peak GiB |", "|---|---|---|---|---|---|"]
+    pinned, peak = report["pinned"], report["matmul_tflops"]
+    lines = [f"bf16 matmul {peak:.0f} TFLOP/s; pinned copy d2h {pinned['d2h']:.1f} GB/s, h2d {pinned['h2d']:.1f} GB/s; "
+             f"device memcpy {report['memcpy_gbps']:.0f} GB/s", "",
+             "| backend | tokens / micro-batch | recompute | train step s | MFU | log-prob fwd s | peak GiB | above state GiB |",
+             "|---|---|---|---|---|---|---|---|"]
     for r in report["rows"]:
         if "step_s" in r:
-            lines.append(f"| {r['backend']} | {r['tokens']} | {r['step_s']:.3f} | {r['mfu']:.1%} | "
-                         f"{r['logprob_s']:.3f} | {r['peak_gib']:.1f} |")
+            lines.append(f"| {r['backend']} | {r['tokens']} | {r['recompute']} | {r['step_s']:.3f} | {r['mfu']:.1%} | "
+                         f"{r['logprob_s']:.3f} | {r['peak_gib']:.1f} | {r['above_state_gib']:.1f} |")
         else:
-            lines.append(f"| {r['backend']} | {r['tokens']} | {r.get('error') or r.get('skipped')} | | | |")
+            lines.append(f"| {r['backend']} | {r['tokens']} | {r['recompute']} | {r.get('error') or r.get('skipped')} "
+                         "| | | | |")
     mem = report.get("megatron_memory")
     if mem:
         lines += ["", "| megatron tag | offload GB/s | vs d2h | onload GB/s | vs h2d | GB |", "|---|---|---|---|---|---|"]
         for tag in ("params", "grads", "optimizer"):
             off, on = mem["offload"][tag], mem["onload"][tag]
-            lines.append(f"| {tag} | {off['gb_per_s']:.1f} | {off['gb_per_s'] / report['pinned']['d2h']:.2f}x | "
-                         f"{on['gb_per_s']:.1f} | {on['gb_per_s'] / report['pinned']['h2d']:.2f}x | "
-                         f"{off['bytes'] / 1e9:.1f} |")
-        lines += ["", f"after offload: {mem['bytes_in_use_after_offload'] / 2**20:.0f} MiB in use; weight-sync packing "
-                  f"(megatron -> HF -> 1 GiB buckets, no receiver): {mem['sync_pack_s'] * 1e3:.0f} ms for "
-                  f"{mem['sync_bytes'] / 1e9:.2f} GB in {mem['sync_buckets']} buckets"]
+            lines.append(f"| {tag} | {off['gb_per_s']:.1f} | {off['gb_per_s'] / pinned['d2h']:.2f}x | "
+                         f"{on['gb_per_s']:.1f} | {on['gb_per_s'] / pinned['h2d']:.2f}x | {off['bytes'] / 1e9:.1f} |")
+        adam = mem["adam"]
+        lines += ["", f"Adam step alone: foreach {adam['foreach']['ms']:.1f} ms (+{adam['foreach']['temp_gib']:.1f} GiB "
+                  f"temporaries), fused {adam['fused']['ms']:.1f} ms (+{adam['fused']['temp_gib']:.1f} GiB)",
+                  f"after offload: {mem['bytes_in_use_after_offload'] / 2**20:.0f} MiB in use", "",
+                  "| weight sync (megatron -> HF, 1 GiB buckets) | ms | GB | buckets | vs memcpy of the bytes |",
+                  "|---|---|---|---|---|"]
+        for label, r in mem["sync"].items():
+            if label == "exact":
+                continue
+            memcpy_s = r["num_bytes"] / (report["memcpy_gbps"] * 1e9)
+            lines.append(f"| {label} | {r['s'] * 1e3:.1f} | {r['num_bytes'] / 1e9:.2f} | {r['num_buckets']} | "
+                         f"{r['s'] / memcpy_s:.1f}x |")
+        lines.append(f"receiver bit-identical to the sender: {mem['sync']['exact']}")
     return "\n".join(lines)
+
+
+def parse_plan(items: list[str]) -> dict[int, list[str]]:
+    """['8192=full,none', ...] -> {8192: ['full', 'none']}; names checked here, not mid-run."""
+    plan = {}
+    for item in items:
+        tokens, _, names = item.partition("=")
+        plan[int(tokens)] = names.split(",")
+        for name in plan[int(tokens)]:
+            recompute_setting(name)
+    return plan
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=int, nargs="+", default=[8192, 16384])
-    parser.add_argument("--backends", nargs="+", default=["megatron", "torch"],
+    parser.add_argument("--backends", nargs="+", default=["megatron", "torch", "megatron-critic"],
                         choices=["megatron", "megatron-critic", "torch"])
-    parser.add_argument("--budget-s", type=float, default=200.0, help="skip what would start after this long")
+    parser.add_argument("--recompute", nargs="+", default=["8192=none,full", "16384=block:12,full"],
+                        help="megatron settings per token count, tried in order (full, none, block:N)")
+    parser.add_argument("--budget-s", type=float, default=170.0, help="skip rows that would start after this long")
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
     args = parser.parse_args()
     deadline = time.monotonic() + args.budget_s
+    plan = parse_plan(args.recompute)
     from transformers import Qwen3Config
 
     from roles.trainer.megatron.shape import shape_from_hf
 
-    ckpt = tempfile.mkdtemp(prefix="qwen3_4b_shape_")
+    # the torch backend reads an 8 GB safetensors file: from memory when /dev/shm has room
+    shm = os.path.isdir("/dev/shm") and shutil.disk_usage("/dev/shm").free > 20e9
+    ckpt = tempfile.mkdtemp(prefix="qwen3_4b_shape_", dir="/dev/shm" if shm else None)
     Qwen3Config(**{k: v for k, v in QWEN3_4B.items() if k not in ("model_type",)}).save_pretrained(ckpt)
     shape = shape_from_hf(QWEN3_4B)
     report = {"device": torch.cuda.get_device_name(), "matmul_tflops": matmul_tflops(), "pinned": pinned_copy_gbps(),
-              "rows": []}
+              "memcpy_gbps": memcpy_gbps(), "rows": []}
+    fitted: dict[int, str] = {}
     for backend in args.backends:
         try:
             if backend == "megatron":
-                report["megatron_memory"] = bench_megatron(ckpt, shape, args.tokens, report["matmul_tflops"],
-                                                           report["rows"], deadline)
+                report["megatron_memory"], fitted = bench_megatron(ckpt, shape, args.tokens, plan,
+                                                                   report["matmul_tflops"], report["rows"], deadline)
             elif backend == "megatron-critic":
-                bench_megatron_critic(ckpt, shape, args.tokens, report["matmul_tflops"], report["rows"], deadline)
+                critic_plan = {t: [fitted.get(t, plan.get(t, ["full"])[-1])] for t in args.tokens}
+                bench_megatron_critic(ckpt, shape, args.tokens, critic_plan, report["matmul_tflops"], report["rows"],
+                                      deadline)
             else:
                 bench_torch(ckpt, shape, args.tokens, report["matmul_tflops"], report["rows"], deadline)
+        except Exception as e:  # one backend failing must not lose the others' rows
+            report.setdefault("errors", {})[backend] = f"{type(e).__name__}: {e}"[:500]
+            print(f"{backend} failed: {e!r}", flush=True)
         finally:
             with open(os.path.join(args.out, "bench_trainer.json"), "w") as f:
                 json.dump(report, f, indent=1, default=str)

@@ -1,50 +1,80 @@
-"""Weight sync between two role processes on one GPU: CUDA IPC vs host staging vs memcpy.
+"""Weight sync between two role processes on one GPU: torch-backend and megatron senders,
+CUDA IPC (one or two buffers, bucket sizes) vs host staging vs memcpy.
 
-    python -m bench.weight_sync [--gb 8] [--bucket-mb 512] [--json FILE]
+    python -m bench.weight_sync [--scale 1.0] [--bucket-mb 512 1024] [--host] [--json FILE]
 
-A sender role holds Qwen3-4B-shaped bf16 weights on the GPU; a receiver role on the same
-GPU holds a model-shaped copy. Both transports run the real code path
-(`roles.weight_sync`: pack into a reused flat bucket, send, receiver copies by name, ack):
+A sender role holds Qwen3-4B-shaped bf16 weights on the GPU (tied embeddings, as Qwen3-4B:
+8.04 GB) twice: under HF names (what the torch backend's actor yields) and in megatron's
+layout (fused QKV per query group, fc1 = gate|up; built by roles.trainer.megatron.mapper).
+A receiver role on the same GPU holds a model-shaped copy. Every row runs the real path
+(`roles.weight_sync.push_weights`: pack into reused flat buckets, send a CUDA IPC handle,
+the receiver copies by name and acks); the megatron rows first map megatron -> HF names
+(`mapper.stage_to_hf`, what `MegatronCore.named_hf_weights` does at TP1 PP1):
 
-- ipc:   buckets travel as CUDA IPC handles (what colocated actor -> engine uses)
-- host:  buckets travel through host memory (D2H, shared memory frame, H2D)
-- peer:  one process copying the same tensors device to device (the memcpy ceiling)
+- hf / megatron, buffers 1 or 2 (double buffering: the next bucket is packed while the
+  receiver copies the last), per bucket size
+- megatron pack only: the same packing with no receiver (the sender's share)
+- host: buckets through host memory (D2H, shared-memory frame, H2D); with --host (slow)
+- peer: one process copying the same tensors device to device (the memcpy ceiling)
 
-Needs a CUDA GPU; absolute figures only mean something there.
+Each row: the median of 3 timed syncs after a warm-up. Needs a CUDA GPU.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import time
 
 from runtime import Actor, Supervisor, endpoint
 
+QWEN3_4B = dict(model_type="qwen3", vocab_size=151936, hidden_size=2560, intermediate_size=9728,
+                num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+                tie_word_embeddings=True, rope_theta=1000000.0, rms_norm_eps=1e-6, max_position_embeddings=40960)
+
 
 def qwen3_4b_shapes(scale: float = 1.0) -> list[tuple[str, list[int]]]:
-    """HF names and shapes of Qwen3-4B's weights (36 layers); `scale` trims the layer count."""
-    h, inter, q, kv, vocab = 2560, 9728, 4096, 1024, 151936
-    out = [("model.embed_tokens.weight", [vocab, h]), ("lm_head.weight", [vocab, h]),
-           ("model.norm.weight", [h])]
-    for i in range(max(1, round(36 * scale))):
+    """HF names and shapes of Qwen3-4B's weights (36 layers, tied embeddings: no lm_head);
+    `scale` trims the layer count."""
+    h, inter, q, kv, d, vocab = 2560, 9728, 4096, 1024, 128, 151936
+    out = [("model.embed_tokens.weight", [vocab, h]), ("model.norm.weight", [h])]
+    for i in range(num_layers(scale)):
         p = f"model.layers.{i}."
         out += [(p + "self_attn.q_proj.weight", [q, h]), (p + "self_attn.k_proj.weight", [kv, h]),
                 (p + "self_attn.v_proj.weight", [kv, h]), (p + "self_attn.o_proj.weight", [h, q]),
+                (p + "self_attn.q_norm.weight", [d]), (p + "self_attn.k_norm.weight", [d]),
                 (p + "mlp.gate_proj.weight", [inter, h]), (p + "mlp.up_proj.weight", [inter, h]),
                 (p + "mlp.down_proj.weight", [h, inter]), (p + "input_layernorm.weight", [h]),
                 (p + "post_attention_layernorm.weight", [h])]
     return out
 
 
-def _tensors(shapes, fill: float):
+def num_layers(scale: float) -> int:
+    return max(1, round(36 * scale))
+
+
+def _shape(scale: float):
+    from roles.trainer.megatron.shape import shape_from_hf
+
+    return shape_from_hf({**QWEN3_4B, "num_hidden_layers": num_layers(scale)})
+
+
+def _position_sums(named) -> dict[str, float]:
+    """name -> a position-weighted sum: differs when elements move (a wrong q/k/v regroup)."""
     import torch
-    return {n: torch.full(s, fill, dtype=torch.bfloat16, device="cuda") for n, s in shapes}
+
+    out = {}
+    for name, t in named:
+        flat = t.detach().reshape(-1).float()
+        out[name] = float((flat * torch.linspace(0.0, 1.0, flat.numel(), device=flat.device)).sum())
+    return out
 
 
 class Receiver(Actor):
     def __init__(self, shapes):
-        self.params = _tensors(shapes, 0.0)
+        import torch
+        self.params = {n: torch.zeros(s, dtype=torch.bfloat16, device="cuda") for n, s in shapes}
 
     @endpoint
     def update_weights(self, bucket: dict) -> int:
@@ -52,31 +82,58 @@ class Receiver(Actor):
         from roles.weight_sync import received, unpack_bucket
 
         named = unpack_bucket(received(bucket))
-        for name, t in named:
-            self.params[name].copy_(t, non_blocking=True)
+        torch._foreach_copy_([self.params[n] for n, _ in named], [t for _, t in named])
         torch.cuda.synchronize()  # the ack lets the sender overwrite its buffer
         return len(named)
 
     @endpoint
-    def checksum(self) -> float:
-        return float(sum(t.float().sum().item() for t in self.params.values()))
+    def position_sums(self) -> dict[str, float]:
+        return _position_sums(self.params.items())
 
 
 class Sender(Actor):
-    def __init__(self, shapes):
-        self.params = _tensors(shapes, 1.0)
+    def __init__(self, shapes, scale: float):
+        import torch
+        from roles.trainer.megatron.mapper import hf_to_megatron
+
+        gen = torch.Generator(device="cuda").manual_seed(0)
+        self.params = {n: torch.randn(s, generator=gen, device="cuda").to(torch.bfloat16) for n, s in shapes}
+        self.shape = _shape(scale)
+        self.megatron = hf_to_megatron(self.params, self.shape, tp_rank=0, tp_size=1, pp_rank=0, pp_size=1)
+        torch.cuda.synchronize()
+
+    def _named(self, layout: str):
+        if layout == "hf":
+            return self.params.items()
+        from roles.trainer.megatron.mapper import stage_to_hf
+
+        return stage_to_hf([self.megatron], self.shape, pp_rank=0, pp_size=1)
 
     @endpoint
-    def push(self, receiver, buffer_bytes: int, gpus: list[int] | None) -> dict:
+    def push(self, receiver, layout: str, buffer_bytes: int, num_buffers: int, gpus: list[int] | None,
+             reps: int = 3) -> dict:
+        """Median seconds of `reps` syncs after a warm-up; receiver=None: packing only."""
         import torch
         from roles.weight_sync import for_receiver, push_weights
 
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        totals = push_weights(self.params.items(),
-                              lambda b: receiver.update_weights.call(for_receiver(b, gpus)).result(),
-                              buffer_bytes)
-        return {**totals, "seconds": time.perf_counter() - t0}
+        def send(bucket):
+            if receiver is None:
+                return None
+            future = receiver.update_weights.call(for_receiver(bucket, gpus))
+            return future if num_buffers > 1 else future.result()
+
+        times = []
+        for _ in range(reps + 1):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            totals = push_weights(self._named(layout), send, buffer_bytes, num_buffers=num_buffers)
+            torch.cuda.synchronize()
+            times.append(time.perf_counter() - t0)
+        return {**totals, "seconds": statistics.median(times[1:])}
+
+    @endpoint
+    def position_sums(self) -> dict[str, float]:
+        return _position_sums(self.params.items())
 
     @endpoint
     def peer_copy(self) -> dict:
@@ -88,50 +145,48 @@ class Sender(Actor):
             for n, t in self.params.items():
                 dst[n].copy_(t)
             torch.cuda.synchronize()
-        return {"num_bytes": sum(t.numel() * 2 for t in self.params.values()),
-                "seconds": time.perf_counter() - t0}
+        return {"num_bytes": sum(t.numel() * 2 for t in self.params.values()), "seconds": time.perf_counter() - t0}
 
 
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(prog="python -m bench.weight_sync", description=__doc__.splitlines()[0])
     ap.add_argument("--scale", type=float, default=1.0, help="fraction of Qwen3-4B's 36 layers")
-    ap.add_argument("--bucket-mb", type=int, default=512)
+    ap.add_argument("--bucket-mb", type=int, nargs="+", default=[512, 1024])
+    ap.add_argument("--host", action="store_true", help="also time the host-staging transport (seconds)")
     ap.add_argument("--json", help="write the figures here")
     args = ap.parse_args(argv)
     shapes = qwen3_4b_shapes(args.scale)
-    buffer_bytes = args.bucket_mb << 20
+    rows = []
     with Supervisor("runs/bench-weight-sync", heartbeat_interval=1.0) as sup:
-        snd = sup.spawn("sender", Sender, shapes, gpus=[0])
+        snd = sup.spawn("sender", Sender, shapes, args.scale, gpus=[0])
         rcv = sup.spawn("receiver", Receiver, shapes, gpus=[0])
         sup.wait_ready(timeout=600)
-        results = {}
-        for name, gpus in (("ipc", [0]), ("host", None)):
-            snd.push(rcv, buffer_bytes, gpus)  # warm-up: allocator, IPC handle cache, shm pool
-            r = snd.push(rcv, buffer_bytes, gpus)
-            results[name] = {"GB/s": r["num_bytes"] / r["seconds"] / 1e9, "seconds": r["seconds"],
-                             "bytes": r["num_bytes"], "buckets": r["num_buckets"]}
-        expected = float(sum(_numel(s) for _, s in shapes))
-        assert abs(rcv.checksum() - expected) < 1e-3 * expected, "receiver weights differ after the sync"
-        p = snd.peer_copy()
-        results["peer"] = {"GB/s": p["num_bytes"] / p["seconds"] / 1e9, "seconds": p["seconds"],
-                           "bytes": p["num_bytes"]}
-    ipc = results["ipc"]["GB/s"]
-    print(f"weight sync of {results['ipc']['bytes'] / 1e9:.2f} GB (bf16, Qwen3-4B shapes x{args.scale}), "
-          f"{args.bucket_mb} MiB buckets, sender and receiver roles on one GPU")
-    print(f"{'transport':<10}{'GB/s':>10}{'seconds':>10}{'ipc / this':>12}")
-    for name, r in results.items():
-        print(f"{name:<10}{r['GB/s']:>10.1f}{r['seconds']:>10.3f}{ipc / r['GB/s']:>12.2f}")
+        expected = snd.position_sums()
+        for mb in args.bucket_mb:
+            for layout in ("hf", "megatron"):
+                for buffers in (1, 2):
+                    r = snd.push(rcv, layout, mb << 20, buffers, [0])
+                    rows.append({"row": f"{layout}, {buffers} buffer{'s' if buffers > 1 else ''}", "bucket_mb": mb,
+                                 **r})
+                    got = rcv.position_sums()
+                    bad = [n for n in expected if abs(got[n] - expected[n]) > 1e-3 * (1 + abs(expected[n]))]
+                    assert not bad, f"{layout}: receiver weights differ after the sync: {bad[:3]}"
+            rows.append({"row": "megatron pack only", "bucket_mb": mb, **snd.push(None, "megatron", mb << 20, 1, None)})
+        if args.host:
+            rows.append({"row": "hf, host staging", "bucket_mb": args.bucket_mb[0],
+                         **snd.push(rcv, "hf", args.bucket_mb[0] << 20, 1, None, reps=1)})
+        rows.append({"row": "peer memcpy", "bucket_mb": None, **snd.peer_copy()})
+    peer = rows[-1]["seconds"]
+    print(f"weight sync of {rows[0]['num_bytes'] / 1e9:.2f} GB (bf16, Qwen3-4B shapes x{args.scale}), "
+          "sender and receiver roles on one GPU, CUDA IPC")
+    print(f"{'row':<22}{'bucket MiB':>11}{'buckets':>8}{'ms':>9}{'GB/s':>9}{'vs memcpy':>11}")
+    for r in rows:
+        print(f"{r['row']:<22}{str(r['bucket_mb'] or '-'):>11}{str(r.get('num_buckets', '-')):>8}"
+              f"{r['seconds'] * 1e3:>9.1f}{r['num_bytes'] / r['seconds'] / 1e9:>9.0f}{r['seconds'] / peer:>10.1f}x")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(results, f, indent=2)
-    return results
-
-
-def _numel(shape) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n
+            json.dump(rows, f, indent=2)
+    return {"rows": rows}
 
 
 if __name__ == "__main__":

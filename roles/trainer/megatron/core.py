@@ -185,15 +185,22 @@ class MegatronCore:
         return flat or [p.data for p in self.module.parameters()]
 
     def _optimizer_tensors(self) -> list[torch.Tensor]:
+        out = self._main_params()
+        for opt in self._optimizers():
+            for state in opt.optimizer.state.values():
+                out += [v for k, v in state.items() if torch.is_tensor(v) and v.dim() > 0]
+        return out
+
+    def _optimizers(self) -> list:
+        return getattr(self.optimizer, "chained_optimizers", [self.optimizer])
+
+    def _main_params(self) -> list[torch.Tensor]:
+        """float32 main params: the distributed optimizer's shards, or the plain mixed-precision copies."""
         out = []
-        for opt in getattr(self.optimizer, "chained_optimizers", [self.optimizer]):
-            # float32 main params: the distributed optimizer's shards, or the plain mixed-precision copies
+        for opt in self._optimizers():
             main = getattr(opt, "shard_fp32_from_float16_groups", None) or getattr(opt, "fp32_from_float16_groups", [])
             for group in main:
                 out += [p.data for p in group]
-            inner = opt.optimizer
-            for state in inner.state.values():
-                out += [v for k, v in state.items() if torch.is_tensor(v) and v.dim() > 0]
         return out
 
     # ---- memory -------------------------------------------------------------------------
@@ -366,7 +373,9 @@ class MegatronCore:
             weights = {k: v.detach().cpu() for k, v in self.named_hf_weights()}
             save_checkpoint(path, weights=weights, optimizer={}, step=self.step, rng=capture_rng())
         dist.barrier()
-        torch.save({"tensors": [t.cpu() for t in self._optimizer_tensors()], "step": self.step},
+        # the inner torch optimizers' state: Adam moments AND their step counters (bias correction)
+        torch.save({"main_params": [t.cpu() for t in self._main_params()],
+                    "adam": [opt.optimizer.state_dict()["state"] for opt in self._optimizers()], "step": self.step},
                    os.path.join(path, f"optimizer.rank{rank}.pt"))
         dist.barrier()
         return {"path": path, "step": self.step, "seconds": time.monotonic() - start}
@@ -378,13 +387,17 @@ class MegatronCore:
         self.require_onloaded("params", "optimizer")
         ckpt = load_checkpoint(path)
         self._load_hf(self.module, ckpt.weights)
-        shard = torch.load(os.path.join(path, f"optimizer.rank{dist.get_rank()}.pt"))
-        tensors = self._optimizer_tensors()
-        if [t.shape for t in tensors] != [t.shape for t in shard["tensors"]]:
+        shard = torch.load(os.path.join(path, f"optimizer.rank{dist.get_rank()}.pt"), map_location="cpu")
+        main = self._main_params()
+        if [t.shape for t in main] != [t.shape for t in shard["main_params"]]:
             raise ValueError(f"{path}: optimizer shard does not match this trainer's layout (same dp size needed)")
         with torch.no_grad():
-            for t, saved in zip(tensors, shard["tensors"]):
+            for t, saved in zip(main, shard["main_params"]):
                 t.copy_(saved)
+        for opt, state in zip(self._optimizers(), shard["adam"]):
+            # a fresh optimizer has no Adam state yet: load_state_dict creates it on the params' device
+            opt.optimizer.load_state_dict({**opt.optimizer.state_dict(), "state": state})
+        self.memory.account("optimizer", self.offloader.nbytes("optimizer"))
         self.step = ckpt.step
         restore_rng(ckpt.rng)
         return {"path": path, "step": self.step}
