@@ -83,8 +83,9 @@ def build_tokenizer(texts: list[str], *, max_length: int) -> PreTrainedTokenizer
 
 
 def write_checkpoint(out_dir: str | os.PathLike, *, arch: str, overrides: dict | None = None, seed: int = 0,
-                     dtype: str = "bfloat16", num_prompts: int = 2048) -> dict:
-    """Write the untrained checkpoint and the prompts to `out_dir`; returns a summary."""
+                     dtype: str = "bfloat16", num_prompts: int = 2048, device: str = "cpu") -> dict:
+    """Write the untrained checkpoint and the prompts to `out_dir`; returns a summary.
+    `device`: where the random init runs ("cuda": seconds instead of minutes at 4B)."""
     out = Path(out_dir)
     config = arch_config(arch, overrides)
     records = dapo_math_records(num_prompts, seed)
@@ -94,7 +95,7 @@ def write_checkpoint(out_dir: str | os.PathLike, *, arch: str, overrides: dict |
         raise ValueError(f"vocab_size={config.vocab_size} is smaller than the tokenizer's {len(tokenizer)} tokens")
     eos, pad = tokenizer.convert_tokens_to_ids(EOS_TOKEN), tokenizer.convert_tokens_to_ids(PAD_TOKEN)
     config.eos_token_id, config.pad_token_id, config.bos_token_id = eos, pad, None
-    with torch.random.fork_rng(devices=[]):
+    with torch.random.fork_rng(devices=[]), torch.device(device):
         torch.manual_seed(seed)
         model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype))
     model.generation_config = GenerationConfig(eos_token_id=eos, pad_token_id=pad)
@@ -141,6 +142,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
     parser.add_argument("--num-prompts", type=int, default=2048)
+    parser.add_argument("--device", default="cpu", help="where to run the random init (cuda is much faster)")
     args = parser.parse_args(argv)
     transformers.logging.disable_progress_bar()
     try:
@@ -151,7 +153,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"writing an UNTRAINED {args.arch}-shaped checkpoint (random init, {size / 1e9:.1f} GB) "
           f"to {args.out_dir}", flush=True)
     summary = write_checkpoint(args.out_dir, arch=args.arch, overrides=dict(args.override), seed=args.seed,
-                               dtype=args.dtype, num_prompts=args.num_prompts)
+                               dtype=args.dtype, num_prompts=args.num_prompts, device=args.device)
     print(f"wrote an UNTRAINED checkpoint: {summary['parameters']:,} random-init parameters in {summary['path']} "
           f"(its answers are noise; see README.md there); prompts: {summary['prompts']}")
     return 0

@@ -1,0 +1,249 @@
+"""A PPO job on a real GPU, measured phase by phase.
+
+    python -m bench.iteration --out DIR -- LAUNCH_FLAGS...
+
+Runs `ppo.loop.train` in this process on the launch.py flags after `--` (add --dump-samples:
+the prompts' token counts come from RUN_DIR/samples), while a thread samples the GPU's
+memory (`torch.cuda.mem_get_info`: every process on the device) and the host's (psutil,
+else /proc/meminfo) every 0.2 s. Before the job it measures this machine's pinned copy rate
+(the peer every memory move is compared with). After it, from RUN_DIR/events.jsonl and
+metrics.jsonl, it prints per rollout:
+
+- the driver's phases in order with the gaps between them (the memory handoffs run between
+  phases): seconds, peak GPU memory in use, peak host memory in use;
+- every memory move a role made (trainer offload/onload, engine release/resume): tags,
+  device bytes freed or taken, seconds, GB/s and the ratio to the pinned copy rate;
+- rollout tokens/s (response tokens over the rollout phase) and training tokens/s (prompt
+  and response tokens over each train phase); the trainers' own time in `train` (their
+  `training` state) against the driver's phase, the difference being messaging;
+- the share of the step outside compute: the step's time less its compute phases
+  (generation and scoring, log-probs, values, advantages, the two train calls), that is
+  the handoffs, the weight sync, messaging and waiting.
+
+Everything also goes to DIR/iteration.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import threading
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+COMPUTE_PHASES = ("rollout", "log_probs", "values", "advantages", "critic_train", "actor_train")
+MOVES = ("offload", "onload", "release", "resume")
+GIB = 1 << 30
+
+
+def pinned_copy_rates(nbytes: int = 2 << 30, repeats: int = 3) -> dict[str, float]:
+    """GB/s of one device<->pinned-host copy of `nbytes`, best of `repeats`, each direction."""
+    dev = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    rates = {}
+    for name, dst, src in (("d2h", host, dev), ("h2d", dev, host)):
+        best = float("inf")
+        for _ in range(repeats + 1):  # the first is a warm-up
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            dst.copy_(src, non_blocking=True)
+            torch.cuda.synchronize()
+            best = min(best, time.perf_counter() - t0)
+        rates[name] = nbytes / best / 1e9
+    del dev, host
+    torch.cuda.empty_cache()
+    empty_host = getattr(getattr(torch, "accelerator", None), "empty_host_cache", None) or getattr(
+        torch._C, "_host_emptyCache", None)
+    if empty_host is not None:
+        empty_host()
+    return rates
+
+
+def host_used_bytes() -> tuple[int, int]:
+    """(used, total) host memory in bytes: total less what the kernel could still give."""
+    try:
+        import psutil
+
+        vm = psutil.virtual_memory()
+        return vm.total - vm.available, vm.total
+    except ImportError:
+        info = {line.split(":")[0]: int(line.split()[1]) * 1024 for line in open("/proc/meminfo")}
+        return info["MemTotal"] - info["MemAvailable"], info["MemTotal"]
+
+
+class MemorySampler(threading.Thread):
+    """(time, GPU bytes in use by every process, host bytes in use) every `period` seconds."""
+
+    def __init__(self, period: float = 0.2):
+        super().__init__(daemon=True)
+        self.period, self.samples, self._stop = period, [], threading.Event()
+
+    def run(self) -> None:
+        while not self._stop.is_set():
+            free, total = torch.cuda.mem_get_info()
+            self.samples.append((time.time(), total - free, host_used_bytes()[0]))
+            self._stop.wait(self.period)
+
+    def stop(self) -> list[tuple[float, int, int]]:
+        self._stop.set()
+        self.join()
+        return self.samples
+
+    @staticmethod
+    def peak(samples, t0: float, t1: float) -> tuple[float, float]:
+        """(GPU GiB, host GiB) peaks over [t0, t1] (the nearest sample when none falls inside)."""
+        inside = [s for s in samples if t0 <= s[0] <= t1] or [min(samples, key=lambda s: abs(s[0] - t0))]
+        return max(s[1] for s in inside) / GIB, max(s[2] for s in inside) / GIB
+
+
+def prompt_tokens(run_dir: Path, hf_checkpoint: str) -> dict[int, int]:
+    """{step: prompt tokens of all its samples} from RUN_DIR/samples (--dump-samples)."""
+    from transformers import AutoTokenizer
+
+    tok, out = AutoTokenizer.from_pretrained(hf_checkpoint), {}
+    for path in sorted((run_dir / "samples").glob("rollout_*.jsonl")):
+        rows = [json.loads(line) for line in path.read_text().splitlines()]
+        out[int(path.stem.split("_")[1])] = sum(len(tok(r["prompt"], add_special_tokens=False).input_ids)
+                                                for r in rows)
+    return out
+
+
+def analyse(run_dir: Path, samples, rates: dict[str, float], num_samples: int, prompts: dict[int, int]) -> list[dict]:
+    events = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines() if line]
+    metrics = {m["step"]: m for m in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())}
+    phases: dict[int, list[dict]] = {}
+    open_: dict[tuple[int, str], float] = {}
+    for e in events:
+        if e["event"] == "phase" and e.get("track") == "driver":
+            key = (e["step"], e["phase"])
+            if e["action"] == "begin":
+                open_[key] = e["ts"]
+            elif e["action"] == "end" and key in open_:
+                phases.setdefault(e["step"], []).append({"phase": e["phase"], "t0": open_.pop(key), "t1": e["ts"]})
+    moves = [e for e in events if e["event"] == "phase" and e.get("action") == "span" and e["phase"] in MOVES]
+    training = _state_spans(events, "training")
+    steps = []
+    for step, spans in sorted(phases.items()):
+        outer = next((s for s in spans if s["phase"] == "step"), None)
+        if outer is None or step not in metrics:
+            continue
+        inner = sorted((s for s in spans if s["phase"] != "step"), key=lambda s: s["t0"])
+        rows, cursor = [], outer["t0"]
+        for s in inner + [{"phase": "(end of step)", "t0": outer["t1"], "t1": outer["t1"]}]:
+            if s["t0"] - cursor > 1e-3:
+                rows.append(_row(f"handoff before {s['phase']}", cursor, s["t0"], samples))
+            if s["t1"] > s["t0"]:
+                rows.append(_row(s["phase"], s["t0"], s["t1"], samples))
+            cursor = max(cursor, s["t1"])
+        m = metrics[step]
+        step_s = outer["t1"] - outer["t0"]
+        compute = sum(r["seconds"] for r in rows if r["phase"] in COMPUTE_PHASES)
+        response = m["rollout/response_len"] * num_samples
+        tokens = response + prompts.get(step, 0)
+        rollout_s = next((r["seconds"] for r in rows if r["phase"] == "rollout"), 0.0)
+        record = {
+            "step": step, "step_s": step_s, "compute_s": compute, "outside_s": step_s - compute,
+            "outside_share": (step_s - compute) / step_s, "phases": rows,
+            "rollout_tokens_per_s": response / rollout_s if rollout_s else None,
+            "response_tokens": response, "prompt_tokens": prompts.get(step),
+            "moves": [_move(e, rates) for e in moves if outer["t0"] <= e["t0"] <= outer["t1"]],
+            "training_role_s": {role: sum(t1 - t0 for t0, t1 in spans_ if outer["t0"] <= t0 <= outer["t1"])
+                                for role, spans_ in training.items()},
+        }
+        for r in rows:
+            if r["phase"].endswith("_train") and prompts.get(step) is not None:
+                record[f"{r['phase']}_tokens_per_s"] = tokens / r["seconds"]
+        steps.append(record)
+    return steps
+
+
+def _row(phase: str, t0: float, t1: float, samples) -> dict:
+    gpu, host = MemorySampler.peak(samples, t0, t1)
+    return {"phase": phase, "seconds": t1 - t0, "gpu_peak_gib": gpu, "host_peak_gib": host}
+
+
+def _move(e: dict, rates: dict[str, float]) -> dict:
+    into_gpu = e["phase"] in ("onload", "resume")
+    gbps = e["bytes"] / e["seconds"] / 1e9 if e["seconds"] > 0 else 0.0
+    return {"role": e["role"], "move": e["phase"], "tags": e.get("tags"), "bytes": e["bytes"],
+            "seconds": e["seconds"], "gb_per_s": gbps, "vs_pinned": gbps / rates["h2d" if into_gpu else "d2h"]}
+
+
+def _state_spans(events: list[dict], state: str) -> dict[str, list[tuple[float, float]]]:
+    spans: dict[str, list[tuple[float, float]]] = {}
+    began: dict[str, float] = {}
+    for e in events:
+        if e["event"] != "state":
+            continue
+        if e["new"] == state:
+            began[e["role"]] = e["ts"]
+        elif e["old"] == state and e["role"] in began:
+            spans.setdefault(e["role"], []).append((began.pop(e["role"]), e["ts"]))
+    return spans
+
+
+def report(steps: list[dict], rates: dict[str, float]) -> str:
+    lines = [f"pinned copy peer: D2H {rates['d2h']:.1f} GB/s, H2D {rates['h2d']:.1f} GB/s"]
+    for s in steps:
+        lines.append(f"\nstep {s['step']}: {s['step_s']:.2f} s, compute {s['compute_s']:.2f} s, outside compute "
+                     f"{s['outside_s']:.2f} s ({100 * s['outside_share']:.1f}%)")
+        lines.append(f"  {'phase':<34}{'s':>8}{'GPU peak GiB':>14}{'host peak GiB':>15}")
+        for r in s["phases"]:
+            lines.append(f"  {r['phase']:<34}{r['seconds']:>8.3f}{r['gpu_peak_gib']:>14.1f}{r['host_peak_gib']:>15.1f}")
+        rate = s["rollout_tokens_per_s"]
+        lines.append(f"  rollout: {s['response_tokens']:.0f} response tokens, "
+                     f"{rate:,.0f} tok/s" if rate else "  rollout: no tokens")
+        for key in ("critic_train_tokens_per_s", "actor_train_tokens_per_s"):
+            if key in s:
+                lines.append(f"  {key.removesuffix('_tokens_per_s')}: {s[key]:,.0f} tok/s "
+                             f"({s['prompt_tokens'] + s['response_tokens']:.0f} tokens)")
+        for role, sec in s["training_role_s"].items():
+            if sec:
+                lines.append(f"  {role} inside train: {sec:.3f} s")
+        for m in s["moves"]:
+            lines.append(f"  {m['role']:<10} {m['move']:<8} {','.join(m['tags'] or []):<28} "
+                         f"{m['bytes'] / 1e9:>7.2f} GB {m['seconds']:>7.3f} s {m['gb_per_s']:>6.1f} GB/s "
+                         f"{m['vs_pinned']:>5.2f}x pinned")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    split = argv.index("--") if "--" in argv else len(argv)
+    parser = argparse.ArgumentParser(prog="python -m bench.iteration", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", required=True, help="directory for iteration.json")
+    args = parser.parse_args(argv[:split])
+    from ppo.config import build_parser, parse_cli, samples_per_rollout
+    from ppo.loop import train
+
+    cfg, _ = parse_cli(build_parser(prog="launch.py"), argv[split + 1:])
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    rates = pinned_copy_rates()
+    used, total = host_used_bytes()
+    print(f"host memory: {used / GIB:.1f} of {total / GIB:.1f} GiB in use before the job", flush=True)
+    sampler = MemorySampler()
+    sampler.start()
+    error = None
+    try:
+        train(cfg)
+    except BaseException as e:  # the measurements of what ran are still wanted
+        error = "".join(traceback.format_exception(e))
+        print(error, file=sys.stderr, flush=True)
+    samples = sampler.stop()
+    run_dir = Path(cfg.logging.run_dir)
+    prompts = prompt_tokens(run_dir, cfg.checkpoint.hf_checkpoint) if (run_dir / "samples").is_dir() else {}
+    steps = analyse(run_dir, samples, rates, samples_per_rollout(cfg), prompts)
+    print(report(steps, rates), flush=True)
+    (out / "iteration.json").write_text(json.dumps(
+        {"pinned_gb_per_s": rates, "steps": steps, "error": error,
+         "memory_samples": [(round(t, 3), g, h) for t, g, h in samples]}, indent=1))
+    return 1 if error else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

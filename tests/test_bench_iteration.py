@@ -1,0 +1,42 @@
+"""bench.iteration's analysis of a run's events, on a short fake-GPU run (the GPU parts, the
+pinned-copy peer and the memory sampler, run on the device only)."""
+
+import pytest
+
+from bench.iteration import COMPUTE_PHASES, analyse, prompt_tokens, report
+from ppo.config.serialize import override
+from ppo.config.validate import ensure_valid
+from ppo.loop import train
+from ppo.recipes import tiny_ppo
+from runtime.events import read_events
+
+RATES = {"d2h": 50.0, "h2d": 50.0}
+
+
+@pytest.mark.timeout(300)
+def test_iteration_table_covers_each_step_and_finds_the_moves(tmp_path):
+    run_dir = tmp_path / "run"
+    cfg = ensure_valid(override(tiny_ppo(), run_dir=str(run_dir), num_rollout=2, num_critic_only_steps=0,
+                                rollout_batch_size=16))
+    history = train(cfg)
+    ts = [e["ts"] for e in read_events(run_dir)]
+    samples = [(t, i << 20, 2 << 30) for i, t in enumerate(ts)]  # GPU memory rising: the peak is the last sample
+    prompts = prompt_tokens(run_dir, str(run_dir / "model" / "tiny-qwen3"))
+    steps = analyse(run_dir, samples, RATES, num_samples=128, prompts=prompts)
+    assert [s["step"] for s in steps] == [0, 1]
+    for s, h in zip(steps, history):
+        # phases and the handoffs between them tile the step
+        assert sum(r["seconds"] for r in s["phases"]) == pytest.approx(s["step_s"], abs=2e-3)
+        compute = sum(r["seconds"] for r in s["phases"] if r["phase"] in COMPUTE_PHASES)
+        assert s["outside_s"] == pytest.approx(s["step_s"] - compute)
+        assert any(r["phase"].startswith("handoff before") for r in s["phases"])
+        assert s["response_tokens"] == pytest.approx(h["rollout/response_len"] * 128)
+        assert s["prompt_tokens"] > 0 and s["actor_train_tokens_per_s"] > 0 and s["critic_train_tokens_per_s"] > 0
+        moved = {(m["move"], tuple(m["tags"])) for m in s["moves"]}
+        assert ("onload", ("params",)) in moved and any(m == "release" for m, _ in moved)
+        assert all(m["vs_pinned"] == pytest.approx(m["gb_per_s"] / 50.0) for m in s["moves"])
+        assert s["training_role_s"]["actor.0"] > 0
+        peaks = [r["gpu_peak_gib"] for r in s["phases"]]
+        assert peaks == sorted(peaks)  # each phase's peak is its latest sample, as the memory only rises
+    text = report(steps, RATES)
+    assert "outside compute" in text and "actor_train:" in text and "x pinned" in text
