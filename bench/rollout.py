@@ -1,20 +1,32 @@
 """Rollout throughput of the built-in torch engine against HF generate, on one GPU.
 
-    python -m bench.rollout [--peers all|short|none] [--json PATH]
+    python -m bench.rollout [--peers all|short|none] [--budget-s S] [--json PATH] [--profile]
+    python -m bench.rollout --table PATH     # print the table of a saved (maybe cut-short) run
 
 Qwen3-4B shape (36 layers, hidden 2560, 32/8 heads of 128, intermediate 9728, vocab 151936,
 tied embeddings), random init built in-process (nothing downloaded), bf16. Rows: batch 64
 and 256, 256-token prompts, 256 and 2048 new tokens (min = max, eos ignored), greedy.
-Columns: the engine; HF `generate` with a dynamic cache; HF `generate` with a static cache
-(transformers compiles its forward then); the memory-bandwidth limit from this run's
-measured device copy rate: one decode step must read every weight and the batch's KV cache
-(at the mean length) once, so limit = batch / ((weight bytes + KV bytes) / copy rate).
-Also: a mixed-length run (half the requests stop early) that shows continuous batching
-keeping the slots busy, release/resume times and peak memory. Results go to --json after
-every stage.
 
-`--peers short` skips the HF peers' slow rows (2048 new tokens; batch 256 with a static
-cache); `--peers none` runs the engine alone.
+Columns: the engine (whole `generate` calls, prefill included); HF `generate` with a
+dynamic cache; HF `generate` with a static cache (transformers compiles its forward then);
+the memory-bandwidth limit from this run's measured device copy rate: one decode step must
+read every weight and the batch's KV cache (at the mean length) once, so
+limit = batch / ((weight bytes + KV bytes) / copy rate).
+
+How the peers are timed, so that one device call holds the whole table: the static-cache
+row at batch 64 / 256 new tokens (the goal's peer) is whole `generate` calls, as the
+engine's, after a warm-up call that compiles. Every other HF cell is a decode-rate window:
+prompts as long as the row's mean context (256 + new/2 tokens), WINDOW steps generated, the
+time of each step taken by a logits processor, and batch / (mean step time after the first
+WARM steps). That leaves out the peer's prefill and, for the static cache, reads a cache
+sized to the window rather than to the whole row: both flatter the peer, so the engine's
+ratios against these cells are lower bounds.
+
+Also: a mixed-length run (half the requests stop early) whose slot occupancy is split into
+"while requests wait" (continuous batching must keep it near 100%) and "drain tail";
+release and resume times (the first release pins the host buffer; the second is what each
+PPO iteration pays) and peak memory. Results go to --json after every stage; peers run in
+priority order until --budget-s, and a cell skipped for time says so.
 """
 
 from __future__ import annotations
@@ -27,6 +39,7 @@ import time
 import torch
 
 BATCHES, PROMPT_LEN, NEW_TOKENS = (64, 256), 256, (256, 2048)
+WINDOW, WARM = 40, 8  # decode-rate windows: steps generated, first steps not timed
 
 
 def qwen3_4b_config():
@@ -54,9 +67,9 @@ def copy_rate() -> float:
     return 2 * (4 << 30) / best
 
 
-def prompts(batch: int, seed: int) -> torch.Tensor:  # [B, P]
+def prompts(batch: int, seed: int, length: int = PROMPT_LEN) -> torch.Tensor:  # [B, P]
     g = torch.Generator().manual_seed(seed)
-    return torch.randint(1000, 150000, (batch, PROMPT_LEN), generator=g)
+    return torch.randint(1000, 150000, (batch, length), generator=g)
 
 
 def timed(fn) -> tuple[float, object]:
@@ -67,10 +80,10 @@ def timed(fn) -> tuple[float, object]:
     return time.perf_counter() - t0, out
 
 
-def engine_requests(ids: torch.Tensor, new: list[int] | int, temperature: float = 0.0) -> list[dict]:
+def engine_requests(ids: torch.Tensor, new: list[int] | int) -> list[dict]:
     news = new if isinstance(new, list) else [new] * len(ids)
     return [{"id": i, "prompt_ids": row.tolist(),
-             "sampling": {"max_new_tokens": n, "ignore_eos": True, "temperature": temperature, "seed": i}}
+             "sampling": {"max_new_tokens": n, "ignore_eos": True, "temperature": 0.0, "seed": i}}
             for i, (row, n) in enumerate(zip(ids, news))]
 
 
@@ -83,21 +96,46 @@ def run_engine(eng, batch: int, new: int, repeat: int) -> dict:
     seconds, out = timed(lambda: eng.generate(reqs))
     assert all(len(r["token_ids"]) == new for r in out)
     return {"tok_s": batch * new / seconds, "seconds": seconds, "peak_gib": torch.cuda.max_memory_allocated() / 2**30,
-            "stats": eng._backend.scheduler.last_stats, "out": out, "ids": ids}
+            "out": out, "ids": ids}
 
 
-def run_hf(model, batch: int, new: int, static: bool, repeat: int) -> float:
-    ids = prompts(batch, seed=batch + new).cuda()
+def hf_kwargs(ids: torch.Tensor, new: int, static: bool) -> dict:
     kwargs = dict(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, min_new_tokens=new,
                   do_sample=False, pad_token_id=0)
     if static:
         kwargs["cache_implementation"] = "static"
+    return kwargs
+
+
+def run_hf_whole(model, batch: int, new: int, static: bool) -> float:
+    """tokens/s of whole generate calls (a first call warms up: compiles the static-cache forward)."""
+    kwargs = hf_kwargs(prompts(batch, seed=batch + new).cuda(), new, static)
     with torch.no_grad():
-        for _ in range(repeat - 1):
-            model.generate(**kwargs)
+        model.generate(**kwargs)
         seconds, out = timed(lambda: model.generate(**kwargs))
     assert out.shape[1] == PROMPT_LEN + new
     return batch * new / seconds
+
+
+def run_hf_window(model, batch: int, new: int, static: bool) -> float:
+    """tokens/s of HF's decode at the row's mean context (see the module docstring)."""
+    from transformers import LogitsProcessor, LogitsProcessorList
+
+    class StepClock(LogitsProcessor):
+        def __init__(self):
+            self.times = []
+
+        def __call__(self, input_ids, scores):
+            torch.cuda.synchronize()
+            self.times.append(time.perf_counter())
+            return scores
+
+    clock = StepClock()
+    ids = prompts(batch, seed=batch + new, length=PROMPT_LEN + new // 2).cuda()
+    with torch.no_grad():
+        model.generate(**hf_kwargs(ids, WINDOW, static), logits_processor=LogitsProcessorList([clock]))
+    steps = clock.times[WARM:]
+    return batch * (len(steps) - 1) / (steps[-1] - steps[0])
 
 
 def hf_agreement(model, res: dict, n: int = 4) -> float:
@@ -113,19 +151,39 @@ def hf_agreement(model, res: dict, n: int = 4) -> float:
     return worst
 
 
+def peer_plan(rows: list[dict], peers: str) -> list[tuple[dict, str, bool]]:
+    """(row, column, whole-call timing) in priority order: the goal's peer first."""
+    if peers == "none":
+        return []
+    by = {(r["batch"], r["new"]): r for r in rows}
+    plan = [(by[64, 256], "hf_static", True)]
+    plan += [(by[b, n], "hf_dynamic", False) for n in NEW_TOKENS for b in BATCHES]
+    if peers == "all":
+        plan += [(by[256, 256], "hf_static", False)] + [(by[b, 2048], "hf_static", False) for b in BATCHES]
+    return plan
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--peers", choices=("all", "short", "none"), default="all",
-                        help="HF rows to run: all, short (skip the slow ones), none")
+                        help="HF cells to run: all; short (no static-cache cell but the goal's); none")
+    parser.add_argument("--budget-s", type=float, default=240.0,
+                        help="no new peer cell starts after this many seconds of the run")
     parser.add_argument("--json", help="also write the results here")
+    parser.add_argument("--table", help="print the table of this saved JSON and exit")
     parser.add_argument("--mem-fraction", type=float, default=0.8, help="engine's share of the GPU")
     parser.add_argument("--profile", action="store_true", help="print the top CUDA kernels of a batch-64 run")
     args = parser.parse_args()
+    if args.table:
+        with open(args.table) as f:
+            print_table(json.load(f))
+        return
     from transformers import AutoModelForCausalLM
 
     from roles.rollout import RolloutEngine
     from roles.weight_sync import push_weights
 
+    began = time.perf_counter()
     torch.manual_seed(0)
     rate = copy_rate()
     config = qwen3_4b_config()
@@ -138,65 +196,87 @@ def main() -> None:
                         options={"load_format": "dummy"})
     push_weights(model.state_dict().items(), eng.update_weights, buffer_bytes=1 << 30)
     eng.set_weight_version(1)
+    backend = eng._backend
     print(f"engine built and loaded in {time.perf_counter() - t0:.1f}s; KV budget "
-          f"{eng._backend.kv_cache_bytes / 2**30:.1f} GiB; copy rate {rate / 1e12:.2f} TB/s", flush=True)
-    weight_bytes = eng._backend.weights_bytes
-    per_token = eng._backend.kv_bytes_per_token
-
-    rows, results = [], {"copy_rate_tb_s": rate / 1e12, "weight_gib": weight_bytes / 2**30}
-    for new in NEW_TOKENS:
-        for batch in BATCHES:
-            res = run_engine(eng, batch, new, repeat=2 if new <= 256 else 1)
-            kv = batch * (PROMPT_LEN + new / 2) * per_token
-            limit = batch * rate / (weight_bytes + kv)
-            row = {"batch": batch, "new": new, "engine": res["tok_s"], "limit": limit, "peak_gib": res["peak_gib"],
-                   "hf_dynamic": None, "hf_static": None}
-            if new == 256 and batch == 64:
-                row["logprob_gap_vs_hf"] = hf_agreement(model, res)
-            print(f"engine b{batch} n{new}: {res['tok_s']:.0f} tok/s ({res['seconds']:.2f}s), "
-                  f"limit {limit:.0f}, peak {res['peak_gib']:.1f} GiB", flush=True)
-            rows.append(row)
-    if args.profile:
-        profile(eng)
-    results["rows"] = rows
+          f"{backend.kv_cache_bytes / 2**30:.1f} GiB; copy rate {rate / 1e12:.2f} TB/s", flush=True)
+    weight_bytes = backend.weights_bytes
+    per_token = backend.kv_bytes_per_token
+    results = {"copy_rate_tb_s": rate / 1e12, "weight_gib": weight_bytes / 2**30, "rows": []}
 
     def save() -> None:  # after every stage: a run cut short still leaves what it measured
         if args.json:
             with open(args.json, "w") as f:
                 json.dump(results, f, indent=1, default=str)
 
-    # mixed lengths: twice as many requests as slots, half stop after 32 tokens, half run 256
-    num = 2 * max(BATCHES)
-    news = [32 if i % 2 else 256 for i in range(num)]
-    seconds, _ = timed(lambda: eng.generate(engine_requests(prompts(num, seed=7), news)))
-    stats = eng._backend.scheduler.last_stats
-    results["mixed"] = {"num_requests": num, "tok_s": sum(news) / seconds,
+    for new in NEW_TOKENS:
+        for batch in BATCHES:
+            res = run_engine(eng, batch, new, repeat=2 if new <= 256 else 1)
+            kv = batch * (PROMPT_LEN + new / 2) * per_token
+            limit = batch * rate / (weight_bytes + kv)
+            row = {"batch": batch, "new": new, "engine": res["tok_s"], "limit": limit, "peak_gib": res["peak_gib"]}
+            if new == 256 and batch == 64:
+                row["logprob_gap_vs_hf"] = hf_agreement(model, res)
+            print(f"engine b{batch} n{new}: {res['tok_s']:.0f} tok/s ({res['seconds']:.2f}s), "
+                  f"limit {limit:.0f}, peak {res['peak_gib']:.1f} GiB", flush=True)
+            results["rows"].append(row)
+            save()
+            if (batch, new) == (max(BATCHES), 256):
+                stops = res  # its greedy tokens give the mixed run's stop tokens
+    results["graphs_kept"] = len(backend.graphs._graphs)
+    if args.profile:
+        profile(eng)
+
+    # mixed lengths: twice as many requests as slots, all with max_new_tokens 256; every other one
+    # stops early on a stop token, as on an eos: the token its prompt got at step 32 in the
+    # batch-256 row (greedy), which the scheduler cannot know at admission
+    num, stop_at = 2 * max(BATCHES), 32
+    reqs = engine_requests(torch.cat([stops["ids"], stops["ids"]]), 256)
+    for i, r in enumerate(reqs[1::2]):
+        stop = stops["out"][(2 * i + 1) % len(stops["ids"])]["token_ids"][stop_at - 1]
+        r["sampling"].update(ignore_eos=False, stop_token_ids=[stop])
+    seconds, out = timed(lambda: eng.generate(reqs))
+    stats = backend.scheduler.last_stats
+    tail_slots = stats["slot_steps"] - stats["slot_steps_queued"]
+    results["mixed"] = {"num_requests": num, "tok_s": sum(len(r["token_ids"]) for r in out) / seconds,
+                        "seconds": seconds, "stopped": sum(r["finish_reason"] == "stop" for r in out),
+                        "mean_new": sum(len(r["token_ids"]) for r in out) / num,
                         "occupancy": stats["busy_steps"] / stats["slot_steps"],
                         "occupancy_while_queued": stats["busy_steps_queued"] / max(1, stats["slot_steps_queued"]),
+                        "occupancy_tail": (stats["busy_steps"] - stats["busy_steps_queued"]) / max(1, tail_slots),
+                        "tail_share": tail_slots / stats["slot_steps"], "decode_steps": stats["decode_steps"],
                         "admitted_while_decoding": stats["admitted_while_decoding"], "num_slots": stats["num_slots"]}
     print(f"mixed: {results['mixed']}", flush=True)
+
     # the HF peers need the memory: the engine gives it back (timed: that is the colocation handoff)
-    before = torch.cuda.memory_allocated()
-    t_release, _ = timed(lambda: eng.release(["weights", "kv_cache", "cuda_graph"]))
-    results["release_s"], results["released_gib"] = t_release, (before - torch.cuda.memory_allocated()) / 2**30
-    print(f"release {t_release:.2f}s, freed {results['released_gib']:.1f} GiB", flush=True)
+    tags = ["weights", "kv_cache", "cuda_graph"]
+    for i in (1, 2):
+        before = torch.cuda.memory_allocated()
+        seconds, _ = timed(lambda: eng.release(tags))
+        results[f"release{i}_s"], results["released_gib"] = seconds, (before - torch.cuda.memory_allocated()) / 2**30
+        if i == 1:
+            results["resume1_s"], _ = timed(lambda: eng.resume(tags))
+    print(f"release {results['release1_s']:.2f}s then {results['release2_s']:.2f}s, resume "
+          f"{results['resume1_s']:.2f}s, freed {results['released_gib']:.1f} GiB", flush=True)
     save()
-    # the goal's peer first (batch 64, static cache), then the rest, slowest last
-    plan = [(r, True) for r in rows if args.peers == "all" or (args.peers == "short" and r["new"] <= 256
-                                                                and r["batch"] <= 64)]
-    plan += [(r, False) for r in rows if args.peers == "all" or (args.peers == "short" and r["new"] <= 256)]
-    for row, static in plan:
-        column = "hf_static" if static else "hf_dynamic"
+
+    for row, column, whole in peer_plan(results["rows"], args.peers):
+        cell = column if whole else column + "_window"
+        if time.perf_counter() - began > args.budget_s:
+            row[cell + "_error"] = "not run: time budget"
+            continue
         try:
-            row[column] = run_hf(model, row["batch"], row["new"], static=static, repeat=2 if static else 1)
+            run = run_hf_whole if whole else run_hf_window
+            row[cell] = run(model, row["batch"], row["new"], static=column == "hf_static")
         except Exception as e:  # a peer that cannot run here is a result to report, not the end of the bench
-            row[column + "_error"] = f"{type(e).__name__}: {e}"[:300]
+            row[cell + "_error"] = f"{type(e).__name__}: {e}"[:300]
             torch.cuda.empty_cache()
-        print(f"hf b{row['batch']} n{row['new']} {column}: {row.get(column) or row.get(column + '_error')}", flush=True)
+        print(f"hf b{row['batch']} n{row['new']} {cell}: {row.get(cell) or row.get(cell + '_error')} "
+              f"({time.perf_counter() - began:.0f}s into the run)", flush=True)
         save()
     del model
     torch.cuda.empty_cache()
-    results["resume_s"], _ = timed(lambda: eng.resume(["weights", "kv_cache", "cuda_graph"]))
+    results["resume2_s"], _ = timed(lambda: eng.resume(tags))
+    results["total_s"] = time.perf_counter() - began
     save()
     print_table(results)
 
@@ -209,32 +289,50 @@ def profile(eng) -> None:
     with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
         eng.generate(reqs)
         torch.cuda.synchronize()
-    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=70), flush=True)
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=20, max_name_column_width=70), flush=True)
 
 
 def print_table(results: dict) -> None:
-    def fmt(x):
-        return "—" if x is None else f"{x:,.0f}"
+    def cell(r: dict, column: str) -> str:
+        for key, mark in ((column, ""), (column + "_window", "*")):
+            if r.get(key):
+                return f"{r[key]:,.0f}{mark}"
+        return "not run"
+
+    def ratio(r: dict, column: str) -> str:
+        peer = r.get(column) or r.get(column + "_window")
+        return f"{r['engine'] / peer:.1f}x" if peer else "—"
 
     print(f"\ncopy rate {results['copy_rate_tb_s']:.2f} TB/s; weights {results['weight_gib']:.2f} GiB")
     print("| batch | new tokens | engine tok/s | HF dynamic | HF static+compile | bandwidth limit | "
-          "engine / limit | engine / HF static | peak GiB |")
-    print("|---|---|---|---|---|---|---|---|---|")
+          "engine / limit | engine / HF static | engine / HF dynamic | peak GiB |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for r in results["rows"]:
-        vs_static = f"{r['engine'] / r['hf_static']:.1f}x" if r["hf_static"] else "—"
-        print(f"| {r['batch']} | {r['new']} | {fmt(r['engine'])} | {fmt(r['hf_dynamic'])} | {fmt(r['hf_static'])} | "
-              f"{fmt(r['limit'])} | {r['engine'] / r['limit']:.0%} | {vs_static} | {r['peak_gib']:.1f} |")
+        print(f"| {r['batch']} | {r['new']} | {r['engine']:,.0f} | {cell(r, 'hf_dynamic')} | "
+              f"{cell(r, 'hf_static')} | {r['limit']:,.0f} | {r['engine'] / r['limit']:.0%} | "
+              f"{ratio(r, 'hf_static')} | {ratio(r, 'hf_dynamic')} | {r['peak_gib']:.1f} |")
+    print("* decode-rate window at the row's mean context (module docstring): flatters the peer")
+    skipped = {f"b{r['batch']} n{r['new']} {k[:-6]}": v for r in results["rows"] for k, v in r.items()
+               if k.endswith("_error")}
+    if skipped:
+        print(f"peer cells not run: {skipped}")
+    if "mixed" in results:
+        m = results["mixed"]
+        print(f"mixed lengths ({m['num_requests']} requests of up to 256 new tokens, {m['stopped']} stopped "
+              f"early on a stop token, mean {m['mean_new']:.0f} tokens; {m['num_slots']} slots): "
+              f"{m['tok_s']:,.0f} tok/s; slot occupancy {m['occupancy_while_queued']:.0%} while requests "
+              f"wait, {m['occupancy_tail']:.0%} in the drain tail ({m['tail_share']:.0%} of slot-steps), "
+              f"{m['occupancy']:.0%} over the whole call; {m['admitted_while_decoding']} admitted mid-call")
+    if "release1_s" in results:
+        print(f"release (weights, kv_cache, cuda_graph) of {results['released_gib']:.1f} GiB: first "
+              f"{results['release1_s']:.2f}s (pins the host buffer), then {results['release2_s']:.2f}s; resume "
+              f"{results['resume1_s']:.2f}s / {results.get('resume2_s', float('nan')):.2f}s (weights from "
+              "pinned memory, KV cache zeroed; graphs captured again at first use)")
     gap = [r["logprob_gap_vs_hf"] for r in results["rows"] if "logprob_gap_vs_hf" in r]
-    m = results["mixed"]
-    print(f"\nrelease (weights, kv_cache, cuda_graph): {results['release_s']:.2f}s, freed "
-          f"{results['released_gib']:.1f} GiB; resume: {results['resume_s']:.2f}s "
-          "(weights back from pinned memory, KV cache zeroed; graphs are captured again at first use)")
-    print(f"mixed lengths ({m['num_requests']} requests, half 32 / half 256 new tokens, {m['num_slots']} slots): "
-          f"{m['tok_s']:,.0f} tok/s, slot occupancy {m['occupancy_while_queued']:.0%} while requests wait, "
-          f"{m['occupancy']:.0%} over the whole call (tail included), "
-          f"{m['admitted_while_decoding']} requests admitted into freed slots mid-call")
     if gap:
         print(f"engine vs HF teacher-forced log-probs (bf16, b64): max |diff| {gap[0]:.3f}")
+    if "total_s" in results:
+        print(f"graphs kept after the engine rows: {results.get('graphs_kept')}; whole run {results['total_s']:.0f}s")
 
 
 if __name__ == "__main__":

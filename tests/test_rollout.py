@@ -174,6 +174,20 @@ def test_continuous_batching_refills_slots_and_returns_each_request_once_in_orde
         torch.testing.assert_close(r["logprobs"], a["logprobs"], atol=1e-5, rtol=0)
 
 
+def test_longest_max_new_tokens_are_admitted_first_so_the_tail_is_short(ckpt, engine):
+    # FIFO would start the one long request last, after the short ones, and run it alone for
+    # 12 steps; admitted first, it runs beside them and the call takes its 12 steps in all.
+    lengths = [2] * 6 + [12]
+    reqs = [{"id": i, "prompt_ids": PROMPTS[i % 4],
+             "sampling": {"max_new_tokens": n, "ignore_eos": True, "seed": i, "temperature": 1.0}}
+            for i, n in enumerate(lengths)]
+    three = RolloutEngine(ckpt, dtype="float32", max_batch_size=3)
+    out = three.generate(reqs)
+    assert [r["id"] for r in out] == list(range(len(lengths))) and [len(r["token_ids"]) for r in out] == lengths
+    assert three._backend.scheduler.last_stats["decode_steps"] == max(lengths) - 1  # the first token is prefill's
+    assert [r["token_ids"] for r in out] == [engine.generate([r])[0]["token_ids"] for r in reqs]
+
+
 def test_syncing_every_few_steps_changes_nothing(ckpt, engine):
     # On a GPU the host looks at the decode only every `sync_every` steps: rows that stopped
     # meanwhile run on as garbage, idle slots run too. Results must not show it, call after call.

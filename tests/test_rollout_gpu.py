@@ -130,3 +130,66 @@ def test_update_weights_from_cpu_buckets_while_the_cache_is_released(ckpts):
     got = eng.generate(_reqs(temperature=0))
     assert [r["token_ids"] for r in got] == [r["token_ids"] for r in fresh.generate(_reqs(temperature=0))]
     assert {r["weight_version"] for r in got} == {2}
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_triton_decode_kernels_equal_the_torch_reference(dtype):
+    import torch.nn.functional as F
+
+    from roles.rollout.torch_engine.decoder import _attention_inputs
+    from roles.rollout.torch_engine.kernels import decode_attention, num_splits, rope_and_store
+
+    torch.manual_seed(0)
+    tol = {"atol": 2e-2, "rtol": 2e-2} if dtype == torch.bfloat16 else {"atol": 1e-5, "rtol": 1e-5}
+    heads, kv, d, slots, slot_len = 32, 8, 128, 6, 1300  # Qwen3-4B heads; a slot not a multiple of the tile
+    # attention: lengths from 1 (an idle slot) to the whole slot, with and without split-K
+    k_cache, v_cache = (torch.randn(slots, kv, slot_len, d, device="cuda", dtype=dtype) for _ in range(2))
+    q = torch.randn(5, heads, d, device="cuda", dtype=dtype)
+    lengths = torch.tensor([1, 63, 64, 700, 1300], device="cuda")
+    assert num_splits(5, kv, slot_len, 132) == 5  # few rows: the long slots are split
+    for splits in (1, 3, 5):
+        out = decode_attention(q, k_cache, v_cache, lengths, splits=splits)
+        for b, n in enumerate(lengths.tolist()):
+            ref = F.scaled_dot_product_attention(q[b].view(1, kv, heads // kv, d).float(),
+                                                 k_cache[b:b + 1, :, :n].float(), v_cache[b:b + 1, :, :n].float())
+            torch.testing.assert_close(out[b].float(), ref.view(heads, d), **tol)
+    # norm + rope + cache write: the same q, k, v as the torch path, in the right cache cells
+    n = 7
+    qkv = torch.randn(n, (heads + 2 * kv) * d, device="cuda", dtype=dtype)
+    inv_freq = 1.0 / (1e6 ** (torch.arange(0, d, 2, device="cuda").float() / d))
+    emb = torch.arange(slot_len, device="cuda").float()[:, None] * inv_freq[None, :]
+    cos, sin = torch.cat((emb, emb), -1).cos().to(dtype), torch.cat((emb, emb), -1).sin().to(dtype)
+    norms = [torch.rand(d, device="cuda", dtype=dtype) + 0.5 for _ in range(2)]
+    positions = torch.tensor([0, 1, 63, 64, 500, 1299, 7], device="cuda")
+    slot_of = torch.tensor([0, 1, 2, 3, 4, 5, 1], device="cuda")
+    for q_norm, k_norm in (norms, (None, None)):
+        k_cache.zero_(), v_cache.zero_()
+        q = rope_and_store(qkv, cos, sin, q_norm, k_norm, positions, slot_of, k_cache, v_cache,
+                           num_heads=heads, num_kv_heads=kv, eps=1e-6)
+        rq, rk, rv = _attention_inputs(qkv, cos[positions], sin[positions], q_norm, k_norm, heads, kv, 1e-6)
+        torch.testing.assert_close(q, rq, **tol)
+        torch.testing.assert_close(k_cache[slot_of, :, positions], rk, **tol)
+        torch.testing.assert_close(v_cache[slot_of, :, positions], rv, atol=0, rtol=0)
+        assert int((k_cache != 0).any(-1).sum()) == n * kv  # nothing written elsewhere
+
+
+def test_triton_decode_equals_torch_decode_and_graphs_stay_bounded(ckpts):
+    fused = RolloutEngine(ckpts[0], dtype="float32", max_batch_size=4)
+    plain = RolloutEngine(ckpts[0], dtype="float32", max_batch_size=4, options={"triton": False})
+    assert fused._backend.scheduler.fused and not plain._backend.scheduler.fused
+    for sampling in ({"temperature": 0}, {"temperature": 1.0}, {"temperature": 0.8, "top_p": 0.9}):
+        a, b = fused.generate(_reqs(PROMPTS * 3, **sampling)), plain.generate(_reqs(PROMPTS * 3, **sampling))
+        assert [r["token_ids"] for r in a] == [r["token_ids"] for r in b]
+        for x, y in zip(a, b):
+            torch.testing.assert_close(x["logprobs"], y["logprobs"], atol=1e-4, rtol=0)
+    graphs = fused._backend.graphs
+    graphs.max_graphs = 2
+    want = fused.generate(_reqs(temperature=0))
+    keys = set()
+    for sampling in ({"temperature": 1.0}, {"temperature": 1.0, "top_k": 3}, {"temperature": 0}):
+        for prompts in (PROMPTS[:1], PROMPTS[:2], PROMPTS):  # batch sizes 1, 2, 4: new graph keys
+            fused.generate(_reqs(prompts, **sampling))
+            keys |= set(graphs._graphs)
+            assert len(graphs._graphs) <= 2
+    assert len(keys) >= 9  # the oldest graphs were dropped to make room ...
+    assert fused.generate(_reqs(temperature=0)) == want  # ... and recaptured when needed again

@@ -3,7 +3,9 @@
 Memory, under the engine's three tags (see RolloutEngine.release):
 - "weights": the fused weight storages. Released = offloaded to pinned CPU memory on a
   real GPU (only the ledger changes on fake GPUs / CPU); resumed = copied back. Kept, not
-  freed, so an engine resumed without a weight sync serves the weights it had.
+  freed, so an engine resumed without a weight sync serves the weights it had. The pinned
+  buffer is allocated at the first release and reused by every later one: pinning 7.5 GiB
+  of host pages costs seconds, the copy itself a fraction of one.
 - "kv_cache": one buffer of `kv_cache_bytes`, allocated on resume, freed on release.
 - "cuda_graph": the decode graphs and their pool. They hold the addresses of the other
   two, so the engine releases them whenever it releases either; they are captured again
@@ -14,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from roles.device import DeviceMemory, nbytes_of
+from roles.device import CUDA_BLOCK, DeviceMemory, nbytes_of
 from roles.rollout.sampling import GenerateRequest
 from roles.rollout.torch_engine.decoder import Decoder, ModelSpec, Weights, rope_parameters
 from roles.rollout.torch_engine.graphs import DecodeGraphs
@@ -22,11 +24,13 @@ from roles.rollout.torch_engine.kv_cache import KVCache
 from roles.rollout.torch_engine.scheduler import Scheduler
 
 # cuda_graphs: capture decode steps (real GPU only). compile: fuse the elementwise ops with
-# torch.compile (real GPU only; default on there). sync_every: decode steps between host
+# torch.compile (real GPU only; default on there). triton: decode by the Triton kernels of
+# kernels.py (fused norm/rope/cache write, GQA split-K attention; real GPU only, default on
+# there; off: torch ops and SDPA). sync_every: decode steps between host
 # syncs (default 16 on a GPU, 1 elsewhere). load_format: "safetensors" (the checkpoint's
 # weights) or "dummy" (random weights of the checkpoint's shapes, for benchmarks that load
 # real ones through update_weights, as vLLM/sglang's load_format="dummy").
-TORCH_OPTIONS = {"cuda_graphs": bool, "compile": bool, "sync_every": int, "load_format": str}
+TORCH_OPTIONS = {"cuda_graphs": bool, "compile": bool, "triton": bool, "sync_every": int, "load_format": str}
 LOAD_FORMATS = ("safetensors", "dummy")
 
 
@@ -45,6 +49,7 @@ class TorchBackend:
         options = _check_options(options)
         self.memory = memory
         self.spec = ModelSpec.from_checkpoint(hf_checkpoint)
+        self._pinned: dict[str, torch.Tensor] | None = None  # host copies of the weights, once released
         self.weights = Weights(self.spec, getattr(torch, dtype))
         self.weights.allocate(torch.device("cpu"))
         dummy = options.get("load_format", "safetensors") == "dummy"
@@ -65,7 +70,8 @@ class TorchBackend:
                                compile_ops=on_gpu and options.get("compile", True))
         self.scheduler = Scheduler(self.decoder, self.cache, self.graphs,
                                    sync_every=options.get("sync_every", 16 if on_gpu else 1),
-                                   slot_quantum=64 if on_gpu else 1, span_quantum=64 if on_gpu else 1)
+                                   slot_quantum=64 if on_gpu else 1, span_quantum=64 if on_gpu else 1,
+                                   fused=on_gpu and options.get("triton", True))
 
     @property
     def weights_bytes(self) -> int:
@@ -111,9 +117,30 @@ class TorchBackend:
             self.cache.allocate()
 
     def _move_weights(self, where: str) -> None:
+        if self.memory.kind == "cuda":
+            self._move_weights_pinned(where)
+            return
         keys = list(self.weights.storages)
         moved = self.memory.move([self.weights.storages[k] for k in keys], where, tag="weights")
         self.weights.set_storages(dict(zip(keys, moved)))
+
+    def _move_weights_pinned(self, where: str) -> None:
+        """DeviceMemory.move's contract on a real GPU (account first on the way in; memory back
+        to the driver on the way out) over one pinned host buffer that outlives the release."""
+        storages = self.weights.storages
+        if where == "device":
+            self.memory.account("weights", nbytes_of(list(storages.values()), CUDA_BLOCK))
+            self.weights.set_storages({k: t.to(self.memory.device, non_blocking=True) for k, t in storages.items()})
+            return
+        if self._pinned is None:
+            self._pinned = _pinned_like(storages)
+        for k, t in storages.items():
+            if t.data_ptr() != self._pinned[k].data_ptr():
+                self._pinned[k].copy_(t, non_blocking=True)
+        torch.cuda.synchronize()  # the copies are async; finish before the device memory is reused
+        self.weights.set_storages(dict(self._pinned))
+        torch.cuda.empty_cache()
+        self.memory.account("weights", 0)
 
     def bytes_in_use(self) -> int:
         return self.memory.bytes_in_use()
@@ -145,6 +172,18 @@ def _check_options(options: dict) -> dict:
     if options.get("load_format", "safetensors") not in LOAD_FORMATS:
         raise ValueError(f"backend 'torch': option load_format={options['load_format']!r} must be one of {LOAD_FORMATS}")
     return options
+
+
+def _pinned_like(storages: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Host tensors shaped like `storages`, views into one pinned allocation (one pinning call)."""
+    align = 256
+    sizes = {k: -(-t.numel() * t.element_size() // align) * align for k, t in storages.items()}
+    flat = torch.empty(sum(sizes.values()), dtype=torch.uint8, pin_memory=True)
+    out, offset = {}, 0
+    for k, t in storages.items():
+        out[k] = flat[offset:offset + t.numel() * t.element_size()].view(t.dtype).view(t.shape)
+        offset += sizes[k]
+    return out
 
 
 def _dummy_init(weights: Weights) -> None:

@@ -6,9 +6,11 @@ one of them. `update_weights` copies into those views in place, so a captured CU
 replays with the new weights, and `weights_checksum` hashes the same views, so the engine's
 weights compare equal to the trainer's HF state dict name by name.
 
-The forward takes packed tokens ([N] ids and positions, any mix of sequences) and an
-`attend(layer, q, k, v) -> out` callback that owns the KV cache: prefill and decode differ
-only there (scheduler.py).
+The forward takes packed tokens ([N] ids, any mix of sequences) and an
+`attend(layer, qkv) -> out` callback that owns positions and the KV cache: prefill and
+decode differ only there (scheduler.py). The callback turns the fused q|k|v rows into
+attention inputs either by `attention_inputs` (torch ops) or by `rope_and_store` (one
+Triton kernel that also writes the cache; kernels.py).
 """
 
 from __future__ import annotations
@@ -235,24 +237,41 @@ class Decoder:
     def forward(
         self,
         tokens: torch.Tensor,  # [N] int64
-        positions: torch.Tensor,  # [N] int64
-        attend: Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor],
+        attend: Callable[[int, torch.Tensor], torch.Tensor],  # (layer, qkv [N, (H + 2KV) D]) -> [N, H, D]
     ) -> torch.Tensor:  # [N, hidden], final-normed
         s, st = self.spec, self.w.storages
         n = tokens.shape[0]
         x = F.embedding(tokens, st["embed"])
-        cos, sin = self.cos[positions], self.sin[positions]  # [N, D]
         h = self._norm(x, st["0.ln1"], s.rms_eps)
         for i in range(s.num_layers):
-            qkv = F.linear(h, st[f"{i}.qkv"], st.get(f"{i}.qkv_bias"))  # [N, (H + 2KV) D]
-            q, k, v = self._attention_inputs(qkv, cos, sin, st.get(f"{i}.q_norm"), st.get(f"{i}.k_norm"),
-                                             s.num_heads, s.num_kv_heads, s.rms_eps)
-            out = attend(i, q, k, v)  # [N, H, D]
+            out = attend(i, F.linear(h, st[f"{i}.qkv"], st.get(f"{i}.qkv_bias")))  # [N, H, D]
             x, h = self._add_norm(x, F.linear(out.reshape(n, -1), st[f"{i}.o"]), st[f"{i}.ln2"], s.rms_eps)
             down = F.linear(self._swiglu(F.linear(h, st[f"{i}.gate_up"])), st[f"{i}.down"])
             following = st[f"{i + 1}.ln1"] if i + 1 < s.num_layers else st["norm"]
             x, h = self._add_norm(x, down, following, s.rms_eps)
         return h
+
+    def rope_at(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cos, sin) [N, D] at the tokens' positions, for `attention_inputs`."""
+        return self.cos[positions], self.sin[positions]
+
+    def attention_inputs(self, layer: int, qkv: torch.Tensor, cos: torch.Tensor,
+                         sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q [N, H, D], k and v [N, KV, D] of one layer: per-head norms (Qwen3), then rope."""
+        s, st = self.spec, self.w.storages
+        return self._attention_inputs(qkv, cos, sin, st.get(f"{layer}.q_norm"), st.get(f"{layer}.k_norm"),
+                                      s.num_heads, s.num_kv_heads, s.rms_eps)
+
+    def rope_and_store(self, layer: int, qkv: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
+                       keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+        """`attention_inputs` fused with the cache write, by one Triton kernel: returns q; k and v
+        go to keys/values[slots[n], :, positions[n]] ([S, KV, T, D] each)."""
+        from roles.rollout.torch_engine.kernels import rope_and_store
+
+        s, st = self.spec, self.w.storages
+        return rope_and_store(qkv, self.cos, self.sin, st.get(f"{layer}.q_norm"), st.get(f"{layer}.k_norm"),
+                              positions, slots, keys, values, num_heads=s.num_heads,
+                              num_kv_heads=s.num_kv_heads, eps=s.rms_eps)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, V] float32
         return F.linear(hidden, self.w.named["lm_head.weight"]).float()

@@ -8,10 +8,17 @@ first; they are captured again lazily, at the first step that needs each batch s
 
 All graphs share one memory pool, accounted under the "cuda_graph" tag. Off on the CPU
 and on fake GPUs: `run` then simply calls the step.
+
+At most `max_graphs` are kept; the least recently replayed one is dropped to make room.
+A key holds the batch size, the cache geometry (slot length: each generate call's longest
+prompt + max_new_tokens, rounded) and the sampling mode, so a long PPO run whose prompt
+lengths vary would otherwise keep one set of graphs per geometry it ever met. A dropped
+graph's blocks go back to the shared pool, where the next capture reuses them.
 """
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from typing import Callable, Hashable
 
 import torch
@@ -27,10 +34,13 @@ def batch_bucket(n: int, max_slots: int) -> int:
 
 
 class DecodeGraphs:
-    def __init__(self, memory: DeviceMemory, *, enabled: bool):
+    def __init__(self, memory: DeviceMemory, *, enabled: bool, max_graphs: int = 32):
+        if max_graphs < 1:
+            raise ValueError(f"max_graphs={max_graphs} must be >= 1")
         self.memory = memory
         self.enabled = enabled and memory.kind == "cuda"
-        self._graphs: dict[Hashable, torch.cuda.CUDAGraph] = {}
+        self.max_graphs = max_graphs
+        self._graphs: OrderedDict[Hashable, torch.cuda.CUDAGraph] = OrderedDict()  # oldest use first
         self._pool = None
         self._reserved_before: int | None = None
         self.num_captures = 0
@@ -46,8 +56,14 @@ class DecodeGraphs:
             return
         graph = self._graphs.get(key)
         if graph is None:
+            if len(self._graphs) >= self.max_graphs:
+                torch.cuda.synchronize()  # the oldest graph may still be replaying
+                while len(self._graphs) >= self.max_graphs:
+                    self._graphs.popitem(last=False)
             graph = self._capture(step, state)
             self._graphs[key] = graph
+        else:
+            self._graphs.move_to_end(key)
         graph.replay()
 
     def _capture(self, step: Callable[[], None], state: list[torch.Tensor]) -> torch.cuda.CUDAGraph:

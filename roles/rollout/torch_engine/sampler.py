@@ -55,9 +55,18 @@ class SamplingRows:
         return SamplingRows(self.temperature[:n], self.greedy[:n], self.top_k[:n], self.top_p[:n], self.seed[:n])
 
 
-def needs_cut(params: list[SamplingParams]) -> bool:
-    """Whether any request uses top-k/top-p (then the sampler sorts the vocabulary)."""
-    return any(not p.greedy and (p.top_k != -1 or p.top_p < 1) for p in params)
+MODES = ("greedy", "plain", "cut")
+
+
+def sampling_mode(params: list[SamplingParams]) -> str:
+    """The cheapest `sample` mode that serves every request of a call.
+
+    "greedy": all rows greedy (one max and one exp-sum over the vocabulary); "cut": some
+    row uses top-k/top-p (the sampler sorts the vocabulary); "plain": neither.
+    """
+    if all(p.greedy for p in params):
+        return "greedy"
+    return "cut" if any(not p.greedy and (p.top_k != -1 or p.top_p < 1) for p in params) else "plain"
 
 
 def sample(
@@ -65,12 +74,15 @@ def sample(
     rows: SamplingRows,  # [B] each
     positions: torch.Tensor,  # [B] int64: the position the sampled token will take
     *,
-    cut: bool,  # False: no row uses top-k/top-p, skip the sort
+    mode: str,  # sampling_mode of the rows
 ) -> tuple[torch.Tensor, torch.Tensor]:  # tokens [B] int64, logprobs [B] float32
+    if mode == "greedy":  # log_softmax at the argmax: -log(sum(exp(logits - max)))
+        top, tokens = logits.max(dim=-1)
+        return tokens, -(logits - top[:, None]).exp().sum(dim=-1).log()
     logprobs = torch.log_softmax(logits / rows.temperature[:, None], dim=-1)  # [B, V]
     probs = logprobs.exp()
     u = uniform(rows.seed, positions)  # [B]
-    if cut:
+    if mode == "cut":
         vocab = probs.shape[-1]
         sorted_probs, order = probs.sort(dim=-1, descending=True)
         mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs

@@ -2,12 +2,15 @@
 
 One `generate` call runs this loop until every request is done:
 
-1. admit: waiting requests take the free slots (lowest first); their prompts are packed
+1. admit: waiting requests take the free slots (lowest first), those with the most
+   max_new_tokens first (the only length known ahead: it shortens the tail in which the
+   last long requests run in a mostly idle batch; results do not depend on the order,
+   since each request's draws are keyed by its own seed); their prompts are packed
    into prefill forwards of at most PREFILL_TOKENS tokens, and each one's first token is
    sampled from its last prompt position.
 2. decode: `n` steps over the slots [0, B) (B: the graph batch size covering the highest
    busy slot), entirely on the device: each step feeds every slot's last token, writes its
-   K/V at its position, samples, and appends (token, log-prob) to a ring of `sync_every`
+   K/V at its position, attends, samples, and appends (token, log-prob) to a ring of `sync_every`
    rows. `n` is at most `sync_every` and at most the fewest tokens any busy row still may
    take, so length finishes are never overrun.
 3. sync: the ring comes to the host once; finishes are decided there (max_new_tokens first,
@@ -30,7 +33,7 @@ from roles.rollout.sampling import GenerateRequest
 from roles.rollout.torch_engine.decoder import Decoder
 from roles.rollout.torch_engine.graphs import DecodeGraphs, batch_bucket
 from roles.rollout.torch_engine.kv_cache import Geometry, KVCache
-from roles.rollout.torch_engine.sampler import SamplingRows, needs_cut, sample
+from roles.rollout.torch_engine.sampler import SamplingRows, sample, sampling_mode
 
 PREFILL_TOKENS = 16384  # packed prompt tokens per prefill forward (activations scale with it)
 
@@ -54,22 +57,23 @@ class SlotState:
 
 class Scheduler:
     def __init__(self, decoder: Decoder, cache: KVCache, graphs: DecodeGraphs, *, sync_every: int,
-                 slot_quantum: int, span_quantum: int):
+                 slot_quantum: int, span_quantum: int, fused: bool):
         self.decoder = decoder
         self.spec = decoder.spec
         self.cache = cache
         self.graphs = graphs
         self.sync_every = sync_every
         self.slot_quantum = slot_quantum  # slot lengths rounded up to it, so graph keys repeat
-        self.span_quantum = span_quantum  # likewise the attended span of the slots
+        self.span_quantum = span_quantum  # likewise the attended span of the slots (torch attention)
+        # fused: decode by the Triton kernels (kernels.py): they read lengths on the device, so
+        # the attended span is not part of a graph's key
+        self.fused = fused
         self.state: SlotState | None = None
-        self._steps: dict[tuple, callable] = {}
         self.last_stats: dict = {}
 
     def drop_state(self) -> None:
         """Forget the device state (the KV cache or weights are going away)."""
         self.state = None
-        self._steps.clear()
         self.decoder.drop_rope()
 
     # -- the loop ---------------------------------------------------------------------
@@ -82,14 +86,14 @@ class Scheduler:
             self.state = SlotState(self.cache.max_slots, self.sync_every, self.spec.vocab, device)
             self.decoder.build_rope(self.spec.max_positions + self.sync_every + self.slot_quantum, device)
         self.state.positions.zero_()  # slots idle from the last call restart from 0
-        cut = needs_cut([r.sampling for r in requests])
+        mode = sampling_mode([r.sampling for r in requests])
         eos = frozenset(self.spec.eos_ids)
         stops = [frozenset() if r.sampling.ignore_eos else frozenset(r.sampling.stop_token_ids) | eos
                  for r in requests]
         tokens: list[list[int]] = [[] for _ in requests]
         logprobs: list[list[float]] = [[] for _ in requests]
         finish: list[str | None] = [None] * len(requests)
-        waiting = deque(range(len(requests)))
+        waiting = deque(sorted(range(len(requests)), key=lambda r: -requests[r].sampling.max_new_tokens))
         slot_request: list[int | None] = [None] * geometry.num_slots
         # slot_steps: slots decoded (batch size x steps); busy_steps: of those, tokens kept.
         # The *_queued pair counts only steps taken while requests were waiting: continuous
@@ -118,7 +122,7 @@ class Scheduler:
                 stats["num_prefills"] += 1
                 if stats["decode_steps"]:
                     stats["admitted_while_decoding"] += len(admitted)
-                first = self._prefill([requests[r] for r in admitted], [seeds[r] for r in admitted], slots, cut)
+                first = self._prefill([requests[r] for r in admitted], [seeds[r] for r in admitted], slots, mode)
                 for s, r, (tok, lp) in zip(slots, admitted, first):
                     slot_request[s] = None if take(r, tok, lp) else r
             busy = [s for s, r in enumerate(slot_request) if r is not None]
@@ -129,8 +133,9 @@ class Scheduler:
                                              - len(tokens[slot_request[s]]) for s in busy])
             # attention reads only the cache positions these steps can reach (rounded, so graphs repeat)
             reach = max(len(requests[slot_request[s]].prompt_ids) + len(tokens[slot_request[s]]) for s in busy)
-            span = min(geometry.slot_len, -(-(reach + steps) // self.span_quantum) * self.span_quantum)
-            key = (batch, geometry, cut, span)
+            span = None if self.fused else min(geometry.slot_len,
+                                               -(-(reach + steps) // self.span_quantum) * self.span_quantum)
+            key = (batch, geometry, mode, span)
             step = self._step(key)
             for _ in range(steps):
                 self.graphs.run(key, step, self.state.mutable())
@@ -190,7 +195,7 @@ class Scheduler:
 
     # -- prefill ----------------------------------------------------------------------
     def _prefill(self, reqs: list[GenerateRequest], seeds: list[int], slots: list[int],
-                 cut: bool) -> list[tuple[int, float]]:
+                 mode: str) -> list[tuple[int, float]]:
         """Run the packed prompts, fill their slots' cache and state; return each first (token, logprob)."""
         device = self.state.tokens.device
         lengths = [len(r.prompt_ids) for r in reqs]
@@ -207,7 +212,10 @@ class Scheduler:
             start += n
         s = self.spec
 
-        def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        cos, sin = self.decoder.rope_at(positions)
+
+        def attend(layer: int, qkv: torch.Tensor) -> torch.Tensor:
+            q, k, v = self.decoder.attention_inputs(layer, qkv, cos, sin)
             keys, values = self.cache.layer(layer)
             keys[slot_of_token, :, positions] = k  # [N, KV, D] into [S, KV, T, D]
             values[slot_of_token, :, positions] = v
@@ -219,12 +227,12 @@ class Scheduler:
                 out[span] = og.transpose(1, 2).reshape(num * length, s.num_heads, s.head_dim)
             return out
 
-        hidden = self.decoder.forward(tokens, positions, attend)
+        hidden = self.decoder.forward(tokens, attend)
         last = torch.tensor(lengths).cumsum(0).to(device) - 1
         logits = self.decoder.logits(hidden[last])  # [R, V]
         rows = SamplingRows.build([r.sampling for r in reqs], seeds, s.vocab, device)
         length_t = torch.tensor(lengths, device=device)
-        first, logprob = sample(logits, rows, length_t, cut=cut)
+        first, logprob = sample(logits, rows, length_t, mode=mode)
         index = torch.tensor(slots, device=device)
         self.state.tokens[index] = first
         self.state.positions[index] = length_t
@@ -232,33 +240,49 @@ class Scheduler:
         return list(zip(first.tolist(), logprob.tolist()))
 
     # -- decode -----------------------------------------------------------------------
-    def _step(self, key: tuple[int, Geometry, bool, int]):
-        """The decode step over slots [0, batch), attending to cache positions [0, span): only
-        preallocated tensors, so it can be graphed."""
-        if key in self._steps:
-            return self._steps[key]
-        batch, _, cut, span = key
+    def _step(self, key: tuple[int, Geometry, str, int | None]):
+        """The decode step over slots [0, batch): only preallocated tensors, so it can be graphed.
+        Torch attention reads cache positions [0, span); the fused kernels read each row's own length.
+        Built once per sync round; a captured graph of the same key replays instead of calling it."""
+        batch, geometry, mode, span = key
         st, s = self.state, self.spec
-        group = s.num_heads // s.num_kv_heads
-        key_positions = torch.arange(span, device=st.tokens.device)
+        device = st.tokens.device
+        if self.fused:
+            from roles.rollout.torch_engine.kernels import decode_attention, num_splits
+
+            splits = num_splits(batch, s.num_kv_heads, geometry.slot_len,
+                                torch.cuda.get_device_properties(device).multi_processor_count)
+        else:
+            group = s.num_heads // s.num_kv_heads
+            key_positions = torch.arange(span, device=device)
 
         def step() -> None:
             tokens, positions, rows = st.tokens[:batch], st.positions[:batch], st.rows.head(batch)
             slot_ids = st.slot_ids[:batch]
-            visible = (key_positions[None, :] <= positions[:, None])[:, None, None, :]  # [B, 1, 1, T]
+            if self.fused:
+                lengths = positions + 1
 
-            def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-                keys, values = self.cache.layer(layer)
-                keys[slot_ids, :, positions] = k  # [B, KV, D]
-                values[slot_ids, :, positions] = v
-                # one query token per row: the G query heads of a kv head are G "query positions"
-                qg = q.reshape(batch, s.num_kv_heads, group, s.head_dim)
-                out = F.scaled_dot_product_attention(qg, keys[:batch, :, :span], values[:batch, :, :span],
-                                                     attn_mask=visible)
-                return out.reshape(batch, s.num_heads, s.head_dim)
+                def attend(layer: int, qkv: torch.Tensor) -> torch.Tensor:
+                    keys, values = self.cache.layer(layer)
+                    q = self.decoder.rope_and_store(layer, qkv, positions, slot_ids, keys, values)
+                    return decode_attention(q, keys, values, lengths, splits=splits)
+            else:
+                cos, sin = self.decoder.rope_at(positions)
+                visible = (key_positions[None, :] <= positions[:, None])[:, None, None, :]  # [B, 1, 1, T]
 
-            hidden = self.decoder.forward(tokens, positions, attend)
-            new, logprob = sample(self.decoder.logits(hidden), rows, positions + 1, cut=cut)
+                def attend(layer: int, qkv: torch.Tensor) -> torch.Tensor:
+                    q, k, v = self.decoder.attention_inputs(layer, qkv, cos, sin)
+                    keys, values = self.cache.layer(layer)
+                    keys[slot_ids, :, positions] = k  # [B, KV, D]
+                    values[slot_ids, :, positions] = v
+                    # one query token per row: the G query heads of a kv head are G "query positions"
+                    qg = q.reshape(batch, s.num_kv_heads, group, s.head_dim)
+                    out = F.scaled_dot_product_attention(qg, keys[:batch, :, :span], values[:batch, :, :span],
+                                                         attn_mask=visible)
+                    return out.reshape(batch, s.num_heads, s.head_dim)
+
+            hidden = self.decoder.forward(tokens, attend)
+            new, logprob = sample(self.decoder.logits(hidden), rows, positions + 1, mode=mode)
             ring = (st.ring_index.expand(batch), slot_ids)
             st.ring_tokens.index_put_(ring, new)
             st.ring_logprobs.index_put_(ring, logprob)
@@ -266,6 +290,4 @@ class Scheduler:
             positions.add_(1)
             st.ring_index.add_(1)
 
-        if self.graphs.enabled:  # eager steps are cheap to rebuild; keep only what graphs replay
-            self._steps[key] = step
         return step
