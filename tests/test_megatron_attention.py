@@ -8,9 +8,6 @@ load-balanced chunks, on a real gloo group of 2 processes (forward and gradients
 from __future__ import annotations
 
 import math
-import multiprocessing as mp
-import os
-import socket
 from types import SimpleNamespace
 
 import pytest
@@ -100,48 +97,23 @@ def test_cp_local_index_is_megatrons_load_balanced_layout():
 SEQLENS_CP = [8, 4, 12]
 
 
-def _cp_worker(rank: int, port: int, out_path: str) -> None:
-    import torch.distributed as dist
-
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=2)
-    try:
-        q, k, v = qkv(sum(SEQLENS_CP), seed=3)
-        idx = cp_local_index(SEQLENS_CP, 2, rank)
-        ql, kl, vl = (x[idx].clone().requires_grad_() for x in (q, k, v))
-        attn = module(cp_group=dist.group.WORLD)
-        out = attn(ql, kl, vl, None, packed_seq_params=packed_params(SEQLENS_CP))
-        gen = torch.Generator().manual_seed(7)
-        weight = torch.randn(sum(SEQLENS_CP), N_HEADS * D, generator=gen, dtype=q.dtype)[idx]
-        (out * weight).sum().backward()
-        torch.save({"idx": idx, "out": out.detach(), "dq": ql.grad, "dk": kl.grad, "dv": vl.grad}, out_path)
-    finally:
-        dist.destroy_process_group()
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _cp_worker(rank: int, group) -> dict:
+    q, k, v = qkv(sum(SEQLENS_CP), seed=3)
+    idx = cp_local_index(SEQLENS_CP, 2, rank)
+    ql, kl, vl = (x[idx].clone().requires_grad_() for x in (q, k, v))
+    attn = module(cp_group=group)
+    out = attn(ql, kl, vl, None, packed_seq_params=packed_params(SEQLENS_CP))
+    gen = torch.Generator().manual_seed(7)
+    weight = torch.randn(sum(SEQLENS_CP), N_HEADS * D, generator=gen, dtype=q.dtype)[idx]
+    (out * weight).sum().backward()
+    return {"idx": idx, "out": out.detach(), "dq": ql.grad, "dk": kl.grad, "dv": vl.grad}
 
 
 @pytest.mark.timeout(120)
 def test_context_parallel_on_two_gloo_ranks_matches_whole_sequence_attention(tmp_path):
-    ctx = mp.get_context("spawn")
-    port = _free_port()
-    paths = [str(tmp_path / f"rank{r}.pt") for r in range(2)]
-    procs = [ctx.Process(target=_cp_worker, args=(r, port, paths[r])) for r in range(2)]
-    for p in procs:
-        p.start()
-    try:
-        for p in procs:
-            p.join(timeout=90)
-        assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
-    finally:
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-                p.join()
+    from tests.test_megatron_parallel import run_two_gloo_ranks
+
+    ranks = run_two_gloo_ranks(_cp_worker, tmp_path)
     total = sum(SEQLENS_CP)
     q, k, v = (x.requires_grad_() for x in qkv(total, seed=3))
     expect = naive_packed(q, k, v, SEQLENS_CP, 1 / math.sqrt(D)).reshape(total, -1)
@@ -149,8 +121,7 @@ def test_context_parallel_on_two_gloo_ranks_matches_whole_sequence_attention(tmp
     (expect * weight).sum().backward()
     dk = torch.zeros_like(k)
     dv = torch.zeros_like(v)
-    for path in paths:
-        got = torch.load(path)
+    for got in ranks:
         idx = got["idx"]
         torch.testing.assert_close(got["out"], expect[idx].detach(), rtol=1e-10, atol=1e-10)
         torch.testing.assert_close(got["dq"], q.grad[idx], rtol=1e-10, atol=1e-10)

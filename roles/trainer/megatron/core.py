@@ -3,6 +3,19 @@ DDP and optimizer, packed forward passes, the train loop, offload by tag.
 
 Needs megatron-core (Python >= 3.12) and CUDA; imported lazily by roles.trainer.megatron.
 
+Parallelism (megatron's parallel_state; rank order tp, cp, dp, pp):
+  TP  weights sharded by the mapper; log-probs from the vocab-parallel output weight
+      (roles.trainer.megatron.logprobs); the critic's value head is replicated; no
+      sequence parallelism (roles.trainer.megatron.shape says why)
+  CP  each packed micro-batch is padded per sample to a multiple of 2*cp and sliced by
+      megatron's load-balanced layout (roles.trainer.megatron.cp); per-row outputs are
+      gathered back in row order on every CP rank, which then computes the same loss
+  PP  megatron's schedule (get_forward_backward_func, variable sequence lengths) runs every
+      forward and backward, train and forward-only; results and metrics come from the last
+      stage. Refused by the config: never ran, and the cross-stage weight export is missing.
+Micro-batches hold up to max_tokens_per_gpu * cp tokens (each CP rank runs 1/cp of them),
+as miles plans them.
+
 Train loop: the rank contract of roles.trainer.group and the aggregation of
 roles.trainer.core: each micro-batch loss is divided by the WHOLE mini-batch's counts, so
 gradients are summed over micro-batches and data-parallel ranks. megatron's DDP sums when
@@ -32,9 +45,9 @@ import torch.distributed as dist
 
 from roles.device import DeviceMemory
 from roles.trainer.batching import check_batch, response_mask, scatter_rows, sequences, split_mini_batches, valid_mask
-from roles.trainer.distributed import all_reduce_floats
 from roles.trainer.megatron.config import MegatronTrainerConfig
-from roles.trainer.megatron.mapper import hf_to_megatron, stage_to_hf
+from roles.trainer.megatron.cp import CPSlice, cp_slice, gather_rows
+from roles.trainer.megatron.mapper import hf_to_megatron, megatron_names, to_hf
 from roles.trainer.megatron.model import build_gpt_model, transformer_engine_available
 from roles.trainer.megatron.offload import TaggedOffloader
 from roles.trainer.megatron.packing import PackedMicroBatch, pack, plan_packed
@@ -46,6 +59,9 @@ MEMORY_TAGS = ("params", "grads", "optimizer")
 # (model output of a micro-batch, the micro-batch, aggregation counts) -> (loss, metrics);
 # metrics scaled so that their sum over a mini-batch's micro-batches is its value.
 MegatronLoss = Callable[[object, PackedMicroBatch, dict], tuple[torch.Tensor, dict[str, torch.Tensor]]]
+# processor(hidden [nr, H] at this rank's response rows, their targets [nr], output weight
+# or None, output layer) -> a tuple of [nr] tensors, or None for an output not asked for
+Processor = Callable[..., tuple[torch.Tensor | None, ...]]
 
 
 def init_parallel(config: MegatronTrainerConfig) -> None:
@@ -96,9 +112,21 @@ class MegatronCore:
         from megatron.core.transformer import TransformerConfig
         from transformers import AutoConfig
 
+        from megatron.core import parallel_state as ps
+
         self.config, self.critic, self.memory = config, critic, memory
         init_parallel(config)
         self.shape: ModelShape = shape_from_hf(AutoConfig.from_pretrained(config.hf_checkpoint))
+        self.tp_size, self.cp_size = config.tensor_model_parallel_size, config.context_parallel_size
+        self.pp_size = config.pipeline_model_parallel_size
+        self.shape.check_parallel(tp_size=self.tp_size, pp_size=self.pp_size)
+        self.tp_rank, self.cp_rank = ps.get_tensor_model_parallel_rank(), ps.get_context_parallel_rank()
+        self.pp_rank, self.dp_rank = ps.get_pipeline_model_parallel_rank(), ps.get_data_parallel_rank()
+        self.tp_group = ps.get_tensor_model_parallel_group() if self.tp_size > 1 else None
+        self.cp_group = ps.get_context_parallel_group() if self.cp_size > 1 else None
+        self.dp_group = ps.get_data_parallel_group()  # without CP: CP peers report the same metrics
+        self.pp_group = ps.get_pipeline_model_parallel_group() if self.pp_size > 1 else None
+        self.last_stage = ps.is_pipeline_last_stage()
         self.use_te = transformer_engine_available()
         self.spec = "te" if self.use_te else "local"
         tconfig = TransformerConfig(
@@ -110,8 +138,8 @@ class MegatronCore:
             calculate_per_token_loss=True,  # DDP sums gradients (see the module note)
             perform_initialization=False,  # every weight is loaded from the HF state below
         )
-        model = build_gpt_model(self.shape, tconfig, tp_size=1, critic=critic, use_te=self.use_te,
-                                pre_process=True, post_process=True)
+        model = build_gpt_model(self.shape, tconfig, tp_size=self.tp_size, critic=critic, use_te=self.use_te,
+                                pre_process=ps.is_pipeline_first_stage(), post_process=self.last_stage)
         self._load_hf(model, hf_state if hf_state is not None else self._initial_hf_state())
         ddp_config = DistributedDataParallelConfig(
             grad_reduce_in_fp32=True, overlap_grad_reduce=False,
@@ -164,8 +192,8 @@ class MegatronCore:
         return state
 
     def _load_hf(self, model: torch.nn.Module, hf: dict[str, torch.Tensor]) -> None:
-        target = hf_to_megatron(hf, self.shape, tp_rank=0, tp_size=1, pp_rank=0, pp_size=1, spec=self.spec,
-                                critic=self.critic)
+        target = hf_to_megatron(hf, self.shape, tp_rank=self.tp_rank, tp_size=self.tp_size, pp_rank=self.pp_rank,
+                                pp_size=self.pp_size, spec=self.spec, critic=self.critic)
         params = dict(model.named_parameters())
         if set(params) != set(target):
             raise ValueError(f"megatron model and mapper disagree: model only {sorted(set(params) - set(target))[:5]}, "
@@ -174,10 +202,31 @@ class MegatronCore:
             for name, p in params.items():
                 p.copy_(target[name])
 
+    @property
+    def gathers_weights(self) -> bool:
+        """Whether this rank takes part in gathering its stage's full weights: the TP group of
+        dp rank 0, CP rank 0 (the other dp and CP ranks hold replicas)."""
+        return self.dp_rank == 0 and self.cp_rank == 0
+
     def named_hf_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """(HF name, tensor in the compute dtype) of this rank's weights (TP=PP=1: all of them)."""
-        state = {n: p.detach() for n, p in self.module.named_parameters()}
-        yield from stage_to_hf([state], self.shape, pp_rank=0, pp_size=1, spec=self.spec, critic=self.critic)
+        """(HF name, full tensor in the compute dtype) of this pipeline stage's weights, the TP
+        shards all-gathered. A collective over the TP group: every rank for which
+        `gathers_weights` holds consumes it whole, in step with its TP peers."""
+        params = {n: p.detach() for n, p in self.module.named_parameters()}
+        offset = self.pp_rank * (self.shape.num_layers // self.pp_size)
+        for name in megatron_names(self.shape, pp_rank=self.pp_rank, pp_size=self.pp_size, spec=self.spec,
+                                   critic=self.critic):
+            yield from to_hf(name, self._tp_shards(params[name]), self.shape, layer_offset=offset, spec=self.spec,
+                             critic=self.critic)
+
+    def _tp_shards(self, tensor: torch.Tensor) -> list[torch.Tensor]:
+        """Every TP rank's version of a parameter, in rank order (replicated ones too: cheap, and
+        to_hf takes the first)."""
+        if self.tp_group is None:
+            return [tensor]
+        parts = [torch.empty_like(tensor) for _ in range(self.tp_size)]
+        dist.all_gather(parts, tensor.contiguous(), group=self.tp_group)
+        return parts
 
     def _param_tensors(self) -> list[torch.Tensor]:
         """DDP's flat param buffers (distributed optimizer), else the parameters themselves."""
@@ -230,79 +279,100 @@ class MegatronCore:
 
     # ---- forward ------------------------------------------------------------------------
 
-    def forward(self, module, mb: PackedMicroBatch, processor):
-        """Run the packed micro-batch; `processor(hidden [Nr, H], output weight or None, output_layer)`
-        makes the output from the final-norm hidden states at the micro-batch's response rows."""
+    def forward(self, module, mb: PackedMicroBatch, processor: Processor):
+        """Run this rank's slice of the packed micro-batch (all of it without CP). On the last
+        pipeline stage: `processor`'s outputs at the micro-batch's response rows, each [Nr] in
+        row order (gathered over CP; an output not asked for is an empty tensor); on other
+        stages the hidden states for the next."""
         from megatron.core.packed_seq_params import PackedSeqParams
 
         dev = self.device
-        cu = mb.cu_seqlens.to(dev)
+        piece = self.slice(mb)
+        cu = mb.cu_seqlens.to(dev)  # whole (padded) sequences, as the attention and THD RoPE expect with CP
         params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
                                  max_seqlen_q=mb.max_seqlen, max_seqlen_kv=mb.max_seqlen)
-        rows = mb.rows.to(dev)
 
         def output_processor(*, hidden_states, output_layer, output_weight, **_):
-            return processor(hidden_states[:, 0][rows], output_weight, output_layer)  # [T, 1, H] -> [Nr, H]
+            hidden = hidden_states[:, 0][piece.local_rows.to(dev)]  # [t, 1, H] -> [nr, H]
+            outs = processor(hidden, piece.targets.to(dev), output_weight, output_layer)
+            # a tuple of tensors: megatron's wrappers walk outputs and cannot take None
+            return tuple(hidden.new_zeros(0, dtype=torch.float32) if o is None else gather_rows(o, piece, self.cp_group)
+                         for o in outs)
 
-        return module(mb.input_ids.to(dev)[None], mb.position_ids.to(dev)[None], None, packed_seq_params=params,
-                      output_processor=output_processor)
+        return module(piece.input_ids.to(dev)[None], piece.position_ids.to(dev)[None], None,
+                      packed_seq_params=params, output_processor=output_processor)
+
+    def slice(self, mb: PackedMicroBatch) -> CPSlice:
+        return cp_slice(mb, self.cp_size, self.cp_rank)
 
     def micro_batches(self, batch: dict, indices: list[int], seqs, keys: tuple[str, ...]) -> list[PackedMicroBatch]:
+        max_tokens = self.config.max_tokens_per_gpu
         plan = plan_packed([len(seqs[i]) for i in indices], micro_batch_size=self.config.micro_batch_size,
-                           max_tokens=self.config.max_tokens_per_gpu)
-        return [pack(seqs, batch, [indices[g] for g in group], keys) for group in plan]
+                           max_tokens=None if max_tokens is None else max_tokens * self.cp_size)
+        pad = 2 * self.cp_size if self.cp_size > 1 else 1
+        return [pack(seqs, batch, [indices[g] for g in group], keys, pad_multiple=pad) for group in plan]
+
+    def _run(self, mbs: list[PackedMicroBatch], processor: Callable[[PackedMicroBatch], Processor],
+             on_output: Callable, *, forward_only: bool) -> list[dict]:
+        """megatron's forward(-backward) schedule over `mbs`; `on_output(out, mb)` on the last
+        stage returns (loss, metrics) as loss_func does. The per-micro-batch metric stores."""
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        def forward_step(data_iterator, model):
+            mb = next(data_iterator)
+            out = self.forward(model, mb, processor(mb))
+
+            def loss_func(out_tensor):
+                value, metrics = on_output(out_tensor, mb)
+                reported = {k: v.detach().float().reshape(()) for k, v in metrics.items()}
+                reported["__loss"] = value.detach().float()
+                return value, torch.ones((), dtype=torch.int, device=value.device), reported
+
+            return out, loss_func
+
+        return get_forward_backward_func()(
+            forward_step_func=forward_step, data_iterator=iter(mbs), model=[self.ddp], num_microbatches=len(mbs),
+            seq_length=max(mb.num_tokens // self.cp_size for mb in mbs), micro_batch_size=1, forward_only=forward_only)
 
     @torch.no_grad()
-    def forward_only(self, batch: dict, fn: Callable[[PackedMicroBatch], torch.Tensor]) -> torch.Tensor:
-        """fn's [n, Rm] output over the whole batch, [N, R] float32, zero at padding."""
+    def forward_only(self, batch: dict, processor: Callable[[PackedMicroBatch], Processor]) -> torch.Tensor:
+        """The processor's first output over the whole batch, [N, R] float32, zero at padding
+        (zeros on pipeline stages other than the last: they are not output ranks)."""
         self.require_onloaded("params")
         n = check_batch(batch, ())
         seqs = sequences(batch)
-        self.module.eval()
-        parts = [(mb.indices, fn(mb).float().cpu()) for mb in self.micro_batches(batch, list(range(n)), seqs, ())]
-        out = scatter_rows(parts, n, int(batch["response_lens"].max()))
+        self.ddp.eval()
+        parts: list[tuple[list[int], torch.Tensor]] = []
+
+        def keep(out, mb):
+            parts.append((mb.indices, mb.to_rows(out[0]).float().cpu()))
+            return out[0].new_zeros(()), {}
+
+        self._run(self.micro_batches(batch, list(range(n)), seqs, ()), processor, keep, forward_only=True)
+        width = int(batch["response_lens"].max())
+        if not parts:
+            return torch.zeros(n, width)
+        out = scatter_rows(parts, n, width)
         return torch.where(response_mask(batch["response_lens"], out.shape[1]), out, 0.0)
 
     # ---- training -----------------------------------------------------------------------
 
-    def train(self, batch: dict, required: tuple[str, ...], output: Callable, loss: MegatronLoss,
-              mini_batches: list[dict] | None = None) -> dict:
+    def train(self, batch: dict, required: tuple[str, ...], processor: Callable[[PackedMicroBatch], Processor],
+              loss: MegatronLoss, mini_batches: list[dict] | None = None) -> dict:
         """One pass over `batch` (roles.trainer.core.TrainCore.train's contract);
-        `output(mb)` is the processor for `forward`, `loss(out, mb, counts)` the micro-batch loss."""
-        from megatron.core.pipeline_parallel import get_forward_backward_func
-
+        `processor(mb)` is the processor for `forward`, `loss(out, mb, counts)` the micro-batch loss."""
         self.require_onloaded("params", "grads", "optimizer")
         n = check_batch(batch, required)
         seqs = sequences(batch)
         self.ddp.train()
-        forward_backward = get_forward_backward_func()
         per_step: list[dict[str, float]] = []
         skipped = 0
         lr = self.schedule.lr_at(self.step)
         for mini, counts in self._steps(batch, n, mini_batches):
-            mbs = self.micro_batches(batch, mini, seqs, required)
-
-            def forward_step(data_iterator, model):
-                mb = next(data_iterator)
-                out = self.forward(model, mb, output(mb))
-
-                def loss_func(out_tensor):
-                    value, metrics = loss(out_tensor, mb, counts)
-                    reported = {k: v.detach().float().reshape(()) for k, v in metrics.items()}
-                    reported["__loss"] = value.detach().float()
-                    return value, torch.ones((), dtype=torch.int, device=value.device), reported
-
-                return out, loss_func
-
             self._zero_grads()
-            stores = forward_backward(
-                forward_step_func=forward_step, data_iterator=iter(mbs), model=[self.ddp], num_microbatches=len(mbs),
-                seq_length=max(mb.num_tokens for mb in mbs), micro_batch_size=1, forward_only=False)
-            sums: dict[str, float] = {}
-            for store in stores:
-                for key, value in store.items():
-                    sums[key] = sums.get(key, 0.0) + float(value)
-            sums = all_reduce_floats(sums)
+            stores = self._run(self.micro_batches(batch, mini, seqs, required), processor,
+                               lambda out, mb, counts=counts: loss(out, mb, counts), forward_only=False)
+            sums = self._reduce_metrics(stores)
             total_loss = sums.pop("__loss")
             grad_norm = self._step_if_finite(total_loss)
             if grad_norm is None:
@@ -315,6 +385,25 @@ class MegatronCore:
         metrics = {key: sum(s[key] for s in per_step) / len(per_step) for key in per_step[0]}
         metrics.update(lr=lr, skipped_nonfinite=skipped)
         return metrics
+
+    def _reduce_metrics(self, stores: list[dict]) -> dict[str, float]:
+        """A mini-batch's metric sums over its micro-batches and dp ranks, on every rank. TP and
+        CP peers computed the same (replicated) loss, so only dp is summed; only the last
+        pipeline stage has them, so it broadcasts them over its pipeline group."""
+        sums: dict[str, float] = {}
+        for store in stores:
+            for key, value in store.items():
+                sums[key] = sums.get(key, 0.0) + float(value)
+        if self.pp_group is not None:
+            box = [sums]
+            dist.broadcast_object_list(box, src=dist.get_process_group_ranks(self.pp_group)[-1], group=self.pp_group)
+            sums = box[0]
+        if dist.get_world_size(self.dp_group) == 1:
+            return sums
+        keys = sorted(sums)
+        flat = torch.tensor([sums[k] for k in keys], dtype=torch.float64)
+        dist.all_reduce(flat, group=self.dp_group)
+        return dict(zip(keys, flat.tolist()))
 
     def _zero_grads(self) -> None:
         """Zero DDP's grad buffer and drop every `.grad`: a non-distributed megatron optimizer
@@ -369,9 +458,10 @@ class MegatronCore:
         start = time.monotonic()
         self.require_onloaded("params", "optimizer")
         rank = dist.get_rank()
-        if rank == 0:
+        if self.gathers_weights:  # rank 0 and its TP peers (with PP > 1 rank 0 would hold stage 0 only)
             weights = {k: v.detach().cpu() for k, v in self.named_hf_weights()}
-            save_checkpoint(path, weights=weights, optimizer={}, step=self.step, rng=capture_rng())
+            if rank == 0:
+                save_checkpoint(path, weights=weights, optimizer={}, step=self.step, rng=capture_rng())
         dist.barrier()
         # the inner torch optimizers' state: Adam moments AND their step counters (bias correction)
         torch.save({"main_params": [t.cpu() for t in self._main_params()],

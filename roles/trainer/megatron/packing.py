@@ -1,6 +1,7 @@
-"""Packed (THD) micro-batches for the megatron trainer, and chunked log-probs / values.
+"""Packed (THD) micro-batches for the megatron trainer.
 
-A packed micro-batch concatenates its samples' tokens without padding; attention stays
+A packed micro-batch concatenates its samples' tokens without padding (under context
+parallelism each sample is padded at its end to a multiple of 2*cp); attention stays
 inside each sample through cu_seqlens (roles.trainer.megatron.attention), and positions
 restart at 0 per sample. Response-aligned inputs and outputs keep the [n, Rm] layout of
 roles.trainer.batching.MicroBatch, so the PPO and value losses of ppo.algorithms apply
@@ -15,9 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from torch.utils.checkpoint import checkpoint
 
-from ppo.algorithms import entropy_from_logits
 from roles.trainer.batching import valid_mask
 
 
@@ -83,9 +82,15 @@ class PackedMicroBatch:
         return out.index_put((self.row_sample.to(flat.device), self.row_offset.to(flat.device)), flat)
 
 
-def pack(seqs: list[torch.Tensor], batch: dict, indices: list[int], response_keys: tuple[str, ...]) -> PackedMicroBatch:
-    """The samples at `indices` as one packed micro-batch (seqs: roles.trainer.batching.sequences)."""
-    rows_ids = [seqs[i] for i in indices]
+def pack(seqs: list[torch.Tensor], batch: dict, indices: list[int], response_keys: tuple[str, ...],
+         pad_multiple: int = 1) -> PackedMicroBatch:
+    """The samples at `indices` as one packed micro-batch (seqs: roles.trainer.batching.sequences).
+
+    pad_multiple: each sample is padded at its end (token 0) to a multiple of it; context
+    parallelism needs 2*cp (roles.trainer.megatron.cp). Padding comes after every real
+    token of its sample, so under causal attention it changes nothing they compute.
+    """
+    rows_ids = [torch.cat([seqs[i], seqs[i].new_zeros(-len(seqs[i]) % pad_multiple)]) for i in indices]
     lengths = torch.tensor([len(r) for r in rows_ids])
     idx = torch.tensor(indices)
     prompt_lens = batch["prompt_lens"][idx].long()
@@ -110,36 +115,3 @@ def pack(seqs: list[torch.Tensor], batch: dict, indices: list[int], response_key
         row_sample=row_sample,
         row_offset=row_offset,
     )
-
-
-def _chunk_log_probs(hidden, weight, targets, temperature: float, with_entropy: bool, entropy_grad: bool):
-    logits = (hidden @ weight.t()).float() / temperature  # [c, V] float32: one chunk at a time
-    log_probs = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, dim=-1)
-    if not with_entropy:
-        return log_probs, log_probs.new_zeros(())
-    entropy = entropy_from_logits(logits if entropy_grad else logits.detach())
-    return log_probs, entropy
-
-
-def chunked_log_probs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, *, temperature: float,
-                      chunk: int, with_entropy: bool, entropy_grad: bool = True
-                      ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """log p(targets) [Nr] float32 and the entropy [Nr] (when asked) from hidden [Nr, H] and
-    the output weight [V, H] (vocab padding rows already cut).
-
-    At most `chunk` rows of float32 logits exist at once, forward and backward: under
-    autograd each chunk is checkpointed, so its logits are recomputed in backward instead
-    of kept. Logits are divided by the rollout temperature, as the torch backend does.
-    """
-    parts_lp, parts_ent = [], []
-    for start in range(0, hidden.shape[0], chunk):
-        args = (hidden[start:start + chunk], weight, targets[start:start + chunk], temperature, with_entropy,
-                entropy_grad)
-        if torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad):
-            lp, ent = checkpoint(_chunk_log_probs, *args, use_reentrant=False)
-        else:
-            lp, ent = _chunk_log_probs(*args)
-        parts_lp.append(lp)
-        parts_ent.append(ent)
-    log_probs = torch.cat(parts_lp)
-    return log_probs, torch.cat(parts_ent) if with_entropy else None

@@ -43,8 +43,8 @@ class ModelShape:
     def padded_vocab(self, tp_size: int) -> int:
         """Vocab rows megatron holds: a multiple of tp_size (vocab-parallel embedding/output).
 
-        Rows past vocab_size are zero on load, dropped on export, and masked out of the
-        log-softmax (roles.trainer.megatron.logprobs).
+        Rows past vocab_size are zero on load, dropped on export, and cut out of the
+        log-softmax (roles.trainer.megatron.logprobs.vocab_shard).
         """
         return -(-self.vocab_size // tp_size) * tp_size
 
@@ -157,7 +157,11 @@ def transformer_config_kwargs(
         tensor_model_parallel_size=tp_size,
         pipeline_model_parallel_size=pp_size,
         context_parallel_size=cp_size,
-        sequence_parallel=tp_size > 1,
+        # Off: the trainer's output processor picks response rows out of the whole packed
+        # sequence (roles.trainer.megatron.core.forward), and sequence parallelism needs
+        # reduce-scatter / all-gather-into-tensor that gloo lacks on CUDA (the one-GPU proof).
+        # It costs activation memory (norms and dropout regions replicated over TP).
+        sequence_parallel=False,
         bf16=dtype == "bfloat16",
         fp16=dtype == "float16",
         params_dtype=torch_dtype,

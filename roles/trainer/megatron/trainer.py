@@ -1,8 +1,13 @@
 """The megatron actor and critic trainer roles: the endpoints of roles.trainer.actor / critic
 (same names, arguments and results) over roles.trainer.megatron.core.MegatronCore.
 
-The PPO and value losses are ppo.algorithms' policy_loss / value_loss / kl_estimate /
-aggregate, combined exactly as the torch backend's actor and critic combine them.
+The PPO objective is roles.trainer.actor.policy_objective, the torch backend's; the value
+loss is ppo.algorithms.value_loss, combined as the torch critic combines it.
+
+In a rank group with TP > 1 the weights leave through rank 0 (dp 0, cp 0, tp 0, the only
+pipeline stage), after its TP peers join the all-gather of the shards: the weight endpoints
+(sync_weights, save_hf, weights_checksum) run the gather on every rank for which
+MegatronCore.gathers_weights holds, and ActorTrainer's own endpoints send from rank 0.
 """
 
 from __future__ import annotations
@@ -12,13 +17,15 @@ from typing import Any, Iterator, Mapping
 
 import torch
 
-from ppo.algorithms import aggregate, kl_estimate, policy_loss, value_loss
-from roles.trainer.actor import ActorTrainer
+from ppo.algorithms import value_loss
+from roles.trainer.actor import ActorTrainer, policy_objective
 from roles.trainer.batching import ACTOR_TRAIN_KEYS, CRITIC_TRAIN_KEYS
 from roles.trainer.core import token_share
+from roles.trainer.distributed import is_rank_zero
 from roles.trainer.megatron.config import MegatronTrainerConfig
 from roles.trainer.megatron.core import MegatronCore
-from roles.trainer.megatron.packing import PackedMicroBatch, chunked_log_probs
+from roles.trainer.megatron.logprobs import vocab_parallel_log_probs, vocab_shard
+from roles.trainer.megatron.packing import PackedMicroBatch
 from roles.trainer.role import TrainerRole
 from runtime import endpoint
 
@@ -80,28 +87,24 @@ class MegatronActorTrainer(_MegatronRole):
     # ---- forward ------------------------------------------------------------------------
 
     def _processor(self, mb: PackedMicroBatch, *, with_entropy: bool, entropy_grad: bool):
-        cfg = self.config
-        vocab = self._core.shape.vocab_size
-        targets = mb.targets
+        cfg, core = self.config, self._core
 
-        def process(hidden, output_weight, output_layer):
-            weight = output_weight if output_weight is not None else output_layer.weight
-            lp, ent = chunked_log_probs(hidden, weight[:vocab], targets.to(hidden.device),
-                                        temperature=cfg.temperature, chunk=cfg.logits_chunk_tokens,
-                                        with_entropy=with_entropy, entropy_grad=entropy_grad)
-            # a tuple of tensors: megatron's wrappers walk outputs and cannot take None
-            return (lp, ent if ent is not None else lp.new_zeros(0))
+        def process(hidden, targets, output_weight, output_layer):
+            full = output_weight if output_weight is not None else output_layer.weight
+            weight, start = vocab_shard(full, vocab_size=core.shape.vocab_size, tp_rank=core.tp_rank)
+            return vocab_parallel_log_probs(hidden, weight, targets, vocab_start=start, temperature=cfg.temperature,
+                                            chunk=cfg.logits_chunk_tokens, with_entropy=with_entropy,
+                                            entropy_grad=entropy_grad, group=core.tp_group)
 
         return process
 
-    def _log_probs(self, mb: PackedMicroBatch) -> torch.Tensor:
-        lp, _ = self._core.forward(self._core.module, mb, self._processor(mb, with_entropy=False, entropy_grad=False))
-        return mb.to_rows(lp)
+    def _log_prob_processor(self, mb: PackedMicroBatch):
+        return self._processor(mb, with_entropy=False, entropy_grad=False)
 
     @endpoint
     def compute_log_probs(self, batch: dict) -> dict:
         """{"log_probs": float32 [N, R]} under the current policy, at the rollout temperature."""
-        return {"log_probs": self._core.forward_only(batch, self._log_probs)}
+        return {"log_probs": self._core.forward_only(batch, self._log_prob_processor)}
 
     @endpoint
     def compute_ref_log_probs(self, batch: dict) -> dict:
@@ -110,7 +113,7 @@ class MegatronActorTrainer(_MegatronRole):
             raise RuntimeError("compute_ref_log_probs needs the reference copy; build the actor with keep_ref=True")
         self._core.require_onloaded("params")
         with self._swapped_in(self._ref_params):
-            return {"log_probs": self._core.forward_only(batch, self._log_probs)}
+            return {"log_probs": self._core.forward_only(batch, self._log_prob_processor)}
 
     @contextlib.contextmanager
     def _swapped_in(self, weights: list[torch.Tensor]) -> Iterator[None]:
@@ -140,33 +143,10 @@ class MegatronActorTrainer(_MegatronRole):
                                entropy_grad=cfg.entropy_coef != 0)
 
     def loss(self, out, mb: PackedMicroBatch, counts: dict) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """The torch backend's policy objective (roles.trainer.actor._micro_loss) on [n, Rm] rows."""
-        cfg = self.config
+        """The torch backend's policy objective (roles.trainer.actor.policy_objective) on [n, Rm] rows."""
         lp_flat, ent_flat = out
-        log_probs = mb.to_rows(lp_flat)
         entropy = mb.to_rows(ent_flat) if ent_flat.numel() else None
-        r = {k: v.to(log_probs.device) for k, v in mb.response.items()}
-        valid = mb.valid.to(log_probs.device)
-        pg_loss, pg_metrics = policy_loss(
-            log_probs, r["old_log_probs"], r["advantages"], valid,
-            eps_clip=cfg.eps_clip, eps_clip_high=cfg.eps_clip_high, eps_clip_c=cfg.eps_clip_c,
-            agg=cfg.loss_agg_mode, **counts,
-        )
-        share = token_share(mb, counts)
-        metrics = {"pg_loss": pg_loss.detach(), "pg_clipfrac": pg_metrics["pg_clipfrac"] * share,
-                   "ppo_kl": pg_metrics["ppo_kl"] * share}
-        loss = pg_loss
-        if entropy is not None:
-            entropy_loss = aggregate(entropy, valid, cfg.loss_agg_mode, **counts)
-            if cfg.entropy_coef != 0:
-                loss = loss - cfg.entropy_coef * entropy_loss
-            metrics["entropy_loss"] = entropy_loss.detach()
-        if cfg.use_kl_loss:
-            kl = kl_estimate(log_probs, r["ref_log_probs"], cfg.kl_loss_type)
-            kl_loss = aggregate(kl, valid, cfg.loss_agg_mode, **counts)
-            if cfg.kl_loss_coef != 0:
-                loss = loss + cfg.kl_loss_coef * kl_loss
-            metrics["kl_loss"] = kl_loss.detach()
+        loss, metrics = policy_objective(self.config, mb.to_rows(lp_flat), entropy, mb, counts)
         return loss, {k: torch.as_tensor(v, dtype=torch.float32) for k, v in metrics.items()}
 
     # ---- weights (ActorTrainer's endpoints over named_weights) ---------------------------
@@ -176,9 +156,29 @@ class MegatronActorTrainer(_MegatronRole):
         self._core.require_onloaded("params")
         yield from self._core.named_hf_weights()
 
-    weights_checksum = ActorTrainer.weights_checksum
-    sync_weights = ActorTrainer.sync_weights
-    save_hf = ActorTrainer.save_hf
+    def _weights_out(self, endpoint_fn, *args, **kwargs):
+        """Run ActorTrainer's weight endpoint: rank 0 reads named_weights; its TP peers feed the
+        all-gather by reading them too (and drop them); other ranks hold replicas."""
+        if self._core.gathers_weights and not is_rank_zero():
+            for _ in self.named_weights():
+                pass
+        return endpoint_fn(self, *args, **kwargs)
+
+    @endpoint
+    def weights_checksum(self) -> dict[str, str]:
+        """HF name -> digest (ActorTrainer.weights_checksum) from each rank that gathers the full
+        weights (rank 0 and its TP peers, all equal); other ranks {}."""
+        return ActorTrainer.weights_checksum(self) if self._core.gathers_weights else {}
+
+    @endpoint
+    def sync_weights(self, *args, **kwargs) -> dict:
+        """ActorTrainer.sync_weights from rank 0, the TP shards gathered."""
+        return self._weights_out(ActorTrainer.sync_weights, *args, **kwargs)
+
+    @endpoint
+    def save_hf(self, path: str) -> dict:
+        """ActorTrainer.save_hf from rank 0, the TP shards gathered."""
+        return self._weights_out(ActorTrainer.save_hf, path)
 
 
 class MegatronCriticTrainer(_MegatronRole):
@@ -188,18 +188,15 @@ class MegatronCriticTrainer(_MegatronRole):
         self._build(config, critic=True, role="critic", hf_state=hf_state)
 
     def processor(self, mb: PackedMicroBatch):
-        def process(hidden, output_weight, output_layer):
-            return output_layer(hidden)[0].squeeze(-1).float()  # [Nr]
+        def process(hidden, targets, output_weight, output_layer):
+            return (output_layer(hidden)[0].squeeze(-1).float(),)  # [nr]; the head is replicated over TP
 
         return process
-
-    def _values(self, mb: PackedMicroBatch) -> torch.Tensor:
-        return mb.to_rows(self._core.forward(self._core.module, mb, self.processor(mb)))
 
     @endpoint
     def compute_values(self, batch: dict) -> dict:
         """{"values": float32 [N, R]}: values[i, r] = V(state before response token r)."""
-        return {"values": self._core.forward_only(batch, self._values)}
+        return {"values": self._core.forward_only(batch, self.processor)}
 
     @endpoint
     def train(self, batch: dict, mini_batches: list[dict] | None = None) -> dict:
@@ -207,7 +204,7 @@ class MegatronCriticTrainer(_MegatronRole):
         return self._train(batch, CRITIC_TRAIN_KEYS, self, mini_batches)
 
     def loss(self, out, mb: PackedMicroBatch, counts: dict) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        values = mb.to_rows(out)
+        values = mb.to_rows(out[0])
         r = {k: v.to(values.device) for k, v in mb.response.items()}
         loss, metrics = value_loss(values, r["old_values"], r["returns"], mb.valid.to(values.device),
                                    value_clip=self.config.value_clip, agg=self.config.loss_agg_mode, **counts)

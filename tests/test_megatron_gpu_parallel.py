@@ -1,0 +1,162 @@
+"""Tensor and context parallelism of the megatron trainer on ONE GPU (`bash .ci/gpu -k megatron`).
+
+NCCL refuses two ranks on one GPU, so the 2-rank runs use gloo, which takes CUDA tensors for
+all_reduce, broadcast and all_gather (through the host). Every collective of TP2 (megatron's
+tensor-parallel layers, our vocab-parallel log-probs, the weight gather) and of CP2 (K/V
+all-gather, row reassembly, the grad all-reduce over dp x cp) is one of those. Two harness
+differences from a real run, both here only:
+  - megatron's DDP groups its grad all-reduces with torch's _coalescing_manager, which gloo
+    does not run on CUDA tensors; the harness replaces it by a plain sequence of the same
+    all-reduces (the same sums);
+  - the optimizer is not the distributed one (its reduce-scatter has no gloo CUDA path).
+float32 throughout, so 2 ranks must equal 1 rank to float32 rounding. PP cannot run here
+(gloo has no CUDA send/recv) and stays refused by the config.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+pytestmark = pytest.mark.gpu
+
+megatron = pytest.importorskip("megatron.core") if torch.cuda.is_available() else None
+
+LAYOUTS = {"ref": dict(world=1), "tp2": dict(world=2, tensor_model_parallel_size=2),
+           "cp2": dict(world=2, context_parallel_size=2)}
+
+
+def _config(ckpt: str, **over) -> dict:
+    from tests.test_megatron_gpu import trainer_config
+
+    return trainer_config(ckpt, dtype="float32", use_distributed_optimizer=False, **over)
+
+
+@contextlib.contextmanager
+def _sequential(group=None, device=None, async_ops=False):
+    yield None  # the all-reduces inside run one by one (synchronous), see the module docstring
+
+
+def _worker(layout: str, rank: int, port: int, ckpt: str, path: str) -> None:
+    import torch.distributed as dist
+
+    spec = dict(LAYOUTS[layout])
+    world = spec.pop("world")
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    if world > 1:
+        os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
+        dist.init_process_group("gloo", rank=rank, world_size=world)
+        import megatron.core.distributed.param_and_grad_buffer as pgb
+
+        pgb._coalescing_manager = _sequential
+    from transformers import AutoConfig
+
+    from roles.trainer.megatron import MegatronActorTrainer, MegatronCriticTrainer
+    from roles.trainer.sharding import plan_train
+    from tests.test_megatron_gpu import make_batch
+
+    out: dict = {}
+    cfg = _config(ckpt, **spec)
+    batch = make_batch(AutoConfig.from_pretrained(ckpt).vocab_size)
+    minis = plan_train(batch, 1, cfg["global_batch_size"], cfg["loss_agg_mode"])[1][0]
+    g = torch.Generator().manual_seed(1)
+    actor = MegatronActorTrainer(cfg)
+    actor.onload(["params", "grads", "optimizer"])
+    out["layout"] = actor.rank_layout()
+    out["lp"] = actor.compute_log_probs(batch)["log_probs"]
+    out["weights"] = {k: v.cpu() for k, v in actor.named_weights()}  # every rank of a TP group gathers
+    train = {**batch, "old_log_probs": out["lp"] + 0.01 * torch.randn(out["lp"].shape, generator=g),
+             "advantages": torch.randn(4, 6, generator=g)}
+    out["train"] = actor.train(train, mini_batches=minis)
+    out["lp_after"] = actor.compute_log_probs(batch)["log_probs"]
+    out["weights_after"] = {k: v.cpu() for k, v in actor.named_weights()}
+    out["checksum"] = actor.weights_checksum()
+    out["save_hf"] = actor.save_hf(f"{path}.hf")  # rank 0 writes, its TP peer feeds the gather
+    actor.offload(["params", "grads", "optimizer"])
+    critic = MegatronCriticTrainer(_config(ckpt, keep_ref=False, **spec))
+    critic.onload(["params", "grads", "optimizer"])
+    out["values"] = critic.compute_values(batch)["values"]
+    critic_train = {**batch, "old_values": out["values"], "returns": torch.randn(4, 6, generator=g)}
+    out["critic_train"] = critic.train(critic_train, mini_batches=minis)
+    out["values_after"] = critic.compute_values(batch)["values"]
+    torch.save(out, path)
+    if world > 1:
+        dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def runs(ckpt, tmp_path_factory) -> dict[str, list[dict]]:
+    """Every layout's ranks, run at once (separate processes: one parallel state each)."""
+    tmp = tmp_path_factory.mktemp("parallel")
+    ctx = mp.get_context("spawn")
+    procs, paths = [], {}
+    for layout, spec in LAYOUTS.items():
+        port = _free_port()
+        paths[layout] = [str(tmp / f"{layout}.{r}.pt") for r in range(spec["world"])]
+        procs += [ctx.Process(target=_worker, args=(layout, r, port, ckpt, paths[layout][r]))
+                  for r in range(spec["world"])]
+    for p in procs:
+        p.start()
+    try:
+        for p in procs:
+            p.join(timeout=240)
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join()
+    failed = [layout for layout, ps in paths.items() if not all(os.path.exists(p) for p in ps)]
+    assert not failed, f"layouts {failed} did not finish (exit codes {[p.exitcode for p in procs]})"
+    return {layout: [torch.load(p) for p in ps] for layout, ps in paths.items()}
+
+
+@pytest.mark.parametrize("layout", ["tp2", "cp2"])
+def test_two_ranks_equal_one_rank_log_probs_update_and_critic(runs, layout):
+    ref, = runs["ref"]
+    ranks = runs[layout]
+    assert [r["layout"] for r in ranks] == [{"dp_rank": 0, "dp_size": 1, "is_output": True},
+                                            {"dp_rank": 0, "dp_size": 1, "is_output": False}]
+    tight = dict(rtol=0.0, atol=1e-4)  # float32; the ranks only reorder sums
+    for r in ranks:  # TP peers compute the same rows; CP peers gather them
+        torch.testing.assert_close(r["lp"], ref["lp"], **tight)
+        torch.testing.assert_close(r["values"], ref["values"], **tight)
+    out = ranks[0]
+    for key, value in ref["train"].items():
+        assert out["train"][key] == pytest.approx(value, rel=1e-3, abs=1e-6), key
+    assert out["train"]["skipped_nonfinite"] == 0 and out["train"]["grad_norm"] > 0
+    for key, value in ref["critic_train"].items():
+        assert out["critic_train"][key] == pytest.approx(value, rel=1e-3, abs=1e-6), key
+    assert (out["lp_after"] - out["lp"]).abs().max() > 1e-3  # the update moved the policy
+    # Adam divides by sqrt(v): near-zero gradients may move a weight by up to ~lr either way
+    torch.testing.assert_close(out["lp_after"], ref["lp_after"], rtol=0.0, atol=2e-3)
+    torch.testing.assert_close(out["values_after"], ref["values_after"], rtol=0.0, atol=2e-3)
+
+
+@pytest.mark.parametrize("layout", ["tp2", "cp2"])
+def test_gathered_hf_weights_are_the_checkpoint_and_follow_the_update(runs, layout, ckpt):
+    from roles.trainer.megatron.core import load_hf_state
+
+    ref, = runs["ref"]
+    hf = load_hf_state(ckpt)
+    out = runs[layout][0]
+    assert set(out["weights"]) == set(hf)
+    for name, tensor in hf.items():  # TP shards all-gathered back: bit-identical
+        assert torch.equal(out["weights"][name], tensor.float()), name
+    for name, tensor in ref["weights_after"].items():
+        torch.testing.assert_close(out["weights_after"][name], tensor, rtol=0.0, atol=3e-4, msg=name)
+    assert set(out["checksum"]) == set(hf)
+    saved = load_hf_state(out["save_hf"]["path"])
+    assert set(saved) == set(hf) and all(torch.equal(saved[k], out["weights_after"][k]) for k in hf)
+    if layout == "tp2":  # the TP peer gathered the same full tensors
+        assert runs[layout][1]["checksum"] == out["checksum"]
