@@ -80,16 +80,16 @@ class MemorySampler(threading.Thread):
 
     def __init__(self, period: float = 0.2):
         super().__init__(daemon=True)
-        self.period, self.samples, self._stop = period, [], threading.Event()
+        self.period, self.samples, self._done = period, [], threading.Event()
 
     def run(self) -> None:
-        while not self._stop.is_set():
+        while not self._done.is_set():
             free, total = torch.cuda.mem_get_info()
             self.samples.append((time.time(), total - free, host_used_bytes()[0]))
-            self._stop.wait(self.period)
+            self._done.wait(self.period)
 
     def stop(self) -> list[tuple[float, int, int]]:
-        self._stop.set()
+        self._done.set()
         self.join()
         return self.samples
 
@@ -236,7 +236,11 @@ def main(argv: list[str] | None = None) -> int:
         print(error, file=sys.stderr, flush=True)
     samples = sampler.stop()
     run_dir = Path(cfg.logging.run_dir)
-    prompts = prompt_tokens(run_dir, cfg.checkpoint.hf_checkpoint) if (run_dir / "samples").is_dir() else {}
+    prompts = {}
+    if (run_dir / "samples").is_dir():
+        from ppo.generated import resolve_paths  # the model directory of a generated:NAME checkpoint
+
+        prompts = prompt_tokens(run_dir, resolve_paths(cfg, run_dir)[0])
     steps = analyse(run_dir, samples, rates, samples_per_rollout(cfg), prompts)
     print(report(steps, rates), flush=True)
     (out / "iteration.json").write_text(json.dumps(

@@ -40,3 +40,22 @@ def test_iteration_table_covers_each_step_and_finds_the_moves(tmp_path):
         assert peaks == sorted(peaks)  # each phase's peak is its latest sample, as the memory only rises
     text = report(steps, RATES)
     assert "outside compute" in text and "actor_train:" in text and "x pinned" in text
+
+
+@pytest.mark.timeout(300)
+def test_main_runs_the_launch_flags_and_writes_the_report(tmp_path, monkeypatch, capsys):
+    """The command line: flags after `--` are launch.py's; the GPU-only peer and sampler are
+    replaced by constants here."""
+    import json
+
+    import bench.iteration as it
+
+    monkeypatch.setattr(it, "pinned_copy_rates", lambda: RATES)
+    monkeypatch.setattr(it.torch.cuda, "mem_get_info", lambda: (1 << 30, 3 << 30))
+    code = it.main(["--out", str(tmp_path / "out"), "--", "--num-rollout", "2", "--rollout-batch-size", "16", "--global-batch-size", "64", "--micro-batch-size", "32",
+                    "--num-critic-only-steps", "1", "--run-dir", str(tmp_path / "run"), "--quiet"])
+    assert code == 0
+    saved = json.loads((tmp_path / "out" / "iteration.json").read_text())
+    assert [s["step"] for s in saved["steps"]] == [0, 1] and saved["error"] is None
+    assert all(g == 2 << 30 for _, g, _ in saved["memory_samples"])
+    assert "step 1:" in capsys.readouterr().out

@@ -1,0 +1,57 @@
+#!/usr/bin/env bash
+# qwen3_4b_ppo scaled to one GPU, measured by bench.iteration (docs/benchmarks.md).
+#
+#   bash bench/qwen3_4b_one_gpu.sh OUT_DIR [BUDGET_S]
+#
+# 1. A tiny random-init Qwen3 through the same path (megatron trainers, built-in engine, the
+#    same placement flags): two rollouts, or the script stops there.
+# 2. An untrained Qwen3-4B (ppo.make_checkpoint, random init) and generated dapo-math prompts.
+# 3. PPO: both trainers keep their bf16 weights on the GPU and move only their optimizers
+#    (float32 main params and Adam moments, 45 GiB each) to pinned host memory and back
+#    around their train calls; the engine keeps its weights and KV cache.
+# 4. GRPO (no critic): the actor and the engine both stay resident, nothing moves.
+# Every step is time-limited; whatever ran is analysed, and everything lands under OUT_DIR.
+set -u
+OUT=${1:?usage: bench/qwen3_4b_one_gpu.sh OUT_DIR [BUDGET_S]}
+BUDGET=${2:-570}
+START=$SECONDS
+left() { echo $((BUDGET - (SECONDS - START))); }
+mkdir -p "$OUT"
+CK=/tmp/qwen3-4b-random
+TINY=/tmp/qwen3-tiny-random
+{ nvidia-smi; free -g; df -hT /tmp; python3 -c "import torch, psutil; print(torch.__version__)"; } > "$OUT/machine.txt" 2>&1
+
+COMMON=(--recipe qwen3_4b_ppo --load none --save none --save-interval none
+        --num-gpus-per-node 1 --actor-num-gpus-per-node 1
+        --pipeline-model-parallel-size 1 --context-parallel-size 1 --rollout-backend torch
+        --recompute-granularity full --recompute-method uniform --recompute-num-layers 1
+        --log-format plain)
+PPO_PLAN=(--offload-train-level optimizer --no-offload-rollout)
+GRPO_PLAN=(--advantage-estimator grpo --no-offload-train --no-offload-rollout)
+
+step() {  # NAME SECONDS CMD...: run CMD under a limit (SIGINT first: bench.iteration still reports)
+  local name=$1 limit=$2
+  shift 2
+  timeout -s INT -k 20 "$limit" "$@" > "$OUT/$name.log" 2>&1
+  local rc=$?
+  echo "== $name: rc=$rc after $((SECONDS - START)) s (limit $limit s)"
+  tail -n 4 "$OUT/$name.log"
+  return $rc
+}
+
+step tiny_checkpoint 60 python3 -m ppo.make_checkpoint --arch qwen3-4b --device cuda --num-prompts 256 \
+  --override num_hidden_layers=2 --override hidden_size=256 --override intermediate_size=512 \
+  --override num_attention_heads=4 --override num_key_value_heads=2 --override head_dim=64 "$TINY" || exit 1
+step tiny 110 python3 -m bench.iteration --out "$OUT/tiny" -- "${COMMON[@]}" "${PPO_PLAN[@]}" \
+  --hf-checkpoint "$TINY" --prompt-data "$TINY/dapo_math_prompts.jsonl" --num-rollout 2 \
+  --num-critic-only-steps 0 --rollout-max-response-len 64 --sglang-mem-fraction-static 0.1 \
+  --run-dir "$OUT/tiny/run" || exit 1
+
+step checkpoint 90 python3 -m ppo.make_checkpoint --arch qwen3-4b --device cuda "$CK" || exit 1
+FULL=(--hf-checkpoint "$CK" --prompt-data "$CK/dapo_math_prompts.jsonl" --rollout-max-response-len 2048
+      --num-critic-only-steps 0 --sglang-mem-fraction-static 0.22)
+step ppo $(( $(left) - 150 )) python3 -m bench.iteration --out "$OUT/ppo" -- "${COMMON[@]}" "${PPO_PLAN[@]}" \
+  "${FULL[@]}" --num-rollout 3 --run-dir "$OUT/ppo/run"
+step grpo $(( $(left) - 5 )) python3 -m bench.iteration --out "$OUT/grpo" -- "${COMMON[@]}" "${GRPO_PLAN[@]}" \
+  "${FULL[@]}" --num-rollout 2 --run-dir "$OUT/grpo/run"
+exit 0
