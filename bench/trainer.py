@@ -10,8 +10,10 @@ measured in the same run; the log-prob forward; peak memory and its part above t
 resident state (activations, logits chunks, optimizer temporaries).
 
 megatron rows run each activation-recompute setting of --recompute for that token count
-(`full` = full/uniform/1 layer, `block:N` = full recompute of the first N layers, `none`);
-the critic runs the lightest setting that fit the actor. The torch rows recompute every
+(`full` = full/uniform/1 layer, `block:N` = full recompute of the first N layers, `none`),
+actor and critic alike. Run the backends as separate processes (one --backends each) to
+start each from an empty device and host (the megatron trainers pin ~64 GB of host memory
+for offload). The torch rows recompute every
 layer (HF checkpointing through the trainer's own switch), as its peer row always has.
 MFU counts model FLOPs only (no recompute).
 
@@ -166,11 +168,11 @@ def time_steps(trainer, batch: dict, steps: int = 2) -> dict:
             else float("nan"), "peak_gib": peak / 2**30, "above_state_gib": (peak - resident) / 2**30}
 
 
-def run_rows(trainer, label: str, shape, tokens_list, plan: dict, peak_tflops: float, results: list, deadline: float,
-             *, critic: bool = False) -> dict[int, str]:
+def run_rows(trainer, label: str, shape, tokens_list, plan: dict | None, peak_tflops: float, results: list,
+             deadline: float, *, critic: bool = False) -> None:
     """Rows of `trainer` for each token count and recompute setting in plan[tokens] (megatron;
-    None for the torch backend). Returns tokens -> the first setting that fit."""
-    fitted: dict[int, str] = {}
+    None for the torch backend), each appended to `results` and written out (`results.persist`)
+    as soon as it is measured: a run stopped by its time limit keeps the rows it finished."""
     head = 6 * shape.vocab_size * shape.hidden_size * (SAMPLE_LEN - PROMPT_LEN)  # the LM head a critic lacks
     for tokens in tokens_list:
         n = tokens // SAMPLE_LEN
@@ -183,6 +185,7 @@ def run_rows(trainer, label: str, shape, tokens_list, plan: dict, peak_tflops: f
             row = {"backend": label, "tokens": tokens, "recompute": setting or "every layer (HF)"}
             if time.monotonic() > deadline:
                 results.append({**row, "skipped": "time budget"})
+                results.persist()
                 continue
             if setting is not None:
                 # Bench only: megatron's TransformerBlock reads these at every forward, so one
@@ -193,14 +196,13 @@ def run_rows(trainer, label: str, shape, tokens_list, plan: dict, peak_tflops: f
                 row.update(time_steps(trainer, batch))
                 flops = train_flops(shape, n) - (head * n if critic else 0)
                 row["mfu"] = flops / row["step_s"] / (peak_tflops * 1e12)
-                fitted.setdefault(tokens, setting)
             except torch.cuda.OutOfMemoryError as e:
                 row["error"] = f"OOM: {str(e)[:100]}"
             results.append(row)
+            results.persist()
             print(json.dumps(row, default=str), flush=True)
             gc.collect()
             torch.cuda.empty_cache()
-    return fitted
 
 
 def adam_step_ms(core) -> dict:
@@ -265,7 +267,7 @@ def sync_rows(actor, bucket_bytes: int = 1 << 30) -> dict:
     return out
 
 
-def bench_megatron(ckpt, shape, tokens_list, plan, peak_tflops, results, deadline) -> tuple[dict, dict]:
+def bench_megatron(ckpt, shape, tokens_list, plan, peak_tflops, results, deadline) -> dict:
     from roles.trainer.megatron import MegatronActorTrainer
 
     cfg = trainer_config(ckpt, max(tokens_list), max(tokens_list) // SAMPLE_LEN)
@@ -273,7 +275,7 @@ def bench_megatron(ckpt, shape, tokens_list, plan, peak_tflops, results, deadlin
     gc.collect()
     torch.cuda.empty_cache()
     onload = actor.onload(["params", "grads", "optimizer"])["moves"]
-    fitted = run_rows(actor, "megatron", shape, tokens_list, plan, peak_tflops, results, deadline)
+    run_rows(actor, "megatron", shape, tokens_list, plan, peak_tflops, results, deadline)
     adam = adam_step_ms(actor._core)
     actor.offload(["grads", "optimizer"])  # the PPO order: only the weights stay for the sync
     sync = sync_rows(actor)
@@ -286,7 +288,7 @@ def bench_megatron(ckpt, shape, tokens_list, plan, peak_tflops, results, deadlin
     del actor
     gc.collect()
     torch.cuda.empty_cache()
-    return memory, fitted
+    return memory
 
 
 def bench_megatron_critic(ckpt, shape, tokens_list, plan, peak_tflops, results, deadline) -> None:
@@ -363,6 +365,14 @@ def markdown(report: dict) -> str:
     return "\n".join(lines)
 
 
+class _Rows(list):
+    """The report's rows; `persist()` writes the whole report (after every row)."""
+
+    def __init__(self, persist):
+        super().__init__()
+        self.persist = persist
+
+
 def parse_plan(items: list[str]) -> dict[int, list[str]]:
     """['8192=full,none', ...] -> {8192: ['full', 'none']}; names checked here, not mid-run."""
     plan = {}
@@ -379,9 +389,10 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, nargs="+", default=[8192, 16384])
     parser.add_argument("--backends", nargs="+", default=["megatron", "torch", "megatron-critic"],
                         choices=["megatron", "megatron-critic", "torch"])
-    parser.add_argument("--recompute", nargs="+", default=["8192=none,full", "16384=block:12,full"],
+    parser.add_argument("--recompute", nargs="+", default=["8192=none,full", "16384=block:16,full"],
                         help="megatron settings per token count, tried in order (full, none, block:N)")
-    parser.add_argument("--budget-s", type=float, default=170.0, help="skip rows that would start after this long")
+    parser.add_argument("--budget-s", type=float, default=170.0,
+                        help="skip rows that would start after this long (building a 4B trainer takes ~40-60 s of it)")
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
     args = parser.parse_args()
     deadline = time.monotonic() + args.budget_s
@@ -396,25 +407,27 @@ def main() -> None:
     Qwen3Config(**{k: v for k, v in QWEN3_4B.items() if k not in ("model_type",)}).save_pretrained(ckpt)
     shape = shape_from_hf(QWEN3_4B)
     report = {"device": torch.cuda.get_device_name(), "matmul_tflops": matmul_tflops(), "pinned": pinned_copy_gbps(),
-              "memcpy_gbps": memcpy_gbps(), "rows": []}
-    fitted: dict[int, str] = {}
+              "memcpy_gbps": memcpy_gbps()}
+
+    def persist() -> None:
+        with open(os.path.join(args.out, "bench_trainer.json"), "w") as f:
+            json.dump(report, f, indent=1, default=str)
+
+    report["rows"] = rows = _Rows(persist)
     for backend in args.backends:
         try:
             if backend == "megatron":
-                report["megatron_memory"], fitted = bench_megatron(ckpt, shape, args.tokens, plan,
-                                                                   report["matmul_tflops"], report["rows"], deadline)
+                report["megatron_memory"] = bench_megatron(ckpt, shape, args.tokens, plan, report["matmul_tflops"],
+                                                           rows, deadline)
             elif backend == "megatron-critic":
-                critic_plan = {t: [fitted.get(t, plan.get(t, ["full"])[-1])] for t in args.tokens}
-                bench_megatron_critic(ckpt, shape, args.tokens, critic_plan, report["matmul_tflops"], report["rows"],
-                                      deadline)
+                bench_megatron_critic(ckpt, shape, args.tokens, plan, report["matmul_tflops"], rows, deadline)
             else:
-                bench_torch(ckpt, shape, args.tokens, report["matmul_tflops"], report["rows"], deadline)
+                bench_torch(ckpt, shape, args.tokens, report["matmul_tflops"], rows, deadline)
         except Exception as e:  # one backend failing must not lose the others' rows
             report.setdefault("errors", {})[backend] = f"{type(e).__name__}: {e}"[:500]
             print(f"{backend} failed: {e!r}", flush=True)
         finally:
-            with open(os.path.join(args.out, "bench_trainer.json"), "w") as f:
-                json.dump(report, f, indent=1, default=str)
+            persist()
     text = markdown(report)
     with open(os.path.join(args.out, "bench_trainer.md"), "w") as f:
         f.write(text + "\n")
