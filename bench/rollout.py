@@ -32,10 +32,12 @@ priority order until --budget-s, and a cell skipped for time says so.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import tempfile
 import time
+import traceback
 
 import torch
 
@@ -173,6 +175,8 @@ def main() -> None:
     parser.add_argument("--table", help="print the table of this saved JSON and exit")
     parser.add_argument("--mem-fraction", type=float, default=0.75,
                         help="engine's share of the GPU (0.75 leaves the goal's peer room beside it)")
+    parser.add_argument("--no-triton", dest="triton", action="store_false",
+                        help="decode by torch ops and SDPA instead of the engine's Triton kernels")
     parser.add_argument("--profile", action="store_true", help="print the top CUDA kernels of a batch-64 run")
     args = parser.parse_args()
     if args.table:
@@ -193,16 +197,33 @@ def main() -> None:
     with torch.device("cuda"):
         model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).eval()
     t0 = time.perf_counter()
-    eng = RolloutEngine(ckpt, dtype="bfloat16", max_batch_size=max(BATCHES), mem_fraction=args.mem_fraction,
-                        options={"load_format": "dummy"})
-    push_weights(model.state_dict().items(), eng.update_weights, buffer_bytes=1 << 30)
-    eng.set_weight_version(1)
+    results = {"copy_rate_tb_s": rate / 1e12, "rows": []}
+
+    def build(triton: bool):
+        eng = RolloutEngine(ckpt, dtype="bfloat16", max_batch_size=max(BATCHES), mem_fraction=args.mem_fraction,
+                            options={"load_format": "dummy", "triton": triton})
+        push_weights(model.state_dict().items(), eng.update_weights, buffer_bytes=1 << 30)
+        eng.set_weight_version(1)
+        return eng
+
+    eng = build(triton=args.triton)
+    if args.triton:  # a kernel that fails on this machine is reported, and the torch path measured instead
+        try:
+            eng.generate(engine_requests(prompts(8, seed=0), 4))
+        except Exception:
+            results["triton_error"] = traceback.format_exc()[-3000:]
+            print(results["triton_error"], flush=True)
+            eng.release(["weights", "kv_cache", "cuda_graph"])
+            del eng
+            gc.collect()
+            eng = build(triton=False)
     backend = eng._backend
+    results["triton"] = backend.scheduler.fused
     print(f"engine built and loaded in {time.perf_counter() - t0:.1f}s; KV budget "
           f"{backend.kv_cache_bytes / 2**30:.1f} GiB; copy rate {rate / 1e12:.2f} TB/s", flush=True)
     weight_bytes = backend.weights_bytes
     per_token = backend.kv_bytes_per_token
-    results = {"copy_rate_tb_s": rate / 1e12, "weight_gib": weight_bytes / 2**30, "rows": []}
+    results["weight_gib"] = weight_bytes / 2**30
 
     def save() -> None:  # after every stage: a run cut short still leaves what it measured
         if args.json:
@@ -317,7 +338,9 @@ def print_table(results: dict) -> None:
         peer = r.get(column) or r.get(column + "_window")
         return f"{r['engine'] / peer:.1f}x" if peer else "—"
 
-    print(f"\ncopy rate {results['copy_rate_tb_s']:.2f} TB/s; weights {results['weight_gib']:.2f} GiB")
+    print(f"\ncopy rate {results['copy_rate_tb_s']:.2f} TB/s; weights {results['weight_gib']:.2f} GiB; "
+          f"engine decode by {'Triton kernels' if results.get('triton') else 'torch ops + SDPA'}"
+          + (" (the Triton path failed: see triton_error in the JSON)" if "triton_error" in results else ""))
     print("| batch | new tokens | engine tok/s | HF dynamic | HF static+compile | bandwidth limit | "
           "engine / limit | engine / HF static | engine / HF dynamic | peak GiB |")
     print("|---|---|---|---|---|---|---|---|---|---|")

@@ -64,7 +64,7 @@ class RolloutEngine(Actor):
       kv_cache_bytes: torch only: KV-cache budget; default: max_batch_size full-context rows.
       mem_fraction: fraction of one GPU for weights + KV cache (sglang's mem_fraction_static;
         torch: the KV budget is that fraction of the device minus the weights).
-      options: extra backend options: torch {"cuda_graphs", "compile", "sync_every", "load_format"}
+      options: extra backend options: torch {"cuda_graphs", "compile", "triton", "sync_every", "load_format"}
         (torch_engine/backend.py); sglang: any other `sglang.Engine` keyword (tp_size,
         attention_backend, ...).
 
