@@ -53,11 +53,12 @@ Endpoints every rank implements (names and arguments of the single-process train
     sync_weights(engines, buffer_bytes, version, timeout_s=600.0, engine_gpus=None)
         -> {"bytes", "buckets", "seconds"}
         Every rank is called; ranks that send nothing return zeros (torch: rank 0 sends the
-        full HF weights; megatron: the ranks that hold gathered weights). Every sending rank
+        full HF weights; megatron: rank 0, once its TP peers joined the all-gather of the
+        shards). Every sending rank
         calls the engines' set_weight_version(version) after its last bucket.
     weights_checksum() -> {hf_name: digest}
-        Digests of the HF tensors the rank holds in full (torch: all of them; a rank may
-        return {}).
+        Digests of the HF tensors the rank holds in full (torch: all of them; megatron: rank
+        0 and its TP peers, after gathering; a rank may return {}).
 
 What the group returns (TrainerGroup, in the driver)
     batch endpoints    the output ranks' rows, back in batch order: {key: [N, R]}
