@@ -8,7 +8,9 @@ needs megatron-core (Python >= 3.12) and CUDA.
     mapper     HF <-> megatron state dicts (TP shards, PP stages, local/TE names)
     attention  core attention on SDPA / varlen, with context parallelism
     model      GPTModel (local spec + our attention, or TE's spec), critic value head
-    packing    packed micro-batches, chunked log-probs
+    packing    packed micro-batches
+    logprobs   chunked log-probs and entropy from (vocab-parallel) output weights
+    cp         context-parallel slicing of packed micro-batches, row reassembly
     offload    pinned-buffer offload by tag
     core       parallel state, DDP, optimizer, train loop
     trainer    the roles
