@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import os
 import socket
+import time
 
 import pytest
 import torch
@@ -43,6 +44,25 @@ def _sequential(group=None, device=None, async_ops=False):
 
 
 def _worker(layout: str, rank: int, port: int, ckpt: str, path: str) -> None:
+    """Each step's results are saved as soon as they exist, and the first error with them:
+    a failure or a hang late in the run still leaves the earlier comparisons checkable."""
+    import traceback
+
+    import torch.distributed as dist
+
+    out: dict = {}
+    try:
+        _steps(layout, rank, port, ckpt, lambda **kw: (out.update(kw), torch.save(out, path)))
+    except BaseException:
+        out["error"] = traceback.format_exc()
+        torch.save(out, path)
+        raise
+    finally:
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.destroy_process_group()
+
+
+def _steps(layout: str, rank: int, port: int, ckpt: str, keep) -> None:
     import torch.distributed as dist
 
     spec = dict(LAYOUTS[layout])
@@ -60,33 +80,29 @@ def _worker(layout: str, rank: int, port: int, ckpt: str, path: str) -> None:
     from roles.trainer.sharding import plan_train
     from tests.test_megatron_gpu import make_batch
 
-    out: dict = {}
     cfg = _config(ckpt, **spec)
     batch = make_batch(AutoConfig.from_pretrained(ckpt).vocab_size)
     minis = plan_train(batch, 1, cfg["global_batch_size"], cfg["loss_agg_mode"])[1][0]
     g = torch.Generator().manual_seed(1)
     actor = MegatronActorTrainer(cfg)
     actor.onload(["params", "grads", "optimizer"])
-    out["layout"] = actor.rank_layout()
-    out["lp"] = actor.compute_log_probs(batch)["log_probs"]
-    out["weights"] = {k: v.cpu() for k, v in actor.named_weights()}  # every rank of a TP group gathers
-    train = {**batch, "old_log_probs": out["lp"] + 0.01 * torch.randn(out["lp"].shape, generator=g),
+    lp = actor.compute_log_probs(batch)["log_probs"]
+    keep(layout=actor.rank_layout(), lp=lp)
+    keep(weights={k: v.cpu() for k, v in actor.named_weights()})  # every rank of a TP group gathers
+    train = {**batch, "old_log_probs": lp + 0.01 * torch.randn(lp.shape, generator=g),
              "advantages": torch.randn(4, 6, generator=g)}
-    out["train"] = actor.train(train, mini_batches=minis)
-    out["lp_after"] = actor.compute_log_probs(batch)["log_probs"]
-    out["weights_after"] = {k: v.cpu() for k, v in actor.named_weights()}
-    out["checksum"] = actor.weights_checksum()
-    out["save_hf"] = actor.save_hf(f"{path}.hf")  # rank 0 writes, its TP peer feeds the gather
+    keep(train=actor.train(train, mini_batches=minis))
+    keep(lp_after=actor.compute_log_probs(batch)["log_probs"])
+    keep(weights_after={k: v.cpu() for k, v in actor.named_weights()}, checksum=actor.weights_checksum())
+    keep(save_hf=actor.save_hf(f"{os.path.dirname(ckpt)}/{layout}.{rank}.hf"))  # rank 0 writes; its TP peer gathers
     actor.offload(["params", "grads", "optimizer"])
     critic = MegatronCriticTrainer(_config(ckpt, keep_ref=False, **spec))
     critic.onload(["params", "grads", "optimizer"])
-    out["values"] = critic.compute_values(batch)["values"]
-    critic_train = {**batch, "old_values": out["values"], "returns": torch.randn(4, 6, generator=g)}
-    out["critic_train"] = critic.train(critic_train, mini_batches=minis)
-    out["values_after"] = critic.compute_values(batch)["values"]
-    torch.save(out, path)
-    if world > 1:
-        dist.destroy_process_group()
+    values = critic.compute_values(batch)["values"]
+    keep(values=values)
+    critic_train = {**batch, "old_values": values, "returns": torch.randn(4, 6, generator=g)}
+    keep(critic_train=critic.train(critic_train, mini_batches=minis))
+    keep(values_after=critic.compute_values(batch)["values"])
 
 
 def _free_port() -> int:
@@ -108,38 +124,60 @@ def runs(ckpt, tmp_path_factory) -> dict[str, list[dict]]:
                   for r in range(spec["world"])]
     for p in procs:
         p.start()
+    deadline = time.monotonic() + 120
     try:
         for p in procs:
-            p.join(timeout=240)
+            p.join(timeout=max(1.0, deadline - time.monotonic()))
     finally:
         for p in procs:
             if p.is_alive():
                 p.kill()
                 p.join()
-    failed = [layout for layout, ps in paths.items() if not all(os.path.exists(p) for p in ps)]
-    assert not failed, f"layouts {failed} did not finish (exit codes {[p.exitcode for p in procs]})"
-    return {layout: [torch.load(p) for p in ps] for layout, ps in paths.items()}
+    return {layout: [torch.load(p) if os.path.exists(p) else {"error": "no result (killed or died at start)"}
+                     for p in ps] for layout, ps in paths.items()}
+
+
+def _need(runs, layout: str, *keys: str) -> list[dict]:
+    """The ranks of `layout`, and of the 1-rank reference first, failing with the recorded
+    error when a rank did not get as far as `keys`."""
+    got = runs["ref"] + runs[layout]
+    for name, r in zip(["ref"] + [f"{layout} rank {i}" for i in range(len(runs[layout]))], got):
+        missing = [k for k in keys if k not in r]
+        assert not missing, f"{name} has no {missing}: {r.get('error', 'stopped early')}"
+    return got
+
+
+TIGHT = dict(rtol=0.0, atol=1e-4)  # float32; the ranks only reorder sums
 
 
 @pytest.mark.parametrize("layout", ["tp2", "cp2"])
-def test_two_ranks_equal_one_rank_log_probs_update_and_critic(runs, layout):
-    ref, = runs["ref"]
-    ranks = runs[layout]
+def test_two_ranks_equal_one_rank_log_probs(runs, layout):
+    ref, *ranks = _need(runs, layout, "layout", "lp")
     assert [r["layout"] for r in ranks] == [{"dp_rank": 0, "dp_size": 1, "is_output": True},
                                             {"dp_rank": 0, "dp_size": 1, "is_output": False}]
-    tight = dict(rtol=0.0, atol=1e-4)  # float32; the ranks only reorder sums
     for r in ranks:  # TP peers compute the same rows; CP peers gather them
-        torch.testing.assert_close(r["lp"], ref["lp"], **tight)
-        torch.testing.assert_close(r["values"], ref["values"], **tight)
-    out = ranks[0]
+        torch.testing.assert_close(r["lp"], ref["lp"], **TIGHT)
+
+
+@pytest.mark.parametrize("layout", ["tp2", "cp2"])
+def test_two_ranks_equal_one_rank_ppo_update(runs, layout):
+    ref, out, _ = _need(runs, layout, "train", "lp_after")
     for key, value in ref["train"].items():
         assert out["train"][key] == pytest.approx(value, rel=1e-3, abs=1e-6), key
     assert out["train"]["skipped_nonfinite"] == 0 and out["train"]["grad_norm"] > 0
-    for key, value in ref["critic_train"].items():
-        assert out["critic_train"][key] == pytest.approx(value, rel=1e-3, abs=1e-6), key
     assert (out["lp_after"] - out["lp"]).abs().max() > 1e-3  # the update moved the policy
     # Adam divides by sqrt(v): near-zero gradients may move a weight by up to ~lr either way
     torch.testing.assert_close(out["lp_after"], ref["lp_after"], rtol=0.0, atol=2e-3)
+
+
+@pytest.mark.parametrize("layout", ["tp2", "cp2"])
+def test_two_ranks_equal_one_rank_critic(runs, layout):
+    ref, *ranks = _need(runs, layout, "values", "critic_train", "values_after")
+    for r in ranks:
+        torch.testing.assert_close(r["values"], ref["values"], **TIGHT)
+    out = ranks[0]
+    for key, value in ref["critic_train"].items():
+        assert out["critic_train"][key] == pytest.approx(value, rel=1e-3, abs=1e-6), key
     torch.testing.assert_close(out["values_after"], ref["values_after"], rtol=0.0, atol=2e-3)
 
 
@@ -147,16 +185,15 @@ def test_two_ranks_equal_one_rank_log_probs_update_and_critic(runs, layout):
 def test_gathered_hf_weights_are_the_checkpoint_and_follow_the_update(runs, layout, ckpt):
     from roles.trainer.megatron.core import load_hf_state
 
-    ref, = runs["ref"]
+    ref, out, peer = _need(runs, layout, "weights", "weights_after", "checksum", "save_hf")
     hf = load_hf_state(ckpt)
-    out = runs[layout][0]
     assert set(out["weights"]) == set(hf)
     for name, tensor in hf.items():  # TP shards all-gathered back: bit-identical
         assert torch.equal(out["weights"][name], tensor.float()), name
     for name, tensor in ref["weights_after"].items():
         torch.testing.assert_close(out["weights_after"][name], tensor, rtol=0.0, atol=3e-4, msg=name)
     assert set(out["checksum"]) == set(hf)
+    if layout == "tp2":  # the TP peer gathered the same full tensors
+        assert peer["checksum"] == out["checksum"]
     saved = load_hf_state(out["save_hf"]["path"])
     assert set(saved) == set(hf) and all(torch.equal(saved[k], out["weights_after"][k]) for k in hf)
-    if layout == "tp2":  # the TP peer gathered the same full tensors
-        assert runs[layout][1]["checksum"] == out["checksum"]

@@ -72,12 +72,15 @@ def build_gpt_model(shape: ModelShape, config, *, tp_size: int, critic: bool, us
         position_embedding_type="rope",
         rotary_base=int(shape.rope_theta),
     )
-    # megatron's local-spec norms (torch.nn.RMSNorm) are created in float32 whatever params_dtype
-    # says; in the compute dtype like every other weight, as megatron's Float16Module would cast them.
+    # megatron's local-spec norms (torch.nn.RMSNorm) are created in float32 on the CPU whatever
+    # params_dtype says; in the compute dtype on the GPU like every other weight (megatron's
+    # Float16Module would cast them; the distributed optimizer's param buffer would move them,
+    # the plain optimizer does not).
     for module in model.modules():
         if isinstance(module, torch.nn.RMSNorm):
             module.to(config.params_dtype)
+    device = torch.device("cuda", torch.cuda.current_device())
+    model.to(device)
     if critic and post_process:
-        device = model.decoder.final_layernorm.weight.device
         model.output_layer = ValueHead(shape.hidden_size, config.params_dtype, device)
     return model
