@@ -163,7 +163,7 @@ def test_two_ranks_equal_one_rank_log_probs(runs, layout):
 def test_two_ranks_equal_one_rank_ppo_update(runs, layout):
     ref, out, _ = _need(runs, layout, "train", "lp_after")
     for key, value in ref["train"].items():
-        assert out["train"][key] == pytest.approx(value, rel=1e-3, abs=1e-6), key
+        assert out["train"][key] == pytest.approx(value, rel=1e-3, abs=1e-5), key
     assert out["train"]["skipped_nonfinite"] == 0 and out["train"]["grad_norm"] > 0
     assert (out["lp_after"] - out["lp"]).abs().max() > 1e-3  # the update moved the policy
     # Adam divides by sqrt(v): near-zero gradients may move a weight by up to ~lr either way
@@ -177,7 +177,7 @@ def test_two_ranks_equal_one_rank_critic(runs, layout):
         torch.testing.assert_close(r["values"], ref["values"], **TIGHT)
     out = ranks[0]
     for key, value in ref["critic_train"].items():
-        assert out["critic_train"][key] == pytest.approx(value, rel=1e-3, abs=1e-6), key
+        assert out["critic_train"][key] == pytest.approx(value, rel=1e-3, abs=1e-5), key
     torch.testing.assert_close(out["values_after"], ref["values_after"], rtol=0.0, atol=2e-3)
 
 
