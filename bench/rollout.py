@@ -42,6 +42,8 @@ import traceback
 import torch
 
 BATCHES, PROMPT_LEN, NEW_TOKENS = (64, 256), 256, (256, 2048)
+GOAL = (64, 256)  # (batch, new tokens) of the issue's goal
+STOP_AT = 32  # the mixed run's early stops: at about this many tokens
 WINDOW, WARM = 40, 8  # decode-rate windows: steps generated, first steps not timed
 
 
@@ -158,10 +160,10 @@ def peer_plan(peers: str) -> list[tuple[int, int, str, bool]]:
     """(batch, new tokens, column, whole-call timing) in priority order: the goal's peer first."""
     if peers == "none":
         return []
-    plan = [(64, 256, "hf_static", True)]
+    plan = [(*GOAL, "hf_static", True)]
     plan += [(b, n, "hf_dynamic", False) for n in NEW_TOKENS for b in BATCHES]
     if peers == "all":
-        plan += [(256, 256, "hf_static", False)] + [(b, 2048, "hf_static", False) for b in BATCHES]
+        plan += [(b, n, "hf_static", False) for n in NEW_TOKENS for b in BATCHES if (b, n) != GOAL]
     return plan
 
 
@@ -233,9 +235,9 @@ def main() -> None:
     plan = peer_plan(args.peers)
     # the engine compiles its few ops in-process (decoder.py); the static-cache peer compiles a
     # whole model, which takes minutes on one thread: give it the machine's cores
-    import torch._inductor.config
+    from torch._inductor import config as inductor_config  # (a plain `import torch...` here would shadow torch)
 
-    torch._inductor.config.compile_threads = os.cpu_count()
+    inductor_config.compile_threads = os.cpu_count()
 
     def run_peer(batch: int, new: int, column: str, whole: bool) -> None:
         row = next(r for r in results["rows"] if (r["batch"], r["new"]) == (batch, new))
@@ -255,36 +257,37 @@ def main() -> None:
 
     for new in NEW_TOKENS:
         for batch in BATCHES:
-            res = run_engine(eng, batch, new, repeat=2 if new <= 256 else 1)
+            res = run_engine(eng, batch, new, repeat=2 if new == NEW_TOKENS[0] else 1)
             kv = batch * (PROMPT_LEN + new / 2) * per_token
             limit = batch * rate / (weight_bytes + kv)
             row = {"batch": batch, "new": new, "engine": res["tok_s"], "limit": limit, "peak_gib": res["peak_gib"]}
-            if new == 256 and batch == 64:
+            if (batch, new) == GOAL:
                 row["logprob_gap_vs_hf"] = hf_agreement(model, res)
             print(f"engine b{batch} n{new}: {res['tok_s']:.0f} tok/s ({res['seconds']:.2f}s), "
                   f"limit {limit:.0f}, peak {res['peak_gib']:.1f} GiB", flush=True)
             results["rows"].append(row)
             save()
-            if (batch, new) == (max(BATCHES), 256):
+            if (batch, new) == (max(BATCHES), NEW_TOKENS[0]):
                 stops = res  # its greedy tokens give the mixed run's stop tokens
-        if new == 256 and plan:  # the goal's peer now, beside the resident engine; the rest need its memory
+        if new == NEW_TOKENS[0] and plan:  # the goal's peer now, beside the resident engine; the rest need its memory
             run_peer(*plan.pop(0))
     results["graphs_kept"] = len(backend.graphs._graphs)
     if args.profile:
         profile(eng)
 
     # mixed lengths: twice as many requests as slots, all with max_new_tokens 256; every other one
-    # stops early on a stop token, as on an eos: the token its prompt got at step 32 in the
+    # stops early on a stop token, as on an eos: the token its prompt got at step STOP_AT in the
     # batch-256 row (greedy), which the scheduler cannot know at admission
-    num, stop_at = 2 * max(BATCHES), 32
-    reqs = engine_requests(torch.cat([stops["ids"], stops["ids"]]), 256)
+    num = 2 * max(BATCHES)
+    reqs = engine_requests(torch.cat([stops["ids"], stops["ids"]]), NEW_TOKENS[0])
     for i, r in enumerate(reqs[1::2]):
-        stop = stops["out"][(2 * i + 1) % len(stops["ids"])]["token_ids"][stop_at - 1]
+        stop = stops["out"][(2 * i + 1) % len(stops["ids"])]["token_ids"][STOP_AT - 1]
         r["sampling"].update(ignore_eos=False, stop_token_ids=[stop])
     seconds, out = timed(lambda: eng.generate(reqs))
     stats = backend.scheduler.last_stats
     tail_slots = stats["slot_steps"] - stats["slot_steps_queued"]
-    results["mixed"] = {"num_requests": num, "tok_s": sum(len(r["token_ids"]) for r in out) / seconds,
+    results["mixed"] = {"num_requests": num, "max_new": NEW_TOKENS[0],
+                        "tok_s": sum(len(r["token_ids"]) for r in out) / seconds,
                         "seconds": seconds, "stopped": sum(r["finish_reason"] == "stop" for r in out),
                         "mean_new": sum(len(r["token_ids"]) for r in out) / num,
                         "occupancy": stats["busy_steps"] / stats["slot_steps"],
@@ -355,7 +358,7 @@ def print_table(results: dict) -> None:
         print(f"peer cells not run: {skipped}")
     if "mixed" in results:
         m = results["mixed"]
-        print(f"mixed lengths ({m['num_requests']} requests of up to 256 new tokens, {m['stopped']} stopped "
+        print(f"mixed lengths ({m['num_requests']} requests of up to {m['max_new']} new tokens, {m['stopped']} stopped "
               f"early on a stop token, mean {m['mean_new']:.0f} tokens; {m['num_slots']} slots): "
               f"{m['tok_s']:,.0f} tok/s; slot occupancy {m['occupancy_while_queued']:.0%} while requests "
               f"wait, {m['occupancy_tail']:.0%} in the drain tail ({m['tail_share']:.0%} of slot-steps), "
