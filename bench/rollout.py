@@ -226,13 +226,13 @@ def main() -> None:
     weight_bytes = backend.weights_bytes
     per_token = backend.kv_bytes_per_token
     results["weight_gib"] = weight_bytes / 2**30
+    plan = peer_plan(args.peers)
 
     def save() -> None:  # after every stage: a run cut short still leaves what it measured
         if args.json:
             with open(args.json, "w") as f:
                 json.dump(results, f, indent=1, default=str)
 
-    plan = peer_plan(args.peers)
     # the engine compiles its few ops in-process (decoder.py); the static-cache peer compiles a
     # whole model, which takes minutes on one thread: give it the machine's cores
     from torch._inductor import config as inductor_config  # (a plain `import torch...` here would shadow torch)
@@ -240,7 +240,7 @@ def main() -> None:
     inductor_config.compile_threads = os.cpu_count()
 
     def run_peer(batch: int, new: int, column: str, whole: bool) -> None:
-        row = next(r for r in results["rows"] if (r["batch"], r["new"]) == (batch, new))
+        row = rows[batch, new]
         cell = column if whole else column + "_window"
         if time.perf_counter() - began > args.budget_s:
             row[cell + "_error"] = "not run: time budget"
@@ -255,25 +255,28 @@ def main() -> None:
               f"({time.perf_counter() - began:.0f}s into the run)", flush=True)
         save()
 
-    for new in NEW_TOKENS:
-        for batch in BATCHES:
-            res = run_engine(eng, batch, new, repeat=2 if new == NEW_TOKENS[0] else 1)
-            kv = batch * (PROMPT_LEN + new / 2) * per_token
-            limit = batch * rate / (weight_bytes + kv)
-            row = {"batch": batch, "new": new, "engine": res["tok_s"], "limit": limit, "peak_gib": res["peak_gib"]}
-            if (batch, new) == GOAL:
-                row["logprob_gap_vs_hf"] = hf_agreement(model, res)
-            print(f"engine b{batch} n{new}: {res['tok_s']:.0f} tok/s ({res['seconds']:.2f}s), "
-                  f"limit {limit:.0f}, peak {res['peak_gib']:.1f} GiB", flush=True)
-            results["rows"].append(row)
-            save()
-            if (batch, new) == (max(BATCHES), NEW_TOKENS[0]):
-                stops = res  # its greedy tokens give the mixed run's stop tokens
-        if new == NEW_TOKENS[0] and plan:  # the goal's peer now, beside the resident engine; the rest need its memory
-            run_peer(*plan.pop(0))
-    results["graphs_kept"] = len(backend.graphs._graphs)
-    if args.profile:
-        profile(eng)
+    rows = {(b, n): {"batch": b, "new": n, "engine": None, "peak_gib": None,
+                     "limit": b * rate / (weight_bytes + b * (PROMPT_LEN + n / 2) * per_token)}
+            for n in NEW_TOKENS for b in BATCHES}
+    results["rows"] = list(rows.values())
+
+    def engine_row(batch: int, new: int) -> dict:
+        res = run_engine(eng, batch, new, repeat=2 if new == NEW_TOKENS[0] else 1)
+        row = rows[batch, new]
+        row.update(engine=res["tok_s"], peak_gib=res["peak_gib"])
+        if (batch, new) == GOAL:
+            row["logprob_gap_vs_hf"] = hf_agreement(model, res)
+        print(f"engine b{batch} n{new}: {res['tok_s']:.0f} tok/s ({res['seconds']:.2f}s), limit {row['limit']:.0f}, "
+              f"peak {res['peak_gib']:.1f} GiB ({time.perf_counter() - began:.0f}s into the run)", flush=True)
+        save()
+        return res
+
+    # Order: what the goal needs first; the HF cells that need the engine's memory run
+    # while it is released, which is also when release and resume are timed.
+    for batch in BATCHES:
+        stops = engine_row(batch, NEW_TOKENS[0])  # the last (largest batch) gives the mixed run's stops
+    if plan:  # the goal's peer, beside the resident engine
+        run_peer(*plan.pop(0))
 
     # mixed lengths: twice as many requests as slots, all with max_new_tokens 256; every other one
     # stops early on a stop token, as on an eos: the token its prompt got at step STOP_AT in the
@@ -297,7 +300,7 @@ def main() -> None:
                         "admitted_while_decoding": stats["admitted_while_decoding"], "num_slots": stats["num_slots"]}
     print(f"mixed: {results['mixed']}", flush=True)
 
-    # the HF peers need the memory: the engine gives it back (timed: that is the colocation handoff)
+    # the colocation handoff, timed: the first release pins the host buffer, the second reuses it
     tags = ["weights", "kv_cache", "cuda_graph"]
     for i in (1, 2):
         before = torch.cuda.memory_allocated()
@@ -305,15 +308,25 @@ def main() -> None:
         results[f"release{i}_s"], results["released_gib"] = seconds, (before - torch.cuda.memory_allocated()) / 2**30
         if i == 1:
             results["resume1_s"], _ = timed(lambda: eng.resume(tags))
+        else:  # the dynamic-cache cells need the memory
+            for peer in [p for p in plan if p[2] == "hf_dynamic"]:
+                plan.remove(peer)
+                run_peer(*peer)
+    results["resume2_s"], _ = timed(lambda: eng.resume(tags))
     print(f"release {results['release1_s']:.2f}s then {results['release2_s']:.2f}s, resume "
-          f"{results['resume1_s']:.2f}s, freed {results['released_gib']:.1f} GiB", flush=True)
+          f"{results['resume1_s']:.2f}s / {results['resume2_s']:.2f}s, freed {results['released_gib']:.1f} GiB",
+          flush=True)
     save()
 
+    for batch in BATCHES:
+        engine_row(batch, NEW_TOKENS[1])
+    results["graphs_kept"] = len(backend.graphs._graphs)
+    if args.profile:
+        profile(eng)
+    if plan and time.perf_counter() - began <= args.budget_s:
+        eng.release(tags)
     for peer in plan:
         run_peer(*peer)
-    del model
-    torch.cuda.empty_cache()
-    results["resume2_s"], _ = timed(lambda: eng.resume(tags))
     results["total_s"] = time.perf_counter() - began
     save()
     print_table(results)
@@ -339,7 +352,7 @@ def print_table(results: dict) -> None:
 
     def ratio(r: dict, column: str) -> str:
         peer = r.get(column) or r.get(column + "_window")
-        return f"{r['engine'] / peer:.1f}x" if peer else "—"
+        return f"{r['engine'] / peer:.1f}x" if peer and r["engine"] else "—"
 
     print(f"\ncopy rate {results['copy_rate_tb_s']:.2f} TB/s; weights {results['weight_gib']:.2f} GiB; "
           f"engine decode by {'Triton kernels' if results.get('triton') else 'torch ops + SDPA'}"
@@ -348,6 +361,10 @@ def print_table(results: dict) -> None:
           "engine / limit | engine / HF static | engine / HF dynamic | peak GiB |")
     print("|---|---|---|---|---|---|---|---|---|---|")
     for r in results["rows"]:
+        if not r["engine"]:
+            print(f"| {r['batch']} | {r['new']} | not run | {cell(r, 'hf_dynamic')} | {cell(r, 'hf_static')} | "
+                  f"{r['limit']:,.0f} | — | — | — | — |")
+            continue
         print(f"| {r['batch']} | {r['new']} | {r['engine']:,.0f} | {cell(r, 'hf_dynamic')} | "
               f"{cell(r, 'hf_static')} | {r['limit']:,.0f} | {r['engine'] / r['limit']:.0%} | "
               f"{ratio(r, 'hf_static')} | {ratio(r, 'hf_dynamic')} | {r['peak_gib']:.1f} |")
