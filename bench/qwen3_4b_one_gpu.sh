@@ -4,7 +4,8 @@
 #   bash bench/qwen3_4b_one_gpu.sh OUT_DIR [BUDGET_S]
 #
 # 1. A tiny random-init Qwen3 through the same path (megatron trainers, built-in engine, the
-#    same placement flags): two rollouts, or the script stops there.
+#    same placement flags): one rollout with both updates and the weight sync, or the script
+#    stops there.
 # 2. An untrained Qwen3-4B (ppo.make_checkpoint, random init) and generated dapo-math prompts.
 # 3. PPO: both trainers keep their bf16 weights on the GPU and move only their optimizers
 #    (float32 main params and Adam moments, 45 GiB each) to pinned host memory and back
@@ -39,18 +40,18 @@ step() {  # NAME SECONDS CMD...: run CMD under a limit (SIGINT first: bench.iter
   return $rc
 }
 
-step tiny_checkpoint 60 python3 -m ppo.make_checkpoint --arch qwen3-4b --device cuda --num-prompts 256 \
+step tiny_checkpoint 45 python3 -m ppo.make_checkpoint --arch qwen3-4b --device cuda --num-prompts 256 \
   --override num_hidden_layers=2 --override hidden_size=256 --override intermediate_size=512 \
   --override num_attention_heads=4 --override num_key_value_heads=2 --override head_dim=64 "$TINY" || exit 1
-step tiny 110 python3 -m bench.iteration --out "$OUT/tiny" -- "${COMMON[@]}" "${PPO_PLAN[@]}" \
-  --hf-checkpoint "$TINY" --prompt-data "$TINY/dapo_math_prompts.jsonl" --num-rollout 2 \
-  --num-critic-only-steps 0 --rollout-max-response-len 64 --sglang-mem-fraction-static 0.1 \
+step tiny 80 python3 -m bench.iteration --out "$OUT/tiny" -- "${COMMON[@]}" "${PPO_PLAN[@]}" \
+  --hf-checkpoint "$TINY" --prompt-data "$TINY/dapo_math_prompts.jsonl" --num-rollout 1 \
+  --num-critic-only-steps 0 --rollout-max-response-len 32 --sglang-mem-fraction-static 0.1 \
   --run-dir "$OUT/tiny/run" || exit 1
 
-step checkpoint 90 python3 -m ppo.make_checkpoint --arch qwen3-4b --device cuda "$CK" || exit 1
+step checkpoint 75 python3 -m ppo.make_checkpoint --arch qwen3-4b --device cuda "$CK" || exit 1
 FULL=(--hf-checkpoint "$CK" --prompt-data "$CK/dapo_math_prompts.jsonl" --rollout-max-response-len 2048
       --num-critic-only-steps 0 --sglang-mem-fraction-static 0.22)
-step ppo $(( $(left) - 150 )) python3 -m bench.iteration --out "$OUT/ppo" -- "${COMMON[@]}" "${PPO_PLAN[@]}" \
+step ppo $(( $(left) - 130 )) python3 -m bench.iteration --out "$OUT/ppo" -- "${COMMON[@]}" "${PPO_PLAN[@]}" \
   "${FULL[@]}" --num-rollout 3 --run-dir "$OUT/ppo/run"
 step grpo $(( $(left) - 5 )) python3 -m bench.iteration --out "$OUT/grpo" -- "${COMMON[@]}" "${GRPO_PLAN[@]}" \
   "${FULL[@]}" --num-rollout 2 --run-dir "$OUT/grpo/run"
