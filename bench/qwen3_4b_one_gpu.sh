@@ -5,7 +5,7 @@
 #
 # 1. A tiny random-init Qwen3 through the same path (megatron trainers, built-in engine, the
 #    same placement flags): one rollout with both updates and the weight sync, or the script
-#    stops there.
+#    stops there. Skipped when BUDGET_S < 520.
 # 2. An untrained Qwen3-4B (ppo.make_checkpoint, random init) and generated dapo-math prompts.
 # 3. PPO: both trainers keep their bf16 weights on the GPU and move only their optimizers
 #    (float32 main params and Adam moments, 45 GiB each) to pinned host memory and back
@@ -40,6 +40,7 @@ step() {  # NAME SECONDS CMD...: run CMD under a limit (SIGINT first: bench.iter
   return $rc
 }
 
+if [ "$BUDGET" -ge 520 ]; then  # below that the two full-size runs need all of it
 step tiny_checkpoint 45 python3 -m ppo.make_checkpoint --arch qwen3-4b --device cuda --num-prompts 256 \
   --override num_hidden_layers=2 --override hidden_size=256 --override intermediate_size=512 \
   --override num_attention_heads=4 --override num_key_value_heads=2 --override head_dim=64 "$TINY" || exit 1
@@ -47,6 +48,7 @@ step tiny 80 python3 -m bench.iteration --out "$OUT/tiny" -- "${COMMON[@]}" "${P
   --hf-checkpoint "$TINY" --prompt-data "$TINY/dapo_math_prompts.jsonl" --num-rollout 1 \
   --num-critic-only-steps 0 --rollout-max-response-len 32 --sglang-mem-fraction-static 0.1 \
   --run-dir "$OUT/tiny/run" || exit 1
+fi
 
 step checkpoint 75 python3 -m ppo.make_checkpoint --arch qwen3-4b --device cuda "$CK" || exit 1
 FULL=(--hf-checkpoint "$CK" --prompt-data "$CK/dapo_math_prompts.jsonl" --rollout-max-response-len 2048
