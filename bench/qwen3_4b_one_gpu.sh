@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # qwen3_4b_ppo scaled to one GPU, measured by bench.iteration (docs/benchmarks.md).
 #
-#   bash bench/qwen3_4b_one_gpu.sh OUT_DIR [BUDGET_S]
+#   [PPO_ROLLOUTS=3 GRPO_ROLLOUTS=2 GRPO_S=130] bash bench/qwen3_4b_one_gpu.sh OUT_DIR [BUDGET_S]
 #
 # 1. A tiny random-init Qwen3 through the same path (megatron trainers, built-in engine, the
 #    same placement flags): one rollout with both updates and the weight sync, or the script
@@ -11,7 +11,8 @@
 #    (float32 main params and Adam moments, 45 GiB each) to pinned host memory and back
 #    around their train calls; the engine keeps its weights and KV cache.
 # 4. GRPO (no critic): the actor and the engine both stay resident, nothing moves.
-# Every step is time-limited; whatever ran is analysed, and everything lands under OUT_DIR.
+# Every step is time-limited; whatever ran is analysed. OUT_DIR gets the logs, each run's
+# analysis (NAME_iteration.json) and event log; the run directories stay in /tmp/runs.
 set -u
 OUT=${1:?usage: bench/qwen3_4b_one_gpu.sh OUT_DIR [BUDGET_S]}
 BUDGET=${2:-570}
@@ -39,22 +40,30 @@ step() {  # NAME SECONDS CMD...: run CMD under a limit (SIGINT first: bench.iter
   tail -n 4 "$OUT/$name.log"
   return $rc
 }
+keep() {  # NAME: bring back the run's analysis and event log only (few files come back)
+  cp "$RUNS/$1/iteration.json" "$OUT/$1_iteration.json" 2>/dev/null
+  cp "$RUNS/$1/run/events.jsonl" "$OUT/$1_events.jsonl" 2>/dev/null
+}
+RUNS=/tmp/runs
 
 if [ "$BUDGET" -ge 520 ]; then  # below that the two full-size runs need all of it
 step tiny_checkpoint 45 python3 -m ppo.make_checkpoint --arch qwen3-4b --device cuda --num-prompts 256 \
   --override num_hidden_layers=2 --override hidden_size=256 --override intermediate_size=512 \
   --override num_attention_heads=4 --override num_key_value_heads=2 --override head_dim=64 "$TINY" || exit 1
-step tiny 80 python3 -m bench.iteration --out "$OUT/tiny" -- "${COMMON[@]}" "${PPO_PLAN[@]}" \
+step tiny 80 python3 -m bench.iteration --out "$RUNS/tiny" -- "${COMMON[@]}" "${PPO_PLAN[@]}" \
   --hf-checkpoint "$TINY" --prompt-data "$TINY/dapo_math_prompts.jsonl" --num-rollout 1 \
   --num-critic-only-steps 0 --rollout-max-response-len 32 --sglang-mem-fraction-static 0.1 \
-  --run-dir "$OUT/tiny/run" || exit 1
+  --run-dir "$RUNS/tiny/run" || { keep tiny; exit 1; }
 fi
 
 step checkpoint 75 python3 -m ppo.make_checkpoint --arch qwen3-4b --device cuda "$CK" || exit 1
 FULL=(--hf-checkpoint "$CK" --prompt-data "$CK/dapo_math_prompts.jsonl" --rollout-max-response-len 2048
       --num-critic-only-steps 0 --sglang-mem-fraction-static 0.22)
-step ppo $(( $(left) - 130 )) python3 -m bench.iteration --out "$OUT/ppo" -- "${COMMON[@]}" "${PPO_PLAN[@]}" \
-  "${FULL[@]}" --num-rollout 3 --run-dir "$OUT/ppo/run"
-step grpo $(( $(left) - 5 )) python3 -m bench.iteration --out "$OUT/grpo" -- "${COMMON[@]}" "${GRPO_PLAN[@]}" \
-  "${FULL[@]}" --num-rollout 2 --run-dir "$OUT/grpo/run"
+step ppo $(( $(left) - ${GRPO_S:-130} )) python3 -m bench.iteration --out "$RUNS/ppo" -- "${COMMON[@]}" \
+  "${PPO_PLAN[@]}" "${FULL[@]}" --num-rollout "${PPO_ROLLOUTS:-3}" --run-dir "$RUNS/ppo/run"
+keep ppo
+[ "$(left)" -ge 90 ] || exit 0
+step grpo $(( $(left) - 5 )) python3 -m bench.iteration --out "$RUNS/grpo" -- "${COMMON[@]}" "${GRPO_PLAN[@]}" \
+  "${FULL[@]}" --num-rollout "${GRPO_ROLLOUTS:-2}" --run-dir "$RUNS/grpo/run"
+keep grpo
 exit 0

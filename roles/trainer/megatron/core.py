@@ -102,6 +102,17 @@ def load_hf_state(path: str) -> dict[str, torch.Tensor]:
     return state
 
 
+def _drop_rotary_cache() -> None:
+    """megatron caches a rotary table per packed max_seqlen on the GPU (lru_cache, up to 32
+    float32 tables of length x head_dim): cache, not state. Dropped before the memory is
+    reported, or every lease handoff would count it as memory the trainer forgot to offload."""
+    from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+
+    clear = getattr(RotaryEmbedding.forward, "cache_clear", None)
+    if clear is not None:
+        clear()
+
+
 class MegatronCore:
     """One trainer's model, optimizer, memory and train loop (actor: critic=False)."""
 
@@ -269,6 +280,7 @@ class MegatronCore:
         if bad:
             raise ValueError(f"memory tags {bad} unknown; allowed: {list(MEMORY_TAGS)}")
         moves = {tag: move(tag) for tag in tags}
+        _drop_rotary_cache()
         torch.cuda.empty_cache()
         return {"ledger": self.memory.ledger(), "bytes_in_use": self.memory.bytes_in_use(), "moves": moves}
 
