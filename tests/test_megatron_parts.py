@@ -112,39 +112,39 @@ def test_offloader_frees_storages_restores_views_and_accounts():
     assert off.nbytes("params") == 48
     off.onload("params")
     assert torch.equal(views[1], torch.arange(5, 12, dtype=torch.float32)) and memory.ledger()["params"] == 48
-    assert "params" not in off._pinned  # the construction-time offload's buffers are freed at its onload
+    assert "params" not in off._host  # the construction-time offload's block is freed at its onload
     off.offload("params")
-    pinned = off._pinned["params"][0]
+    block = off._host["params"]
+    assert block.nbytes == 48 and block.sizes == [48]  # one block of exactly the tag's bytes
     off.onload("params")
-    assert off._pinned["params"][0] is pinned  # kept from the second offload on
+    assert off._host["params"] is block  # kept from the second offload on
     off.offload("params")
-    assert off._pinned["params"][0] is pinned  # and reused, not reallocated
+    assert off._host["params"] is block  # and reused, not reallocated
     off.onload("params")
     assert off.offload("grads")["bytes"] == 0  # grads are freed, not copied
     off.onload("grads")
     assert torch.equal(grads, torch.zeros(4))
 
 
-def test_offloader_reuses_buffers_by_size_when_new_state_appears():
-    """Adam's moments appear at the first step: the main params' buffers are reused, only the
-    new storages get buffers, and a buffer no storage matches any more is dropped."""
+def test_offloader_replaces_its_host_block_when_new_state_appears():
+    """Adam's moments appear at the first step: the tag's host block is replaced by one of the
+    new exact size (the old one freed), and every storage round-trips through its view."""
     memory = DeviceMemory("actor")
-    main, moments = [torch.zeros(6)], []
+    main, moments = [torch.arange(6.0)], []
     off = TaggedOffloader(memory)
     off.register("optimizer", lambda: main + moments)
     for _ in range(2):  # past the construction-time offload
         off.offload("optimizer")
         off.onload("optimizer")
-    kept = off._pinned["optimizer"][0]
-    moments += [torch.ones(3), torch.ones(3)]
+    old = off._host["optimizer"]
+    moments += [torch.ones(3), torch.full((3,), 2.0)]
     off.offload("optimizer")
-    bufs = off._pinned["optimizer"]
-    assert bufs[0] is kept and [b.numel() for b in bufs] == [24, 12, 12]
+    block = off._host["optimizer"]
+    assert block is not old and old.views == [] and block.sizes == [24, 12, 12] and block.nbytes == 48
     off.onload("optimizer")
-    assert torch.equal(moments[1], torch.ones(3))
-    main.clear()
+    assert torch.equal(main[0], torch.arange(6.0)) and torch.equal(moments[1], torch.full((3,), 2.0))
     off.offload("optimizer")
-    assert [b.numel() for b in off._pinned["optimizer"]] == [12, 12]
+    assert off._host["optimizer"] is block  # same sizes: reused
 
 
 @pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-mean", "sum-of-sample-mean"])

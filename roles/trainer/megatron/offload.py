@@ -12,16 +12,17 @@ offload only frees them and onload zeroes them.
 Host memory is the scarce side on one GPU (an offloaded Qwen3-4B trainer pins ~56 GB, and
 the host may have 128 GiB for two trainers and an engine), so no pinned byte is held for
 nothing:
-- at each offload a tag's buffers are matched to its storages by size, so buffers of
-  storages that still exist are reused and only new ones (Adam's moments, which appear at
-  the first step) are pinned; a buffer no storage matches is freed;
+- a tag's host copy is ONE block of exactly its bytes, page-locked in place with
+  cudaHostRegister: torch's pinned allocator rounds every block up to a power of two (a
+  Qwen3-4B optimizer's 1,200 storages would pin ~1.33x their 45 GiB) and caches what is
+  freed, still pinned;
+- the block is reused while the tag's storages keep their sizes, and replaced (the old one
+  unregistered and freed) when they change, as when Adam's moments appear;
 - the tag's first offload is the one at construction (the trainer starts offloaded): its
-  buffers are freed at the following onload. The state changes shape at the first step,
-  and a tag that a one-GPU plan keeps resident (`--offload-train-level optimizer` keeps
-  the weights) is never offloaded again. From the second offload on, a tag moves every
-  iteration and keeps its buffers.
-Freed pinned buffers go back to the OS (torch's pinned-host cache is emptied), not to a
-cache that would keep them pinned.
+  block is freed at the following onload. The state changes shape at the first step, and
+  a tag that a one-GPU plan keeps resident (`--offload-train-level optimizer` keeps the
+  weights) is never offloaded again. From the second offload on, a tag moves every
+  iteration and keeps its block.
 
 Every move reports bytes and GB/s per tag; accounting goes through roles.device.DeviceMemory
 (account before allocating on onload, after freeing on offload) so the lease checks hold.
@@ -59,7 +60,7 @@ class TaggedOffloader:
         self._tensors: dict[str, Callable[[], list[torch.Tensor]]] = {}
         self._keep: dict[str, bool] = {}
         self._freed: dict[str, list[tuple[torch.UntypedStorage, int]]] = {}
-        self._pinned: dict[str, list[torch.Tensor]] = {}
+        self._host: dict[str, HostBlock] = {}
         self._offloads: dict[str, int] = {}  # offloads of each tag so far
         self.offloaded: set[str] = set()
 
@@ -82,8 +83,7 @@ class TaggedOffloader:
         start = time.perf_counter()
         moved = 0
         if self._keep[tag]:
-            pinned = self._pinned_buffers(tag, storages)
-            for st, buf in zip(storages, pinned):
+            for st, buf in zip(storages, self._host_views(tag, storages)):
                 buf.copy_(_as_bytes(st), non_blocking=True)
                 moved += st.nbytes()
         _synchronize(storages)
@@ -103,56 +103,62 @@ class TaggedOffloader:
         self.memory.account(tag, sum(n for _, n in freed))  # before allocating: a lease violation raises here
         start = time.perf_counter()
         moved = 0
-        pinned = self._pinned.get(tag, [])
+        views = self._host[tag].views if self._keep[tag] else []
         for i, (st, nbytes) in enumerate(freed):
             st.resize_(nbytes)
             if self._keep[tag]:
-                _as_bytes(st).copy_(pinned[i], non_blocking=True)
+                _as_bytes(st).copy_(views[i], non_blocking=True)
                 moved += nbytes
             else:
                 _as_bytes(st).zero_()
         _synchronize([st for st, _ in freed])
         seconds = time.perf_counter() - start
-        del pinned  # the buffers may be freed below
+        del views
         self.offloaded.discard(tag)
-        if self._offloads[tag] == 1 and self._pinned.pop(tag, None):  # the construction-time offload
-            _empty_host_cache()
+        if self._offloads[tag] == 1 and tag in self._host:  # the construction-time offload
+            self._host.pop(tag).free()
         return _report(moved, seconds)
 
-    def _pinned_buffers(self, tag: str, storages: list[torch.UntypedStorage]) -> list[torch.Tensor]:
-        """One buffer per storage: the tag's existing buffers reused by size, new ones pinned,
-        unmatched ones freed."""
-        pool = _by_size(self._pinned.pop(tag, []))
-        pin = bool(storages) and storages[0].device.type == "cuda"
-        bufs = [pool[st.nbytes()].pop() if pool.get(st.nbytes())
-                else torch.empty(st.nbytes(), dtype=torch.uint8, pin_memory=pin) for st in storages]
-        self._pinned[tag] = bufs
-        if any(pool.values()):
-            del pool
-            _empty_host_cache()
-        return bufs
+    def _host_views(self, tag: str, storages: list[torch.UntypedStorage]) -> list[torch.Tensor]:
+        """One view per storage into the tag's host block, which is replaced when the sizes change."""
+        sizes = [st.nbytes() for st in storages]
+        block = self._host.get(tag)
+        if block is None or block.sizes != sizes:
+            if block is not None:
+                self._host.pop(tag).free()
+            block = self._host[tag] = HostBlock(sizes, pin=bool(storages) and storages[0].device.type == "cuda")
+        return block.views
 
 
-def _by_size(buffers: list[torch.Tensor]) -> dict[int, list[torch.Tensor]]:
-    pool: dict[int, list[torch.Tensor]] = {}
-    for b in buffers:
-        pool.setdefault(b.numel(), []).append(b)
-    return pool
+class HostBlock:
+    """CPU memory of exactly sum(sizes) bytes, split into one view per size; page-locked in
+    place (cudaHostRegister) when `pin`, so copies to and from a GPU run asynchronously at the
+    pinned rate, without the power-of-two rounding of torch's pinned allocator."""
+
+    def __init__(self, sizes: list[int], *, pin: bool):
+        self.sizes, self.nbytes = sizes, sum(sizes)
+        self._flat = torch.empty(self.nbytes, dtype=torch.uint8)
+        self.views = list(self._flat.split(sizes)) if sizes else []
+        self._pinned = pin and self.nbytes > 0
+        if self._pinned:
+            _check(torch.cuda.cudart().cudaHostRegister(self._flat.data_ptr(), self.nbytes, 0))
+
+    def free(self) -> None:
+        """Unregister and drop the memory (the views must not be used after)."""
+        if self._pinned:
+            _check(torch.cuda.cudart().cudaHostUnregister(self._flat.data_ptr()))
+            self._pinned = False
+        self.views, self._flat = [], torch.empty(0, dtype=torch.uint8)
+
+
+def _check(result) -> None:
+    if int(result) != 0:
+        raise RuntimeError(f"CUDA host (un)registration failed: cudaError {int(result)}")
 
 
 def _synchronize(storages: list[torch.UntypedStorage]) -> None:
     if storages and storages[0].device.type == "cuda":
         torch.cuda.synchronize(storages[0].device)
-
-
-def _empty_host_cache() -> None:
-    """Return freed pinned blocks to the OS (torch keeps them cached, still pinned, otherwise)."""
-    if not torch.cuda.is_available():
-        return
-    empty = (getattr(getattr(torch, "accelerator", None), "empty_host_cache", None)
-             or getattr(torch._C, "_host_emptyCache", None))
-    if empty is not None:
-        empty()
 
 
 def _report(nbytes: int, seconds: float) -> dict:
