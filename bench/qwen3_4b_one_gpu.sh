@@ -56,7 +56,7 @@ step tiny 80 python3 -m bench.iteration --out "$RUNS/tiny" -- "${COMMON[@]}" "${
   --run-dir "$RUNS/tiny/run" || { keep tiny; exit 1; }
 fi
 
-step checkpoint 75 python3 -m ppo.make_checkpoint --arch qwen3-4b --device cuda "$CK" || exit 1
+step checkpoint 75 python3 -m ppo.make_checkpoint --arch qwen3-4b --device cuda --num-prompts 512 "$CK" || exit 1
 FULL=(--hf-checkpoint "$CK" --prompt-data "$CK/dapo_math_prompts.jsonl" --rollout-max-response-len 2048
       --num-critic-only-steps 0 --sglang-mem-fraction-static 0.22)
 step ppo $(( $(left) - ${GRPO_S:-130} )) python3 -m bench.iteration --out "$RUNS/ppo" -- "${COMMON[@]}" \
