@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # qwen3_4b_ppo scaled to one GPU, measured by bench.iteration (docs/benchmarks.md).
 #
-#   [PPO_ROLLOUTS=3 GRPO_ROLLOUTS=2 GRPO_S=130] bash bench/qwen3_4b_one_gpu.sh OUT_DIR [BUDGET_S]
+#   [PLANS="ppo grpo" PPO_ROLLOUTS=3 GRPO_ROLLOUTS=2 GRPO_S=130] bash bench/qwen3_4b_one_gpu.sh OUT_DIR [BUDGET_S]
 #
 # 1. A tiny random-init Qwen3 through the same path (megatron trainers, built-in engine, the
 #    same placement flags): one rollout with both updates and the weight sync, or the script
@@ -59,10 +59,12 @@ fi
 step checkpoint 75 python3 -m ppo.make_checkpoint --arch qwen3-4b --device cuda --num-prompts 512 "$CK" || exit 1
 FULL=(--hf-checkpoint "$CK" --prompt-data "$CK/dapo_math_prompts.jsonl" --rollout-max-response-len 2048
       --num-critic-only-steps 0 --sglang-mem-fraction-static 0.22)
-step ppo $(( $(left) - ${GRPO_S:-130} )) python3 -m bench.iteration --out "$RUNS/ppo" -- "${COMMON[@]}" \
-  "${PPO_PLAN[@]}" "${FULL[@]}" --num-rollout "${PPO_ROLLOUTS:-3}" --run-dir "$RUNS/ppo/run"
-keep ppo
-[ "$(left)" -ge 90 ] || exit 0
+if [ "${PLANS:-ppo grpo}" != grpo ]; then
+  step ppo $(( $(left) - ${GRPO_S:-130} )) python3 -m bench.iteration --out "$RUNS/ppo" -- "${COMMON[@]}" \
+    "${PPO_PLAN[@]}" "${FULL[@]}" --num-rollout "${PPO_ROLLOUTS:-3}" --run-dir "$RUNS/ppo/run"
+  keep ppo
+fi
+[ "${PLANS:-ppo grpo}" != ppo ] && [ "$(left)" -ge 90 ] || exit 0
 step grpo $(( $(left) - 5 )) python3 -m bench.iteration --out "$RUNS/grpo" -- "${COMMON[@]}" "${GRPO_PLAN[@]}" \
   "${FULL[@]}" --num-rollout "${GRPO_ROLLOUTS:-2}" --run-dir "$RUNS/grpo/run"
 keep grpo
