@@ -136,11 +136,28 @@ def engine_settings(cfg: PPOConfig) -> dict:
             "mem_fraction": e.sglang_mem_fraction_static, "options": options}
 
 
+def trainer_layout_problem(cfg: PPOConfig) -> str | None:
+    """Why the megatron trainer would refuse this run's layout or recompute settings (checked
+    here so the job stops before anything starts, not at the trainers' build), or None."""
+    if cfg.training.train_backend != "megatron":
+        return None
+    from roles.trainer.megatron.config import PARALLEL_SIZES, MegatronTrainerConfig  # no megatron import
+
+    try:
+        MegatronTrainerConfig.from_dict(trainer_config(cfg, "", critic=False, dtype="bfloat16"))
+    except ValueError as e:
+        message = str(e).removeprefix("megatron trainer config: ")
+        for name in (*PARALLEL_SIZES, "recompute_granularity", "recompute_method", "recompute_num_layers"):
+            message = message.replace(f"{name}=", f"--{name.replace('_', '-')} ")  # speak in flags
+        return f"--train-backend megatron cannot run this run's layout: {message}"
+    return None
+
+
 def start_job(cfg: PPOConfig, console: RunConsole | None = None) -> Job:
     """Build the run dir and start the roles; `console` (default: as cfg.logging asks) prints
     each start-up stage and its time."""
     console = console or RunConsole.for_config(cfg)
-    problem = rollout_backend_problem(cfg)
+    problem = trainer_layout_problem(cfg) or rollout_backend_problem(cfg)
     if problem is not None:  # checked before anything is written or started
         raise JobSetupError(problem)
     try:

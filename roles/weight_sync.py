@@ -50,9 +50,10 @@ def pack_buckets(named_tensors: NamedTensors, buffer_bytes: int, *,
     one after. `push_weights` does exactly this; receivers must copy what they keep
     (`unpack_bucket` returns views).
 
-    A bucket's copies run as one batched copy (`torch._foreach_copy_`) when it is sealed,
-    straight from the input tensors, which may be strided views: inputs must stay unchanged
-    until their bucket is yielded.
+    A bucket's copies from windows into larger storages (megatron's parameter buffer; they
+    may be strided views) run as one batched copy (`torch._foreach_copy_`) when it is sealed,
+    so those inputs must stay unchanged until their bucket is yielded; a tensor that owns its
+    whole storage (perhaps a temporary) is copied at once.
 
     `on_alloc(nbytes)` is called before each buffer is allocated, with the bytes of all
     buffers allocated so far (this one included): the sender accounts them (and a lease
@@ -264,8 +265,15 @@ class _OpenBucket:
         return self.used + tensor.numel() <= self.buffer.numel()
 
     def add(self, name: str, tensor: torch.Tensor) -> None:
-        self.dst.append(self.buffer[self.used : self.used + tensor.numel()].view(tensor.shape))
-        self.src.append(tensor)
+        dst = self.buffer[self.used : self.used + tensor.numel()].view(tensor.shape)
+        if tensor.untyped_storage().nbytes() > tensor.nbytes:
+            # a window into a larger, persistent storage (megatron's parameter buffer): batched at the seal
+            self.dst.append(dst)
+            self.src.append(tensor)
+        else:
+            # possibly a temporary (a cast, the q/k/v regroup, a TP gather): copied now, so up to
+            # a bucket of such tensors is not kept alive on the device until the seal
+            dst.copy_(tensor)
         self.names.append(name)
         self.shapes.append(list(tensor.shape))
         self.used += tensor.numel()

@@ -100,3 +100,15 @@ def test_config_error_exits_2_before_training(monkeypatch, capsys):
         launch.main(["--rollout-batch-size", "0"])
     assert info.value.code == 2
     assert "--rollout-batch-size 0" in capsys.readouterr().err
+
+
+@pytest.mark.timeout(60)
+def test_the_headline_recipe_stops_at_its_layout_before_anything_starts(tmp_path):
+    """qwen3_4b_ppo asks for PP2, which the megatron trainer does not run yet: one line naming
+    the flag, exit 2, no run directory, and this before any machine check (no GPU here)."""
+    run_dir = tmp_path / "run"
+    proc = run_launch("--recipe", "qwen3_4b_ppo", "--run-dir", str(run_dir))
+    assert proc.returncode == 2
+    assert "--pipeline-model-parallel-size 2 is not built yet" in proc.stderr
+    assert "use 1" in proc.stderr and "Traceback" not in proc.stderr
+    assert not run_dir.exists()

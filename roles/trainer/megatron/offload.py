@@ -1,8 +1,8 @@
-"""Offload / onload of a megatron trainer's state by tag, through reused pinned CPU buffers.
+"""Offload / onload of a megatron trainer's state by tag, through page-locked host blocks.
 
 Each tag names a list of device tensors (megatron's flat DDP buffers, the optimizer's
 float32 main params and Adam moments). Offloading copies each distinct STORAGE behind them
-into its own pinned CPU buffer (allocated once, reused at every later offload) and then
+into its own slice of the tag's host block (below) and then
 frees the device memory with `untyped_storage().resize_(0)`: every view into it (the
 parameters are views into DDP's param buffer, `main_grad` into its grad buffer) stays valid
 and sees the data again once onload resizes the storage and copies back. Tags with
@@ -31,6 +31,7 @@ Every move reports bytes and GB/s per tag; accounting goes through roles.device.
 from __future__ import annotations
 
 import time
+import weakref
 from typing import Callable
 
 import torch
@@ -139,16 +140,23 @@ class HostBlock:
         self.sizes, self.nbytes = sizes, sum(sizes)
         self._flat = torch.empty(self.nbytes, dtype=torch.uint8)
         self.views = list(self._flat.split(sizes)) if sizes else []
-        self._pinned = pin and self.nbytes > 0
-        if self._pinned:
+        self._unpin = None
+        if pin and self.nbytes > 0:
             _check(torch.cuda.cudart().cudaHostRegister(self._flat.data_ptr(), self.nbytes, 0))
+            # a block dropped without free() (its trainer torn down) must not leave its pages
+            # locked, nor a stale registration that a later block at the same address would hit
+            self._unpin = weakref.finalize(self, _unregister, self._flat)
+            self._unpin.atexit = False  # the process's exit releases everything anyway
 
     def free(self) -> None:
         """Unregister and drop the memory (the views must not be used after)."""
-        if self._pinned:
-            _check(torch.cuda.cudart().cudaHostUnregister(self._flat.data_ptr()))
-            self._pinned = False
+        if self._unpin is not None and self._unpin.alive:
+            _check(self._unpin())
         self.views, self._flat = [], torch.empty(0, dtype=torch.uint8)
+
+
+def _unregister(flat: torch.Tensor) -> int:
+    return int(torch.cuda.cudart().cudaHostUnregister(flat.data_ptr()))
 
 
 def _check(result) -> None:

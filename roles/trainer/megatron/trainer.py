@@ -158,7 +158,11 @@ class MegatronActorTrainer(_MegatronRole):
 
     def _weights_out(self, endpoint_fn, *args, **kwargs):
         """Run ActorTrainer's weight endpoint: rank 0 reads named_weights; its TP peers feed the
-        all-gather by reading them too (and drop them); other ranks hold replicas."""
+        all-gather by reading them too (and drop them); other ranks hold replicas.
+
+        Known limit: if rank 0's send fails mid-way (an engine error), its TP peers wait in
+        the next all-gather until the process group's timeout; the group then dies as one
+        and the driver stops the run (resume with --load)."""
         if self._core.gathers_weights and not is_rank_zero():
             for _ in self.named_weights():
                 pass
