@@ -176,9 +176,20 @@ CROSS_RULES = [
     (QWEN, {"recompute_granularity": "selective", "recompute_num_layers": 2},
      ["--recompute-num-layers 2", "is 'selective'", "Please remove --recompute-num-layers"]),
     (TINY, {"recompute_granularity": "full", "recompute_method": "block", "recompute_num_layers": 1},
-     ["--recompute-granularity 'full'", "torch backend recomputes every whole layer only",
+     ["--recompute-method 'block' (training.recompute_method)", "torch backend recomputes every whole layer only",
       "--train-backend megatron"]),
     (TINY, {"recompute_granularity": "selective"}, ["--recompute-granularity 'selective'", "torch backend"]),
+    (TINY, {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 2},
+     ["--recompute-num-layers 2 (training.recompute_num_layers)", "torch backend recomputes every whole layer"]),
+    (TINY, {"offload_train_level": "optimizer", "offload_train": False},
+     ["--offload-train-level 'optimizer' (placement.offload_train_level) is set but --offload-train is off",
+      "Please remove --offload-train-level or add --offload-train"]),
+    (TINY, {"offload_rollout_level": "kv_cache", "offload_rollout": False},
+     ["--offload-rollout-level 'kv_cache' (placement.offload_rollout_level) is set but --offload-rollout "
+      "is off", "Please remove --offload-rollout-level or add --offload-rollout"]),
+    (QWEN, {"colocate": False, "rollout_num_gpus": 4, "advantage_estimator": "grpo",
+            "num_critic_only_steps": 0, "offload_train_level": "optimizer"},
+     ["--offload-train-level 'optimizer'", "--offload-train is off"]),
     (TINY, {"use_wandb": True},
      ["--use-wandb is set but --wandb-project", "Please add --wandb-project"]),
 ]
@@ -211,6 +222,15 @@ def test_colocate_turns_offloading_on_without_a_flag():
     assert problems_of(TINY, offload_train=True, offload_rollout=True) == []
     # colocated roles may keep their memory beside each other (one-GPU plans)
     assert problems_of(TINY, offload_train=False, offload_rollout=False) == []
+
+
+def test_one_gpu_bench_plans_are_valid():
+    # bench/qwen3_4b_one_gpu.sh: the PPO plan keeps offload_train on (colocated, with a critic)
+    one_gpu = dict(num_gpus_per_node=1, actor_num_gpus_per_node=1, pipeline_model_parallel_size=1,
+                   context_parallel_size=1, rollout_backend="torch")
+    assert problems_of(QWEN, **one_gpu, offload_train_level="optimizer", offload_rollout=False) == []
+    assert problems_of(QWEN, **one_gpu, advantage_estimator="grpo", num_critic_only_steps=0,
+                       offload_train=False, offload_rollout=False) == []
 
 
 def test_several_problems_are_reported_together():

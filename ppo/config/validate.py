@@ -264,7 +264,9 @@ def _recompute(t) -> list[str]:
                 out.append(_set_but(name, value, f"--recompute-granularity is {g!r}, which recomputes core "
                                     f"attention in every layer. Please remove --{name.replace('_', '-')}"))
     if t.train_backend == "torch" and (g, m, n) != ("full", "uniform", 1) and not out:
-        out.append(_bad("recompute_granularity", g, "the torch backend recomputes every whole layer only "
+        name, value = next((k, v) for k, v, want in (("recompute_granularity", g, "full"),
+                           ("recompute_method", m, "uniform"), ("recompute_num_layers", n, 1)) if v != want)
+        out.append(_bad(name, value, "the torch backend recomputes every whole layer only "
                         "(--recompute-granularity full --recompute-method uniform --recompute-num-layers 1); "
                         "others need --train-backend megatron"))
     return out
@@ -301,6 +303,11 @@ def _placement(cfg: PPOConfig) -> list[str]:
     elif p.rollout_num_gpus is None:
         out.append("--rollout-num-gpus (placement.rollout_num_gpus) is not set. Please add "
                    "--rollout-num-gpus N (or --colocate to share the actor's GPUs)")
+    for role, level, on in (("train", p.offload_train_level, d.offload_train(cfg)),
+                            ("rollout", p.offload_rollout_level, d.offload_rollout(cfg))):
+        if level != "all" and not on:
+            out.append(_set_but(f"offload_{role}_level", level, f"--offload-{role} is off. Please remove "
+                                f"--offload-{role}-level or add --offload-{role}"))
     rollout_gpus = d.rollout_num_gpus(cfg)
     if rollout_gpus is not None and rollout_gpus % e.rollout_num_gpus_per_engine:
         out.append(_bad("rollout_num_gpus_per_engine", e.rollout_num_gpus_per_engine,

@@ -11,7 +11,7 @@ needs megatron-core (Python >= 3.12) and CUDA.
     packing    packed micro-batches
     logprobs   chunked log-probs and entropy from (vocab-parallel) output weights
     cp         context-parallel slicing of packed micro-batches, row reassembly
-    offload    pinned-buffer offload by tag
+    offload    offload to page-locked host blocks, one per tag
     core       parallel state, DDP, optimizer, train loop
     trainer    the roles
 """
