@@ -12,7 +12,9 @@ metrics.jsonl, it prints per rollout:
 - the driver's phases in order with the gaps between them (the memory handoffs run between
   phases): seconds, peak GPU memory in use, peak host memory in use;
 - every memory move a role made (trainer offload/onload, engine release/resume): tags,
-  device bytes freed or taken, seconds, GB/s and the ratio to the pinned copy rate;
+  device bytes freed or taken, bytes copied (grads are freed and zeroed, not copied),
+  seconds, GB/s of the copies and the ratio to the pinned copy rate, and any allocations
+  no tag covers;
 - rollout tokens/s (response tokens over the rollout phase) and training tokens/s (prompt
   and response tokens over each train phase); the trainers' own time in `train` (their
   `training` state) against the driver's phase, the difference being messaging;
@@ -34,6 +36,8 @@ import traceback
 from pathlib import Path
 
 import torch
+
+from runtime.memory import format_bytes
 
 COMPUTE_PHASES = ("rollout", "log_probs", "values", "advantages", "critic_train", "actor_train")
 MOVES = ("offload", "onload", "release", "resume")
@@ -168,9 +172,11 @@ def _row(phase: str, t0: float, t1: float, samples) -> dict:
 
 def _move(e: dict, rates: dict[str, float]) -> dict:
     into_gpu = e["phase"] in ("onload", "resume")
-    gbps = e["bytes"] / e["seconds"] / 1e9 if e["seconds"] > 0 else 0.0
-    return {"role": e["role"], "move": e["phase"], "tags": e.get("tags"), "bytes": e["bytes"],
-            "seconds": e["seconds"], "gb_per_s": gbps, "vs_pinned": gbps / rates["h2d" if into_gpu else "d2h"]}
+    copied = e.get("copied", e["bytes"])  # a rate counts bytes copied, not grads merely freed or zeroed
+    gbps = copied / e["seconds"] / 1e9 if e["seconds"] > 0 else 0.0
+    return {"role": e["role"], "move": e["phase"], "tags": e.get("tags"), "bytes": e["bytes"], "copied": copied,
+            "seconds": e["seconds"], "gb_per_s": gbps, "vs_pinned": gbps / rates["h2d" if into_gpu else "d2h"],
+            "untracked": e.get("untracked", [])}
 
 
 def _state_spans(events: list[dict], state: str) -> dict[str, list[tuple[float, float]]]:
@@ -206,8 +212,9 @@ def report(steps: list[dict], rates: dict[str, float]) -> str:
                 lines.append(f"  {role} inside train: {sec:.3f} s")
         for m in s["moves"]:
             lines.append(f"  {m['role']:<10} {m['move']:<8} {','.join(m['tags'] or []):<28} "
-                         f"{m['bytes'] / 1e9:>7.2f} GB {m['seconds']:>7.3f} s {m['gb_per_s']:>6.1f} GB/s "
-                         f"{m['vs_pinned']:>5.2f}x pinned")
+                         f"{m['bytes'] / 1e9:>7.2f} GB {m['copied'] / 1e9:>7.2f} GB copied {m['seconds']:>7.3f} s "
+                         f"{m['gb_per_s']:>6.1f} GB/s {m['vs_pinned']:>5.2f}x pinned"
+                         + (f"  untracked {', '.join(format_bytes(b) for b in m['untracked'])}" if m["untracked"] else ""))
     return "\n".join(lines)
 
 

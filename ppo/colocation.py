@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import Callable, Iterator
 
 from runtime import ActorHandle, gather
-from runtime.memory import LeaseTable
+from runtime.memory import LeaseError, LeaseTable, format_bytes
 
 
 @dataclass(frozen=True)
@@ -61,10 +61,12 @@ def allowed_residual(tenant: Tenant, report: dict, freed: list[str]) -> dict[int
 
     With a ledger (trainers): what it holds under every other tag, so a freed tag that left
     bytes behind is caught, plus up to UNTRACKED_LIMIT of device memory no tag covers (on a
-    real GPU: small buffers such as megatron's optimizer flags and rotary inverse
-    frequencies; never on fake GPUs, where the bytes in use are the ledger's sum). The
-    smallest tagged storage of a real model is far above the limit. Without one (engines): nothing when it freed all of
-    its memory, and what it reports when it kept some (it cannot be checked tag by tag).
+    real GPU: buffers such as megatron's optimizer flags and rotary inverse frequencies, and
+    what a trained step leaves beside a resident optimizer; never on fake GPUs, where the
+    bytes in use are the ledger's sum). A freed tag's flat buffers (a real model's weights,
+    grads) are far above the limit. Without one (engines): nothing when it freed all of its
+    memory, and what it reports when it kept some (it cannot be checked tag by tag). A report
+    may name the untracked allocations ("untracked"); a lease error quotes them.
     """
     reports = report.get("by_gpu") or {None: report}
     if not any("ledger" in r for r in reports.values()):
@@ -76,8 +78,16 @@ def allowed_residual(tenant: Tenant, report: dict, freed: list[str]) -> dict[int
     return {g: kept[g] + min(UNTRACKED_LIMIT, max(0, used[g] - tagged[g])) for g in tenant.gpus}
 
 
+def untracked_note(report: dict) -> str:
+    """What a memory report says of allocations outside its ledger's tags, for a lease error."""
+    reports = report.get("by_gpu") or {None: report}
+    return "".join(f"; {'' if g is None else f'gpu {g}: '}allocations no tag covers, largest first: "
+                   + ", ".join(format_bytes(b) for b in r["untracked"])
+                   for g, r in reports.items() if r.get("untracked"))
+
+
 ENGINE_TAGS = ("weights", "kv_cache")  # what an engine holds (its graphs go with either)
-UNTRACKED_LIMIT = 64 << 20
+UNTRACKED_LIMIT = 256 << 20  # a Qwen3-4B actor left 64-115 MiB beside its resident optimizer
 
 
 class Colocation:
@@ -99,7 +109,10 @@ class Colocation:
         freed = [[tag for tag in tags if tag in t.frees and tag != keep] for t in tenants]
         reports = gather([t.free(f) if f else t.report() for t, f in zip(tenants, freed)])
         for t, f, rep in zip(tenants, freed, reports):
-            self.leases.release_all(list(t.gpus), t.name, per_gpu(t, rep), may_keep=allowed_residual(t, rep, f))
+            try:
+                self.leases.release_all(list(t.gpus), t.name, per_gpu(t, rep), may_keep=allowed_residual(t, rep, f))
+            except LeaseError as e:
+                raise LeaseError(f"{e}{untracked_note(rep)}") from None
             self.holding.discard(t.name)
         self.seconds += time.monotonic() - t0
 

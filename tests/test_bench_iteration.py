@@ -59,3 +59,18 @@ def test_main_runs_the_launch_flags_and_writes_the_report(tmp_path, monkeypatch,
     assert [s["step"] for s in saved["steps"]] == [0, 1] and saved["error"] is None
     assert all(g == 2 << 30 for _, g, _ in saved["memory_samples"])
     assert "step 1:" in capsys.readouterr().out
+
+
+def test_a_move_rate_counts_the_bytes_copied_not_the_grads_only_freed():
+    """A megatron offload frees 64 GB (grads included) and copies 48 GB (optimizer): the rate
+    is the copy's."""
+    from bench.iteration import _move
+
+    e = {"role": "actor.0", "phase": "offload", "tags": ["grads", "optimizer"], "bytes": 64e9,
+         "copied": 48e9, "seconds": 1.0, "untracked": [3 << 20]}
+    m = _move(e, RATES)
+    assert (m["gb_per_s"], m["vs_pinned"], m["bytes"]) == (48.0, 48.0 / 50.0, 64e9)
+    line = report([{"step": 0, "step_s": 1.0, "compute_s": 1.0, "outside_s": 0.0, "outside_share": 0.0,
+                    "phases": [], "rollout_tokens_per_s": 0, "response_tokens": 0, "training_role_s": {},
+                    "moves": [m]}], RATES).splitlines()[-1]
+    assert "48.00 GB copied" in line and "0.96x pinned" in line and "untracked 3.0 MiB" in line

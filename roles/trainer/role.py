@@ -56,7 +56,7 @@ class TrainerRole(Actor):
         self._settle()
         if tags:  # offload([]) is the memory report
             self.publish_span("offload", t0, tags=list(tags), bytes=before - report["bytes_in_use"],
-                              bytes_in_use=report["bytes_in_use"])
+                              **_move_fields(report))
         return report
 
     @endpoint
@@ -66,7 +66,7 @@ class TrainerRole(Actor):
         report = self._core.onload(tags)
         self._settle()
         self.publish_span("onload", t0, tags=list(tags), bytes=report["bytes_in_use"] - before,
-                          bytes_in_use=report["bytes_in_use"])
+                          **_move_fields(report))
         return report
 
     @endpoint
@@ -95,3 +95,15 @@ class TrainerRole(Actor):
             return self._core.train(batch, required, micro_loss, mini_batches)
         finally:
             self.set_state("onloaded")
+
+
+def _move_fields(report: dict) -> dict:
+    """Span fields of a memory move beyond the device bytes freed or taken: the bytes actually
+    copied (a backend that reports its moves; grads are freed and zeroed, never copied) and
+    the allocations no tag covers, when the backend names them."""
+    fields = {"bytes_in_use": report["bytes_in_use"]}
+    if "moves" in report:
+        fields["copied"] = sum(m["bytes"] for m in report["moves"].values())
+    if report.get("untracked"):
+        fields["untracked"] = report["untracked"]
+    return fields

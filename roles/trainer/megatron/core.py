@@ -55,6 +55,7 @@ from roles.trainer.megatron.shape import ModelShape, shape_from_hf, transformer_
 from roles.trainer.sharding import aggregation_counts
 
 MEMORY_TAGS = ("params", "grads", "optimizer")
+UNTRACKED_NOTE = 1 << 20  # above this much device memory outside the tags, a report lists the largest blocks
 
 # (model output of a micro-batch, the micro-batch, aggregation counts) -> (loss, metrics);
 # metrics scaled so that their sum over a mini-batch's micro-batches is its value.
@@ -282,7 +283,10 @@ class MegatronCore:
         moves = {tag: move(tag) for tag in tags}
         _drop_rotary_cache()
         torch.cuda.empty_cache()
-        return {"ledger": self.memory.ledger(), "bytes_in_use": self.memory.bytes_in_use(), "moves": moves}
+        report = {"ledger": self.memory.ledger(), "bytes_in_use": self.memory.bytes_in_use(), "moves": moves}
+        if report["bytes_in_use"] - sum(report["ledger"].values()) > UNTRACKED_NOTE:
+            report["untracked"] = self.offloader.untracked_blocks()[:5]
+        return report
 
     def require_onloaded(self, *tags: str) -> None:
         missing = [t for t in tags if t in self.offloaded]

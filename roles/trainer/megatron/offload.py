@@ -120,6 +120,17 @@ class TaggedOffloader:
             self._host.pop(tag).free()
         return _report(moved, seconds)
 
+    def untracked_blocks(self) -> list[int]:
+        """Sizes, largest first, of the live allocations on this process's GPU that are none of
+        the resident tags' storages (CUDA only): what the lease check names when a role keeps
+        more than its ledger says."""
+        if not torch.cuda.is_available():
+            return []
+        tagged = {st.data_ptr() for tag, tensors in self._tensors.items() if tag not in self.offloaded
+                  for st in _storages(tensors())}
+        return sorted((b["size"] for seg in torch.cuda.memory_snapshot() for b in seg["blocks"]
+                       if b["state"] == "active_allocated" and b["address"] not in tagged), reverse=True)
+
     def _host_views(self, tag: str, storages: list[torch.UntypedStorage]) -> list[torch.Tensor]:
         """One view per storage into the tag's host block, which is replaced when the sizes change."""
         sizes = [st.nbytes() for st in storages]
@@ -136,9 +147,11 @@ class HostBlock:
     place (cudaHostRegister) when `pin`, so copies to and from a GPU run asynchronously at the
     pinned rate, without the power-of-two rounding of torch's pinned allocator."""
 
-    def __init__(self, sizes: list[int], *, pin: bool):
+    def __init__(self, sizes: list[int], *, pin: bool, touch: bool = False):
         self.sizes, self.nbytes = sizes, sum(sizes)
         self._flat = torch.empty(self.nbytes, dtype=torch.uint8)
+        if touch:  # fault the pages in from torch's CPU threads, not registration's one kernel thread
+            self._flat.zero_()
         self.views = list(self._flat.split(sizes)) if sizes else []
         self._unpin = None
         if pin and self.nbytes > 0:
