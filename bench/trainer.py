@@ -207,9 +207,11 @@ def run_rows(trainer, label: str, shape, tokens_list, plan: dict | None, peak_tf
 
 def adam_step_ms(core) -> dict:
     """The optimizer step alone (megatron's prepare_grads + step_with_ready_grads, over the
-    zeroed grad buffer), with the torch AdamW megatron falls back to without apex (foreach)
-    and with torch's fused kernel (which keeps its step counters on the device)."""
+    zeroed grad buffer), with torch AdamW's foreach form (what megatron falls back to without
+    apex) and its fused kernel (which keeps its step counters on the device; the trainer's
+    choice on a GPU)."""
     inner = [opt.optimizer for opt in getattr(core.optimizer, "chained_optimizers", [core.optimizer])]
+    built = [[(g["foreach"], g["fused"]) for g in opt.param_groups] for opt in inner]
     out = {}
     for mode in ("foreach", "fused"):
         for opt in inner:
@@ -230,12 +232,12 @@ def adam_step_ms(core) -> dict:
             times.append(time.perf_counter() - start)
         out[mode] = {"ms": statistics.median(times) * 1e3,
                      "temp_gib": (torch.cuda.max_memory_allocated() - base) / 2**30}
-    for opt in inner:  # back to what megatron built
-        for group in opt.param_groups:
-            group["foreach"], group["fused"] = None, None
+    for opt, flags in zip(inner, built):  # back to what the trainer built
+        for group, (foreach, fused) in zip(opt.param_groups, flags):
+            group["foreach"], group["fused"] = foreach, fused
         for state in opt.state.values():
             if "step" in state:
-                state["step"] = state["step"].cpu()
+                state["step"] = state["step"].to("cuda" if opt.param_groups[0]["fused"] else "cpu")
     return out
 
 

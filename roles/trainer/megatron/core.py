@@ -103,6 +103,19 @@ def load_hf_state(path: str) -> dict[str, torch.Tensor]:
     return state
 
 
+def _use_fused_adam(optimizers: list) -> None:
+    """Without apex or transformer-engine megatron steps torch's AdamW in its foreach form: on
+    the H200 that took 99.7 ms and 15 GiB of temporaries over Qwen3-4B, the fused kernel 41.7
+    ms and none (bench.trainer, docs/benchmarks.md). Adam's state appears at the first step,
+    after this switch, so its step counters are made on the device as the fused kernel needs
+    (a loaded optimizer state brings its own setting)."""
+    for opt in optimizers:
+        inner = opt.optimizer
+        if type(inner).__module__.startswith("torch.optim"):  # not apex's or transformer-engine's
+            for group in inner.param_groups:
+                group["fused"], group["foreach"] = True, False
+
+
 def _drop_rotary_cache() -> None:
     """megatron caches a rotary table per packed max_seqlen on the GPU (lru_cache, up to 32
     float32 tables of length x head_dim): cache, not state. Dropped before the memory is
@@ -167,6 +180,8 @@ class MegatronCore:
                 params_dtype=tconfig.params_dtype, use_distributed_optimizer=config.use_distributed_optimizer),
             [self.ddp],
         )
+        if self.device.type == "cuda":
+            _use_fused_adam(self._optimizers())
         from megatron.core.distributed import finalize_model_grads
 
         # Sum, never average, over dp: finalize without a token count (module note).
