@@ -159,7 +159,7 @@ def analyse(run_dir: Path, samples, rates: dict[str, float], num_samples: int, p
                                 for role, spans_ in training.items()},
         }
         for r in rows:
-            if r["phase"].endswith("_train") and prompts.get(step) is not None:
+            if r["phase"] in ("critic_train", "actor_train") and prompts.get(step) is not None:
                 record[f"{r['phase']}_tokens_per_s"] = tokens / r["seconds"]
         steps.append(record)
     return steps

@@ -32,6 +32,8 @@ def test_iteration_table_covers_each_step_and_finds_the_moves(tmp_path):
         assert any(r["phase"].startswith("handoff before") for r in s["phases"])
         assert s["response_tokens"] == pytest.approx(h["rollout/response_len"] * 128)
         assert s["prompt_tokens"] > 0 and s["actor_train_tokens_per_s"] > 0 and s["critic_train_tokens_per_s"] > 0
+        assert sorted(k for k in s if k.endswith("_tokens_per_s")) == [
+            "actor_train_tokens_per_s", "critic_train_tokens_per_s", "rollout_tokens_per_s"]
         moved = {(m["move"], tuple(m["tags"])) for m in s["moves"]}
         assert ("onload", ("params",)) in moved and any(m == "release" for m, _ in moved)
         assert all(m["vs_pinned"] == pytest.approx(m["gb_per_s"] / 50.0) for m in s["moves"])
