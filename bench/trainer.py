@@ -2,6 +2,7 @@
 
     python -m bench.trainer [--tokens 8192 16384] [--backends megatron torch megatron-critic]
                             [--recompute 8192=full,none 16384=full,block:12] [--budget-s 170] [--out DIR]
+                            [--profile]
 
 Per backend and packed micro-batch size (one micro-batch of that many tokens, 1024-token
 samples: 512 prompt + 512 response): one PPO train step (forward, backward, optimizer) timed
@@ -164,8 +165,27 @@ def time_steps(trainer, batch: dict, steps: int = 2) -> dict:
         trainer.compute_log_probs(batch)
     torch.cuda.synchronize()
     peak = torch.cuda.max_memory_allocated()
+    if PROFILE["dir"] and not PROFILE["done"]:
+        profile_step(trainer, batch, PROFILE["dir"])
+        PROFILE["done"] = True
     return {"step_s": step_s, "logprob_s": time.perf_counter() - start if hasattr(trainer, "compute_log_probs")
             else float("nan"), "peak_gib": peak / 2**30, "above_state_gib": (peak - resident) / 2**30}
+
+
+PROFILE = {"dir": None, "done": False}  # --profile: the first row's step, once per process
+
+
+def profile_step(trainer, batch: dict, out_dir: str) -> None:
+    """One more train step under torch.profiler: the CUDA kernels by total time, to
+    OUT/profile.txt (where the step's time goes beyond the model's matmuls)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        trainer.train(batch)
+        torch.cuda.synchronize()
+    table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=40, max_name_column_width=70)
+    with open(os.path.join(out_dir, "profile.txt"), "w") as f:
+        f.write(table)
 
 
 def run_rows(trainer, label: str, shape, tokens_list, plan: dict | None, peak_tflops: float, results: list,
@@ -396,7 +416,10 @@ def main() -> None:
     parser.add_argument("--budget-s", type=float, default=170.0,
                         help="skip rows that would start after this long (building a 4B trainer takes ~40-60 s of it)")
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
+    parser.add_argument("--profile", action="store_true",
+                        help="profile one train step of the first row; kernels by time to OUT/profile.txt")
     args = parser.parse_args()
+    PROFILE["dir"] = args.out if args.profile else None
     deadline = time.monotonic() + args.budget_s
     plan = parse_plan(args.recompute)
     from transformers import Qwen3Config
