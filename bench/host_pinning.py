@@ -4,9 +4,10 @@
 
 Rows, each a fresh block of the same size, then one device->host copy into it:
 - torch pinned: torch.empty(pin_memory=True) (cudaHostAlloc, rounded up to a power of two);
-- host block: roles.trainer.megatron.offload.HostBlock (malloc, then cudaHostRegister, which
+- host block: roles.device.HostBlock(touch=False) (malloc, then cudaHostRegister, which
   faults every page in on one kernel thread);
-- host block, touched first: the same after writing every page from torch's CPU threads.
+- host block, touched first: HostBlock's default, the same after writing every page from
+  torch's CPU threads (what the trainers' offload and the rollout engine use).
 Each row prints seconds to get the block, the copy's GB/s, and both as ratios to torch pinned.
 Needs a CUDA GPU.
 """
@@ -18,7 +19,7 @@ import time
 
 import torch
 
-from roles.trainer.megatron.offload import HostBlock
+from roles.device import HostBlock
 
 
 def _timed(fn):
@@ -46,7 +47,7 @@ def main(argv: list[str] | None = None) -> None:
     pinned, s = _timed(lambda: torch.empty(n, dtype=torch.uint8, pin_memory=True))
     rows.append(("torch pinned", s, _copy_rate(dev, pinned)))
     del pinned
-    block, s = _timed(lambda: HostBlock([n], pin=True))
+    block, s = _timed(lambda: HostBlock([n], pin=True, touch=False))
     rows.append(("host block", s, _copy_rate(dev, block.views[0])))
     block.free()
     block, s = _timed(lambda: HostBlock([n], pin=True, touch=True))

@@ -1,8 +1,9 @@
-"""HostBlock's page-locking on a GPU (`bash .ci/gpu -k host_block`): needs CUDA only.
+"""roles.device.HostBlock's page-locking on a GPU (`bash .ci/gpu -k host_block`): needs CUDA only.
 
-A block registered with cudaHostRegister reports pinned and copies both ways; free() and a
-block dropped without free() both unregister it (a trainer torn down must not leave its
-pages locked, nor a stale registration that a later block at the same address would hit).
+A block registered with cudaHostRegister, its pages touched first (the default) or not,
+reports pinned and copies both ways; free() and a block dropped without free() both
+unregister it (a trainer torn down must not leave its pages locked, nor a stale registration
+that a later block at the same address would hit).
 """
 
 from __future__ import annotations
@@ -12,16 +13,17 @@ import gc
 import pytest
 import torch
 
-from roles.trainer.megatron.offload import HostBlock
+from roles.device import HostBlock
 
 pytestmark = pytest.mark.gpu
 
 
-def test_host_block_pins_copies_and_unpins_when_freed_or_dropped():
+@pytest.mark.parametrize("touch", [True, False])
+def test_host_block_pins_copies_and_unpins_when_freed_or_dropped(touch):
     sizes = [3 << 20, 5 << 20, 1 << 10]
-    block = HostBlock(sizes, pin=True)
+    block = HostBlock(sizes, pin=True, touch=touch)
     flat = block._flat
-    assert flat.is_pinned() and [v.numel() for v in block.views] == sizes
+    assert flat.is_pinned() and flat.numel() == sum(sizes) and [v.numel() for v in block.views] == sizes
     src = torch.randint(0, 256, (sizes[1],), dtype=torch.uint8, device="cuda")
     block.views[1].copy_(src, non_blocking=True)
     back = torch.empty_like(src).copy_(block.views[1], non_blocking=True)
@@ -31,12 +33,12 @@ def test_host_block_pins_copies_and_unpins_when_freed_or_dropped():
     assert not flat.is_pinned() and block.views == []
     block.free()  # twice is harmless
 
-    dropped = HostBlock(sizes, pin=True)
+    dropped = HostBlock(sizes, pin=True, touch=touch)
     kept = dropped._flat
     assert kept.is_pinned()
     del dropped
     gc.collect()
     assert not kept.is_pinned()
-    again = HostBlock(sizes, pin=True)  # registering the same pages again must not fail
+    again = HostBlock(sizes, pin=True, touch=touch)  # registering the same pages again must not fail
     assert again._flat.is_pinned()
     again.free()

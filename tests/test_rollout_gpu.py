@@ -11,6 +11,7 @@ import torch
 
 from ppo.tiny_model import build_tiny_checkpoint, load_causal_lm
 from roles.rollout import RolloutEngine
+from roles.rollout.torch_engine.backend import HOST_ALIGN
 from roles.weight_sync import checksum_named_tensors, push_weights
 
 pytestmark = pytest.mark.gpu
@@ -109,12 +110,24 @@ def test_release_frees_weights_cache_and_graphs_and_resume_restores(ckpts):
     assert on_gpu - report["bytes_in_use"] >= backend.weights_bytes + (64 << 20)
     assert report["bytes_in_use"] - base < (1 << 20) and not backend.graphs._graphs
     assert all(t.device.type == "cpu" and t.is_pinned() for t in backend.weights.storages.values())
+    # the host copy: one registered HostBlock of the weights' bytes (each slice aligned), not torch's
+    # power-of-two pinned allocation, made at the first release and reused by the next
+    host, host_ptrs = backend._host, {k: t.data_ptr() for k, t in backend.weights.storages.items()}
+    flat = host._flat
+    assert all(t.untyped_storage().data_ptr() == flat.data_ptr() for t in backend.weights.storages.values())
+    exact = sum(t.numel() * t.element_size() for t in backend.weights.storages.values())
+    assert 0 <= host.nbytes - exact < HOST_ALIGN * len(host_ptrs)
     with pytest.raises(RuntimeError, match="released"):
         eng.generate(_reqs())
     assert eng.resume(["weights", "kv_cache"])["state"] == "ready"
     assert all(t.is_cuda for t in backend.weights.storages.values())
     assert eng.generate(_reqs(temperature=0)) == before
     assert backend.graphs._graphs  # captured again at first use
+    eng.release(["weights", "kv_cache"])
+    assert backend._host is host and flat.is_pinned()
+    assert {k: t.data_ptr() for k, t in backend.weights.storages.items()} == host_ptrs
+    eng.resume(["weights", "kv_cache"])
+    assert eng.generate(_reqs(temperature=0)) == before
 
 
 def test_update_weights_from_cpu_buckets_while_the_cache_is_released(ckpts):

@@ -3,8 +3,9 @@
 import pytest
 import torch
 
-from roles.device import DeviceMemory, nbytes_of
+from roles.device import DeviceMemory, HostBlock, nbytes_of
 from roles.rollout import RolloutEngine
+from roles.rollout.torch_engine.backend import HOST_ALIGN, _host_copy_of
 from runtime.fakegpu import FakeOutOfMemory, LeaseViolation, create_fake_devices
 
 REQ = [{"id": 0, "prompt_ids": [5, 6, 7], "sampling": {"max_new_tokens": 4, "temperature": 0}}]
@@ -124,3 +125,23 @@ def test_nbytes_counts_tied_weights_once():
     model = torch.nn.ModuleDict({"emb": emb, "head": head})
     assert nbytes_of(model) == 10 * 8 * 4
     assert nbytes_of([emb.weight, emb.weight, torch.zeros(3)]) == 10 * 8 * 4 + 12
+
+
+def test_host_block_is_exact_and_the_engines_host_copy_is_aligned_views_into_one():
+    block = HostBlock([3, 0, 5], pin=False)  # unpinned on the CPU: no CUDA call, touch ignored
+    assert block.nbytes == 8 and [v.numel() for v in block.views] == [3, 0, 5]
+    block.free()
+    assert block.views == []
+
+    storages = {"a": torch.zeros(3, 5, dtype=torch.bfloat16), "b": torch.zeros(7), "empty": torch.zeros(0),
+                "c": torch.zeros(2, 2, dtype=torch.float64)}
+    block, views = _host_copy_of(storages, pin=False)
+    assert block.nbytes == 3 * HOST_ALIGN  # 30, 28 and 32 bytes, each rounded up; the empty one takes none
+    base = block._flat.data_ptr()
+    for i, (k, t) in enumerate(storages.items()):
+        v = views[k]
+        assert (v.shape, v.dtype) == (t.shape, t.dtype) and v.untyped_storage().data_ptr() == base
+        assert not t.numel() or (v.data_ptr() - base) % HOST_ALIGN == 0  # an empty view's data_ptr is 0
+        v.fill_(i + 1)
+    for i, (k, t) in enumerate(storages.items()):  # disjoint: no slice overwrote another
+        assert torch.equal(views[k], torch.full_like(t, i + 1))

@@ -4,8 +4,10 @@ Memory, under the engine's three tags (see RolloutEngine.release):
 - "weights": the fused weight storages. Released = offloaded to pinned CPU memory on a
   real GPU (only the ledger changes on fake GPUs / CPU); resumed = copied back. Kept, not
   freed, so an engine resumed without a weight sync serves the weights it had. The pinned
-  buffer is allocated at the first release and reused by every later one: pinning 7.5 GiB
-  of host pages costs seconds, the copy itself a fraction of one.
+  memory is one roles.device.HostBlock of the weights' bytes (torch's pinned allocator would
+  pin 8 GiB for Qwen3-4B's 7.5 and keep them cached), allocated at the first release and
+  reused by every later one: pinning 7.5 GiB of host pages costs seconds, the copy itself a
+  fraction of one.
 - "kv_cache": one buffer of `kv_cache_bytes`, allocated on resume, freed on release.
 - "cuda_graph": the decode graphs and their pool. They hold the addresses of the other
   two, so the engine releases them whenever it releases either; they are captured again
@@ -16,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from roles.device import CUDA_BLOCK, DeviceMemory, nbytes_of
+from roles.device import CUDA_BLOCK, DeviceMemory, HostBlock, nbytes_of
 from roles.rollout.sampling import GenerateRequest
 from roles.rollout.torch_engine.decoder import Decoder, ModelSpec, Weights, rope_parameters
 from roles.rollout.torch_engine.graphs import DecodeGraphs
@@ -49,7 +51,8 @@ class TorchBackend:
         options = _check_options(options)
         self.memory = memory
         self.spec = ModelSpec.from_checkpoint(hf_checkpoint)
-        self._pinned: dict[str, torch.Tensor] | None = None  # host copies of the weights, once released
+        self._host: HostBlock | None = None  # page-locked host memory of the weights, once released
+        self._pinned: dict[str, torch.Tensor] = {}  # the weights' views into it
         self.weights = Weights(self.spec, getattr(torch, dtype))
         self.weights.allocate(torch.device("cpu"))
         dummy = options.get("load_format", "safetensors") == "dummy"
@@ -126,14 +129,14 @@ class TorchBackend:
 
     def _move_weights_pinned(self, where: str) -> None:
         """DeviceMemory.move's contract on a real GPU (account first on the way in; memory back
-        to the driver on the way out) over one pinned host buffer that outlives the release."""
+        to the driver on the way out) over one HostBlock that outlives the release."""
         storages = self.weights.storages
         if where == "device":
             self.memory.account("weights", nbytes_of(list(storages.values()), CUDA_BLOCK))
             self.weights.set_storages({k: t.to(self.memory.device, non_blocking=True) for k, t in storages.items()})
             return
-        if self._pinned is None:
-            self._pinned = _pinned_like(storages)
+        if self._host is None:
+            self._host, self._pinned = _host_copy_of(storages, pin=True)
         for k, t in storages.items():
             if t.data_ptr() != self._pinned[k].data_ptr():
                 self._pinned[k].copy_(t, non_blocking=True)
@@ -174,16 +177,17 @@ def _check_options(options: dict) -> dict:
     return options
 
 
-def _pinned_like(storages: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Host tensors shaped like `storages`, views into one pinned allocation (one pinning call)."""
-    align = 256
-    sizes = {k: -(-t.numel() * t.element_size() // align) * align for k, t in storages.items()}
-    flat = torch.empty(sum(sizes.values()), dtype=torch.uint8, pin_memory=True)
-    out, offset = {}, 0
-    for k, t in storages.items():
-        out[k] = flat[offset:offset + t.numel() * t.element_size()].view(t.dtype).view(t.shape)
-        offset += sizes[k]
-    return out
+HOST_ALIGN = 256  # bytes: each weight's slice of the host block starts on this boundary
+
+
+def _host_copy_of(storages: dict[str, torch.Tensor], *, pin: bool) -> tuple[HostBlock, dict[str, torch.Tensor]]:
+    """One HostBlock for all of `storages` (one registration), each in its own slice rounded
+    up to HOST_ALIGN bytes so that every dtype view is aligned, and host tensors shaped like
+    them, views into it. The caller keeps the block as long as it uses the views."""
+    nbytes = [t.numel() * t.element_size() for t in storages.values()]
+    block = HostBlock([-(-n // HOST_ALIGN) * HOST_ALIGN for n in nbytes], pin=pin)
+    views = {k: v[:n].view(t.dtype).view(t.shape) for (k, t), v, n in zip(storages.items(), block.views, nbytes)}
+    return block, views
 
 
 def _dummy_init(weights: Weights) -> None:

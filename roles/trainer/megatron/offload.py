@@ -2,20 +2,19 @@
 
 Each tag names a list of device tensors (megatron's flat DDP buffers, the optimizer's
 float32 main params and Adam moments). Offloading copies each distinct STORAGE behind them
-into its own slice of the tag's host block (below) and then
-frees the device memory with `untyped_storage().resize_(0)`: every view into it (the
-parameters are views into DDP's param buffer, `main_grad` into its grad buffer) stays valid
-and sees the data again once onload resizes the storage and copies back. Tags with
-`keep=False` (grads) are not copied: their content is meaningless between train calls, so
-offload only frees them and onload zeroes them.
+into its own slice of the tag's host block and then frees the device memory with
+`untyped_storage().resize_(0)`: every view into it (the parameters are views into DDP's
+param buffer, `main_grad` into its grad buffer) stays valid and sees the data again once
+onload resizes the storage and copies back. Tags with `keep=False` (grads) are not copied:
+their content is meaningless between train calls, so offload only frees them and onload
+zeroes them.
 
 Host memory is the scarce side on one GPU (an offloaded Qwen3-4B trainer pins ~56 GB, and
 the host may have 128 GiB for two trainers and an engine), so no pinned byte is held for
 nothing:
-- a tag's host copy is ONE block of exactly its bytes, page-locked in place with
-  cudaHostRegister: torch's pinned allocator rounds every block up to a power of two (a
-  Qwen3-4B optimizer's 1,200 storages would pin ~1.33x their 45 GiB) and caches what is
-  freed, still pinned;
+- a tag's host copy is ONE roles.device.HostBlock of exactly its bytes: torch's pinned
+  allocator rounds every block up to a power of two (a Qwen3-4B optimizer's 1,200 storages
+  would pin ~1.33x their 45 GiB) and caches what is freed, still pinned;
 - the block is reused while the tag's storages keep their sizes, and replaced (the old one
   unregistered and freed) when they change, as when Adam's moments appear;
 - the tag's first offload is the one at construction (the trainer starts offloaded): its
@@ -31,12 +30,11 @@ Every move reports bytes and GB/s per tag; accounting goes through roles.device.
 from __future__ import annotations
 
 import time
-import weakref
 from typing import Callable
 
 import torch
 
-from roles.device import DeviceMemory
+from roles.device import DeviceMemory, HostBlock
 
 
 def _storages(tensors: list[torch.Tensor]) -> list[torch.UntypedStorage]:
@@ -140,41 +138,6 @@ class TaggedOffloader:
                 self._host.pop(tag).free()
             block = self._host[tag] = HostBlock(sizes, pin=bool(storages) and storages[0].device.type == "cuda")
         return block.views
-
-
-class HostBlock:
-    """CPU memory of exactly sum(sizes) bytes, split into one view per size; page-locked in
-    place (cudaHostRegister) when `pin`, so copies to and from a GPU run asynchronously at the
-    pinned rate, without the power-of-two rounding of torch's pinned allocator."""
-
-    def __init__(self, sizes: list[int], *, pin: bool, touch: bool = False):
-        self.sizes, self.nbytes = sizes, sum(sizes)
-        self._flat = torch.empty(self.nbytes, dtype=torch.uint8)
-        if touch:  # fault the pages in from torch's CPU threads, not registration's one kernel thread
-            self._flat.zero_()
-        self.views = list(self._flat.split(sizes)) if sizes else []
-        self._unpin = None
-        if pin and self.nbytes > 0:
-            _check(torch.cuda.cudart().cudaHostRegister(self._flat.data_ptr(), self.nbytes, 0))
-            # a block dropped without free() (its trainer torn down) must not leave its pages
-            # locked, nor a stale registration that a later block at the same address would hit
-            self._unpin = weakref.finalize(self, _unregister, self._flat)
-            self._unpin.atexit = False  # the process's exit releases everything anyway
-
-    def free(self) -> None:
-        """Unregister and drop the memory (the views must not be used after)."""
-        if self._unpin is not None and self._unpin.alive:
-            _check(self._unpin())
-        self.views, self._flat = [], torch.empty(0, dtype=torch.uint8)
-
-
-def _unregister(flat: torch.Tensor) -> int:
-    return int(torch.cuda.cudart().cudaHostUnregister(flat.data_ptr()))
-
-
-def _check(result) -> None:
-    if int(result) != 0:
-        raise RuntimeError(f"CUDA host (un)registration failed: cudaError {int(result)}")
 
 
 def _synchronize(storages: list[torch.UntypedStorage]) -> None:
