@@ -51,13 +51,26 @@ class CriticTrainer(TrainerRole):
         return self._train(batch, CRITIC_TRAIN_KEYS, self._micro_loss, mini_batches)
 
     def _micro_loss(self, mb: MicroBatch, counts: dict) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        values = self._values(mb)
-        r = {k: v.to(values.device) for k, v in mb.response.items()}
-        loss, metrics = value_loss(
-            values, r["old_values"], r["returns"], mb.valid.to(values.device),
-            value_clip=self.config.value_clip, agg=self.config.loss_agg_mode, **counts,
-        )
-        return loss, {
-            "value_loss": loss.detach(),
-            "value_clipfrac": metrics["value_clipfrac"] * token_share(mb, counts),
-        }
+        return value_objective(self.config, self._values(mb), mb, counts)
+
+
+def value_objective(cfg: TrainerConfig, values: torch.Tensor, mb, counts: dict
+                    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The critic objective of one micro-batch, both backends (as roles.trainer.actor's
+    policy_objective for the actor): the clipped value loss against the returns, aggregated
+    by loss_agg_mode with the whole mini-batch's `counts`.
+
+    values: [n, Rm] of `mb` (roles.trainer.batching.MicroBatch or
+    roles.trainer.megatron.packing.PackedMicroBatch: `.response`, `.valid`); metrics
+    value_loss and value_clipfrac, scaled so that their sum over a mini-batch's micro-batches
+    is the mini-batch's value.
+    """
+    r = {k: v.to(values.device) for k, v in mb.response.items()}
+    loss, metrics = value_loss(
+        values, r["old_values"], r["returns"], mb.valid.to(values.device),
+        value_clip=cfg.value_clip, agg=cfg.loss_agg_mode, **counts,
+    )
+    return loss, {
+        "value_loss": loss.detach(),
+        "value_clipfrac": metrics["value_clipfrac"] * token_share(mb, counts),
+    }

@@ -1,8 +1,8 @@
 """The megatron actor and critic trainer roles: the endpoints of roles.trainer.actor / critic
 (same names, arguments and results) over roles.trainer.megatron.core.MegatronCore.
 
-The PPO objective is roles.trainer.actor.policy_objective, the torch backend's; the value
-loss is ppo.algorithms.value_loss, combined as the torch critic combines it.
+The objectives are the torch backend's: roles.trainer.actor.policy_objective and
+roles.trainer.critic.value_objective.
 
 In a rank group with TP > 1 the weights leave through rank 0 (dp 0, cp 0, tp 0, the only
 pipeline stage), after its TP peers join the all-gather of the shards: the weight endpoints
@@ -17,10 +17,9 @@ from typing import Any, Iterator, Mapping
 
 import torch
 
-from ppo.algorithms import value_loss
 from roles.trainer.actor import ActorTrainer, policy_objective
 from roles.trainer.batching import ACTOR_TRAIN_KEYS, CRITIC_TRAIN_KEYS
-from roles.trainer.core import token_share
+from roles.trainer.critic import value_objective
 from roles.trainer.distributed import is_rank_zero
 from roles.trainer.megatron.config import MegatronTrainerConfig
 from roles.trainer.megatron.core import MegatronCore
@@ -208,10 +207,6 @@ class MegatronCriticTrainer(_MegatronRole):
         return self._train(batch, CRITIC_TRAIN_KEYS, self, mini_batches)
 
     def loss(self, out, mb: PackedMicroBatch, counts: dict) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        values = mb.to_rows(out[0])
-        r = {k: v.to(values.device) for k, v in mb.response.items()}
-        loss, metrics = value_loss(values, r["old_values"], r["returns"], mb.valid.to(values.device),
-                                   value_clip=self.config.value_clip, agg=self.config.loss_agg_mode, **counts)
-        return loss, {"value_loss": loss.detach(),
-                      "value_clipfrac": torch.as_tensor(metrics["value_clipfrac"] * token_share(mb, counts))}
+        """The torch backend's value objective (roles.trainer.critic.value_objective) on [n, Rm] rows."""
+        return value_objective(self.config, mb.to_rows(out[0]), mb, counts)
 
