@@ -13,6 +13,9 @@ the receiver copies by name and acks); the megatron rows first map megatron -> H
 
 - hf / megatron, buffers 1 or 2 (double buffering: the next bucket is packed while the
   receiver copies the last), per bucket size
+- hf / megatron, production: `roles.weight_sync.send_to_engines`, the call
+  `ActorTrainer.sync_weights` (both backends) makes, at its defaults (bucket size
+  `--update-weight-buffer-size`'s default, `SYNC_NUM_BUFFERS` buffers, acks per engine)
 - megatron pack only: the same packing with no receiver (the sender's share)
 - host: buckets through host memory (D2H, shared-memory frame, H2D); with --host (slow)
 - peer: one process copying the same tensors device to device (the memcpy ceiling)
@@ -27,7 +30,11 @@ import json
 import statistics
 import time
 
+from ppo.config.schema import EngineConfig
+from roles.weight_sync import SYNC_NUM_BUFFERS
 from runtime import Actor, Supervisor, endpoint
+
+DEFAULT_BUFFER_BYTES = EngineConfig.update_weight_buffer_size  # what a run uses unless told otherwise
 
 QWEN3_4B = dict(model_type="qwen3", vocab_size=151936, hidden_size=2560, intermediate_size=9728,
                 num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
@@ -107,14 +114,15 @@ class Sender(Actor):
             return self.params.items()
         from roles.trainer.megatron.mapper import stage_to_hf
 
-        return stage_to_hf([self.megatron], self.shape, pp_rank=0, pp_size=1)
+        return stage_to_hf(lambda name: [self.megatron[name]], self.shape, pp_rank=0, pp_size=1)
 
     @endpoint
     def push(self, receiver, layout: str, buffer_bytes: int, num_buffers: int, gpus: list[int] | None,
-             reps: int = 3) -> dict:
-        """Median seconds of `reps` syncs after a warm-up; receiver=None: packing only."""
+             reps: int = 3, production: bool = False) -> dict:
+        """Median seconds of `reps` syncs after a warm-up; receiver=None: packing only;
+        production: the actor's sender (`send_to_engines`, its own buffer count)."""
         import torch
-        from roles.weight_sync import for_receiver, push_weights
+        from roles.weight_sync import for_receiver, push_weights, send_to_engines
 
         def send(bucket):
             if receiver is None:
@@ -126,7 +134,10 @@ class Sender(Actor):
         for _ in range(reps + 1):
             torch.cuda.synchronize()
             t0 = time.perf_counter()
-            totals = push_weights(self._named(layout), send, buffer_bytes, num_buffers=num_buffers)
+            if production:
+                totals = send_to_engines(self._named(layout), [receiver], buffer_bytes, engine_gpus=[gpus])
+            else:
+                totals = push_weights(self._named(layout), send, buffer_bytes, num_buffers=num_buffers)
             torch.cuda.synchronize()
             times.append(time.perf_counter() - t0)
         return {**totals, "seconds": statistics.median(times[1:])}
@@ -162,16 +173,21 @@ def main(argv=None) -> dict:
         rcv = sup.spawn("receiver", Receiver, shapes, gpus=[0])
         sup.wait_ready(timeout=600)
         expected = snd.position_sums()
+
+        def timed(row: str, layout: str, buffer_bytes: int, buffers: int, **kw) -> None:
+            rows.append({"row": row, "bucket_mb": buffer_bytes >> 20, **snd.push(rcv, layout, buffer_bytes, buffers,
+                                                                                  [0], **kw)})
+            got = rcv.position_sums()
+            bad = [n for n in expected if abs(got[n] - expected[n]) > 1e-3 * (1 + abs(expected[n]))]
+            assert not bad, f"{row}: receiver weights differ after the sync: {bad[:3]}"
+
         for mb in args.bucket_mb:
             for layout in ("hf", "megatron"):
                 for buffers in (1, 2):
-                    r = snd.push(rcv, layout, mb << 20, buffers, [0])
-                    rows.append({"row": f"{layout}, {buffers} buffer{'s' if buffers > 1 else ''}", "bucket_mb": mb,
-                                 **r})
-                    got = rcv.position_sums()
-                    bad = [n for n in expected if abs(got[n] - expected[n]) > 1e-3 * (1 + abs(expected[n]))]
-                    assert not bad, f"{layout}: receiver weights differ after the sync: {bad[:3]}"
+                    timed(f"{layout}, {buffers} buffer{'s' if buffers > 1 else ''}", layout, mb << 20, buffers)
             rows.append({"row": "megatron pack only", "bucket_mb": mb, **snd.push(None, "megatron", mb << 20, 1, None)})
+        for layout in ("hf", "megatron"):
+            timed(f"{layout}, production", layout, DEFAULT_BUFFER_BYTES, SYNC_NUM_BUFFERS, production=True)
         if args.host:
             rows.append({"row": "hf, host staging", "bucket_mb": args.bucket_mb[0],
                          **snd.push(rcv, "hf", args.bucket_mb[0] << 20, 1, None, reps=1)})
@@ -179,6 +195,8 @@ def main(argv=None) -> dict:
     peer = rows[-1]["seconds"]
     print(f"weight sync of {rows[0]['num_bytes'] / 1e9:.2f} GB (bf16, Qwen3-4B shapes x{args.scale}), "
           "sender and receiver roles on one GPU, CUDA IPC")
+    print(f"production: ActorTrainer.sync_weights' sender, {SYNC_NUM_BUFFERS} buffers, "
+          f"{DEFAULT_BUFFER_BYTES >> 20} MiB buckets (--update-weight-buffer-size default)")
     print(f"{'row':<22}{'bucket MiB':>11}{'buckets':>8}{'ms':>9}{'GB/s':>9}{'vs memcpy':>11}")
     for r in rows:
         print(f"{r['row']:<22}{str(r['bucket_mb'] or '-'):>11}{str(r.get('num_buckets', '-')):>8}"

@@ -137,14 +137,22 @@ def engine_settings(cfg: PPOConfig) -> dict:
 
 
 def trainer_layout_problem(cfg: PPOConfig) -> str | None:
-    """Why the megatron trainer would refuse this run's layout or recompute settings (checked
-    here so the job stops before anything starts, not at the trainers' build), or None."""
+    """Why the megatron trainer would refuse this run's layout or recompute settings, or a
+    model the layout cannot split (uneven pipeline stages, heads not divisible by TP: read
+    from --hf-checkpoint's config.json when it is a local directory) - checked here so the
+    job stops before anything starts, not at the trainers' build - or None."""
     if cfg.training.train_backend != "megatron":
         return None
     from roles.trainer.megatron.config import PARALLEL_SIZES, MegatronTrainerConfig  # no megatron import
+    from roles.trainer.megatron.shape import shape_from_hf
 
+    model_config = Path(cfg.checkpoint.hf_checkpoint) / "config.json"
     try:
         MegatronTrainerConfig.from_dict(trainer_config(cfg, "", critic=False, dtype="bfloat16"))
+        if model_config.is_file():
+            shape_from_hf(json.loads(model_config.read_text())).check_parallel(
+                tp_size=cfg.parallelism.tensor_model_parallel_size,
+                pp_size=cfg.parallelism.pipeline_model_parallel_size)
     except ValueError as e:
         message = str(e).removeprefix("megatron trainer config: ")
         for name in (*PARALLEL_SIZES, "recompute_granularity", "recompute_method", "recompute_num_layers"):

@@ -103,12 +103,28 @@ def test_config_error_exits_2_before_training(monkeypatch, capsys):
 
 
 @pytest.mark.timeout(60)
-def test_the_headline_recipe_stops_at_its_layout_before_anything_starts(tmp_path):
-    """qwen3_4b_ppo asks for PP2, which the megatron trainer does not run yet: one line naming
-    the flag, exit 2, no run directory, and this before any machine check (no GPU here)."""
+def test_the_headline_recipe_passes_its_layout_and_stops_at_the_machine(tmp_path):
+    """qwen3_4b_ppo's PP2 layout is accepted; on this machine (no GPU, no sglang, no
+    megatron-core) the next checks stop it before anything starts: one line, exit 2, no run
+    directory."""
     run_dir = tmp_path / "run"
-    proc = run_launch("--recipe", "qwen3_4b_ppo", "--run-dir", str(run_dir))
-    assert proc.returncode == 2
-    assert "--pipeline-model-parallel-size 2 is not built yet" in proc.stderr
-    assert "use 1" in proc.stderr and "Traceback" not in proc.stderr
-    assert not run_dir.exists()
+    for flags, stop in (((), "rollout backend 'sglang' needs"),
+                        (("--rollout-backend", "torch"), "--train-backend megatron cannot run here")):
+        proc = run_launch("--recipe", "qwen3_4b_ppo", "--run-dir", str(run_dir), *flags)
+        assert proc.returncode == 2, proc.stderr
+        assert stop in proc.stderr and "Traceback" not in proc.stderr
+        assert "layout" not in proc.stderr and "pipeline" not in proc.stderr
+        assert not run_dir.exists()
+
+
+def test_a_layout_the_model_cannot_split_stops_before_anything_starts(ckpt):
+    """Uneven pipeline stages are not built: refused from --hf-checkpoint's config.json,
+    naming the flag and the layer count (the tiny Qwen3 has 2 layers)."""
+    from ppo.job import trainer_layout_problem
+
+    cfg = override(qwen3_4b_ppo(), hf_checkpoint=ckpt)
+    assert trainer_layout_problem(cfg) is None  # PP2 splits 2 layers
+    uneven = override(cfg, pipeline_model_parallel_size=4, context_parallel_size=1)
+    assert trainer_layout_problem(uneven) == (
+        "--train-backend megatron cannot run this run's layout: --pipeline-model-parallel-size 4 must divide "
+        "num_hidden_layers=2 (uneven pipeline stages are not built)")

@@ -2,7 +2,8 @@
 vocab-parallel log-probs and entropy on 2 gloo ranks against the full-vocab computation
 (values and gradients), the CP slicing of packed micro-batches and the reassembly of
 per-row outputs (2 gloo ranks, with gradients), and the config's refusals.
-The GPU side (megatron itself, TP2 / CP2 against one rank) is in tests/test_megatron_gpu.py."""
+The GPU side (megatron itself, TP2 / CP2 / PP2 against one rank) is in
+tests/test_megatron_gpu_parallel.py."""
 
 from __future__ import annotations
 
@@ -183,12 +184,11 @@ def test_cp_gather_puts_rows_back_in_order_and_each_gradient_on_its_rank(tmp_pat
         assert r["grad"].tolist() == [weight[int(p)] for p in r["held"]]
 
 
-def test_parallel_sizes_validated_pipeline_refused_with_its_reason():
+def test_parallel_sizes_validated_pipeline_accepted():
     from tests.test_megatron_parts import BASE as base
-    cfg = MegatronTrainerConfig(**base, tensor_model_parallel_size=2, context_parallel_size=2)
-    assert (cfg.tensor_model_parallel_size, cfg.context_parallel_size) == (2, 2)
-    with pytest.raises(ValueError, match=r"pipeline_model_parallel_size=2 is not built yet \(the weight sync"):
-        MegatronTrainerConfig(**base, pipeline_model_parallel_size=2)
+    cfg = MegatronTrainerConfig(**base, tensor_model_parallel_size=2, pipeline_model_parallel_size=2,
+                                context_parallel_size=2)
+    assert (cfg.tensor_model_parallel_size, cfg.pipeline_model_parallel_size, cfg.context_parallel_size) == (2, 2, 2)
     for field in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size"):
         with pytest.raises(ValueError, match=f"{field}=0, expected >= 1"):
             MegatronTrainerConfig(**base, **{field: 0})

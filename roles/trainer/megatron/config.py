@@ -2,10 +2,11 @@
 recompute flags (miles' names), validated before any process starts.
 
 What the megatron trainer does not run is refused here, with the reason, rather than at
-the first train step. Tensor and context parallelism are built (vocab-parallel log-probs,
-CP slicing of packed micro-batches; sequence parallelism is off). Pipeline parallelism is
-refused: the trainer drives megatron's own schedule, but the weight sync and the HF save
-across stages are not built and PP > 1 never ran (it needs two GPUs: issue 13).
+the first train step. Tensor, context and pipeline parallelism are built (vocab-parallel
+log-probs, CP slicing of packed micro-batches, megatron's pipeline schedule with the weights
+exported across stages; sequence parallelism is off). PP ran on one GPU over gloo with a
+CPU-staged stand-in for NCCL's point-to-point ops; NCCL p2p across GPUs has not run.
+Uneven pipeline stages are refused when the model's shape is known (ModelShape.check_parallel).
 """
 
 from __future__ import annotations
@@ -16,10 +17,6 @@ from roles.trainer.config import TrainerConfig
 from roles.trainer.megatron.shape import check_recompute
 
 PARALLEL_SIZES = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size")
-NOT_BUILT = {
-    "pipeline_model_parallel_size": "the weight sync and HF save across pipeline stages are not built, and the "
-                                    "pipeline schedule never ran on hardware (needs 2 GPUs, issue 13)",
-}
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -39,11 +36,6 @@ class MegatronTrainerConfig(TrainerConfig):
             size = getattr(self, name)
             if size < 1:
                 raise ValueError(f"megatron trainer config: {name}={size}, expected >= 1")
-            missing = NOT_BUILT.get(name)
-            if missing and size > 1:
-                raise ValueError(
-                    f"megatron trainer config: {name}={size} is not built yet ({missing}); use 1"
-                )
         check_recompute(self.recompute_granularity, self.recompute_method, self.recompute_num_layers)
         if self.logits_chunk_tokens < 1:
             raise ValueError(f"megatron trainer config: logits_chunk_tokens={self.logits_chunk_tokens}, expected >= 1")

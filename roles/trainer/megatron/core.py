@@ -12,7 +12,11 @@ Parallelism (megatron's parallel_state; rank order tp, cp, dp, pp):
       gathered back in row order on every CP rank, which then computes the same loss
   PP  megatron's schedule (get_forward_backward_func, variable sequence lengths) runs every
       forward and backward, train and forward-only; results and metrics come from the last
-      stage. Refused by the config: never ran, and the cross-stage weight export is missing.
+      stage. The weights leave through rank 0 (stage 0): each later stage maps its own
+      layers to HF names (global layer offsets) and broadcasts them over its pipeline group
+      one tensor at a time (roles.trainer.megatron.export). Proven on one GPU over gloo with
+      a CPU-staged stand-in for NCCL's p2p (tests/test_megatron_gpu_parallel.py); NCCL p2p
+      across GPUs has not run.
 Micro-batches hold up to max_tokens_per_gpu * cp tokens (each CP rank runs 1/cp of them),
 as miles plans them.
 
@@ -47,7 +51,8 @@ from roles.device import DeviceMemory
 from roles.trainer.batching import check_batch, response_mask, scatter_rows, sequences, split_mini_batches, valid_mask
 from roles.trainer.megatron.config import MegatronTrainerConfig
 from roles.trainer.megatron.cp import CPSlice, cp_slice, gather_rows
-from roles.trainer.megatron.mapper import hf_to_megatron, megatron_names, to_hf
+from roles.trainer.megatron.export import pipeline_named_tensors
+from roles.trainer.megatron.mapper import hf_to_megatron, stage_to_hf
 from roles.trainer.megatron.model import build_gpt_model, transformer_engine_available
 from roles.trainer.megatron.offload import TaggedOffloader
 from roles.trainer.megatron.packing import PackedMicroBatch, pack, plan_packed
@@ -231,20 +236,26 @@ class MegatronCore:
 
     @property
     def gathers_weights(self) -> bool:
-        """Whether this rank takes part in gathering its stage's full weights: the TP group of
-        dp rank 0, CP rank 0 (the other dp and CP ranks hold replicas)."""
+        """Whether this rank takes part in gathering the full weights: the TP and pipeline
+        groups of dp rank 0, CP rank 0 (the other dp and CP ranks hold replicas)."""
         return self.dp_rank == 0 and self.cp_rank == 0
 
     def named_hf_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """(HF name, full tensor in the compute dtype) of this pipeline stage's weights, the TP
-        shards all-gathered. A collective over the TP group: every rank for which
-        `gathers_weights` holds consumes it whole, in step with its TP peers."""
+        """(HF name, full tensor in the compute dtype), the TP shards all-gathered: on pipeline
+        stage 0 the whole model, stage by stage; on a later stage its own stage's weights
+        (roles.trainer.megatron.export). A collective over the TP and pipeline groups: every
+        rank for which `gathers_weights` holds consumes it whole, in step with its peers."""
         params = {n: p.detach() for n, p in self.module.named_parameters()}
-        offset = self.pp_rank * (self.shape.num_layers // self.pp_size)
-        for name in megatron_names(self.shape, pp_rank=self.pp_rank, pp_size=self.pp_size, spec=self.spec,
-                                   critic=self.critic):
-            yield from to_hf(name, self._tp_shards(params[name]), self.shape, layer_offset=offset, spec=self.spec,
-                             critic=self.critic)
+        stage = dict(pp_rank=self.pp_rank, pp_size=self.pp_size, spec=self.spec, critic=self.critic)
+
+        def own():
+            return stage_to_hf(lambda name: self._tp_shards(params[name]), self.shape, **stage)
+
+        def own_meta():  # the mapping on meta tensors shaped as the TP shards: no data, no collective
+            pairs = stage_to_hf(lambda name: [params[name].to("meta")] * self.tp_size, self.shape, **stage)
+            return [(name, t.shape, t.dtype) for name, t in pairs]
+
+        return pipeline_named_tensors(own, own_meta, group=self.pp_group, device=self.device)
 
     def _tp_shards(self, tensor: torch.Tensor) -> list[torch.Tensor]:
         """Every TP rank's version of a parameter, in rank order (replicated ones too: cheap, and
@@ -489,7 +500,7 @@ class MegatronCore:
         start = time.monotonic()
         self.require_onloaded("params", "optimizer")
         rank = dist.get_rank()
-        if self.gathers_weights:  # rank 0 and its TP peers (with PP > 1 rank 0 would hold stage 0 only)
+        if self.gathers_weights:  # rank 0 and its TP and pipeline peers; rank 0 gets every stage
             weights = {k: v.detach().cpu() for k, v in self.named_hf_weights()}
             if rank == 0:
                 save_checkpoint(path, weights=weights, optimizer={}, step=self.step, rng=capture_rng())

@@ -24,7 +24,7 @@ name>` and `value_head.{weight,bias}` (roles.trainer.model.ValueModel), megatron
 
 from __future__ import annotations
 
-from typing import Iterator, Mapping
+from typing import Callable, Iterator, Mapping
 
 import torch
 
@@ -189,11 +189,16 @@ def _cat(parts: list[torch.Tensor], dim: int) -> torch.Tensor:
     return parts[0] if len(parts) == 1 else torch.cat(parts, dim=dim)
 
 
+def layer_offset(shape: ModelShape, *, pp_rank: int, pp_size: int) -> int:
+    """Global index of pipeline stage pp_rank's first layer (even stages)."""
+    return pp_rank * (shape.num_layers // pp_size)
+
+
 def hf_to_megatron(hf: Mapping[str, torch.Tensor], shape: ModelShape, *, tp_rank: int, tp_size: int,
                    pp_rank: int, pp_size: int, spec: str = "local", critic: bool = False) -> dict[str, torch.Tensor]:
     """The state dict of one (TP rank, PP stage) GPTModel from a full HF state dict."""
     shape.check_parallel(tp_size=tp_size, pp_size=pp_size)
-    offset = pp_rank * (shape.num_layers // pp_size)
+    offset = layer_offset(shape, pp_rank=pp_rank, pp_size=pp_size)
     return {
         name: to_megatron(name, hf, shape, tp_rank=tp_rank, tp_size=tp_size, layer_offset=offset, spec=spec,
                           critic=critic)
@@ -201,12 +206,15 @@ def hf_to_megatron(hf: Mapping[str, torch.Tensor], shape: ModelShape, *, tp_rank
     }
 
 
-def stage_to_hf(tp_states: list[Mapping[str, torch.Tensor]], shape: ModelShape, *, pp_rank: int, pp_size: int,
+def stage_to_hf(shards: Callable[[str], list[torch.Tensor]], shape: ModelShape, *, pp_rank: int, pp_size: int,
                 spec: str = "local", critic: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
-    """HF (name, tensor) pairs of one pipeline stage, from the state dicts of its TP ranks."""
-    offset = pp_rank * (shape.num_layers // pp_size)
+    """HF (name, tensor) pairs of one pipeline stage, in megatron_names' order, its layers
+    under their global indices. `shards(name)` gives a parameter's shards of every TP rank in
+    rank order; it is called lazily, one parameter at a time (a caller may all-gather there).
+    Meta tensors give the names, shapes and dtypes without data."""
+    offset = layer_offset(shape, pp_rank=pp_rank, pp_size=pp_size)
     for name in megatron_names(shape, pp_rank=pp_rank, pp_size=pp_size, spec=spec, critic=critic):
-        yield from to_hf(name, [s[name] for s in tp_states], shape, layer_offset=offset, spec=spec, critic=critic)
+        yield from to_hf(name, shards(name), shape, layer_offset=offset, spec=spec, critic=critic)
 
 
 def megatron_to_hf(states: list[list[Mapping[str, torch.Tensor]]], shape: ModelShape, *, spec: str = "local",
@@ -214,5 +222,6 @@ def megatron_to_hf(states: list[list[Mapping[str, torch.Tensor]]], shape: ModelS
     """A full HF state dict from states[pp_rank][tp_rank] of every rank of the model."""
     out: dict[str, torch.Tensor] = {}
     for pp_rank, tp_states in enumerate(states):
-        out.update(stage_to_hf(tp_states, shape, pp_rank=pp_rank, pp_size=len(states), spec=spec, critic=critic))
+        out.update(stage_to_hf(lambda name, tp_states=tp_states: [s[name] for s in tp_states], shape,
+                               pp_rank=pp_rank, pp_size=len(states), spec=spec, critic=critic))
     return out

@@ -4,10 +4,11 @@
 The objectives are the torch backend's: roles.trainer.actor.policy_objective and
 roles.trainer.critic.value_objective.
 
-In a rank group with TP > 1 the weights leave through rank 0 (dp 0, cp 0, tp 0, the only
-pipeline stage), after its TP peers join the all-gather of the shards: the weight endpoints
-(sync_weights, save_hf, weights_checksum) run the gather on every rank for which
-MegatronCore.gathers_weights holds, and ActorTrainer's own endpoints send from rank 0.
+In a rank group with TP or PP > 1 the weights leave through rank 0 (dp 0, cp 0, tp 0, pp 0),
+after its TP peers join the all-gather of the shards and the later pipeline stages send
+theirs (roles.trainer.megatron.export): the weight endpoints (sync_weights, save_hf,
+weights_checksum) run the gather on every rank for which MegatronCore.gathers_weights
+holds, and ActorTrainer's own endpoints send from rank 0.
 """
 
 from __future__ import annotations
@@ -156,12 +157,13 @@ class MegatronActorTrainer(_MegatronRole):
         yield from self._core.named_hf_weights()
 
     def _weights_out(self, endpoint_fn, *args, **kwargs):
-        """Run ActorTrainer's weight endpoint: rank 0 reads named_weights; its TP peers feed the
-        all-gather by reading them too (and drop them); other ranks hold replicas.
+        """Run ActorTrainer's weight endpoint: rank 0 reads named_weights; its TP and pipeline
+        peers feed the all-gather and the stage broadcasts by reading them too (and drop
+        them); other ranks hold replicas.
 
-        Known limit: if rank 0's send fails mid-way (an engine error), its TP peers wait in
-        the next all-gather until the process group's timeout; the group then dies as one
-        and the driver stops the run (resume with --load)."""
+        Known limit: if rank 0's send fails mid-way (an engine error), its peers wait in the
+        next collective until the process group's timeout; the group then dies as one and
+        the driver stops the run (resume with --load)."""
         if self._core.gathers_weights and not is_rank_zero():
             for _ in self.named_weights():
                 pass
@@ -169,18 +171,19 @@ class MegatronActorTrainer(_MegatronRole):
 
     @endpoint
     def weights_checksum(self) -> dict[str, str]:
-        """HF name -> digest (ActorTrainer.weights_checksum) from each rank that gathers the full
-        weights (rank 0 and its TP peers, all equal); other ranks {}."""
+        """HF name -> digest (ActorTrainer.weights_checksum) from each rank that gathers the
+        weights: on pipeline stage 0 the whole model (rank 0 and its TP peers, all equal), on
+        a later stage its own part; other ranks {}. The group merges them (a union)."""
         return ActorTrainer.weights_checksum(self) if self._core.gathers_weights else {}
 
     @endpoint
     def sync_weights(self, *args, **kwargs) -> dict:
-        """ActorTrainer.sync_weights from rank 0, the TP shards gathered."""
+        """ActorTrainer.sync_weights from rank 0, the TP shards and pipeline stages gathered."""
         return self._weights_out(ActorTrainer.sync_weights, *args, **kwargs)
 
     @endpoint
     def save_hf(self, path: str) -> dict:
-        """ActorTrainer.save_hf from rank 0, the TP shards gathered."""
+        """ActorTrainer.save_hf from rank 0, the TP shards and pipeline stages gathered."""
         return self._weights_out(ActorTrainer.save_hf, path)
 
 
