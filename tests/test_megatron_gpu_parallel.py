@@ -88,7 +88,7 @@ def _host_staged_p2p() -> dict[str, int]:
         works = []
         for op in p2p_op_list:  # P2POp: op (dist.isend / dist.irecv), tensor, peer (global rank), group, tag
             if op.op is dist.isend:
-                host = op.tensor.detach().cpu()
+                host = op.tensor.detach().cpu().contiguous()
                 works.append(_HostStaged(dist.isend(host, dst=op.peer, group=op.group, tag=op.tag), host, None))
                 counts["sent"] += 1
             elif op.op is dist.irecv:

@@ -14,9 +14,9 @@ Parallelism (megatron's parallel_state; rank order tp, cp, dp, pp):
       forward and backward, train and forward-only; results and metrics come from the last
       stage. The weights leave through rank 0 (stage 0): each later stage maps its own
       layers to HF names (global layer offsets) and broadcasts them over its pipeline group
-      one tensor at a time (roles.trainer.megatron.export). Proven on one GPU over gloo with
-      a CPU-staged stand-in for NCCL's p2p (tests/test_megatron_gpu_parallel.py); NCCL p2p
-      across GPUs has not run.
+      one tensor at a time (roles.trainer.megatron.export). The one-GPU test
+      (tests/test_megatron_gpu_parallel.py) runs PP2 and PP2 x CP2 over gloo, megatron's
+      p2p through a CPU-staged stand-in for NCCL's; NCCL p2p across GPUs has not run.
 Micro-batches hold up to max_tokens_per_gpu * cp tokens (each CP rank runs 1/cp of them),
 as miles plans them.
 
