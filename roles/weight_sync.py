@@ -8,16 +8,20 @@ The actor trainer streams its weights to the rollout engines bucket by bucket (D
      "shapes": [[151936, 2560], ...],
      "flat": <1-D tensor of that dtype>}       # the tensors' elements, concatenated in order
 
-Transport: `push_weights` hands each bucket to a `send` callable and blocks until it
-returns, i.e. until every receiver acked. The buffers live on the weights' device.
-`for_receiver` picks, per receiver, how `flat` travels: a CUDA IPC handle when the
-receiver sees the same physical GPU (no copy through host memory), else the bytes on the
-CPU (the runtime ships large ones through shared memory); `received` undoes it.
+Transport: `push_weights` hands each bucket to a `send` callable; a bucket's buffer is
+packed again only after every receiver acked it. The buffers live on the weights' device.
+`send_to_engines` is the production sender (the actor's `sync_weights`): each bucket goes
+to every engine at once, and `SYNC_NUM_BUFFERS` buffers per dtype keep two buckets in
+flight (double buffering). `for_receiver` picks, per receiver, how `flat` travels: a CUDA
+IPC handle when the receiver sees the same physical GPU (no copy through host memory),
+else the bytes on the CPU (the runtime ships large ones through shared memory); `received`
+undoes it.
 """
 
 from __future__ import annotations
 
 import hashlib
+import time
 from typing import Any, Callable, Iterable, Iterator
 
 import torch
@@ -114,6 +118,9 @@ def unpack_bucket(bucket: dict) -> list[tuple[str, torch.Tensor]]:
 
 
 SYNC_BUFFER_TAG = "weight_sync_buffer"
+# Two buffers per dtype overlap packing the next bucket with the engines' copy of the last;
+# a third would have nothing left to overlap (one packer, one copy) and only cost memory.
+SYNC_NUM_BUFFERS = 2
 
 
 def push_weights(named_tensors: NamedTensors, send: Callable[[dict], Any], buffer_bytes: int, *,
@@ -123,29 +130,36 @@ def push_weights(named_tensors: NamedTensors, send: Callable[[dict], Any], buffe
     num_buffers=1: `send` must not return before every receiver has acked the bucket (e.g.
     it calls the engines' `update_weights` and waits on the futures): the next bucket
     reuses the buffer. num_buffers=2 (double buffering): `send` may return at once with a
-    waitable (`.result()`, e.g. a call's future) that completes when every receiver acked;
-    the next bucket is packed into the other buffer meanwhile, and a bucket's waitable is
-    waited for before its buffer is packed again (and before this returns).
+    waitable (`.result()`, e.g. `BucketAcks`) that completes when every receiver acked;
+    the next bucket is packed into the other buffer meanwhile, so at most `num_buffers`
+    buckets are in flight: a bucket's waitable is waited for before its buffer is packed
+    again (and before this returns), and the bucket is kept alive until then (a lone
+    oversized tensor's `flat` may be a temporary). The first error a waitable raises ends
+    the sync and is raised here; buckets still in flight are not waited for.
     `memory`: the sender's ledger, when the tensors live on its device (so the buffers do):
-    the buffers are accounted under `SYNC_BUFFER_TAG` while they exist; the sender must hold
-    its GPUs' lease for that (ppo.colocation's `sending_weights`).
+    the buffers allocated so far (up to `num_buffers * buffer_bytes` per dtype) are
+    accounted under `SYNC_BUFFER_TAG` while they exist, and 0 once this returns or raises;
+    the sender must hold its GPUs' lease for that (ppo.colocation's `sending_weights`).
     """
     num_buckets = num_tensors = num_bytes = 0
     on_alloc = None if memory is None else (lambda nbytes: memory.account(SYNC_BUFFER_TAG, nbytes))
-    in_flight: list[Any] = []
+    in_flight: list[tuple[dict, Any]] = []  # (bucket, what send returned), oldest first
+    buckets = pack_buckets(named_tensors, buffer_bytes, on_alloc=on_alloc, num_buffers=num_buffers)
     try:
-        for bucket in pack_buckets(named_tensors, buffer_bytes, on_alloc=on_alloc, num_buffers=num_buffers):
-            in_flight.append(send(bucket))
+        for bucket in buckets:
+            in_flight.append((bucket, send(bucket)))
             num_buckets += 1
             num_tensors += len(bucket["names"])
             num_bytes += bucket["flat"].numel() * bucket["flat"].element_size()
             while len(in_flight) >= num_buffers:  # the next bucket may reuse the oldest one's buffer
-                _wait(in_flight.pop(0))
+                _wait(in_flight.pop(0)[1])
         while in_flight:
-            _wait(in_flight.pop(0))
+            _wait(in_flight.pop(0)[1])
     finally:
+        in_flight.clear()
+        buckets.close()  # drops the buffers now, not when a traceback holding this frame goes
         if memory is not None:
-            memory.account(SYNC_BUFFER_TAG, 0)  # the generator is done: its buffers are garbage
+            memory.account(SYNC_BUFFER_TAG, 0)
     return {"num_buckets": num_buckets, "num_tensors": num_tensors, "num_bytes": num_bytes}
 
 
@@ -153,6 +167,47 @@ def _wait(acked: Any) -> None:
     """Wait for what `send` returned: a waitable (`.result()`), or nothing (it already waited)."""
     if acked is not None and hasattr(acked, "result"):
         acked.result()
+
+
+class BucketAcks:
+    """Every engine's ack of one bucket: `result()` waits on each future in turn (each up to
+    `timeout_s`, as the single-buffer sync did) and raises the first error (RemoteError,
+    ActorDied, CallTimeout), then calls `on_acked()`."""
+
+    def __init__(self, futures: list, timeout_s: float, on_acked: Callable[[], None] | None = None):
+        self.futures, self.timeout_s, self.on_acked = futures, timeout_s, on_acked
+
+    def result(self) -> list:
+        values = [future.result(self.timeout_s) for future in self.futures]
+        if self.on_acked is not None:
+            self.on_acked()
+        return values
+
+
+def send_to_engines(named_tensors: NamedTensors, engines: list, buffer_bytes: int, *,
+                    engine_gpus: list[list[int] | None] | None = None, timeout_s: float = 600.0,
+                    memory: DeviceMemory | None = None,
+                    on_bucket: Callable[[dict, float], None] | None = None) -> dict:
+    """Stream the tensors to every engine (`engine.update_weights.call(bucket)`, handles of
+    roles.rollout.RolloutEngine or anything with that endpoint), double-buffered: return
+    `push_weights`' totals once every engine acked every bucket.
+
+    Each bucket goes to all engines at once; `SYNC_NUM_BUFFERS` buckets may be in flight, so
+    the ledger (`memory`) charges up to that many buffers per dtype. `engine_gpus`: each
+    engine's physical GPUs (CUDA IPC to those on the sender's GPU, `for_receiver`).
+    `on_bucket(bucket, t0)`: called when a bucket's acks are in, with the wall time it was
+    sent (the actor publishes a span). An engine's error or a timeout is raised as is.
+    """
+    gpus = engine_gpus or [None] * len(engines)
+    if len(gpus) != len(engines):
+        raise ValueError(f"engine_gpus has {len(gpus)} entries for {len(engines)} engines")
+
+    def send(bucket: dict) -> BucketAcks:
+        t0 = time.time()
+        futures = [engine.update_weights.call(for_receiver(bucket, g)) for engine, g in zip(engines, gpus)]
+        return BucketAcks(futures, timeout_s, None if on_bucket is None else (lambda: on_bucket(bucket, t0)))
+
+    return push_weights(named_tensors, send, buffer_bytes, memory=memory, num_buffers=SYNC_NUM_BUFFERS)
 
 
 def for_receiver(bucket: dict, receiver_gpus: list[int] | None) -> dict:

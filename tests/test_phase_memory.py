@@ -34,13 +34,13 @@ def test_estimates_from_the_qwen3_4b_shape():
     assert logits == tokens * 151936 * (2 + 4 + 4 + 4)  # bf16 logits, fp32 copy, softmax temp, fp32 grad
 
 
-def _actor_on_fake_gpu(ckpt, tmp_path, monkeypatch, capacity):
+def _actor_on_fake_gpu(ckpt, tmp_path, monkeypatch, capacity, onload=("params", "optimizer")):
     device = create_fake_devices(tmp_path / "gpus", 1, capacity)[0]
     monkeypatch.setenv("TANDEM_FAKE_GPU_DIR", str(tmp_path / "gpus"))
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
     actor = ActorTrainer(config(ckpt))
     device.set_lease_holder("actor")
-    actor.onload(["params", "optimizer"])
+    actor.onload(list(onload))
     return actor, device
 
 
@@ -80,7 +80,9 @@ def test_the_weight_sync_buffer_is_charged_to_the_sender_while_it_exists(ckpt, t
     actor.offload(["optimizer"])
     engines = [StubEngine([], "a")]
     actor.sync_weights(engines, buffer_bytes=64 * 1024, version=1)
-    assert max(_charges(device, SYNC_BUFFER_TAG)) == 64 * 1024 and device.usage("actor", SYNC_BUFFER_TAG) == 0
+    # double buffering: the first buffer, then the second once a second bucket is packed; none after
+    assert _charges(device, SYNC_BUFFER_TAG) == [64 * 1024, 2 * 64 * 1024, 0]
+    assert device.usage("actor", SYNC_BUFFER_TAG) == 0
     device.set_lease_holder("rollout-0")  # the sender must hold its GPU to allocate there
     with pytest.raises(LeaseViolation, match=SYNC_BUFFER_TAG):
         actor.sync_weights(engines, buffer_bytes=64 * 1024, version=2)
@@ -90,3 +92,17 @@ def test_the_weight_sync_buffer_is_charged_to_the_sender_while_it_exists(ckpt, t
     actor.offload(["params"])  # offloaded weights are sent from the CPU: no device buffer
     device.set_lease_holder("rollout-0")
     actor.sync_weights(engines, buffer_bytes=64 * 1024, version=3)
+
+
+def test_the_second_sync_buffer_must_fit_too(ckpt, tmp_path, monkeypatch):
+    """Room for the weights and one bucket buffer but not two: the double-buffered sync
+    fails on the fake GPU as it would on the real one, and leaves nothing charged."""
+    buffer = 64 * 1024
+    resident = nbytes_of(ActorTrainer(config(ckpt)).model)  # what the ledger charges for the weights
+    assert resident > 2 * buffer  # the weights need more than one bucket
+    actor, device = _actor_on_fake_gpu(ckpt, tmp_path, monkeypatch, resident + buffer + buffer // 2, onload=["params"])
+    engine = StubEngine([], "a")
+    with pytest.raises(FakeOutOfMemory, match=SYNC_BUFFER_TAG):
+        actor.sync_weights([engine], buffer_bytes=buffer, version=1)
+    assert _charges(device, SYNC_BUFFER_TAG) == [buffer, 0] and engine.version is None
+    assert device.usage("actor") == resident

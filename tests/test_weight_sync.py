@@ -4,11 +4,14 @@ import pytest
 import torch
 
 from roles.weight_sync import (
+    SYNC_BUFFER_TAG,
+    SYNC_NUM_BUFFERS,
     checksum_named_tensors,
     pack_buckets,
     push_weights,
     unpack_bucket,
 )
+from runtime import CallTimeout, RemoteError
 
 
 def _named():
@@ -217,3 +220,115 @@ def test_weight_check_holds_after_a_real_sync_of_a_tied_model(tmp_path):
     # raises on any difference; a head the sync left stale would differ from the embedding and
     # so stay in the engine's canonical listing: the check would fail
     check_weights_equal(job)
+
+
+# ---- the production sync: double buffered, acks from every engine ---------------------------
+
+
+class _LateAck:
+    """A call's future whose work runs when the caller waits on it (once)."""
+
+    def __init__(self, work, timeouts: list):
+        self.work, self.timeouts, self.done = work, timeouts, False
+
+    def result(self, timeout=None):
+        self.timeouts.append(timeout)
+        if not self.done:
+            self.done = True
+            return self.work()
+
+
+class _SlowEngine:
+    """An engine handle (`update_weights.call`, `set_weight_version.call`) whose ack is late:
+    it reads a bucket only when the sender waits for the ack, as an engine still copying
+    would, so a buffer packed again before its ack shows up as wrong weights. The real
+    engine copies on receipt and acks after (roles/rollout/engine.py); this one defers the
+    copy to the latest moment the contract allows. `fail_at`: the bucket whose ack raises
+    `error` (an engine's RemoteError, a CallTimeout)."""
+
+    def __init__(self, fail_at: int | None = None, error: Exception | None = None):
+        self.weights, self.version, self.timeouts = {}, None, []
+        self.calls = self.outstanding = self.max_outstanding = 0
+        self.fail_at, self.error = fail_at, error
+        self.update_weights = type("M", (), {"call": staticmethod(self._update)})
+        self.set_weight_version = type("M", (), {"call": staticmethod(
+            lambda v: _LateAck(lambda: setattr(self, "version", v), []))})
+
+    def _update(self, bucket):
+        index, self.calls = self.calls, self.calls + 1
+        self.outstanding += 1
+        self.max_outstanding = max(self.max_outstanding, self.outstanding)
+
+        def load():
+            self.outstanding -= 1
+            if index == self.fail_at:
+                raise self.error
+            for name, view in unpack_bucket(bucket):
+                self.weights[name] = view.clone()
+            return {"num_tensors": len(bucket["names"])}
+
+        return _LateAck(load, self.timeouts)
+
+
+def _bf16_actor(ckpt):
+    from tests.test_trainer import make_actor
+
+    actor = make_actor(ckpt, dtype="bfloat16")
+    with torch.no_grad():  # weights unlike the engines' zeros and the initial checkpoint
+        for p in actor.model.parameters():
+            p.add_(0.01 * torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())).to(p.device))
+    return actor
+
+
+@pytest.mark.timeout(120)
+def test_slow_acks_keep_two_buckets_in_flight_and_the_weights_bit_identical(ckpt):
+    actor = _bf16_actor(ckpt)
+    engines = [_SlowEngine(), _SlowEngine()]
+    stats = actor.sync_weights(engines, buffer_bytes=16 * 1024, version=4, timeout_s=7.0)
+    assert stats["buckets"] > 4
+    for engine in engines:
+        # two buckets in flight (double buffering), never three: a buffer is packed again only
+        # after its bucket's acks; the late copies would otherwise read the next bucket's bytes
+        assert engine.max_outstanding == SYNC_NUM_BUFFERS == 2 and engine.outstanding == 0
+        assert checksum_named_tensors(engine.weights.items()) == actor.weights_checksum()
+        assert engine.version == 4 and set(engine.timeouts) == {7.0}  # each ack waited with timeout_s
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("error", [RemoteError("rollout-1", "update_weights", "ValueError", "bad shape", "tb"),
+                                   CallTimeout("rollout-1: no reply within 7 s (the call is still pending)")])
+def test_an_engine_failing_mid_sync_stops_it_with_its_error_and_frees_the_buffers(ckpt, tmp_path, monkeypatch, error):
+    from tests.test_phase_memory import _actor_on_fake_gpu, _charges
+
+    actor, device = _actor_on_fake_gpu(ckpt, tmp_path, monkeypatch, 1 << 30)
+    engines = [_SlowEngine(), _SlowEngine(fail_at=2, error=error)]
+    with pytest.raises(type(error), match="rollout-1"):
+        actor.sync_weights(engines, buffer_bytes=16 * 1024, version=5, timeout_s=7.0)
+    assert all(e.version is None for e in engines)  # no engine was told the sync finished
+    assert engines[1].calls == 4  # buckets 0-3 were sent: bucket 2's ack failed when 3 was in flight
+    charges = _charges(device, SYNC_BUFFER_TAG)
+    assert max(charges) == 2 * 16 * 1024 and charges[-1] == 0 and device.usage("actor", SYNC_BUFFER_TAG) == 0
+
+
+@pytest.mark.gpu
+@pytest.mark.timeout(300)
+def test_the_production_sync_over_cuda_ipc_is_bit_identical_and_frees_both_buffers(ckpt, tmp_path):
+    """On a GPU: the actor (this process) sends to an engine role on the same GPU over CUDA
+    IPC, two buckets in flight; the engine ends bit-identical to the actor, and the actor's
+    device memory afterwards is what it was before (both buffers gone, none kept for IPC)."""
+    from roles.rollout import RolloutEngine
+    from runtime import Supervisor
+
+    actor = _bf16_actor(ckpt)
+    actor.offload(["optimizer"])
+    assert actor._core.memory.kind == "cuda"
+    before = actor._core.memory.bytes_in_use()
+    with Supervisor(tmp_path / "run", gpus=[0]) as sup:
+        sup.leases.acquire(0, "rollout-0")  # as ppo.job spawns an engine
+        engine = sup.spawn("rollout-0", RolloutEngine, ckpt, dtype="bfloat16", kv_cache_bytes=64 << 20, gpus=[0])
+        sup.wait_ready(timeout=240)
+        stats = actor.sync_weights([engine], buffer_bytes=64 * 1024, version=2, engine_gpus=[[0]])
+        assert stats["buckets"] > 2
+        assert engine.weights_checksum.call().result(60) == actor.weights_checksum()
+        assert engine.weight_version.call().result(60) == 2
+        assert actor._core.memory.bytes_in_use() == before

@@ -199,7 +199,8 @@ class EngineConfig:
     sglang_enable_deterministic_inference: bool = knob(
         False, "sglang samples with each request's seed only in this mode (batch-invariant "
         "kernels, pytorch sampler: slower); otherwise samples do not reproduce per request")
-    update_weight_buffer_size: int = knob(512 * 1024**2, "bytes per weight-sync bucket", ge=1)
+    update_weight_buffer_size: int = knob(512 * 1024**2, "bytes per weight-sync bucket; the "
+                                           "sender holds two such buffers per dtype (double buffering)", ge=1)
     check_weight_update_equal: bool = knob(False, "verify engine weights after each sync (slow)")
 
 

@@ -15,7 +15,7 @@ from roles.trainer.config import TrainerConfig
 from roles.trainer.core import TrainCore, token_share
 from roles.trainer.distributed import is_rank_zero
 from roles.trainer.model import load_policy, policy_log_probs
-from roles.weight_sync import checksum_named_tensors, for_receiver, push_weights
+from roles.weight_sync import checksum_named_tensors, send_to_engines
 from roles.trainer.role import TrainerRole
 from runtime import endpoint
 
@@ -119,27 +119,25 @@ class ActorTrainer(TrainerRole):
                      engine_gpus: list[list[int]] | None = None) -> dict:
         """Stream the weights to every engine bucket by bucket, then set their weight version.
 
-        Each bucket goes to all engines at once (`update_weights.call`); the next bucket
-        reuses the buffer, so it is packed only after every engine acked this one. On a GPU,
-        engines on the same physical GPU (`engine_gpus`, physical ids) get CUDA IPC handles.
-        In a rank group rank 0 sends (one copy of the weights is enough); the others return zeros.
+        Each bucket goes to all engines at once (`roles.weight_sync.send_to_engines`), double
+        buffered: the next bucket is packed while the engines load this one, and a buffer is
+        packed again only after every engine acked its last bucket; an engine's error or a
+        timeout (`timeout_s` per ack) ends the sync and is raised. On a GPU, engines on the
+        same physical GPU (`engine_gpus`, physical ids) get CUDA IPC handles. In a rank
+        group rank 0 sends (one copy of the weights is enough); the others return zeros.
         """
         start = time.monotonic()
         if not is_rank_zero():
             return {"bytes": 0, "buckets": 0, "seconds": 0.0}
-        gpus = engine_gpus or [None] * len(engines)
 
-        def send(bucket: dict) -> None:
-            t0 = time.time()
-            futures = [engine.update_weights.call(for_receiver(bucket, g)) for engine, g in zip(engines, gpus)]
-            for future in futures:
-                future.result(timeout_s)
+        def acked(bucket: dict, t0: float) -> None:
             self.publish_span("weight_bucket", t0, bytes=bucket["flat"].numel() * bucket["flat"].element_size(),
                               tensors=len(bucket["names"]), engines=len(engines))
 
         # The bucket buffers sit where the weights are: on the device only when onloaded.
         resident = "params" not in self._core.offloaded
-        totals = push_weights(self.named_weights(), send, buffer_bytes, memory=self._core.memory if resident else None)
+        totals = send_to_engines(self.named_weights(), engines, buffer_bytes, engine_gpus=engine_gpus,
+                                 timeout_s=timeout_s, memory=self._core.memory if resident else None, on_bucket=acked)
         for future in [engine.set_weight_version.call(version) for engine in engines]:
             future.result(timeout_s)
         return {"bytes": totals["num_bytes"], "buckets": totals["num_buckets"], "seconds": time.monotonic() - start}
