@@ -44,11 +44,15 @@ pytestmark = pytest.mark.gpu
 
 megatron = pytest.importorskip("megatron.core") if torch.cuda.is_available() else None
 
-# `tied`: the layout runs on the tied-embeddings checkpoint and is compared with "ref_tied"
+# `tied`: the layout runs on the tied-embeddings checkpoint and is compared with "ref_tied".
+# The PP layouts pack the batch (sequences of 11, 5, 9, 5 tokens) into 2 micro-batches where
+# the references run 1, so the pipeline reaches its 1F1B steady state (the loss is divided by
+# the whole mini-batch's counts, so the split changes only rounding).
 LAYOUTS = {"ref": dict(world=1), "tp2": dict(world=2, tensor_model_parallel_size=2),
            "cp2": dict(world=2, context_parallel_size=2),
-           "ref_tied": dict(world=1, tied=True), "pp2": dict(world=2, pipeline_model_parallel_size=2, tied=True),
-           "pp2cp2": dict(world=4, pipeline_model_parallel_size=2, context_parallel_size=2)}
+           "ref_tied": dict(world=1, tied=True),
+           "pp2": dict(world=2, pipeline_model_parallel_size=2, tied=True, max_tokens_per_gpu=16),
+           "pp2cp2": dict(world=4, pipeline_model_parallel_size=2, context_parallel_size=2, max_tokens_per_gpu=8)}
 PARALLEL = ["tp2", "cp2", "pp2", "pp2cp2"]
 
 
@@ -267,6 +271,11 @@ def test_parallel_ranks_equal_one_rank_log_probs(runs, layout):
 def test_pipeline_stages_talk_through_megatrons_batched_p2p(runs, layout):
     """The stand-in replaced the only p2p path megatron took: every stage sent and received
     (activations forward, gradients backward, each after its shape)."""
+    from roles.trainer.megatron.packing import plan_packed
+
+    spec = LAYOUTS[layout]
+    assert len(plan_packed([11, 5, 9, 5], max_tokens=spec["max_tokens_per_gpu"] * spec.get("context_parallel_size", 1))
+               ) == 2  # the layout's micro-batches (see LAYOUTS)
     _, ranks = _need(runs, layout, "p2p_path", "p2p")
     for i, r in enumerate(ranks):
         assert r["p2p_path"] == {"batch_p2p_comm": True, "ring": False, "overlap": False,
