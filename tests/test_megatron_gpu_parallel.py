@@ -54,6 +54,7 @@ LAYOUTS = {"ref": dict(world=1), "tp2": dict(world=2, tensor_model_parallel_size
            "pp2": dict(world=2, pipeline_model_parallel_size=2, tied=True, max_tokens_per_gpu=16),
            "pp2cp2": dict(world=4, pipeline_model_parallel_size=2, context_parallel_size=2, max_tokens_per_gpu=8)}
 PARALLEL = ["tp2", "cp2", "pp2", "pp2cp2"]
+RUN_DEADLINE_S = 120  # every layout's processes, together
 
 
 def _config(ckpt: str, **over) -> dict:
@@ -110,10 +111,12 @@ def _host_staged_p2p() -> dict[str, int]:
 def _worker(layout: str, rank: int, port: int, ckpt: str, path: str) -> None:
     """Each step's results are saved as soon as they exist, and the first error with them:
     a failure or a hang late in the run still leaves the earlier comparisons checkable."""
+    import faulthandler
     import traceback
 
     import torch.distributed as dist
 
+    faulthandler.dump_traceback_later(RUN_DEADLINE_S - 15)  # a hang prints where each rank waits, before the kill
     out: dict = {}
     try:
         _steps(layout, rank, port, ckpt, lambda **kw: (out.update(kw), torch.save(out, path)))
@@ -206,7 +209,7 @@ def runs(ckpt, tied_ckpt, tmp_path_factory) -> dict[str, list[dict]]:
                   for r in range(spec["world"])]
     for p in procs:
         p.start()
-    deadline = time.monotonic() + 120
+    deadline = time.monotonic() + RUN_DEADLINE_S
     try:
         for p in procs:
             p.join(timeout=max(1.0, deadline - time.monotonic()))
