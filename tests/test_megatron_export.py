@@ -1,9 +1,10 @@
 """The pipeline-parallel weight export (roles.trainer.megatron.export) on the CPU: two gloo
 processes hold pipeline stages 0 and 1 of a model (each stage the shards of its TP ranks, as
-mapper.hf_to_megatron makes them); pp rank 0 must come out with the whole HF state dict,
-bit-identical to the reference, stage 0's tensors first, and stage 1 with its own part. The metadata each stage announces
-comes from the mapping on meta tensors, as MegatronCore.named_hf_weights builds it.
-The megatron trainer's own run of it (PP2 on one GPU) is tests/test_megatron_gpu_parallel.py."""
+mapper.hf_to_megatron makes them). pp rank 0 must come out with the whole HF state dict,
+bit-identical to the reference, stage 0's tensors first; stage 1 with its own part. The
+metadata each stage announces comes from the mapping on meta tensors
+(export.model_hf_weights, what MegatronCore.named_hf_weights runs). The megatron trainer's
+own run of it (PP2 on one GPU) is in tests/test_megatron_gpu_parallel.py."""
 
 from __future__ import annotations
 
@@ -26,7 +27,7 @@ def _reference(tied: bool, critic: bool, dtype: torch.dtype) -> dict[str, torch.
 
 
 def _export_worker(rank: int, group) -> dict:
-    from roles.trainer.megatron.export import pipeline_named_tensors
+    from roles.trainer.megatron.export import model_hf_weights
 
     out = {}
     for case, tied, critic, tp, dtype in CASES:
@@ -35,16 +36,11 @@ def _export_worker(rank: int, group) -> dict:
         hf = _reference(tied, critic, dtype)
         shards = [hf_to_megatron(hf, shape, tp_rank=t, tp_size=tp, pp_rank=rank, pp_size=2, critic=critic)
                   for t in range(tp)]
-        stage = dict(pp_rank=rank, pp_size=2, critic=critic)
-
-        def own(shards=shards, stage=stage, shape=shape):
-            return stage_to_hf(lambda name: [s[name] for s in shards], shape, **stage)
-
-        def own_meta(shards=shards, stage=stage, shape=shape, tp=tp):
-            pairs = stage_to_hf(lambda name: [shards[0][name].to("meta")] * tp, shape, **stage)
-            return [(name, t.shape, t.dtype) for name, t in pairs]
-
-        out[case] = list(pipeline_named_tensors(own, own_meta, group=group, device="cpu"))
+        # TP rank 0 of this stage; its TP peers' shards stand in for the all-gather
+        out[case] = list(model_hf_weights(shards[0], shape, tp_size=tp,
+                                          tp_shards=lambda name, _, shards=shards: [s[name] for s in shards],
+                                          pp_group=group, pp_rank=rank, pp_size=2, spec="local", critic=critic,
+                                          device="cpu"))
     return out
 
 

@@ -51,8 +51,8 @@ from roles.device import DeviceMemory
 from roles.trainer.batching import check_batch, response_mask, scatter_rows, sequences, split_mini_batches, valid_mask
 from roles.trainer.megatron.config import MegatronTrainerConfig
 from roles.trainer.megatron.cp import CPSlice, cp_slice, gather_rows
-from roles.trainer.megatron.export import pipeline_named_tensors
-from roles.trainer.megatron.mapper import hf_to_megatron, stage_to_hf
+from roles.trainer.megatron.export import all_gather_shards, model_hf_weights
+from roles.trainer.megatron.mapper import hf_to_megatron
 from roles.trainer.megatron.model import build_gpt_model, transformer_engine_available
 from roles.trainer.megatron.offload import TaggedOffloader
 from roles.trainer.megatron.packing import PackedMicroBatch, pack, plan_packed
@@ -245,26 +245,10 @@ class MegatronCore:
         stage 0 the whole model, stage by stage; on a later stage its own stage's weights
         (roles.trainer.megatron.export). A collective over the TP and pipeline groups: every
         rank for which `gathers_weights` holds consumes it whole, in step with its peers."""
-        params = {n: p.detach() for n, p in self.module.named_parameters()}
-        stage = dict(pp_rank=self.pp_rank, pp_size=self.pp_size, spec=self.spec, critic=self.critic)
-
-        def own():
-            return stage_to_hf(lambda name: self._tp_shards(params[name]), self.shape, **stage)
-
-        def own_meta():  # the mapping on meta tensors shaped as the TP shards: no data, no collective
-            pairs = stage_to_hf(lambda name: [params[name].to("meta")] * self.tp_size, self.shape, **stage)
-            return [(name, t.shape, t.dtype) for name, t in pairs]
-
-        return pipeline_named_tensors(own, own_meta, group=self.pp_group, device=self.device)
-
-    def _tp_shards(self, tensor: torch.Tensor) -> list[torch.Tensor]:
-        """Every TP rank's version of a parameter, in rank order (replicated ones too: cheap, and
-        to_hf takes the first)."""
-        if self.tp_group is None:
-            return [tensor]
-        parts = [torch.empty_like(tensor) for _ in range(self.tp_size)]
-        dist.all_gather(parts, tensor.contiguous(), group=self.tp_group)
-        return parts
+        return model_hf_weights({n: p.detach() for n, p in self.module.named_parameters()}, self.shape,
+                                tp_size=self.tp_size, tp_shards=lambda name, t: all_gather_shards(t, self.tp_group),
+                                pp_group=self.pp_group, pp_rank=self.pp_rank, pp_size=self.pp_size, spec=self.spec,
+                                critic=self.critic, device=self.device)
 
     def _param_tensors(self) -> list[torch.Tensor]:
         """DDP's flat param buffers (distributed optimizer), else the parameters themselves."""

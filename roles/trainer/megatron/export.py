@@ -14,13 +14,45 @@ Pure torch.distributed; runs on the CPU with gloo (tests/test_megatron_export.py
 
 from __future__ import annotations
 
-from typing import Callable, Iterator
+from typing import Callable, Iterator, Mapping
 
 import torch
 import torch.distributed as dist
 
+from roles.trainer.megatron.mapper import stage_to_hf
+from roles.trainer.megatron.shape import ModelShape
+
 NamedTensors = Iterator[tuple[str, torch.Tensor]]
 Meta = list[tuple[str, torch.Size, torch.dtype]]
+
+
+def model_hf_weights(params: Mapping[str, torch.Tensor], shape: ModelShape, *, tp_size: int,
+                     tp_shards: Callable[[str, torch.Tensor], list[torch.Tensor]], pp_group: dist.ProcessGroup | None,
+                     pp_rank: int, pp_size: int, spec: str, critic: bool, device: torch.device | str) -> NamedTensors:
+    """The HF pairs of a TP x PP sharded megatron model, as pipeline_named_tensors delivers
+    them. `params`: this rank's megatron parameters by name; `tp_shards(name, tensor)`:
+    every TP rank's version of one, in rank order (e.g. all_gather_shards: a collective over
+    the TP group). The metadata is the mapping run on meta tensors shaped as the TP shards."""
+    stage = dict(pp_rank=pp_rank, pp_size=pp_size, spec=spec, critic=critic)
+
+    def own() -> NamedTensors:
+        return stage_to_hf(lambda name: tp_shards(name, params[name]), shape, **stage)
+
+    def own_meta() -> Meta:
+        pairs = stage_to_hf(lambda name: [params[name].to("meta")] * tp_size, shape, **stage)
+        return [(name, t.shape, t.dtype) for name, t in pairs]
+
+    return pipeline_named_tensors(own, own_meta, group=pp_group, device=device)
+
+
+def all_gather_shards(tensor: torch.Tensor, group: dist.ProcessGroup | None) -> list[torch.Tensor]:
+    """Every TP rank's version of a parameter, in rank order (replicated ones too: cheap, and
+    mapper.to_hf takes the first); [tensor] without a group."""
+    if group is None:
+        return [tensor]
+    parts = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, tensor.contiguous(), group=group)
+    return parts
 
 
 def pipeline_named_tensors(own: Callable[[], NamedTensors], own_meta: Callable[[], Meta], *,
