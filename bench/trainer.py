@@ -164,12 +164,13 @@ def time_steps(trainer, batch: dict, steps: int = 2) -> dict:
     if hasattr(trainer, "compute_log_probs"):
         trainer.compute_log_probs(batch)
     torch.cuda.synchronize()
+    logprob_s = time.perf_counter() - start if hasattr(trainer, "compute_log_probs") else float("nan")
     peak = torch.cuda.max_memory_allocated()
     if PROFILE["dir"] and not PROFILE["done"]:
         profile_step(trainer, batch, PROFILE["dir"])
         PROFILE["done"] = True
-    return {"step_s": step_s, "logprob_s": time.perf_counter() - start if hasattr(trainer, "compute_log_probs")
-            else float("nan"), "peak_gib": peak / 2**30, "above_state_gib": (peak - resident) / 2**30}
+    return {"step_s": step_s, "logprob_s": logprob_s, "peak_gib": peak / 2**30,
+            "above_state_gib": (peak - resident) / 2**30}
 
 
 PROFILE = {"dir": None, "done": False}  # --profile: the first row's step, once per process
