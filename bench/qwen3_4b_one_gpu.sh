@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # qwen3_4b_ppo scaled to one GPU, measured by bench.iteration (docs/benchmarks.md).
 #
-#   [PLANS="ppo grpo" PPO_ROLLOUTS=3 GRPO_ROLLOUTS=2 GRPO_S=130] bash bench/qwen3_4b_one_gpu.sh OUT_DIR [BUDGET_S]
+#   [PLANS="ppo grpo" PPO_ROLLOUTS=3 GRPO_ROLLOUTS=2 GRPO_S=130 RESPONSE_LEN=2048] \
+#     bash bench/qwen3_4b_one_gpu.sh OUT_DIR [BUDGET_S]
 #
 # 1. A tiny random-init Qwen3 through the same path (megatron trainers, built-in engine, the
 #    same placement flags): one rollout with both updates and the weight sync, or the script
@@ -11,6 +12,9 @@
 #    (float32 main params and Adam moments, 45 GiB each) to pinned host memory and back
 #    around their train calls; the engine keeps its weights and KV cache.
 # 4. GRPO (no critic): the actor and the engine both stay resident, nothing moves.
+# RESPONSE_LEN above 2048 (8192): the KV cache of 64 such responses (~75 GiB) fits only while
+# the trainers hold just their weights, so the engine takes 62% of the GPU and frees its KV
+# cache (and graphs) around the trainers' calls, and the GRPO actor moves its optimizer too.
 # Every step is time-limited; whatever ran is analysed. OUT_DIR gets the logs, each run's
 # analysis (NAME_iteration.json) and event log; the run directories stay in /tmp/runs.
 set -u
@@ -28,8 +32,14 @@ COMMON=(--recipe qwen3_4b_ppo --load none --save none --save-interval none
         --pipeline-model-parallel-size 1 --context-parallel-size 1 --rollout-backend torch
         --recompute-granularity full --recompute-method uniform --recompute-num-layers 1
         --log-format plain)
-PPO_PLAN=(--offload-train-level optimizer --no-offload-rollout)
-GRPO_PLAN=(--advantage-estimator grpo --no-offload-train --no-offload-rollout)
+LEN=${RESPONSE_LEN:-2048}
+if [ "$LEN" -le 2048 ]; then
+  PPO_PLAN=(--offload-train-level optimizer --no-offload-rollout --sglang-mem-fraction-static 0.22)
+  GRPO_PLAN=(--advantage-estimator grpo --no-offload-train --no-offload-rollout --sglang-mem-fraction-static 0.22)
+else
+  PPO_PLAN=(--offload-train-level optimizer --offload-rollout-level kv_cache --sglang-mem-fraction-static 0.62)
+  GRPO_PLAN=(--advantage-estimator grpo "${PPO_PLAN[@]}")
+fi
 
 step() {  # NAME SECONDS CMD...: run CMD under a limit (SIGINT first: bench.iteration still reports)
   local name=$1 limit=$2
@@ -57,8 +67,8 @@ step tiny 80 python3 -m bench.iteration --out "$RUNS/tiny" -- "${COMMON[@]}" "${
 fi
 
 step checkpoint 75 python3 -m ppo.make_checkpoint --arch qwen3-4b --device cuda --num-prompts 512 "$CK" || exit 1
-FULL=(--hf-checkpoint "$CK" --prompt-data "$CK/dapo_math_prompts.jsonl" --rollout-max-response-len 2048
-      --num-critic-only-steps 0 --sglang-mem-fraction-static 0.22)
+FULL=(--hf-checkpoint "$CK" --prompt-data "$CK/dapo_math_prompts.jsonl" --rollout-max-response-len "$LEN"
+      --num-critic-only-steps 0)
 if [ "${PLANS:-ppo grpo}" != grpo ]; then
   step ppo $(( $(left) - ${GRPO_S:-130} )) python3 -m bench.iteration --out "$RUNS/ppo" -- "${COMMON[@]}" \
     "${PPO_PLAN[@]}" "${FULL[@]}" --num-rollout "${PPO_ROLLOUTS:-3}" --run-dir "$RUNS/ppo/run"
