@@ -152,7 +152,10 @@ class ActorTrainer(TrainerRole):
         start = time.monotonic()
         if not is_rank_zero():
             return {"path": path, "seconds": 0.0}
-        save_hf_checkpoint(path, weights=dict(self.named_weights()), source=self.config.hf_checkpoint)
+        # Each tensor to the host as it comes: gathered TP shards and other pipeline stages'
+        # weights are fresh device tensors, and the file is written from host memory anyway.
+        weights = {name: tensor.to("cpu") for name, tensor in self.named_weights()}
+        save_hf_checkpoint(path, weights=weights, source=self.config.hf_checkpoint)
         return {"path": path, "seconds": time.monotonic() - start}
 
 
