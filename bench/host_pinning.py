@@ -7,7 +7,9 @@ Rows, each a fresh block of the same size, then one device->host copy into it:
 - host block: roles.device.HostBlock(touch=False) (malloc, then cudaHostRegister, which
   faults every page in on one kernel thread);
 - host block, touched first: HostBlock's default, the same after writing every page from
-  torch's CPU threads (what the trainers' offload and the rollout engine use).
+  roles.device.TOUCH_THREADS threads (what the trainers' offload and the rollout engine
+  use); run with OMP_NUM_THREADS=1, as the role processes are, to check it does not rely on
+  torch's intra-op threads.
 Each row prints seconds to get the block, the copy's GB/s, and both as ratios to torch pinned.
 Needs a CUDA GPU.
 """
@@ -19,7 +21,7 @@ import time
 
 import torch
 
-from roles.device import HostBlock
+from roles.device import TOUCH_THREADS, HostBlock
 
 
 def _timed(fn):
@@ -55,7 +57,7 @@ def main(argv: list[str] | None = None) -> None:
     block.free()
 
     base_s, base_rate = rows[0][1], rows[0][2]
-    print(f"{args.gib:g} GiB, {torch.get_num_threads()} CPU threads")
+    print(f"{args.gib:g} GiB, torch intra-op threads {torch.get_num_threads()}, touch threads {TOUCH_THREADS}")
     print(f"{'block':<28}{'get s':>8}{'vs torch':>10}{'D2H GB/s':>10}{'vs torch':>10}")
     for name, s, rate in rows:
         print(f"{name:<28}{s:>8.2f}{s / base_s:>9.2f}x{rate:>10.1f}{rate / base_rate:>9.2f}x")

@@ -87,7 +87,7 @@ def untracked_note(report: dict) -> str:
 
 
 ENGINE_TAGS = ("weights", "kv_cache")  # what an engine holds (its graphs go with either)
-UNTRACKED_LIMIT = 256 << 20  # a Qwen3-4B actor left 64-115 MiB beside its resident optimizer
+UNTRACKED_LIMIT = 256 << 20  # a Qwen3-4B actor left 64-170 MiB beside its resident optimizer (docs/benchmarks.md)
 
 
 class Colocation:

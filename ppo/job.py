@@ -146,18 +146,29 @@ def trainer_layout_problem(cfg: PPOConfig) -> str | None:
     from roles.trainer.megatron.config import PARALLEL_SIZES, MegatronTrainerConfig  # no megatron import
     from roles.trainer.megatron.shape import shape_from_hf
 
-    model_config = Path(cfg.checkpoint.hf_checkpoint) / "config.json"
-    try:
-        MegatronTrainerConfig.from_dict(trainer_config(cfg, "", critic=False, dtype="bfloat16"))
-        if model_config.is_file():
-            shape_from_hf(json.loads(model_config.read_text())).check_parallel(
-                tp_size=cfg.parallelism.tensor_model_parallel_size,
-                pp_size=cfg.parallelism.pipeline_model_parallel_size)
-    except ValueError as e:
+    def layout_problem(e: ValueError) -> str:
         message = str(e).removeprefix("megatron trainer config: ")
         for name in (*PARALLEL_SIZES, "recompute_granularity", "recompute_method", "recompute_num_layers"):
             message = message.replace(f"{name}=", f"--{name.replace('_', '-')} ")  # speak in flags
         return f"--train-backend megatron cannot run this run's layout: {message}"
+
+    try:
+        MegatronTrainerConfig.from_dict(trainer_config(cfg, "", critic=False, dtype="bfloat16"))
+    except ValueError as e:
+        return layout_problem(e)
+    model_config = Path(cfg.checkpoint.hf_checkpoint) / "config.json"
+    if not model_config.is_file():
+        return None
+    try:
+        shape = shape_from_hf(json.loads(model_config.read_text()))
+    except ValueError as e:  # unreadable JSON or a model the mapper does not cover: not a layout problem
+        return (f"--hf-checkpoint {cfg.checkpoint.hf_checkpoint}: its config.json is not a model the megatron "
+                f"trainer builds: {e}")
+    try:
+        shape.check_parallel(tp_size=cfg.parallelism.tensor_model_parallel_size,
+                             pp_size=cfg.parallelism.pipeline_model_parallel_size)
+    except ValueError as e:
+        return layout_problem(e)
     return None
 
 

@@ -22,7 +22,9 @@ trainer's tagged state, the rollout engine's weights): exactly the bytes asked f
 from __future__ import annotations
 
 import contextlib
+import os
 import weakref
+from concurrent.futures import ThreadPoolExecutor
 from typing import Iterator, Literal
 
 import torch
@@ -173,9 +175,12 @@ class HostBlock:
     the pinned rate, without torch's pinned allocator, which rounds every block up to a power
     of two (7.5 GiB of engine weights pin 8 GiB) and keeps what is freed pinned in its cache.
 
-    touch (when pinning): fault the pages in from torch's CPU threads before registering;
-    cudaHostRegister alone faults them on one kernel thread: 8 GiB took 4.29 s that way and
-    0.92 s touched first on the H200 host (bench.host_pinning, the one caller that turns it off).
+    touch (when pinning): fault the pages in from TOUCH_THREADS threads of our own before
+    registering; cudaHostRegister alone faults them on one kernel thread: 8 GiB took 4.29 s
+    that way and 0.92 s touched first from torch's 16 threads on the H200 host
+    (bench.host_pinning, the one caller that turns it off). Our own threads, not torch's
+    intra-op pool: role processes run with OMP_NUM_THREADS=1 (ppo.job), where zero_() is one
+    thread again.
 
     The owner keeps the block while the views are in use: dropping it (free() or garbage
     collection) unregisters the pages.
@@ -186,7 +191,7 @@ class HostBlock:
         self._flat = torch.empty(self.nbytes, dtype=torch.uint8)
         pin = pin and self.nbytes > 0
         if pin and touch:
-            self._flat.zero_()
+            touch_pages(self._flat)
         self.views = list(self._flat.split(sizes)) if sizes else []
         self._unpin = None
         if pin:
@@ -201,6 +206,16 @@ class HostBlock:
         if self._unpin is not None and self._unpin.alive:
             _check(self._unpin())
         self.views, self._flat = [], torch.empty(0, dtype=torch.uint8)
+
+
+TOUCH_THREADS = min(16, os.cpu_count() or 1)
+
+
+def touch_pages(flat: torch.Tensor, threads: int = TOUCH_THREADS) -> None:
+    """Zero `flat` in `threads` slices at once (zero_ releases the GIL), faulting its pages in
+    in parallel whatever torch's own thread count."""
+    with ThreadPoolExecutor(threads) as pool:
+        list(pool.map(torch.Tensor.zero_, flat.chunk(threads)))
 
 
 def _unregister(flat: torch.Tensor) -> int:

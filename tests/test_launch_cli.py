@@ -128,3 +128,12 @@ def test_a_layout_the_model_cannot_split_stops_before_anything_starts(ckpt):
     assert trainer_layout_problem(uneven) == (
         "--train-backend megatron cannot run this run's layout: --pipeline-model-parallel-size 4 must divide "
         "num_hidden_layers=2 (uneven pipeline stages are not built)")
+
+
+def test_an_unreadable_model_config_is_named_as_such_not_as_a_layout(tmp_path):
+    from ppo.job import trainer_layout_problem
+
+    (tmp_path / "config.json").write_text("{not json")
+    problem = trainer_layout_problem(override(qwen3_4b_ppo(), hf_checkpoint=str(tmp_path)))
+    assert problem.startswith(f"--hf-checkpoint {tmp_path}: its config.json is not a model the megatron trainer builds")
+    assert "layout" not in problem

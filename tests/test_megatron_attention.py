@@ -111,9 +111,9 @@ def _cp_worker(rank: int, group) -> dict:
 
 @pytest.mark.timeout(120)
 def test_context_parallel_on_two_gloo_ranks_matches_whole_sequence_attention(tmp_path):
-    from tests.test_megatron_parallel import run_two_gloo_ranks
+    from tests.test_megatron_parallel import run_gloo_ranks
 
-    ranks = run_two_gloo_ranks(_cp_worker, tmp_path)
+    ranks = run_gloo_ranks(_cp_worker, tmp_path)
     total = sum(SEQLENS_CP)
     q, k, v = (x.requires_grad_() for x in qkv(total, seed=3))
     expect = naive_packed(q, k, v, SEQLENS_CP, 1 / math.sqrt(D)).reshape(total, -1)

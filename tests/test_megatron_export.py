@@ -1,5 +1,6 @@
 """The pipeline-parallel weight export (roles.trainer.megatron.export) on the CPU: two gloo
-processes hold pipeline stages 0 and 1 of a model (each stage the shards of its TP ranks, as
+processes hold pipeline stages 0 and 1 of a model (and four hold one layer each, so the
+stages between the first and the last relay and drop each other's tensors) (each stage the shards of its TP ranks, as
 mapper.hf_to_megatron makes them). pp rank 0 must come out with the whole HF state dict,
 bit-identical to the reference, stage 0's tensors first; stage 1 with its own part. The
 metadata each stage announces comes from the mapping on meta tensors
@@ -14,7 +15,7 @@ import torch
 from roles.trainer.megatron.mapper import hf_to_megatron, megatron_names, stage_to_hf
 from roles.trainer.megatron.shape import shape_from_hf
 from tests.test_megatron_mapper import hf_state, qwen3_config
-from tests.test_megatron_parallel import run_two_gloo_ranks
+from tests.test_megatron_parallel import run_gloo_ranks
 
 # (case, tied embeddings, critic, TP size, dtype): tied + PP keeps a copy of the embedding on
 # the last stage that must not be exported twice; the critic's value head is on the last stage.
@@ -46,7 +47,7 @@ def _export_worker(rank: int, group) -> dict:
 
 @pytest.fixture(scope="module")
 def exported(tmp_path_factory):
-    return run_two_gloo_ranks(_export_worker, tmp_path_factory.mktemp("export"))
+    return run_gloo_ranks(_export_worker, tmp_path_factory.mktemp("export"))
 
 
 @pytest.mark.parametrize("case,tied,critic,tp,dtype", CASES, ids=[c[0] for c in CASES])
@@ -80,3 +81,33 @@ def test_stage_names_carry_the_global_layer_offset():
     assert "model.embed_tokens.weight" not in pairs and torch.equal(pairs["lm_head.weight"], hf["lm_head.weight"])
     for name, tensor in pairs.items():
         assert torch.equal(tensor, hf[name]), name
+
+
+def _export_pp4_worker(rank: int, group) -> list:
+    from roles.trainer.megatron.export import model_hf_weights
+
+    shape = shape_from_hf(qwen3_config(False))
+    stage = hf_to_megatron(_reference(False, False, torch.float32), shape, tp_rank=0, tp_size=1, pp_rank=rank,
+                           pp_size=4)
+    return list(model_hf_weights(stage, shape, tp_size=1, tp_shards=lambda name, t: [t], pp_group=group,
+                                 pp_rank=rank, pp_size=4, spec="local", critic=False, device="cpu"))
+
+
+def test_with_four_stages_rank_zero_gets_all_in_order_and_the_middle_stages_their_own(tmp_path):
+    """PP4 of the 4-layer model: stage k holds layer k (stage 0 the embedding too, stage 3 the
+    norm and the head)."""
+    hf = _reference(False, False, torch.float32)
+    ranks = run_gloo_ranks(_export_pp4_worker, tmp_path, world_size=4)
+
+    def stage_of(name: str) -> int:
+        if name.startswith("model.layers."):
+            return int(name.split(".")[2])
+        return 0 if name == "model.embed_tokens.weight" else 3
+
+    for rank, pairs in enumerate(ranks):
+        names = [name for name, _ in pairs]
+        want = set(hf) if rank == 0 else {n for n in hf if stage_of(n) == rank}
+        assert len(names) == len(set(names)) and set(names) == want, (rank, set(names) ^ want)
+        assert all(torch.equal(t, hf[n]) for n, t in pairs), rank
+    stages = [stage_of(name) for name, _ in ranks[0]]
+    assert stages == sorted(stages)  # pipeline order

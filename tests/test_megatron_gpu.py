@@ -48,7 +48,7 @@ def pair(ckpt):
 
 
 def test_mapper_round_trip_on_a_real_gptmodel(pair, ckpt):
-    from roles.trainer.megatron.core import load_hf_state
+    from roles.trainer.megatron.env import load_hf_state
 
     meg, _, _ = pair
     meg.onload(["params"])

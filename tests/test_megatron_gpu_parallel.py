@@ -315,7 +315,7 @@ def test_parallel_ranks_equal_one_rank_critic(runs, layout):
 def test_gathered_hf_weights_are_the_checkpoint_and_follow_the_update(runs, layout, ckpt, tied_ckpt):
     """Rank 0 (which sends the weight sync and writes save_hf) gets every TP shard and every
     pipeline stage back as HF tensors, bit-identical to the checkpoint before the update."""
-    from roles.trainer.megatron.core import load_hf_state
+    from roles.trainer.megatron.env import load_hf_state
 
     ref, ranks = _need(runs, layout, "weights", "weights_after", "checksum", "save_hf")
     out = ranks[0]

@@ -28,13 +28,14 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_two_gloo_ranks(target, tmp_path) -> list[dict]:
-    """target(rank, group) -> dict on 2 gloo processes (spawned: `target` must be importable);
-    the dicts, by rank. Used by tests/test_megatron_attention.py too."""
+def run_gloo_ranks(target, tmp_path, world_size: int = 2) -> list[dict]:
+    """target(rank, group) -> dict on `world_size` gloo processes (spawned: `target` must be
+    importable); the dicts, by rank. Used by tests/test_megatron_attention.py and
+    tests/test_megatron_export.py too."""
     ctx = mp.get_context("spawn")
     port = _free_port()
-    paths = [str(tmp_path / f"rank{r}.pt") for r in range(2)]
-    procs = [ctx.Process(target=_entry, args=(target, r, port, paths[r])) for r in range(2)]
+    paths = [str(tmp_path / f"rank{r}.pt") for r in range(world_size)]
+    procs = [ctx.Process(target=_entry, args=(target, r, world_size, port, paths[r])) for r in range(world_size)]
     for p in procs:
         p.start()
     try:
@@ -49,11 +50,11 @@ def run_two_gloo_ranks(target, tmp_path) -> list[dict]:
     return [torch.load(p) for p in paths]
 
 
-def _entry(target, rank: int, port: int, path: str) -> None:
+def _entry(target, rank: int, world_size: int, port: int, path: str) -> None:
     import torch.distributed as dist
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=2)
+    dist.init_process_group("gloo", rank=rank, world_size=world_size)
     try:
         torch.save(target(rank, dist.group.WORLD), path)
     finally:
@@ -99,7 +100,7 @@ def test_vocab_parallel_log_probs_on_two_gloo_ranks_equal_the_full_vocab(tmp_pat
     weight.requires_grad_()
     ref_lp, ref_ent = _reference(hidden, weight, targets)
     (ref_lp.sum() + 0.1 * ref_ent.sum()).backward()
-    ranks = run_two_gloo_ranks(_tp_worker, tmp_path)
+    ranks = run_gloo_ranks(_tp_worker, tmp_path)
     tol = dict(rtol=1e-5, atol=1e-5)  # the chunks compute in float32, as the trainer does
     assert [r["rows"] for r in ranks] == [12, 11]  # the padding row is cut from the last shard
     for r in ranks:  # every TP rank holds the same (replicated) results and the full hidden gradient
@@ -175,7 +176,7 @@ def _cp_gather_worker(rank: int, group) -> dict:
 @pytest.mark.timeout(120)
 def test_cp_gather_puts_rows_back_in_order_and_each_gradient_on_its_rank(tmp_path):
     mb = _cp_mb(2)
-    ranks = run_two_gloo_ranks(_cp_gather_worker, tmp_path)
+    ranks = run_gloo_ranks(_cp_gather_worker, tmp_path)
     expect = mb.rows.double() * 10
     weight = {int(pos): k + 1.0 for k, pos in enumerate(mb.rows)}
     for r in ranks:

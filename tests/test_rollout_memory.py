@@ -145,3 +145,23 @@ def test_host_block_is_exact_and_the_engines_host_copy_is_aligned_views_into_one
         v.fill_(i + 1)
     for i, (k, t) in enumerate(storages.items()):  # disjoint: no slice overwrote another
         assert torch.equal(views[k], torch.full_like(t, i + 1))
+
+
+def test_touch_pages_zeroes_every_slice_from_its_own_threads(monkeypatch):
+    """Touching must not rely on torch's intra-op threads: roles run with one."""
+    import threading
+
+    from roles.device import touch_pages
+
+    seen = set()
+    zero = torch.Tensor.zero_
+
+    def recording_zero(t):
+        seen.add(threading.get_ident())
+        return zero(t)
+
+    monkeypatch.setattr(torch.Tensor, "zero_", recording_zero)
+    flat = torch.full((1000,), 7, dtype=torch.uint8)
+    touch_pages(flat, threads=4)
+    assert int(flat.sum()) == 0
+    assert threading.get_ident() not in seen and 1 <= len(seen) <= 4

@@ -4,9 +4,9 @@ recompute flags (miles' names), validated before any process starts.
 What the megatron trainer does not run is refused here, with the reason, rather than at
 the first train step. Tensor, context and pipeline parallelism are built (vocab-parallel
 log-probs, CP slicing of packed micro-batches, megatron's pipeline schedule with the weights
-exported across stages; sequence parallelism is off). PP is tested on one GPU over gloo
-with a CPU-staged stand-in for NCCL's point-to-point ops; NCCL p2p across GPUs has not run.
-Uneven pipeline stages are refused when the model's shape is known (ModelShape.check_parallel).
+exported across stages; sequence parallelism is off); what has run where is in
+docs/architecture.md, "Megatron model parallelism". Uneven pipeline stages are refused when
+the model's shape is known (ModelShape.check_parallel).
 """
 
 from __future__ import annotations

@@ -14,9 +14,8 @@ Parallelism (megatron's parallel_state; rank order tp, cp, dp, pp):
       forward and backward, train and forward-only; results and metrics come from the last
       stage. The weights leave through rank 0 (stage 0): each later stage maps its own
       layers to HF names (global layer offsets) and broadcasts them over its pipeline group
-      one tensor at a time (roles.trainer.megatron.export). The one-GPU test
-      (tests/test_megatron_gpu_parallel.py) runs PP2 and PP2 x CP2 over gloo, megatron's
-      p2p through a CPU-staged stand-in for NCCL's; NCCL p2p across GPUs has not run.
+      one tensor at a time (roles.trainer.megatron.export). Proof on one GPU:
+      tests/test_megatron_gpu_parallel.py (its docstring says what stands in for NCCL).
 Micro-batches hold up to max_tokens_per_gpu * cp tokens (each CP rank runs 1/cp of them),
 as miles plans them.
 
@@ -40,7 +39,6 @@ from __future__ import annotations
 
 import math
 import os
-import socket
 import time
 from typing import Callable, Iterator
 
@@ -51,6 +49,7 @@ from roles.device import DeviceMemory
 from roles.trainer.batching import check_batch, response_mask, scatter_rows, sequences, split_mini_batches, valid_mask
 from roles.trainer.megatron.config import MegatronTrainerConfig
 from roles.trainer.megatron.cp import CPSlice, cp_slice, gather_rows
+from roles.trainer.megatron.env import drop_rotary_cache, init_parallel, load_hf_state, use_fused_adam
 from roles.trainer.megatron.export import all_gather_shards, model_hf_weights
 from roles.trainer.megatron.mapper import hf_to_megatron
 from roles.trainer.megatron.model import build_gpt_model, transformer_engine_available
@@ -60,7 +59,9 @@ from roles.trainer.megatron.shape import ModelShape, shape_from_hf, transformer_
 from roles.trainer.sharding import aggregation_counts
 
 MEMORY_TAGS = ("params", "grads", "optimizer")
-UNTRACKED_NOTE = 1 << 20  # above this much device memory outside the tags, a report lists the largest blocks
+# Above this much device memory outside the tags a report lists the largest blocks: below it
+# (the fused Adam's step counters, norms' flags) listing costs a snapshot and says nothing.
+UNTRACKED_NOTE = 1 << 20
 
 # (model output of a micro-batch, the micro-batch, aggregation counts) -> (loss, metrics);
 # metrics scaled so that their sum over a mini-batch's micro-batches is its value.
@@ -68,68 +69,6 @@ MegatronLoss = Callable[[object, PackedMicroBatch, dict], tuple[torch.Tensor, di
 # processor(hidden [nr, H] at this rank's response rows, their targets [nr], output weight
 # or None, output layer) -> a tuple of [nr] tensors, or None for an output not asked for
 Processor = Callable[..., tuple[torch.Tensor | None, ...]]
-
-
-def init_parallel(config: MegatronTrainerConfig) -> None:
-    """Join the rank group (or make a world of one) and set up megatron's parallel groups."""
-    from megatron.core import parallel_state
-    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
-
-    from roles.trainer.distributed import init_from_env
-
-    torch.cuda.set_device(0)  # a rank sees only its own GPU (CUDA_VISIBLE_DEVICES)
-    init_from_env()
-    if not dist.is_initialized():  # in-process trainer (tests, bench): a world of one
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(port))
-        dist.init_process_group("cpu:gloo,cuda:nccl", rank=0, world_size=1)
-    if not parallel_state.model_parallel_is_initialized():
-        parallel_state.initialize_model_parallel(
-            tensor_model_parallel_size=config.tensor_model_parallel_size,
-            pipeline_model_parallel_size=config.pipeline_model_parallel_size,
-            context_parallel_size=config.context_parallel_size,
-        )
-        model_parallel_cuda_manual_seed(config.seed)
-
-
-def load_hf_state(path: str) -> dict[str, torch.Tensor]:
-    """Every tensor of an HF checkpoint directory's safetensors files, on the CPU."""
-    from safetensors.torch import load_file
-
-    files = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
-    if not files:
-        raise FileNotFoundError(f"{path}: no .safetensors files (the megatron trainer loads HF safetensors)")
-    state: dict[str, torch.Tensor] = {}
-    for f in files:
-        state.update(load_file(os.path.join(path, f)))
-    return state
-
-
-def _use_fused_adam(optimizers: list) -> None:
-    """Without apex or transformer-engine megatron steps torch's AdamW in its foreach form: on
-    the H200 that took 99.7 ms and 15 GiB of temporaries over Qwen3-4B, the fused kernel 41.7
-    ms and none (bench.trainer, docs/benchmarks.md). Adam's state appears at the first step,
-    after this switch, so its step counters are made on the device as the fused kernel needs
-    (a loaded optimizer state brings its own setting)."""
-    for opt in optimizers:
-        inner = opt.optimizer
-        if type(inner).__module__.startswith("torch.optim"):  # not apex's or transformer-engine's
-            for group in inner.param_groups:
-                group["fused"], group["foreach"] = True, False
-
-
-def _drop_rotary_cache() -> None:
-    """megatron caches a rotary table per packed max_seqlen on the GPU (lru_cache, up to 32
-    float32 tables of length x head_dim): cache, not state. Dropped before the memory is
-    reported, or every lease handoff would count it as memory the trainer forgot to offload."""
-    from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
-
-    clear = getattr(RotaryEmbedding.forward, "cache_clear", None)
-    if clear is not None:
-        clear()
 
 
 class MegatronCore:
@@ -186,7 +125,7 @@ class MegatronCore:
             [self.ddp],
         )
         if self.device.type == "cuda":
-            _use_fused_adam(self._optimizers())
+            use_fused_adam(self._optimizers())
         from megatron.core.distributed import finalize_model_grads
 
         # Sum, never average, over dp: finalize without a token count (module note).
@@ -259,6 +198,8 @@ class MegatronCore:
         out = self._main_params()
         for opt in self._optimizers():
             for state in opt.optimizer.state.values():
+                # the fused kernel's 0-dim step counters stay on the device (~400 x 512 B:
+                # within the lease check's untracked allowance)
                 out += [v for k, v in state.items() if torch.is_tensor(v) and v.dim() > 0]
         return out
 
@@ -291,7 +232,7 @@ class MegatronCore:
         if bad:
             raise ValueError(f"memory tags {bad} unknown; allowed: {list(MEMORY_TAGS)}")
         moves = {tag: move(tag) for tag in tags}
-        _drop_rotary_cache()
+        drop_rotary_cache()
         torch.cuda.empty_cache()
         report = {"ledger": self.memory.ledger(), "bytes_in_use": self.memory.bytes_in_use(), "moves": moves}
         if report["bytes_in_use"] - sum(report["ledger"].values()) > UNTRACKED_NOTE:

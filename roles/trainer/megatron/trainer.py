@@ -161,9 +161,10 @@ class MegatronActorTrainer(_MegatronRole):
         peers feed the all-gather and the stage broadcasts by reading them too (and drop
         them); other ranks hold replicas.
 
-        Known limit: if rank 0's send fails mid-way (an engine error), its peers wait in the
-        next collective until the process group's timeout; the group then dies as one and
-        the driver stops the run (resume with --load)."""
+        Known limit: if rank 0's send fails mid-way (an engine error), or a later stage finds
+        its weights differ from what it announced (export.py: a mapper bug), the other ranks
+        wait in the next collective until the process group's timeout; the group then dies
+        as one and the driver stops the run (resume with --load)."""
         if self._core.gathers_weights and not is_rank_zero():
             for _ in self.named_weights():
                 pass

@@ -1,0 +1,75 @@
+"""What the megatron core sets up and adjusts around megatron-core: the parallel groups a
+rank joins, the HF state it starts from, and two departures from megatron's defaults (torch's
+fused AdamW; its rotary cache treated as cache). Needs megatron-core and CUDA at call time."""
+
+from __future__ import annotations
+
+import os
+import socket
+
+import torch
+import torch.distributed as dist
+
+from roles.trainer.megatron.config import MegatronTrainerConfig
+
+
+def init_parallel(config: MegatronTrainerConfig) -> None:
+    """Join the rank group (or make a world of one) and set up megatron's parallel groups."""
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+    from roles.trainer.distributed import init_from_env
+
+    torch.cuda.set_device(0)  # a rank sees only its own GPU (CUDA_VISIBLE_DEVICES)
+    init_from_env()
+    if not dist.is_initialized():  # in-process trainer (tests, bench): a world of one
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(port))
+        dist.init_process_group("cpu:gloo,cuda:nccl", rank=0, world_size=1)
+    if not parallel_state.model_parallel_is_initialized():
+        parallel_state.initialize_model_parallel(
+            tensor_model_parallel_size=config.tensor_model_parallel_size,
+            pipeline_model_parallel_size=config.pipeline_model_parallel_size,
+            context_parallel_size=config.context_parallel_size,
+        )
+        model_parallel_cuda_manual_seed(config.seed)
+
+
+def load_hf_state(path: str) -> dict[str, torch.Tensor]:
+    """Every tensor of an HF checkpoint directory's safetensors files, on the CPU."""
+    from safetensors.torch import load_file
+
+    files = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
+    if not files:
+        raise FileNotFoundError(f"{path}: no .safetensors files (the megatron trainer loads HF safetensors)")
+    state: dict[str, torch.Tensor] = {}
+    for f in files:
+        state.update(load_file(os.path.join(path, f)))
+    return state
+
+
+def use_fused_adam(optimizers: list) -> None:
+    """Without apex or transformer-engine megatron steps torch's AdamW in its foreach form: on
+    the H200 that took 99.7 ms and 15 GiB of temporaries over Qwen3-4B, the fused kernel 41.7
+    ms and none (bench.trainer, docs/benchmarks.md). Adam's state appears at the first step,
+    after this switch, so its step counters are made on the device as the fused kernel needs;
+    `load` keeps these groups, and torch moves a loaded state's counters to the device."""
+    for opt in optimizers:
+        inner = opt.optimizer
+        if type(inner).__module__.startswith("torch.optim"):  # not apex's or transformer-engine's
+            for group in inner.param_groups:
+                group["fused"], group["foreach"] = True, False
+
+
+def drop_rotary_cache() -> None:
+    """megatron caches a rotary table per packed max_seqlen on the GPU (lru_cache, up to 32
+    float32 tables of length x head_dim): cache, not state. Dropped before the memory is
+    reported, or every lease handoff would count it as memory the trainer forgot to offload."""
+    from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+
+    clear = getattr(RotaryEmbedding.forward, "cache_clear", None)
+    if clear is not None:
+        clear()
