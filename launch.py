@@ -22,6 +22,10 @@ def main(argv: list[str] | None = None) -> None:
     except ConfigError as err:
         print(err, file=sys.stderr)
         sys.exit(2)
+    if cfg.checkpoint.ref_load is not None:  # a miles command line carries it; say what happens instead
+        print(f"tandem: note: --ref-load {cfg.checkpoint.ref_load} is not read: the trainers start from "
+              f"--hf-checkpoint {cfg.checkpoint.hf_checkpoint}, the reference policy is the actor's "
+              "initial weights", file=sys.stderr)
     if args.dry_run:
         print(json.dumps({"config": to_dict(cfg), "derived": derived_values(cfg)}, indent=2))
         print(format_placement(plan_placement(cfg)))

@@ -31,6 +31,9 @@ def test_dry_run_places_qwen_as_miles_ships_it(num_gpus_per_node, dp):
     flags = () if num_gpus_per_node is None else ("--num-gpus-per-node", str(num_gpus_per_node))
     proc = run_launch("--recipe", "qwen3_4b_ppo", *flags, "--dry-run")
     assert proc.returncode == 0, proc.stderr
+    # the recipe carries miles' --ref-load; the launcher says it is not read and what is instead
+    assert "--ref-load /root/models/Qwen3-4B_torch_dist is not read: the trainers start from --hf-checkpoint" \
+        in proc.stderr
     resolved, end = json.JSONDecoder().raw_decode(proc.stdout)
     cfg = from_dict(resolved["config"])
     assert cfg.logging.run_dir.startswith("runs/qwen3_4b_ppo-")

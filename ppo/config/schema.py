@@ -68,8 +68,10 @@ class CheckpointConfig:
     hf_checkpoint: str | None = knob(
         None, "HF checkpoint dir (weights for the torch backends, tokenizer and engine config "
         "always); 'generated:tiny-qwen3' builds a tiny random model. Required.")
-    ref_load: str | None = knob(None, "reference model checkpoint (megatron torch_dist); also the "
-                                "initial weights when --load holds no checkpoint")
+    ref_load: str | None = knob(None, "miles' reference checkpoint (megatron torch_dist): accepted so that "
+                                "miles command lines run, NOT read: both trainer backends start from "
+                                "--hf-checkpoint (megatron through Tandem's own HF->megatron mapper) and "
+                                "the reference policy is the actor's initial weights")
     load: str | None = knob(None, "checkpoint dir to resume the actor from")
     save: str | None = knob(None, "checkpoint dir for the actor")
     save_interval: int | None = knob(None, "save every N rollouts", ge=1)

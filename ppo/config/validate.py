@@ -204,7 +204,7 @@ def _optimizer(cfg: PPOConfig) -> list[str]:
 
 
 def _backends(cfg: PPOConfig) -> list[str]:
-    t, c, out = cfg.training, cfg.checkpoint, []
+    t, out = cfg.training, []
     if t.use_dynamic_batch_size and t.max_tokens_per_gpu is None:
         out.append("--use-dynamic-batch-size is set but --max-tokens-per-gpu "
                    "(training.max_tokens_per_gpu) is not. Please add --max-tokens-per-gpu N")
@@ -214,15 +214,6 @@ def _backends(cfg: PPOConfig) -> list[str]:
             if (size := getattr(cfg.parallelism, name)) > 1:
                 out.append(_bad(name, size, "needs --train-backend megatron "
                                 "(the torch backend is data parallel only)"))
-    if t.train_backend == "megatron":
-        if d.needs_ref(cfg) and c.ref_load is None:
-            term = "--kl-coef" if cfg.ppo.kl_coef != 0 else "--use-kl-loss"
-            out.append(f"{term} is set but --ref-load (checkpoint.ref_load) is not. "
-                       "Please add --ref-load PATH (megatron torch_dist)")
-        elif c.load is None and c.ref_load is None:
-            out.append("--train-backend megatron starts from a megatron checkpoint but neither "
-                       "--load nor --ref-load (checkpoint.ref_load) is set. Please add --ref-load "
-                       "PATH (torch_dist)")
     out += _recompute(t)
     if cfg.engine.rollout_backend == "torch" and cfg.engine.rollout_num_gpus_per_engine != 1:
         out.append(_bad("rollout_num_gpus_per_engine", cfg.engine.rollout_num_gpus_per_engine,
