@@ -65,7 +65,8 @@ def qwen3_4b_ppo() -> PPOConfig:
 
     The paths are placeholders in miles' layout: pass --hf-checkpoint (HF dir, also the
     tokenizer; `python -m ppo.make_checkpoint --arch qwen3-4b DIR` writes an untrained one),
-    --ref-load (megatron torch_dist conversion of it) and --prompt-data. As miles ships it:
+    --ref-load (miles' torch_dist conversion of it: kept for parity, not read) and
+    --prompt-data. As miles ships it:
     the actor (and so the critic) is one data-parallel rank of TP1 x PP2 x CP2 over the
     node's 4 GPUs, with one sglang engine per GPU; `--num-gpus-per-node 8` gives two ranks.
     """
