@@ -19,6 +19,7 @@ from transformers import AutoTokenizer
 from ppo import config as C
 from ppo.colocation import Colocation, Tenant, engine_tenant, trainer_tenant
 from ppo.config import PPOConfig
+from ppo.config.schema import GENERATED_PREFIX
 from ppo.config.serialize import to_dict
 from ppo.console import RunConsole, ready_seconds
 from ppo.data import PromptDataset
@@ -172,17 +173,41 @@ def trainer_layout_problem(cfg: PPOConfig) -> str | None:
     return None
 
 
+def setup_problems(cfg: PPOConfig) -> list[str]:
+    """Everything on this machine that would stop the run, each naming the flag and the fix,
+    all at once: the trainers' layout, the rollout and training backends, the HF checkpoint."""
+    problems = [trainer_layout_problem(cfg), rollout_backend_problem(cfg), hf_checkpoint_problem(cfg)]
+    try:
+        trainer_classes(cfg.training.train_backend)
+    except BackendUnavailable as e:  # megatron without megatron-core or CUDA
+        problems.insert(1, str(e))
+    return [p for p in problems if p is not None]
+
+
+def hf_checkpoint_problem(cfg: PPOConfig) -> str | None:
+    """Why --hf-checkpoint is not a local HF checkpoint directory (there is no model hub), or None."""
+    path = cfg.checkpoint.hf_checkpoint
+    if path.startswith(GENERATED_PREFIX):
+        return None
+    fix = ("Please pass a local HF checkpoint directory, or write an untrained one with "
+           "`python -m ppo.make_checkpoint --arch qwen3-4b DIR`")
+    if not Path(path).is_dir():
+        return f"--hf-checkpoint {path}: no such directory (models are not downloaded). {fix}"
+    if not (Path(path) / "config.json").is_file():
+        return f"--hf-checkpoint {path}: not an HF checkpoint (no config.json). {fix}"
+    return None
+
+
 def start_job(cfg: PPOConfig, console: RunConsole | None = None) -> Job:
     """Build the run dir and start the roles; `console` (default: as cfg.logging asks) prints
     each start-up stage and its time."""
     console = console or RunConsole.for_config(cfg)
-    problem = trainer_layout_problem(cfg) or rollout_backend_problem(cfg)
-    if problem is not None:  # checked before anything is written or started
-        raise JobSetupError(problem)
-    try:
-        actor_cls, critic_cls = trainer_classes(cfg.training.train_backend)
-    except BackendUnavailable as e:  # megatron without megatron-core or CUDA: nothing was started
-        raise JobSetupError(str(e)) from e
+    problems = setup_problems(cfg)
+    if problems:  # checked before anything is written or started
+        raise JobSetupError(problems[0] if len(problems) == 1 else
+                            f"{len(problems)} problems stop this run (nothing was started):\n"
+                            + "\n".join(f"  - {p}" for p in problems))
+    actor_cls, critic_cls = trainer_classes(cfg.training.train_backend)
     run_dir = Path(cfg.logging.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.json").write_text(json.dumps(to_dict(cfg), indent=2))

@@ -140,3 +140,28 @@ def test_an_unreadable_model_config_is_named_as_such_not_as_a_layout(tmp_path):
     problem = trainer_layout_problem(override(qwen3_4b_ppo(), hf_checkpoint=str(tmp_path)))
     assert problem.startswith(f"--hf-checkpoint {tmp_path}: its config.json is not a model the megatron trainer builds")
     assert "layout" not in problem
+
+
+@pytest.mark.timeout(60)
+def test_every_setup_problem_is_reported_at_once_before_anything_starts(tmp_path):
+    """The headline command on a machine without the model, sglang or megatron-core: one
+    message lists each problem with its fix; no run directory is made."""
+    run_dir = tmp_path / "run"
+    proc = run_launch("--recipe", "qwen3_4b_ppo", "--hf-checkpoint", str(tmp_path / "no-model"),
+                      "--run-dir", str(run_dir))
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert "problems stop this run (nothing was started)" in proc.stderr
+    assert f"--hf-checkpoint {tmp_path / 'no-model'}: no such directory" in proc.stderr
+    assert "python -m ppo.make_checkpoint --arch qwen3-4b DIR" in proc.stderr
+    assert "rollout backend 'sglang' needs" in proc.stderr and "--train-backend megatron cannot run here" in proc.stderr
+    assert not run_dir.exists()
+
+
+def test_a_directory_without_config_json_is_not_an_hf_checkpoint(tmp_path):
+    from ppo.job import hf_checkpoint_problem
+
+    problem = hf_checkpoint_problem(override(tiny_ppo(), hf_checkpoint=str(tmp_path)))
+    assert problem.startswith(f"--hf-checkpoint {tmp_path}: not an HF checkpoint (no config.json)")
+    (tmp_path / "config.json").write_text("{}")
+    assert hf_checkpoint_problem(override(tiny_ppo(), hf_checkpoint=str(tmp_path))) is None
+    assert hf_checkpoint_problem(tiny_ppo()) is None  # generated:tiny-qwen3 is built at start
