@@ -21,6 +21,7 @@ import time
 
 import torch
 
+from bench.peers import copy_seconds
 from roles.device import TOUCH_THREADS, HostBlock
 
 
@@ -31,11 +32,7 @@ def _timed(fn):
 
 
 def _copy_rate(dev: torch.Tensor, host: torch.Tensor) -> float:
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    host.copy_(dev, non_blocking=True)
-    torch.cuda.synchronize()
-    return dev.numel() / (time.perf_counter() - t0) / 1e9
+    return dev.numel() / copy_seconds(host, dev) / 1e9
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -37,34 +37,12 @@ from pathlib import Path
 
 import torch
 
+from bench.peers import pinned_copy_rates
 from runtime.memory import format_bytes
 
 COMPUTE_PHASES = ("rollout", "log_probs", "values", "advantages", "critic_train", "actor_train")
 MOVES = ("offload", "onload", "release", "resume")
 GIB = 1 << 30
-
-
-def pinned_copy_rates(nbytes: int = 2 << 30, repeats: int = 3) -> dict[str, float]:
-    """GB/s of one device<->pinned-host copy of `nbytes`, best of `repeats`, each direction."""
-    dev = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
-    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-    rates = {}
-    for name, dst, src in (("d2h", host, dev), ("h2d", dev, host)):
-        best = float("inf")
-        for _ in range(repeats + 1):  # the first is a warm-up
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            dst.copy_(src, non_blocking=True)
-            torch.cuda.synchronize()
-            best = min(best, time.perf_counter() - t0)
-        rates[name] = nbytes / best / 1e9
-    del dev, host
-    torch.cuda.empty_cache()
-    empty_host = getattr(getattr(torch, "accelerator", None), "empty_host_cache", None) or getattr(
-        torch._C, "_host_emptyCache", None)
-    if empty_host is not None:
-        empty_host()
-    return rates
 
 
 def host_used_bytes() -> tuple[int, int]:

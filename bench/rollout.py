@@ -41,6 +41,8 @@ import traceback
 
 import torch
 
+from bench.peers import memcpy_gbps
+
 BATCHES, PROMPT_LEN, NEW_TOKENS = (64, 256), 256, (256, 2048)
 GOAL = (64, 256)  # (batch, new tokens) of the issue's goal
 STOP_AT = 32  # the mixed run's early stops: at about this many tokens
@@ -58,18 +60,7 @@ def qwen3_4b_config():
 
 def copy_rate() -> float:
     """Device-to-device copy rate in bytes/s (read + write counted), best of a few 4 GiB copies."""
-    src = torch.empty(4 << 30, dtype=torch.uint8, device="cuda")
-    dst = torch.empty_like(src)
-    best = float("inf")
-    for _ in range(5):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        dst.copy_(src)
-        torch.cuda.synchronize()
-        best = min(best, time.perf_counter() - t0)
-    del src, dst
-    torch.cuda.empty_cache()
-    return 2 * (4 << 30) / best
+    return 2 * memcpy_gbps(4 << 30, repeats=4) * 1e9
 
 
 def prompts(batch: int, seed: int, length: int = PROMPT_LEN) -> torch.Tensor:  # [B, P]

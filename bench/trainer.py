@@ -39,6 +39,8 @@ import time
 
 import torch
 
+from bench.peers import memcpy_gbps, pinned_copy_rates
+
 QWEN3_4B = dict(model_type="qwen3", architectures=["Qwen3ForCausalLM"], vocab_size=151936, hidden_size=2560,
                 intermediate_size=9728, num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8,
                 head_dim=128, tie_word_embeddings=True, rope_theta=1000000.0, rms_norm_eps=1e-6,
@@ -65,32 +67,6 @@ def matmul_tflops(n: int = 8192, iters: int = 20) -> float:
         a @ b
     torch.cuda.synchronize()
     return 2 * n**3 * iters / (time.perf_counter() - start) / 1e12
-
-
-def pinned_copy_gbps(nbytes: int = 2 << 30) -> dict:
-    dev = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
-    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-    out = {}
-    for name, dst, src in (("d2h", host, dev), ("h2d", dev, host)):
-        dst.copy_(src, non_blocking=True)
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        dst.copy_(src, non_blocking=True)
-        torch.cuda.synchronize()
-        out[name] = nbytes / (time.perf_counter() - start) / 1e9
-    return out
-
-
-def memcpy_gbps(nbytes: int = 4 << 30) -> float:
-    """Device-to-device copy rate (bytes copied per second): the weight sync's ceiling."""
-    src = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
-    dst = torch.empty_like(src)
-    dst.copy_(src)
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    dst.copy_(src)
-    torch.cuda.synchronize()
-    return nbytes / (time.perf_counter() - start) / 1e9
 
 
 def hf_random_state(shape, device: str = "cuda") -> dict[str, torch.Tensor]:
@@ -432,7 +408,7 @@ def main() -> None:
     ckpt = tempfile.mkdtemp(prefix="qwen3_4b_shape_", dir="/dev/shm" if shm else None)
     Qwen3Config(**{k: v for k, v in QWEN3_4B.items() if k not in ("model_type",)}).save_pretrained(ckpt)
     shape = shape_from_hf(QWEN3_4B)
-    report = {"device": torch.cuda.get_device_name(), "matmul_tflops": matmul_tflops(), "pinned": pinned_copy_gbps(),
+    report = {"device": torch.cuda.get_device_name(), "matmul_tflops": matmul_tflops(), "pinned": pinned_copy_rates(),
               "memcpy_gbps": memcpy_gbps()}
 
     def persist() -> None:
