@@ -191,7 +191,8 @@ def report(steps: list[dict], rates: dict[str, float]) -> str:
         for m in s["moves"]:
             lines.append(f"  {m['role']:<10} {m['move']:<8} {','.join(m['tags'] or []):<28} "
                          f"{m['bytes'] / 1e9:>7.2f} GB {m['copied'] / 1e9:>7.2f} GB copied {m['seconds']:>7.3f} s "
-                         f"{m['gb_per_s']:>6.1f} GB/s {m['vs_pinned']:>5.2f}x pinned"
+                         + (f"{m['gb_per_s']:>6.1f} GB/s {m['vs_pinned']:>5.2f}x pinned" if m["copied"]
+                            else f"{'(freed or allocated, nothing copied)':>24}")
                          + (f"  untracked {', '.join(format_bytes(b) for b in m['untracked'])}" if m["untracked"] else ""))
     return "\n".join(lines)
 

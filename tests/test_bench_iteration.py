@@ -76,3 +76,8 @@ def test_a_move_rate_counts_the_bytes_copied_not_the_grads_only_freed():
                     "phases": [], "rollout_tokens_per_s": 0, "response_tokens": 0, "training_role_s": {},
                     "moves": [m]}], RATES).splitlines()[-1]
     assert "48.00 GB copied" in line and "0.96x pinned" in line and "untracked 3.0 MiB" in line
+    freed = _move({**e, "phase": "release", "copied": 0, "untracked": []}, RATES)
+    line = report([{"step": 0, "step_s": 1.0, "compute_s": 1.0, "outside_s": 0.0, "outside_share": 0.0,
+                    "phases": [], "rollout_tokens_per_s": 0, "response_tokens": 0, "training_role_s": {},
+                    "moves": [freed]}], RATES).splitlines()[-1]
+    assert "nothing copied" in line and "pinned" not in line

@@ -56,6 +56,20 @@ def test_release_resume_moves_the_ledger_and_guards_endpoints(ckpt, fake_gpus):
         eng.release(["optimizer"])
 
 
+def test_move_spans_count_only_the_weights_as_copied(ckpt, fake_gpus, monkeypatch):
+    """The KV cache and graphs are dropped and rebuilt: a bench must not rate them as copies."""
+    fake_gpus[0].set_lease_holder("rollout-0")
+    eng = RolloutEngine(ckpt, dtype="float32", max_batch_size=4)
+    spans = []
+    monkeypatch.setattr(eng, "publish_span", lambda phase, t0, **f: spans.append((phase, f)))
+    eng.release(["kv_cache"])
+    eng.release(["weights"])
+    eng.resume(["weights", "kv_cache"])
+    kv, weights = eng._backend.kv_cache_bytes, eng._backend.weights_bytes
+    assert [(p, f["bytes"], f["copied"]) for p, f in spans] == [
+        ("release", kv, 0), ("release", weights, weights), ("resume", weights + kv, weights)]
+
+
 def test_cuda_graph_tag_rides_along_with_weights_and_kv_cache(ckpt, fake_gpus):
     fake_gpus[0].set_lease_holder("rollout-0")
     eng = RolloutEngine(ckpt, dtype="float32", max_batch_size=4)

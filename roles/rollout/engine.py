@@ -174,8 +174,17 @@ class RolloutEngine(Actor):
             self._released.update(todo)
             self.set_state(self._memory_state())
             after = self._backend.bytes_in_use()
-            self.publish_span("release", t0, tags=todo, bytes=before - after, bytes_in_use=after)
+            self.publish_span("release", t0, tags=todo, bytes=before - after, bytes_in_use=after,
+                              **self._copied(todo))
         return self.memory_report()
+
+    def _copied(self, tags: list[str]) -> dict:
+        """A move span's bytes copied, where known: only the weights are kept (copied out and
+        back); the KV cache and the graphs are dropped and rebuilt, nothing copied."""
+        if "weights" not in tags:
+            return {"copied": 0}
+        weights = getattr(self._backend, "weights_bytes", None)  # sglang's live in its scheduler
+        return {} if weights is None else {"copied": weights}
 
     @endpoint
     def resume(self, tags: list[str]) -> dict:
@@ -199,7 +208,8 @@ class RolloutEngine(Actor):
             self._released.difference_update(todo)
             self.set_state(self._memory_state())
             after = self._backend.bytes_in_use()
-            self.publish_span("resume", t0, tags=todo, bytes=after - before, bytes_in_use=after)
+            self.publish_span("resume", t0, tags=todo, bytes=after - before, bytes_in_use=after,
+                              **self._copied(todo))
         return self.memory_report()
 
     @endpoint
