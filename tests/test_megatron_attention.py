@@ -97,11 +97,12 @@ def test_cp_local_index_is_megatrons_load_balanced_layout():
 SEQLENS_CP = [8, 4, 12]
 
 
-def _cp_worker(rank: int, group) -> dict:
-    q, k, v = qkv(sum(SEQLENS_CP), seed=3)
+def cp_worker(rank: int, group, *, make_module=None, seed: int = 3) -> dict:
+    """One CP rank's output and q/k/v gradients under a fixed random weighting of the output."""
+    q, k, v = qkv(sum(SEQLENS_CP), seed=seed)
     idx = cp_local_index(SEQLENS_CP, 2, rank)
     ql, kl, vl = (x[idx].clone().requires_grad_() for x in (q, k, v))
-    attn = module(cp_group=group)
+    attn = (make_module or module)(cp_group=group)
     out = attn(ql, kl, vl, None, packed_seq_params=packed_params(SEQLENS_CP))
     gen = torch.Generator().manual_seed(7)
     weight = torch.randn(sum(SEQLENS_CP), N_HEADS * D, generator=gen, dtype=q.dtype)[idx]
@@ -109,14 +110,15 @@ def _cp_worker(rank: int, group) -> dict:
     return {"idx": idx, "out": out.detach(), "dq": ql.grad, "dk": kl.grad, "dv": vl.grad}
 
 
-@pytest.mark.timeout(120)
-def test_context_parallel_on_two_gloo_ranks_matches_whole_sequence_attention(tmp_path):
-    from tests.test_megatron_parallel import run_gloo_ranks
+def _cp_worker(rank: int, group) -> dict:
+    return cp_worker(rank, group)
 
-    ranks = run_gloo_ranks(_cp_worker, tmp_path)
+
+def assert_cp_ranks_match(ranks: list[dict], reference, seed: int = 3) -> None:
+    """The CP ranks' outputs and gradients against reference(q, k, v) -> [total, n*d] on one rank."""
     total = sum(SEQLENS_CP)
-    q, k, v = (x.requires_grad_() for x in qkv(total, seed=3))
-    expect = naive_packed(q, k, v, SEQLENS_CP, 1 / math.sqrt(D)).reshape(total, -1)
+    q, k, v = (x.requires_grad_() for x in qkv(total, seed=seed))
+    expect = reference(q, k, v)
     weight = torch.randn(total, N_HEADS * D, generator=torch.Generator().manual_seed(7), dtype=q.dtype)
     (expect * weight).sum().backward()
     dk = torch.zeros_like(k)
@@ -130,3 +132,12 @@ def test_context_parallel_on_two_gloo_ranks_matches_whole_sequence_attention(tmp
         dv[idx] += got["dv"]
     torch.testing.assert_close(dk, k.grad, rtol=1e-10, atol=1e-10)
     torch.testing.assert_close(dv, v.grad, rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.timeout(120)
+def test_context_parallel_on_two_gloo_ranks_matches_whole_sequence_attention(tmp_path):
+    from tests.test_megatron_parallel import run_gloo_ranks
+
+    ranks = run_gloo_ranks(_cp_worker, tmp_path)
+    scale = 1 / math.sqrt(D)
+    assert_cp_ranks_match(ranks, lambda q, k, v: naive_packed(q, k, v, SEQLENS_CP, scale).reshape(len(q), -1))

@@ -48,6 +48,8 @@ def test_qwen3_4b_config_maps_to_megatron_fields():
     assert kw["num_query_groups"] == 8 and kw["kv_channels"] == 128 and kw["ffn_hidden_size"] == 9728
     assert kw["qk_layernorm"] and kw["gated_linear_unit"] and kw["normalization"] == "RMSNorm"
     assert kw["activation_func"] is torch.nn.functional.silu and not kw["add_qkv_bias"]
+    # megatron's fused SwiGLU (bias_swiglu_impl) needs silu, a gated fc1 and no transformer-engine
+    assert kw["bias_activation_fusion"] and not kw["add_bias_linear"] and not kw.get("use_te_activation_func")
     assert kw["params_dtype"] is torch.bfloat16 and not kw["sequence_parallel"] and kw["context_parallel_size"] == 2
     assert "recompute_granularity" not in kw
 

@@ -15,6 +15,13 @@ spec's `core_attention` submodule (same constructor and forward arguments):
 
 cu_seqlens in PackedSeqParams are those of the whole sequences (megatron's convention with
 CP, as transformer-engine reads them); each rank holds 1/cp of every sequence's tokens.
+
+RoPE: given `rope` (roles.trainer.megatron.model passes it through the spec, and builds
+GPTModel with position_embedding_type="none"), q and k are rotated here, on entry, by
+roles.trainer.megatron.rope: megatron's unfused THD RoPE syncs with the host twice per layer
+and loops over the sequences (that module says why). megatron has applied the q/k layernorms
+before calling core attention, so the order is megatron's. Positions: sbhd row s; thd the
+token's index within its whole sequence; with CP the global positions of this rank's chunks.
 """
 
 from __future__ import annotations
@@ -27,6 +34,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+
+from roles.trainer.megatron.rope import RopeParams, apply_rope, cos_sin
 
 # ---- packed attention (one call per batch of segments) -------------------------------------
 
@@ -178,8 +187,9 @@ class SDPACoreAttention(nn.Module):
 
     def __init__(self, config, layer_number: int, attn_mask_type, attention_type: str = "self",
                  attention_dropout: float | None = None, softmax_scale: float | None = None,
-                 cp_comm_type: str | None = None, pg_collection=None):
+                 cp_comm_type: str | None = None, pg_collection=None, rope: RopeParams | None = None):
         super().__init__()
+        self.rope = rope  # None: q and k arrive rotated (transformer-engine's spec, tests)
         if (attention_dropout if attention_dropout is not None else config.attention_dropout) != 0:
             raise ValueError("SDPACoreAttention: attention_dropout must be 0 (RL training runs without dropout)")
         self.config = config
@@ -197,6 +207,8 @@ class SDPACoreAttention(nn.Module):
                 packed_seq_params=None):
         if attention_bias is not None:
             raise ValueError("SDPACoreAttention: attention_bias is not supported")
+        if self.rope is not None:
+            query, key = self._rotate(query, key, packed_seq_params)
         if packed_seq_params is not None and packed_seq_params.qkv_format == "thd":
             cu = packed_seq_params.cu_seqlens_q
             if self.cp_group is not None:
@@ -218,3 +230,16 @@ class SDPACoreAttention(nn.Module):
                                              scale=self.scale, enable_gqa=True)
         s, b = query.shape[0], query.shape[1]
         return out.permute(2, 0, 1, 3).reshape(s, b, -1)  # [s, b, n*d]
+
+    def _rotate(self, query, key, packed_seq_params):
+        """q and k with RoPE at their positions (module docstring); no host sync."""
+        if packed_seq_params is not None and packed_seq_params.qkv_format == "thd":
+            cp = (1, 0) if self.cp_group is None else (dist.get_world_size(self.cp_group),
+                                                       dist.get_rank(self.cp_group))
+            cos, sin = cos_sin(self.rope, query.dtype, total=query.shape[0], cu_seqlens=packed_seq_params.cu_seqlens_q,
+                               cp_size=cp[0], cp_rank=cp[1])
+            cos, sin = cos[:, None], sin[:, None]  # [t, 1, d/2] over heads
+        else:
+            cos, sin = cos_sin(self.rope, query.dtype, total=query.shape[0], device=query.device)
+            cos, sin = cos[:, None, None], sin[:, None, None]  # [s, 1, 1, d/2] over batch and heads
+        return apply_rope(query, cos, sin), apply_rope(key, cos, sin)

@@ -24,20 +24,36 @@ def transformer_engine_available() -> bool:
 
 
 def layer_spec(shape: ModelShape, *, use_te: bool):
-    """transformer-engine's layer spec when it is installed, else megatron's local spec with
-    roles.trainer.megatron.attention.SDPACoreAttention as core attention."""
+    """transformer-engine's layer spec when it is installed (megatron applies its fused RoPE),
+    else megatron's local spec with roles.trainer.megatron.attention.SDPACoreAttention as core
+    attention, which applies RoPE itself (`rope_params`; the model then has none of its own)."""
     from megatron.core.models.gpt.gpt_layer_specs import (
         get_gpt_layer_local_spec,
         get_gpt_layer_with_transformer_engine_spec,
     )
+    from megatron.core.transformer.spec_utils import ModuleSpec
 
     if use_te:
         return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=shape.qk_norm)
     from roles.trainer.megatron.attention import SDPACoreAttention
 
     spec = get_gpt_layer_local_spec(qk_layernorm=shape.qk_norm, normalization="RMSNorm")
-    spec.submodules.self_attention.submodules.core_attention = SDPACoreAttention
+    spec.submodules.self_attention.submodules.core_attention = ModuleSpec(
+        module=SDPACoreAttention, params={"rope": rope_params(shape)})
     return spec
+
+
+def rope_params(shape: ModelShape):
+    """The RoPE that SDPACoreAttention applies on the local spec (megatron's rotary_base)."""
+    from roles.trainer.megatron.rope import RopeParams
+
+    return RopeParams(theta=shape.rope_theta, head_dim=shape.head_dim)
+
+
+def position_embedding_type(*, use_te: bool) -> str:
+    """megatron's own RoPE with transformer-engine (fused); none on the local spec, whose core
+    attention rotates q and k itself without megatron's host-syncing THD path."""
+    return "rope" if use_te else "none"
 
 
 class ValueHead(nn.Module):
@@ -69,8 +85,8 @@ def build_gpt_model(shape: ModelShape, config, *, tp_size: int, critic: bool, us
         post_process=post_process,
         parallel_output=True,  # logits stay vocab-parallel; roles.trainer.megatron.logprobs reduces
         share_embeddings_and_output_weights=shape.tied_embeddings and not critic,
-        position_embedding_type="rope",
-        rotary_base=int(shape.rope_theta),
+        position_embedding_type=position_embedding_type(use_te=use_te),
+        rotary_base=int(shape.rope_theta),  # read only with "rope"
     )
     # megatron's local-spec norms (torch.nn.RMSNorm) are created in float32 on the CPU whatever
     # params_dtype says; in the compute dtype on the GPU like every other weight (megatron's

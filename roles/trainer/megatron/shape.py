@@ -145,7 +145,10 @@ def transformer_config_kwargs(
         add_qkv_bias=shape.qkv_bias,
         gated_linear_unit=True,
         activation_func=torch.nn.functional.silu,
-        bias_activation_fusion=False,
+        # megatron's bias_swiglu_impl (fused_bias_swiglu.py): SwiGLU as one autograd Function
+        # whose forward and backward are torch.compile'd (megatron.core.jit: jit_fuser is
+        # torch.compile on torch >= 2.2; no transformer-engine or apex); no bias here
+        bias_activation_fusion=True,
         masked_softmax_fusion=False,
         bias_dropout_fusion=False,
         apply_rope_fusion=False,

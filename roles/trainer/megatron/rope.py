@@ -1,0 +1,143 @@
+"""Rotary position embedding for the megatron backend's local spec, with no host sync (pure torch).
+
+Why not megatron's own: without transformer-engine megatron-core 0.19 applies THD (packed)
+RoPE in `_apply_rotary_pos_emb_thd`, which reads cu_seqlens with `.tolist()` / `.item()`
+(two host syncs per layer, for q and for k, again in recompute) and runs ~5 small kernels
+per sequence. Here the positions come from cu_seqlens on the device (searchsorted), cos/sin
+are computed once per packed batch and shared by every layer (`cos_sin`), and the rotation
+is one autograd Function over the whole batch that saves only cos/sin.
+
+Numerics are those of megatron's unfused path: inv_freq = 1 / theta^(2i/d) in float32,
+freqs = position x inv_freq in float32, non-interleaved halves (rotate_half), cos/sin cast
+to the tensor's dtype, then out = t*cos + rotate_half(t)*sin with each product rounded to
+that dtype. Applied by roles.trainer.megatron.attention.SDPACoreAttention, after the q/k
+layernorms (Qwen3 qk-norm), as megatron orders them.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(kw_only=True, frozen=True)
+class RopeParams:
+    """Plain RoPE (no scaling: roles.trainer.megatron.shape refuses rope_scaling)."""
+
+    theta: float
+    head_dim: int
+
+    def __post_init__(self):
+        if not self.theta > 0:
+            raise ValueError(f"RopeParams.theta={self.theta!r}, expected > 0")
+        if self.head_dim < 2 or self.head_dim % 2:
+            raise ValueError(f"RopeParams.head_dim={self.head_dim!r}, expected an even number >= 2")
+
+    def inv_freq(self, device) -> torch.Tensor:
+        """[head_dim / 2] float32, as megatron's RotaryEmbedding computes it."""
+        d = self.head_dim
+        return 1.0 / (self.theta ** (torch.arange(0, d, 2, dtype=torch.float32, device=device) / d))
+
+
+def packed_positions(cu_seqlens: torch.Tensor, total: int, *, cp_size: int = 1, cp_rank: int = 0) -> torch.Tensor:
+    """[total] int64, on cu_seqlens' device: each local token's index within its whole sequence.
+
+    cu_seqlens: int [B + 1] of the WHOLE sequences (megatron's convention with CP). cp_size 1:
+    the tokens are the sequences concatenated. cp_size > 1: this rank's tokens in megatron's
+    load-balanced layout (roles.trainer.megatron.attention.cp_local_index): per sequence of
+    length L (a multiple of 2*cp), c = L / (2*cp) tokens of chunk cp_rank, then c of chunk
+    2*cp-1-cp_rank. No host sync: `total` is the local token count the caller already knows.
+    """
+    cu = cu_seqlens.long()
+    local_cu = cu // cp_size  # every length is a multiple of 2*cp, so every start divides
+    idx = torch.arange(total, device=cu.device)
+    seq = torch.searchsorted(local_cu[1:], idx, right=True).clamp_(max=cu.numel() - 2)
+    k = idx - local_cu[seq]
+    if cp_size == 1:
+        return k
+    c = (cu[1:] - cu[:-1])[seq] // (2 * cp_size)
+    return torch.where(k < c, cp_rank * c + k, (2 * cp_size - 1 - cp_rank) * c + (k - c))
+
+
+def rope_tables(positions: torch.Tensor, params: RopeParams, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """(cos, sin), each [len(positions), head_dim / 2] in `dtype`: float32 freqs, then the cast."""
+    freqs = torch.outer(positions.to(torch.float32), params.inv_freq(positions.device))
+    return freqs.cos().to(dtype), freqs.sin().to(dtype)
+
+
+# The last few batches' tables: every layer of a forward (and its recompute) reads the same
+# cu_seqlens tensor, so the tables are computed once per micro-batch, not once per layer. A
+# few entries, not one: a pipeline schedule interleaves micro-batches' forwards and backwards.
+_TABLES: OrderedDict = OrderedDict()
+_TABLES_KEPT = 4
+
+
+def cos_sin(params: RopeParams, dtype: torch.dtype, *, total: int, cu_seqlens: torch.Tensor | None = None,
+            cp_size: int = 1, cp_rank: int = 0, device=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin [total, head_dim / 2] of `packed_positions` (cu_seqlens given) or of 0..total-1
+    (padded sbhd batches: position = row). Memoised by the cu_seqlens object and its version."""
+    dev = cu_seqlens.device if cu_seqlens is not None else device
+    key = (params, dtype, total, cp_size, cp_rank, str(dev),
+           None if cu_seqlens is None else (id(cu_seqlens), cu_seqlens._version))
+    hit = _TABLES.get(key)
+    # the entry holds cu_seqlens itself, so its id cannot be reused while the entry lives
+    if hit is not None and hit[0] is cu_seqlens:
+        _TABLES.move_to_end(key)
+        return hit[1]
+    if cu_seqlens is None:
+        positions = torch.arange(total, device=dev)
+    else:
+        positions = packed_positions(cu_seqlens, total, cp_size=cp_size, cp_rank=cp_rank)
+    tables = rope_tables(positions, params, dtype)
+    _TABLES[key] = (cu_seqlens, tables)
+    while len(_TABLES) > _TABLES_KEPT:
+        _TABLES.popitem(last=False)
+    return tables
+
+
+def drop_tables() -> None:
+    """Forget the memoised tables (cache, not state: freed before device memory is reported)."""
+    _TABLES.clear()
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, sign: int) -> torch.Tensor:
+    """x*cos + sign*rotate_half(x)*sin on halves (cos/sin are the same in both halves),
+    each product rounded to x's dtype before the sum, as megatron's unfused formula does."""
+    x1, x2 = x.chunk(2, dim=-1)
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    o1, o2 = out.chunk(2, dim=-1)
+    torch.mul(x1, cos, out=o1)
+    torch.mul(x2, cos, out=o2)
+    if sign > 0:  # rotate_half(x) = [-x2, x1]
+        o1.sub_(x2 * sin)
+        o2.add_(x1 * sin)
+    else:
+        o1.add_(x2 * sin)
+        o2.sub_(x1 * sin)
+    return out
+
+
+class _Rotary(torch.autograd.Function):
+    """out = t*cos + rotate_half(t)*sin; grad_t = g*cos - rotate_half(g)*sin (rotate_half's
+    transpose is its negation). Saves only cos/sin."""
+
+    @staticmethod
+    def forward(ctx, t, cos, sin):
+        ctx.save_for_backward(cos, sin)
+        return _rotate(t, cos, sin, +1)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad):
+        cos, sin = ctx.saved_tensors
+        return _rotate(grad, cos, sin, -1), None, None
+
+
+def apply_rope(t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate t [..., head_dim]; cos/sin [..., head_dim / 2] broadcast to t's halves
+    (thd: [t, 1, d/2] for t [t, n, d]; sbhd: [s, 1, 1, d/2] for t [s, b, n, d])."""
+    if t.shape[-1] != 2 * cos.shape[-1]:
+        raise ValueError(f"apply_rope: head_dim {t.shape[-1]} != 2 x the tables' width {cos.shape[-1]}")
+    return _Rotary.apply(t, cos.to(t.dtype), sin.to(t.dtype))
