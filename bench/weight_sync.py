@@ -1,11 +1,13 @@
 """Weight sync between two role processes on one GPU: torch-backend and megatron senders,
-CUDA IPC (one or two buffers, bucket sizes) vs host staging vs memcpy.
+CUDA IPC (direct windows; packed buckets with one or two buffers, bucket sizes) vs host
+staging vs memcpy.
 
     python -m bench.weight_sync [--scale 1.0] [--bucket-mb 512 1024] [--host] [--json FILE]
 
 A sender role holds Qwen3-4B-shaped bf16 weights on the GPU (tied embeddings, as Qwen3-4B:
-8.04 GB) twice: under HF names (what the torch backend's actor yields) and in megatron's
-layout (fused QKV per query group, fc1 = gate|up; built by roles.trainer.megatron.mapper).
+8.04 GB) twice: under HF names (what the torch backend's actor yields: each tensor owns its
+storage) and in megatron's layout (fused QKV per query group, fc1 = gate|up; built by
+roles.trainer.megatron.mapper) inside one flat bf16 buffer, as megatron's DDP keeps them.
 A receiver role on the same GPU holds a model-shaped copy. Every row runs the real path
 (`roles.weight_sync.push_weights`: pack into reused flat buckets, send a CUDA IPC handle,
 the receiver copies by name and acks); the megatron rows first map megatron -> HF names
@@ -15,7 +17,11 @@ the receiver copies by name and acks); the megatron rows first map megatron -> H
   receiver copies the last), per bucket size
 - hf / megatron, production: `roles.weight_sync.send_to_engines`, the call
   `ActorTrainer.sync_weights` (both backends) makes, at its defaults (bucket size
-  `--update-weight-buffer-size`'s default, `SYNC_NUM_BUFFERS` buffers, acks per engine)
+  `--update-weight-buffer-size`'s default, `SYNC_NUM_BUFFERS` buffers, acks per engine):
+  windows into the megatron buffer travel as direct buckets (no packing copy), the q/k/v
+  regroups packed; the hf tensors own their storages, so that row packs everything
+- megatron, production packed: the same call with direct=False (every tensor packed), the
+  sender of the production row before direct buckets, side by side in the same run
 - megatron pack only: the same packing with no receiver (the sender's share)
 - host: buckets through host memory (D2H, shared-memory frame, H2D); with --host (slow)
 - peer: one process copying the same tensors device to device (the memcpy ceiling)
@@ -91,7 +97,7 @@ class Receiver(Actor):
         named = unpack_bucket(received(bucket))
         torch._foreach_copy_([self.params[n] for n, _ in named], [t for _, t in named])
         torch.cuda.synchronize()  # the ack lets the sender overwrite its buffer
-        return len(named)
+        return len(named)  # returning drops the mappings (a direct bucket's storages) before the ack
 
     @endpoint
     def position_sums(self) -> dict[str, float]:
@@ -106,7 +112,15 @@ class Sender(Actor):
         gen = torch.Generator(device="cuda").manual_seed(0)
         self.params = {n: torch.randn(s, generator=gen, device="cuda").to(torch.bfloat16) for n, s in shapes}
         self.shape = _shape(scale)
-        self.megatron = hf_to_megatron(self.params, self.shape, tp_rank=0, tp_size=1, pp_rank=0, pp_size=1)
+        separate = hf_to_megatron(self.params, self.shape, tp_rank=0, tp_size=1, pp_rank=0, pp_size=1)
+        # one flat buffer with every parameter a view into it, as megatron's DDP param buffer
+        self.flat = torch.empty(sum(t.numel() for t in separate.values()), dtype=torch.bfloat16, device="cuda")
+        self.megatron, offset = {}, 0
+        for name, t in separate.items():
+            self.megatron[name] = self.flat[offset : offset + t.numel()].view(t.shape)
+            self.megatron[name].copy_(t)
+            offset += t.numel()
+        del separate
         torch.cuda.synchronize()
 
     def _named(self, layout: str):
@@ -118,9 +132,10 @@ class Sender(Actor):
 
     @endpoint
     def push(self, receiver, layout: str, buffer_bytes: int, num_buffers: int, gpus: list[int] | None,
-             reps: int = 3, production: bool = False) -> dict:
+             reps: int = 3, production: bool = False, direct: bool = True) -> dict:
         """Median seconds of `reps` syncs after a warm-up; receiver=None: packing only;
-        production: the actor's sender (`send_to_engines`, its own buffer count)."""
+        production: the actor's sender (`send_to_engines`, its own buffer count; `direct`
+        passed on)."""
         import torch
         from roles.weight_sync import for_receiver, push_weights, send_to_engines
 
@@ -135,7 +150,8 @@ class Sender(Actor):
             torch.cuda.synchronize()
             t0 = time.perf_counter()
             if production:
-                totals = send_to_engines(self._named(layout), [receiver], buffer_bytes, engine_gpus=[gpus])
+                totals = send_to_engines(self._named(layout), [receiver], buffer_bytes, engine_gpus=[gpus],
+                                         direct=direct)
             else:
                 totals = push_weights(self._named(layout), send, buffer_bytes, num_buffers=num_buffers)
             torch.cuda.synchronize()
@@ -188,6 +204,8 @@ def main(argv=None) -> dict:
             rows.append({"row": "megatron pack only", "bucket_mb": mb, **snd.push(None, "megatron", mb << 20, 1, None)})
         for layout in ("hf", "megatron"):
             timed(f"{layout}, production", layout, DEFAULT_BUFFER_BYTES, SYNC_NUM_BUFFERS, production=True)
+        timed("megatron, production packed", "megatron", DEFAULT_BUFFER_BYTES, SYNC_NUM_BUFFERS, production=True,
+              direct=False)
         if args.host:
             rows.append({"row": "hf, host staging", "bucket_mb": args.bucket_mb[0],
                          **snd.push(rcv, "hf", args.bucket_mb[0] << 20, 1, None, reps=1)})
@@ -197,9 +215,10 @@ def main(argv=None) -> dict:
           "sender and receiver roles on one GPU, CUDA IPC")
     print(f"production: ActorTrainer.sync_weights' sender, {SYNC_NUM_BUFFERS} buffers, "
           f"{DEFAULT_BUFFER_BYTES >> 20} MiB buckets (--update-weight-buffer-size default)")
-    print(f"{'row':<22}{'bucket MiB':>11}{'buckets':>8}{'ms':>9}{'GB/s':>9}{'vs memcpy':>11}")
+    print(f"{'row':<30}{'bucket MiB':>11}{'buckets':>8}{'direct GB':>10}{'ms':>9}{'GB/s':>9}{'vs memcpy':>11}")
     for r in rows:
-        print(f"{r['row']:<22}{str(r['bucket_mb'] or '-'):>11}{str(r.get('num_buckets', '-')):>8}"
+        direct = f"{r['direct_bytes'] / 1e9:.2f}" if "direct_bytes" in r else "-"
+        print(f"{r['row']:<30}{str(r['bucket_mb'] or '-'):>11}{str(r.get('num_buckets', '-')):>8}{direct:>10}"
               f"{r['seconds'] * 1e3:>9.1f}{r['num_bytes'] / r['seconds'] / 1e9:>9.0f}{r['seconds'] / peer:>10.1f}x")
     if args.json:
         with open(args.json, "w") as f:

@@ -16,6 +16,34 @@ flight (double buffering). `for_receiver` picks, per receiver, how `flat` travel
 IPC handle when the receiver sees the same physical GPU (no copy through host memory),
 else the bytes on the CPU (the runtime ships large ones through shared memory); `received`
 undoes it.
+
+Direct buckets (no packing copy). When every receiver sees the sender's physical GPU
+(`send_to_engines`' test, as `for_receiver`'s), a tensor that is a window into a larger
+storage (megatron's flat DDP parameter buffer: `is_window`) is not copied into a buffer.
+Per dtype, such windows form one bucket, yielded after the packed ones:
+
+    {"dtype": "bfloat16", "names": [...], "shapes": [...],
+     "windows": [[storage_index, storage_offset, stride], ...],  # per tensor, in elements of dtype
+     "storages": [<1-D uint8 tensor over a whole storage>, ...]} # each distinct storage once
+
+`for_receiver` replaces each storage by one CUDA IPC handle (`cuda_ipc_storages`), so a
+storage is shared once per bucket and receiver; the receiver maps each once (`received`),
+`unpack_bucket` rebuilds the views (`as_strided` over the dtype view of the storage), the
+receiver copies them through the same checks as a packed bucket's, synchronizes, drops the
+mappings and acks. The ledger charges nothing for them (no buffer). Everything else
+(temporaries: q/k/v regroups, casts, TP gathers; tensors that own their storage; CPU
+tensors; receivers on another GPU) goes through the packed buffers.
+
+Contract for direct buckets: the sender must not write, free or resize its parameters
+until every receiver acked (the actor's `sync_weights` waits for every ack before it
+returns), and a receiver must drop every mapping before its ack. torch's producer-side IPC
+ref counting (`reduce_tensor` wraps the storage's DataPtr in a counted one, count 1 per
+share, minus 1 per mapping the receiver drops) then lets the sender free the storage at
+once (megatron's offload: `untyped_storage().resize_(0)`): a mapping kept alive would park
+the memory in torch's IPC limbo instead. A handle is mapped exactly once (two mappings of
+one share would drive its count below zero), which is why each bucket carries its own
+shares. After an offload/onload cycle the storage has a new address, and the next sync's
+shares name it.
 """
 
 from __future__ import annotations
@@ -36,8 +64,15 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
+def is_window(tensor: torch.Tensor) -> bool:
+    """A view into a larger storage (megatron's parameter buffer), not a tensor that owns its
+    whole storage (perhaps a temporary: a cast, the q/k/v regroup, a TP gather)."""
+    return tensor.untyped_storage().nbytes() > tensor.nbytes
+
+
 def pack_buckets(named_tensors: NamedTensors, buffer_bytes: int, *,
-                 on_alloc: Callable[[int], None] | None = None, num_buffers: int = 1) -> Iterator[dict]:
+                 on_alloc: Callable[[int], None] | None = None, num_buffers: int = 1,
+                 direct: Callable[[torch.device], bool] | None = None) -> Iterator[dict]:
     """Yield buckets of HF-named tensors, one dtype per bucket, each at most `buffer_bytes`.
 
     Tensors keep their input order within a dtype. `num_buffers` flat buffers of
@@ -62,6 +97,11 @@ def pack_buckets(named_tensors: NamedTensors, buffer_bytes: int, *,
     `on_alloc(nbytes)` is called before each buffer is allocated, with the bytes of all
     buffers allocated so far (this one included): the sender accounts them (and a lease
     violation stops it before it allocates).
+
+    `direct(device)`: True where the receivers can map the device's memory; a window
+    (`is_window`) on such a device is then not packed but listed in its dtype's direct
+    bucket (module docstring), yielded after every packed bucket; its storage must stay
+    unchanged until that bucket is acked.
     """
     if not isinstance(buffer_bytes, int) or buffer_bytes <= 0:
         raise ValueError(f"buffer_bytes={buffer_bytes!r} must be a positive int")
@@ -78,8 +118,12 @@ def pack_buckets(named_tensors: NamedTensors, buffer_bytes: int, *,
             on_alloc(allocated)
         return torch.empty(numel, dtype=dtype, device=device)
 
+    windows: dict[torch.dtype, _DirectBucket] = {}
     for name, tensor in named_tensors:
         tensor = tensor.detach()
+        if direct is not None and is_window(tensor) and direct(tensor.device):
+            windows.setdefault(tensor.dtype, _DirectBucket(tensor.dtype)).add(name, tensor)
+            continue
         if tensor.numel() * tensor.element_size() > buffer_bytes:
             flat = tensor.reshape(-1).contiguous()
             yield _bucket(tensor.dtype, [name], [list(tensor.shape)], flat)
@@ -95,13 +139,19 @@ def pack_buckets(named_tensors: NamedTensors, buffer_bytes: int, *,
     for bucket in open_buckets.values():
         if bucket.names:
             yield bucket.seal()
+    for window_bucket in windows.values():
+        yield window_bucket.bucket()
 
 
 def unpack_bucket(bucket: dict) -> list[tuple[str, torch.Tensor]]:
-    """(name, tensor) views into `bucket["flat"]`, in bucket order; the receiver copies them."""
-    flat, names, shapes = bucket["flat"], bucket["names"], bucket["shapes"]
+    """(name, tensor) views into `bucket["flat"]` (a packed bucket) or into its `storages`
+    (a direct bucket), in bucket order; the receiver copies them."""
+    names, shapes = bucket["names"], bucket["shapes"]
     if len(names) != len(shapes):
         raise ValueError(f"bucket has {len(names)} names but {len(shapes)} shapes")
+    if "windows" in bucket:
+        return _unpack_windows(bucket)
+    flat = bucket["flat"]
     if dtype_name(flat.dtype) != bucket["dtype"]:
         raise ValueError(f"bucket dtype {bucket['dtype']!r} but flat tensor is {dtype_name(flat.dtype)}")
     numels = [_numel(shape) for shape in shapes]
@@ -117,6 +167,37 @@ def unpack_bucket(bucket: dict) -> list[tuple[str, torch.Tensor]]:
     return out
 
 
+def bucket_nbytes(bucket: dict) -> int:
+    """The bytes of a bucket's tensors (either kind, before or after `for_receiver`)."""
+    return sum(_numel(shape) for shape in bucket["shapes"]) * getattr(torch, bucket["dtype"]).itemsize
+
+
+def bucket_device(bucket: dict) -> torch.device:
+    """Where a received bucket's tensors live (the device the receiver copies from)."""
+    storages = bucket.get("storages")
+    return storages[0].device if storages else bucket["flat"].device
+
+
+def _unpack_windows(bucket: dict) -> list[tuple[str, torch.Tensor]]:
+    names, shapes, windows, storages = bucket["names"], bucket["shapes"], bucket["windows"], bucket["storages"]
+    dtype = getattr(torch, bucket["dtype"])
+    if len(windows) != len(names):
+        raise ValueError(f"direct bucket has {len(names)} names but {len(windows)} windows")
+    typed = []
+    for storage in storages:  # whole storages as uint8, viewed as the bucket's dtype
+        if storage.dtype != torch.uint8 or storage.dim() != 1:
+            raise ValueError(f"direct bucket storage is {list(storage.shape)} {dtype_name(storage.dtype)}, "
+                             "expected 1-D uint8")
+        typed.append(storage[: storage.numel() - storage.numel() % dtype.itemsize].view(dtype))
+    out = []
+    for name, shape, (index, offset, stride) in zip(names, shapes, windows):
+        if not 0 <= index < len(typed):
+            raise ValueError(f"direct bucket tensor {name!r} names storage {index} of {len(typed)}")
+        # as_strided checks the window lies inside the storage
+        out.append((name, typed[index].as_strided(shape, stride, offset)))
+    return out
+
+
 SYNC_BUFFER_TAG = "weight_sync_buffer"
 # Two buffers per dtype overlap packing the next bucket with the engines' copy of the last;
 # a third would have nothing left to overlap (one packer, one copy) and only cost memory.
@@ -124,7 +205,8 @@ SYNC_NUM_BUFFERS = 2
 
 
 def push_weights(named_tensors: NamedTensors, send: Callable[[dict], Any], buffer_bytes: int, *,
-                 memory: DeviceMemory | None = None, num_buffers: int = 1) -> dict:
+                 memory: DeviceMemory | None = None, num_buffers: int = 1,
+                 direct: Callable[[torch.device], bool] | None = None) -> dict:
     """Pack `named_tensors` and call `send(bucket)` for each bucket; return totals.
 
     num_buffers=1: `send` must not return before every receiver has acked the bucket (e.g.
@@ -140,17 +222,20 @@ def push_weights(named_tensors: NamedTensors, send: Callable[[dict], Any], buffe
     the buffers allocated so far (up to `num_buffers * buffer_bytes` per dtype) are
     accounted under `SYNC_BUFFER_TAG` while they exist, and 0 once this returns or raises;
     the sender must hold its GPUs' lease for that (ppo.colocation's `sending_weights`).
+    `direct`: as `pack_buckets`' (direct buckets cost no buffer); `direct_bytes` in the
+    totals counts their bytes.
     """
-    num_buckets = num_tensors = num_bytes = 0
+    num_buckets = num_tensors = num_bytes = direct_bytes = 0
     on_alloc = None if memory is None else (lambda nbytes: memory.account(SYNC_BUFFER_TAG, nbytes))
     in_flight: list[tuple[dict, Any]] = []  # (bucket, what send returned), oldest first
-    buckets = pack_buckets(named_tensors, buffer_bytes, on_alloc=on_alloc, num_buffers=num_buffers)
+    buckets = pack_buckets(named_tensors, buffer_bytes, on_alloc=on_alloc, num_buffers=num_buffers, direct=direct)
     try:
         for bucket in buckets:
             in_flight.append((bucket, send(bucket)))
             num_buckets += 1
             num_tensors += len(bucket["names"])
-            num_bytes += bucket["flat"].numel() * bucket["flat"].element_size()
+            num_bytes += bucket_nbytes(bucket)
+            direct_bytes += bucket_nbytes(bucket) if "windows" in bucket else 0
             while len(in_flight) >= num_buffers:  # the next bucket may reuse the oldest one's buffer
                 _wait(in_flight.pop(0)[1])
         while in_flight:
@@ -160,7 +245,8 @@ def push_weights(named_tensors: NamedTensors, send: Callable[[dict], Any], buffe
         buckets.close()  # drops the buffers now, not when a traceback holding this frame goes
         if memory is not None:
             memory.account(SYNC_BUFFER_TAG, 0)
-    return {"num_buckets": num_buckets, "num_tensors": num_tensors, "num_bytes": num_bytes}
+    return {"num_buckets": num_buckets, "num_tensors": num_tensors, "num_bytes": num_bytes,
+            "direct_bytes": direct_bytes}
 
 
 def _wait(acked: Any) -> None:
@@ -187,7 +273,7 @@ class BucketAcks:
 def send_to_engines(named_tensors: NamedTensors, engines: list, buffer_bytes: int, *,
                     engine_gpus: list[list[int] | None] | None = None, timeout_s: float = 600.0,
                     memory: DeviceMemory | None = None,
-                    on_bucket: Callable[[dict, float], None] | None = None) -> dict:
+                    on_bucket: Callable[[dict, float], None] | None = None, direct: bool = True) -> dict:
     """Stream the tensors to every engine (`engine.update_weights.call(bucket)`, handles of
     roles.rollout.RolloutEngine or anything with that endpoint), double-buffered: return
     `push_weights`' totals once every engine acked every bucket.
@@ -196,40 +282,70 @@ def send_to_engines(named_tensors: NamedTensors, engines: list, buffer_bytes: in
     the ledger (`memory`) charges up to that many buffers per dtype. `engine_gpus`: each
     engine's physical GPUs (CUDA IPC to those on the sender's GPU, `for_receiver`).
     `on_bucket(bucket, t0)`: called when a bucket's acks are in, with the wall time it was
-    sent (the actor publishes a span). An engine's error or a timeout is raised as is.
+    sent (the actor publishes a span; `bucket_nbytes` sizes either kind). An engine's error
+    or a timeout is raised as is. `direct` (default): windows into larger storages travel
+    as direct buckets (module docstring) when every engine sees the sender's physical GPU;
+    with engines elsewhere, or direct=False, every tensor is packed.
     """
     gpus = engine_gpus or [None] * len(engines)
     if len(gpus) != len(engines):
         raise ValueError(f"engine_gpus has {len(gpus)} entries for {len(engines)} engines")
+
+    def all_engines_see(device: torch.device) -> bool:
+        return bool(engines) and all(_sees(device, g) for g in gpus)
 
     def send(bucket: dict) -> BucketAcks:
         t0 = time.time()
         futures = [engine.update_weights.call(for_receiver(bucket, g)) for engine, g in zip(engines, gpus)]
         return BucketAcks(futures, timeout_s, None if on_bucket is None else (lambda: on_bucket(bucket, t0)))
 
-    return push_weights(named_tensors, send, buffer_bytes, memory=memory, num_buffers=SYNC_NUM_BUFFERS)
+    return push_weights(named_tensors, send, buffer_bytes, memory=memory, num_buffers=SYNC_NUM_BUFFERS,
+                        direct=all_engines_see if direct else None)
+
+
+def _sees(device: torch.device, receiver_gpus: list[int] | None) -> bool:
+    """Whether a receiver on `receiver_gpus` (physical ids) can map memory of `device`
+    over CUDA IPC (the one place that decides it; the CPU tests stand in for it)."""
+    from roles.cuda_ipc import physical_gpu
+
+    return device.type == "cuda" and bool(receiver_gpus) and physical_gpu(device.index) in receiver_gpus
 
 
 def for_receiver(bucket: dict, receiver_gpus: list[int] | None) -> dict:
     """The bucket as one receiver gets it: an IPC handle of a CUDA `flat` when the receiver
-    is on the same physical GPU, else `flat` on the CPU."""
+    is on the same physical GPU, else `flat` on the CPU. A direct bucket's storages become
+    one IPC handle each (shared anew per receiver: each share is mapped once); it is only
+    made for receivers on the sender's GPU."""
+    from roles.cuda_ipc import share
+
+    if "windows" in bucket:
+        storages = bucket["storages"]
+        if not all(_sees(s.device, receiver_gpus) for s in storages):
+            raise ValueError(f"direct bucket for a receiver on GPUs {receiver_gpus}, which cannot map "
+                             "the sender's device memory; pack instead (send_to_engines decides)")
+        for device in {s.device for s in storages if s.is_cuda}:
+            torch.cuda.current_stream(device).synchronize()  # the sender's last writes land first
+        return {**{k: v for k, v in bucket.items() if k != "storages"},
+                "cuda_ipc_storages": [share(s) for s in storages]}
     flat = bucket["flat"]
     if not flat.is_cuda:
         return bucket
-    from roles.cuda_ipc import physical_gpu, share
-
-    if receiver_gpus and physical_gpu(flat.device.index) in receiver_gpus:
+    if _sees(flat.device, receiver_gpus):
         torch.cuda.current_stream(flat.device).synchronize()  # the packing copies must land first
         return {**{k: v for k, v in bucket.items() if k != "flat"}, "cuda_ipc": share(flat)}
     return {**bucket, "flat": flat.cpu()}
 
 
 def received(bucket: dict) -> dict:
-    """Undo `for_receiver`: map an IPC handle back to a tensor (a view of the sender's buffer)."""
-    if "cuda_ipc" not in bucket:
-        return bucket
+    """Undo `for_receiver`: map IPC handles back to tensors (views of the sender's memory,
+    each storage mapped once). The receiver drops the result before it acks."""
     from roles.cuda_ipc import open_shared
 
+    if "cuda_ipc_storages" in bucket:
+        return {**{k: v for k, v in bucket.items() if k != "cuda_ipc_storages"},
+                "storages": [open_shared(d) for d in bucket["cuda_ipc_storages"]]}
+    if "cuda_ipc" not in bucket:
+        return bucket
     return {**{k: v for k, v in bucket.items() if k != "cuda_ipc"}, "flat": open_shared(bucket["cuda_ipc"])}
 
 
@@ -321,7 +437,7 @@ class _OpenBucket:
 
     def add(self, name: str, tensor: torch.Tensor) -> None:
         dst = self.buffer[self.used : self.used + tensor.numel()].view(tensor.shape)
-        if tensor.untyped_storage().nbytes() > tensor.nbytes:
+        if is_window(tensor):
             # a window into a larger, persistent storage (megatron's parameter buffer): batched at the seal
             self.dst.append(dst)
             self.src.append(tensor)
@@ -347,6 +463,33 @@ class _OpenBucket:
             self.buffers.append(self.allocate())
         self.buffer = self.buffers[self.index]
         self.names, self.shapes, self.used = [], [], 0
+
+
+class _DirectBucket:
+    """The windows of one dtype that travel unpacked: each distinct storage listed once."""
+
+    def __init__(self, dtype: torch.dtype):
+        self.dtype = dtype
+        self.storages: list[torch.Tensor] = []
+        self.index: dict[tuple, int] = {}  # (device, storage address) -> position in storages
+        self.names: list[str] = []
+        self.shapes: list[list[int]] = []
+        self.windows: list[list] = []
+
+    def add(self, name: str, tensor: torch.Tensor) -> None:
+        storage = tensor.untyped_storage()
+        key = (tensor.device, storage.data_ptr())
+        if key not in self.index:
+            self.index[key] = len(self.storages)
+            # a uint8 tensor over the whole storage: what one IPC handle describes
+            self.storages.append(torch.empty(0, dtype=torch.uint8, device=tensor.device).set_(storage))
+        self.names.append(name)
+        self.shapes.append(list(tensor.shape))
+        self.windows.append([self.index[key], tensor.storage_offset(), list(tensor.stride())])
+
+    def bucket(self) -> dict:
+        return {"dtype": dtype_name(self.dtype), "names": self.names, "shapes": self.shapes,
+                "windows": self.windows, "storages": self.storages}
 
 
 def _bucket(dtype: torch.dtype, names: list[str], shapes: list[list[int]], flat: torch.Tensor) -> dict:

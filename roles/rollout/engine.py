@@ -28,7 +28,7 @@ import torch
 from transformers import AutoConfig
 
 from roles.device import DeviceMemory
-from roles.weight_sync import received
+from roles.weight_sync import bucket_device, bucket_nbytes, received
 from roles.rollout.sampling import parse_requests, request_seed
 from runtime import Actor, endpoint
 
@@ -237,10 +237,14 @@ class RolloutEngine(Actor):
             )
         bucket = received(bucket)
         num_tensors = self._backend.load_weights(bucket)
-        flat = bucket["flat"]
-        if flat.is_cuda:
-            torch.cuda.synchronize(flat.device)  # our ack lets the sender overwrite its buffer
-        return {"num_tensors": num_tensors, "num_bytes": flat.numel() * flat.element_size()}
+        device = bucket_device(bucket)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)  # our ack lets the sender overwrite its buffer
+        num_bytes = bucket_nbytes(bucket)
+        # Drop the sender's memory mapped over CUDA IPC before the ack: a mapping kept alive
+        # would stop the sender from freeing it (torch's IPC ref counts; roles.weight_sync).
+        del bucket
+        return {"num_tensors": num_tensors, "num_bytes": num_bytes}
 
     @endpoint
     def set_weight_version(self, version: int) -> None:

@@ -130,7 +130,8 @@ def engine_kwargs(hf_checkpoint: str, *, dtype: str, seed: int, max_batch_size: 
 
 
 def flattened_bucket_payloads(named: list[tuple[str, torch.Tensor]], flat: torch.Tensor, *,
-                              num_ranks: int, sgl: SimpleNamespace, device: torch.device | None) -> list[str]:
+                              num_ranks: int, sgl: SimpleNamespace, device: torch.device | None,
+                              owned: bool = False) -> list[str]:
     """sglang's `flattened_bucket` payloads of one bucket, one per TP rank.
 
     The payload holds a tensor this process allocated: a bucket mapped from the trainer over
@@ -142,9 +143,13 @@ def flattened_bucket_payloads(named: list[tuple[str, torch.Tensor]], flat: torch
     separately, so each holds its own CUDA-IPC reference.
 
     The layout is `FlattenedTensorBucket(named_tensors=...)`'s: bytes (uint8) with byte
-    offsets, which its `reconstruct_tensors` views back as each tensor's dtype.
+    offsets, which its `reconstruct_tensors` views back as each tensor's dtype. `owned`: a
+    CUDA `flat` this process allocated (a direct bucket's views gathered, `direct_groups`)
+    goes as is.
     """
-    if flat.is_cuda:
+    if owned:
+        own = flat
+    elif flat.is_cuda:
         own = flat.clone()
     elif device is not None:
         own = flat.to(device)
@@ -164,6 +169,27 @@ def flattened_bucket_payloads(named: list[tuple[str, torch.Tensor]], flat: torch
     return [sgl.MultiprocessingSerializer.serialize({"flattened_tensor": own, "metadata": metadata_},
                                                     output_str=True)
             for _ in range(num_ranks)]
+
+
+# sglang loads flat buckets: a direct bucket (roles.weight_sync; all windows of a dtype, up to
+# the whole model) is gathered here in parts of at most this many bytes, so the engine's extra
+# memory stays what a packed bucket of the default --update-weight-buffer-size costs it.
+DIRECT_GROUP_BYTES = 512 << 20
+
+
+def direct_groups(named: list[tuple[str, torch.Tensor]], max_bytes: int):
+    """(part, flat, owned=True) per run of a direct bucket's views of at most `max_bytes`
+    (a lone larger tensor alone): `flat` gathers the part's views in one new tensor (one
+    device copy, as the clone of a packed bucket), made one part at a time."""
+    part, nbytes = [], 0
+    for name, tensor in named:
+        if part and nbytes + tensor.nbytes > max_bytes:
+            yield part, torch.cat([t.reshape(-1) for _, t in part]), True
+            part, nbytes = [], 0
+        part.append((name, tensor))
+        nbytes += tensor.nbytes
+    if part:
+        yield part, torch.cat([t.reshape(-1) for _, t in part]), True
 
 
 class SglangBackend:
@@ -234,12 +260,14 @@ class SglangBackend:
         if not self._updating:
             self._begin_update()
         device = torch.device("cuda", 0) if self.memory.kind == "cuda" else None
-        payloads = flattened_bucket_payloads(named, bucket["flat"], num_ranks=self.tp_size, sgl=self.sgl,
-                                             device=device)
-        success, message = self.engine.update_weights_from_tensor(
-            named_tensors=payloads, load_format="flattened_bucket", flush_cache=False)
-        if not success:
-            raise RuntimeError(f"sglang rejected a weight bucket of {len(named)} tensors: {message}")
+        parts = [(named, bucket["flat"], False)] if "flat" in bucket else direct_groups(named, DIRECT_GROUP_BYTES)
+        for part, flat, owned in parts:
+            payloads = flattened_bucket_payloads(part, flat, num_ranks=self.tp_size, sgl=self.sgl, device=device,
+                                                 owned=owned)
+            success, message = self.engine.update_weights_from_tensor(
+                named_tensors=payloads, load_format="flattened_bucket", flush_cache=False)
+            if not success:
+                raise RuntimeError(f"sglang rejected a weight bucket of {len(part)} tensors: {message}")
         return len(named)
 
     def _begin_update(self) -> None:
