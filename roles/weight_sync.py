@@ -43,7 +43,9 @@ once (megatron's offload: `untyped_storage().resize_(0)`): a mapping kept alive 
 the memory in torch's IPC limbo instead. A handle is mapped exactly once (two mappings of
 one share would drive its count below zero), which is why each bucket carries its own
 shares. After an offload/onload cycle the storage has a new address, and the next sync's
-shares name it.
+shares name it. Each share wraps the storage's DataPtr once more (a CUDA event and a
+counter slot each, released when the storage is freed): a buffer never offloaded keeps one
+per sync and engine.
 """
 
 from __future__ import annotations
