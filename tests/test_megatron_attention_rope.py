@@ -19,7 +19,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from roles.trainer.megatron import rope as rope_mod
+from roles.trainer.megatron import batch_memo
 from roles.trainer.megatron.attention import SDPACoreAttention, cp_local_index
 from roles.trainer.megatron.rope import RopeParams, apply_rope, cos_sin, packed_positions, rope_tables
 from tests.test_megatron_attention import (
@@ -55,9 +55,9 @@ def rotated(t: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
 
 @pytest.fixture(autouse=True)
 def _fresh_tables():
-    rope_mod.drop_tables()
+    batch_memo.drop()
     yield
-    rope_mod.drop_tables()
+    batch_memo.drop()
 
 
 # ---- the rotation --------------------------------------------------------------------------
@@ -141,8 +141,8 @@ def test_tables_are_shared_per_batch_and_recomputed_when_it_changes():
     second = cos_sin(PARAMS, torch.float32, total=8, cu_seqlens=cu)
     assert second[0] is not first[0]
     torch.testing.assert_close(second[0], rope_tables(packed_positions(cu, 8), PARAMS, torch.float32)[0])
-    rope_mod.drop_tables()
-    assert not rope_mod._TABLES
+    batch_memo.drop()
+    assert not batch_memo._MEMO
     padded = cos_sin(PARAMS, torch.bfloat16, total=6, device="cpu")
     torch.testing.assert_close(padded[1], rope_tables(torch.arange(6), PARAMS, torch.bfloat16)[1], rtol=0, atol=0)
 
@@ -184,7 +184,19 @@ def test_packed_padded_and_per_sequence_reference_agree_with_rope():
 
 
 def _cp_rope_worker(rank: int, group) -> dict:
-    return cp_worker(rank, group, make_module=rope_module, seed=5)
+    from roles.trainer.megatron import attention, rope
+
+    got = cp_worker(rank, group, make_module=rope_module, seed=5)
+    # every layer of one batch shares its gather plan and rope tables: built by the first only
+    built = []
+    for name, mod in (("cp", attention), ("rope", rope)):
+        fn = getattr(mod, {"cp": "_cp_plan", "rope": "rope_tables"}[name])
+        setattr(mod, fn.__name__, lambda *a, fn=fn, name=name, **kw: built.append(name) or fn(*a, **kw))
+    q, k, v = (x[got["idx"]] for x in qkv(sum(SEQLENS_CP), seed=5))
+    params = packed_params(SEQLENS_CP)
+    for _ in range(3):
+        rope_module(cp_group=group)(q, k, v, None, packed_seq_params=params)
+    return {**got, "built": sorted(built)}
 
 
 @pytest.mark.timeout(120)
@@ -192,5 +204,6 @@ def test_context_parallel_with_rope_on_two_gloo_ranks_matches_one_rank(tmp_path)
     from tests.test_megatron_parallel import run_gloo_ranks
 
     ranks = run_gloo_ranks(_cp_rope_worker, tmp_path)
+    assert all(got["built"] == ["cp", "rope"] for got in ranks)
     params = packed_params(SEQLENS_CP)
     assert_cp_ranks_match(ranks, lambda q, k, v: rope_module()(q, k, v, None, packed_seq_params=params), seed=5)

@@ -29,12 +29,14 @@ from __future__ import annotations
 import functools
 import inspect
 import math
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from roles.trainer.megatron.batch_memo import per_batch
 from roles.trainer.megatron.rope import RopeParams, apply_rope, cos_sin
 
 # ---- packed attention (one call per batch of segments) -------------------------------------
@@ -136,24 +138,30 @@ def cp_local_index(seqlens: list[int], cp_size: int, cp_rank: int) -> torch.Tens
     return torch.cat(out) if out else torch.zeros(0, dtype=torch.long)
 
 
-def attend_packed_cp(q, k, v, cu_seqlens: torch.Tensor, group, *, scale: float, reference: bool = False):
-    """Causal packed attention of this CP rank's query chunks against the whole sequences.
+@dataclass(kw_only=True, frozen=True)
+class _CPPlan:
+    """Index tensors of attend_packed_cp for one batch, on the device (batch_memo)."""
 
-    q [t, n, d], k/v [t, g, d]: this rank's tokens in cp_local_index order, t = total / cp.
-    """
-    cp, rank = dist.get_world_size(group), dist.get_rank(group)
-    seqlens = (cu_seqlens[1:] - cu_seqlens[:-1]).tolist()
+    inverse: torch.Tensor  # gathered rank-major tokens -> packed order
+    q_order: torch.Tensor  # local rows regrouped: every front chunk, then every back chunk
+    key_index: torch.Tensor  # for each query chunk, the whole-sequence prefix that ends with it
+    cu_q: torch.Tensor  # int32
+    cu_k: torch.Tensor  # int32
+    max_q: int
+    max_k: int
+
+
+def _cp_plan(cu_seqlens: torch.Tensor, cp: int, rank: int, device) -> _CPPlan:
+    seqlens = (cu_seqlens[1:] - cu_seqlens[:-1]).tolist()  # the batch's one host sync (memoised)
     # Rank j's tokens sit at cp_local_index(j) of the whole sequences: invert the layout.
-    order = torch.cat([cp_local_index(seqlens, cp, j) for j in range(cp)]).to(k.device)
+    order = torch.cat([cp_local_index(seqlens, cp, j) for j in range(cp)])
     inverse = torch.empty_like(order)
-    inverse[order] = torch.arange(len(order), device=order.device)
-    k_full = _AllGather.apply(k, group)[inverse]
-    v_full = _AllGather.apply(v, group)[inverse]
+    inverse[order] = torch.arange(len(order))
     # Segment list: front chunks of every sequence, then back chunks; each attends to the
     # whole-sequence prefix ending with it.
     key_index, cu_k, q_lens, max_k = [], [0], [], 0
     starts = [0] + list(torch.tensor(seqlens).cumsum(0).tolist())
-    for half, chunk_of in ((0, lambda: rank), (1, lambda: 2 * cp - 1 - rank)):
+    for chunk_of in (lambda: rank, lambda: 2 * cp - 1 - rank):
         for i, length in enumerate(seqlens):
             c = length // (2 * cp)
             end = (chunk_of() + 1) * c
@@ -169,13 +177,26 @@ def attend_packed_cp(q, k, v, cu_seqlens: torch.Tensor, group, *, scale: float, 
         local.append((offset, offset + c))
         offset += 2 * c
     q_order = torch.cat([torch.arange(s, s + (e - s)) for s, e in local]
-                        + [torch.arange(e, e + (e - s)) for s, e in local]).to(q.device)
-    key_index = torch.cat(key_index).to(k.device)
-    cu_q = torch.tensor([0] + q_lens).cumsum(0)
-    out = attend_packed(q[q_order], k_full[key_index], v_full[key_index], cu_q, torch.tensor(cu_k),
-                        max(q_lens), max_k, scale=scale, reference=reference)
+                        + [torch.arange(e, e + (e - s)) for s, e in local])
+    return _CPPlan(inverse=inverse.to(device), q_order=q_order.to(device), key_index=torch.cat(key_index).to(device),
+                   cu_q=torch.tensor([0] + q_lens).cumsum(0).to(device, torch.int32),
+                   cu_k=torch.tensor(cu_k).to(device, torch.int32), max_q=max(q_lens), max_k=max_k)
+
+
+def attend_packed_cp(q, k, v, cu_seqlens: torch.Tensor, group, *, scale: float, reference: bool = False):
+    """Causal packed attention of this CP rank's query chunks against the whole sequences.
+
+    q [t, n, d], k/v [t, g, d]: this rank's tokens in cp_local_index order, t = total / cp.
+    The index plan is built once per batch (one host sync) and reused by every layer.
+    """
+    cp, rank = dist.get_world_size(group), dist.get_rank(group)
+    plan = per_batch(cu_seqlens, ("cp", cp, rank, str(q.device)), lambda: _cp_plan(cu_seqlens, cp, rank, q.device))
+    k_full = _AllGather.apply(k, group)[plan.inverse]
+    v_full = _AllGather.apply(v, group)[plan.inverse]
+    out = attend_packed(q[plan.q_order], k_full[plan.key_index], v_full[plan.key_index], plan.cu_q, plan.cu_k,
+                        plan.max_q, plan.max_k, scale=scale, reference=reference)
     result = torch.empty_like(out)
-    result[q_order] = out
+    result[plan.q_order] = out
     return result
 
 

@@ -67,14 +67,14 @@ def use_fused_adam(optimizers: list) -> None:
 def drop_rotary_cache() -> None:
     """megatron caches a rotary table per packed max_seqlen on the GPU (lru_cache, up to 32
     float32 tables of length x head_dim; transformer-engine's spec), the local spec's core
-    attention the last few batches' cos/sin (roles.trainer.megatron.rope): cache, not state.
+    attention what it derives per batch (roles.trainer.megatron.batch_memo): cache, not state.
     Dropped before the memory is reported, or every lease handoff would count it as memory
     the trainer forgot to offload."""
     from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
 
-    from roles.trainer.megatron.rope import drop_tables
+    from roles.trainer.megatron import batch_memo
 
-    drop_tables()
+    batch_memo.drop()
 
     clear = getattr(RotaryEmbedding.forward, "cache_clear", None)
     if clear is not None:

@@ -16,10 +16,11 @@ layernorms (Qwen3 qk-norm), as megatron orders them.
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from dataclasses import dataclass
 
 import torch
+
+from roles.trainer.megatron.batch_memo import per_batch
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -67,39 +68,21 @@ def rope_tables(positions: torch.Tensor, params: RopeParams, dtype: torch.dtype)
     return freqs.cos().to(dtype), freqs.sin().to(dtype)
 
 
-# The last few batches' tables: every layer of a forward (and its recompute) reads the same
-# cu_seqlens tensor, so the tables are computed once per micro-batch, not once per layer. A
-# few entries, not one: a pipeline schedule interleaves micro-batches' forwards and backwards.
-_TABLES: OrderedDict = OrderedDict()
-_TABLES_KEPT = 4
-
-
 def cos_sin(params: RopeParams, dtype: torch.dtype, *, total: int, cu_seqlens: torch.Tensor | None = None,
             cp_size: int = 1, cp_rank: int = 0, device=None) -> tuple[torch.Tensor, torch.Tensor]:
     """cos/sin [total, head_dim / 2] of `packed_positions` (cu_seqlens given) or of 0..total-1
-    (padded sbhd batches: position = row). Memoised by the cu_seqlens object and its version."""
-    dev = cu_seqlens.device if cu_seqlens is not None else device
-    key = (params, dtype, total, cp_size, cp_rank, str(dev),
-           None if cu_seqlens is None else (id(cu_seqlens), cu_seqlens._version))
-    hit = _TABLES.get(key)
-    # the entry holds cu_seqlens itself, so its id cannot be reused while the entry lives
-    if hit is not None and hit[0] is cu_seqlens:
-        _TABLES.move_to_end(key)
-        return hit[1]
-    if cu_seqlens is None:
-        positions = torch.arange(total, device=dev)
-    else:
-        positions = packed_positions(cu_seqlens, total, cp_size=cp_size, cp_rank=cp_rank)
-    tables = rope_tables(positions, params, dtype)
-    _TABLES[key] = (cu_seqlens, tables)
-    while len(_TABLES) > _TABLES_KEPT:
-        _TABLES.popitem(last=False)
-    return tables
+    (padded sbhd batches: position = row); computed once per batch for every layer
+    (roles.trainer.megatron.batch_memo)."""
+    dev = cu_seqlens.device if cu_seqlens is not None else torch.device(device)
 
+    def build():
+        if cu_seqlens is None:
+            positions = torch.arange(total, device=dev)
+        else:
+            positions = packed_positions(cu_seqlens, total, cp_size=cp_size, cp_rank=cp_rank)
+        return rope_tables(positions, params, dtype)
 
-def drop_tables() -> None:
-    """Forget the memoised tables (cache, not state: freed before device memory is reported)."""
-    _TABLES.clear()
+    return per_batch(cu_seqlens, ("rope", params, dtype, total, cp_size, cp_rank, str(dev)), build)
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, sign: int) -> torch.Tensor:
