@@ -518,9 +518,10 @@ def test_a_real_engine_loads_direct_buckets_bit_identically_and_refuses_an_unkno
     bad = next(pack_buckets(windows + [("model.no_such.weight", windows[0][1][:1])], 1 << 30,
                             direct=lambda device: True))
     assert "windows" in bad and bad["names"][-1] == "model.no_such.weight"
-    with pytest.raises(ValueError, match="unknown tensor 'model.no_such.weight'"):
+    with pytest.raises(ValueError, match="unknown tensor 'model.no_such.weight'") as refused:
         engine.update_weights(for_receiver(bad, [0]))
     assert engine.weights_checksum() == before  # refused before any write
+    assert refused.tb is not None and ipc.live_mappings() == 0  # the error's traceback holds no mapping
     # the last name known, but its window has another tensor's shape
     wrong = windows[:-1] + [(windows[-1][0], windows[0][1][0])]
     assert wrong[-1][1].shape != windows[-1][1].shape

@@ -23,6 +23,7 @@ ends the update. Every result carries the weight version that produced it.
 from __future__ import annotations
 
 import time
+import traceback
 
 import torch
 from transformers import AutoConfig
@@ -236,7 +237,13 @@ class RolloutEngine(Actor):
                 "released; call resume(['weights']) first"
             )
         bucket = received(bucket)
-        num_tensors = self._backend.load_weights(bucket)
+        try:
+            num_tensors = self._backend.load_weights(bucket)
+        except BaseException as exc:
+            # the traceback's frames would keep the mapped sender memory alive (see below)
+            traceback.clear_frames(exc.__traceback__)
+            del bucket
+            raise
         device = bucket_device(bucket)
         if device.type == "cuda":
             torch.cuda.synchronize(device)  # our ack lets the sender overwrite its buffer
