@@ -50,6 +50,9 @@ def test_qwen3_4b_config_maps_to_megatron_fields():
     assert kw["activation_func"] is torch.nn.functional.silu and not kw["add_qkv_bias"]
     # megatron's fused SwiGLU (bias_swiglu_impl) needs silu, a gated fc1 and no transformer-engine
     assert kw["bias_activation_fusion"] and not kw["add_bias_linear"] and not kw.get("use_te_activation_func")
+    fp32 = transformer_config_kwargs(shape, tp_size=1, pp_size=1, cp_size=1, dtype="float32",
+                                     recompute_granularity=None, recompute_method=None, recompute_num_layers=None)
+    assert not fp32["bias_activation_fusion"]
     assert kw["params_dtype"] is torch.bfloat16 and not kw["sequence_parallel"] and kw["context_parallel_size"] == 2
     assert "recompute_granularity" not in kw
 
