@@ -584,3 +584,28 @@ def test_sglang_gathers_a_direct_bucket_in_parts_of_bounded_size_in_order():
     for part, flat, owned in parts:
         assert owned and flat.dim() == 1
         assert torch.equal(flat, torch.cat([t.contiguous().reshape(-1) for _, t in part]))
+
+
+@pytest.mark.timeout(120)
+def test_an_sglang_engine_loads_direct_buckets_in_parts_bit_identically(ckpt, ipc, monkeypatch):
+    """The sglang adapter (against tests/fakes/sglang_engine.py, as tests/test_rollout_sglang.py
+    runs it) takes direct buckets: parts of at most DIRECT_GROUP_BYTES, each one
+    flattened_bucket update inside one weight-update session."""
+    from ppo.tiny_model import EOS_ID
+    from roles.rollout import RolloutEngine
+    from roles.rollout import sglang_backend
+    from roles.weight_sync import send_to_engines
+    from tests.fakes import sglang_engine
+
+    fake_sglang = sglang_engine.install(monkeypatch, eos_id=EOS_ID)
+    monkeypatch.setattr(sglang_backend, "DIRECT_GROUP_BYTES", 8 * 1024)
+    engine = RolloutEngine(ckpt, backend="sglang", dtype="bfloat16")
+    fake = fake_sglang.instances[-1]
+    named, _ = _tiny_sender(ckpt)
+    totals = send_to_engines(named, [_InProcess(engine)], buffer_bytes=1 << 20, engine_gpus=[[0]])
+    engine.set_weight_version(1)
+    updates = [c for c in fake.calls if c[0] == "update_weights"]
+    assert totals["num_buckets"] == 2 and len(updates) > 2  # one packed bucket, the direct one in parts
+    assert fake.session is None and set(fake.weights) == {n for n, _ in named}
+    for name, tensor in named:
+        assert torch.equal(fake.weights[name], tensor), name
