@@ -396,6 +396,7 @@ def main() -> None:
     parser.add_argument("--profile", action="store_true",
                         help="profile one train step of the first row; kernels by time to OUT/profile.txt")
     args = parser.parse_args()
+    os.makedirs(args.out, exist_ok=True)  # before the ~40 s of building, not after
     PROFILE["dir"] = args.out if args.profile else None
     deadline = time.monotonic() + args.budget_s
     plan = parse_plan(args.recompute)

@@ -49,7 +49,13 @@ from roles.device import DeviceMemory
 from roles.trainer.batching import check_batch, response_mask, scatter_rows, sequences, split_mini_batches, valid_mask
 from roles.trainer.megatron.config import MegatronTrainerConfig
 from roles.trainer.megatron.cp import CPSlice, cp_slice, gather_rows
-from roles.trainer.megatron.env import drop_rotary_cache, init_parallel, load_hf_state, use_fused_adam
+from roles.trainer.megatron.env import (
+    compile_in_process,
+    drop_rotary_cache,
+    init_parallel,
+    load_hf_state,
+    use_fused_adam,
+)
 from roles.trainer.megatron.export import all_gather_shards, model_hf_weights
 from roles.trainer.megatron.mapper import hf_to_megatron
 from roles.trainer.megatron.model import build_gpt_model, transformer_engine_available
@@ -85,6 +91,7 @@ class MegatronCore:
 
         self.config, self.critic, self.memory = config, critic, memory
         init_parallel(config)
+        compile_in_process()
         self.shape: ModelShape = shape_from_hf(AutoConfig.from_pretrained(config.hf_checkpoint))
         self.tp_size, self.cp_size = config.tensor_model_parallel_size, config.context_parallel_size
         self.pp_size = config.pipeline_model_parallel_size

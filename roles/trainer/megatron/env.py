@@ -1,6 +1,7 @@
 """What the megatron core sets up and adjusts around megatron-core: the parallel groups a
-rank joins, the HF state it starts from, and two departures from megatron's defaults (torch's
-fused AdamW; its rotary cache treated as cache). Needs megatron-core and CUDA at call time."""
+rank joins, the HF state it starts from, and three departures from megatron's defaults (torch's
+fused AdamW; its rotary cache treated as cache; torch.compile in process). Needs megatron-core
+and CUDA at call time."""
 
 from __future__ import annotations
 
@@ -36,6 +37,15 @@ def init_parallel(config: MegatronTrainerConfig) -> None:
             context_parallel_size=config.context_parallel_size,
         )
         model_parallel_cuda_manual_seed(config.seed)
+
+
+def compile_in_process() -> None:
+    """megatron's fused SwiGLU is torch.compile'd: compile in this process, not in inductor's
+    pool of worker processes, which outlive the compiling process as its children (on the
+    H200 the GPU tests' orphan check caught 16 of them). The rollout engine does the same."""
+    import torch._inductor.config
+
+    torch._inductor.config.compile_threads = 1
 
 
 def load_hf_state(path: str) -> dict[str, torch.Tensor]:
