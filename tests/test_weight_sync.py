@@ -339,15 +339,15 @@ def test_the_production_sync_over_cuda_ipc_is_bit_identical_and_frees_both_buffe
 
 class _IpcRegistry:
     """Stands in for CUDA IPC on the CPU, in one process: `share` files a tensor under a key,
-    `open_shared` maps it as a new tensor object over the same memory. Unlike torch's, a key
-    opens ONCE (a second open raises, as a second mapping of one share would drive torch's
-    producer ref count below zero), and every mapping is watched (weakref) so a test can see
-    the receiver dropped it."""
+    `open_shared` maps it as a copy in a storage of its own (unlike torch's mapping, which is
+    the sender's memory: the copy is what lets a test watch the mapping's STORAGE, which every
+    view the receiver derives holds, as torch's IPC ref count does; a weakref to the tensor
+    object would die while views of it live on). Unlike torch's, a key opens ONCE (a second
+    open raises, as a second mapping of one share would drive torch's producer ref count
+    below zero)."""
 
     def __init__(self):
-        import weakref
-
-        self.shared, self.opened, self.weakref, self.num_shares = {}, [], weakref.ref, 0
+        self.shared, self.opened, self.num_shares = {}, [], 0
 
     def share(self, t):
         key, self.num_shares = self.num_shares, self.num_shares + 1
@@ -355,16 +355,18 @@ class _IpcRegistry:
         return {"key": key}
 
     def open_shared(self, d):
+        from torch.multiprocessing.reductions import StorageWeakRef
+
         t = self.shared.pop(d["key"])  # KeyError: a handle mapped twice
-        mapped = t.view_as(t)
-        self.opened.append(self.weakref(mapped))
+        mapped = t.clone()
+        self.opened.append(StorageWeakRef(mapped.untyped_storage()))
         return mapped
 
     def live_mappings(self) -> int:
         import gc
 
         gc.collect()
-        return sum(ref() is not None for ref in self.opened)
+        return sum(not ref.expired() for ref in self.opened)
 
 
 @pytest.fixture
