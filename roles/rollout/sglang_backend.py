@@ -268,6 +268,7 @@ class SglangBackend:
                 named_tensors=payloads, load_format="flattened_bucket", flush_cache=False)
             if not success:
                 raise RuntimeError(f"sglang rejected a weight bucket of {len(part)} tensors: {message}")
+            del payloads, flat  # freed before `direct_groups` gathers the next part: one part at a time
         return len(named)
 
     def _begin_update(self) -> None:
