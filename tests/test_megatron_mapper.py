@@ -11,9 +11,10 @@ import pytest
 import torch
 from transformers import AutoModel, AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
 
-from roles.trainer.megatron.mapper import hf_to_megatron, megatron_names, megatron_to_hf
+from roles.trainer.megatron.mapper import hf_to_megatron, megatron_names, megatron_to_hf, to_hf
 from roles.trainer.megatron.shape import shape_from_hf
 from roles.trainer.model import ValueModel
+from roles.weight_sync import is_window
 
 SMALL = dict(vocab_size=250, hidden_size=32, intermediate_size=48, num_hidden_layers=4,
              num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=64)
@@ -96,6 +97,27 @@ def test_qwen3_round_trip_is_bit_identical_and_matches_reference(tp, pp):
     assert set(back) == set(hf)
     for name, tensor in hf.items():
         assert torch.equal(back[name], tensor), name
+
+
+def test_a_gathered_embedding_owns_its_memory_and_a_single_shard_stays_a_view():
+    """At TP>1 the vocab trim of the gathered embedding is copied: a slice of the gather would
+    pass for a window into the param buffer, and a direct weight sync would keep the whole
+    gather alive unaccounted. At TP1 it stays a view of the parameter (megatron's buffer)."""
+    config = Qwen3Config(**{**SMALL, "vocab_size": 251}, head_dim=8)  # padded to 252 at TP2
+    shape = shape_from_hf(config)
+    hf = hf_state(config)
+    name = "embedding.word_embeddings.weight"
+    shards = [hf_to_megatron(hf, shape, tp_rank=t, tp_size=2, pp_rank=0, pp_size=1)[name] for t in range(2)]
+    assert sum(s.shape[0] for s in shards) > shape.vocab_size  # the trim is a real slice
+    [(hf_name, gathered)] = to_hf(name, shards, shape, layer_offset=0)
+    assert torch.equal(gathered, hf[hf_name]) and not is_window(gathered)
+
+    [shard] = [hf_to_megatron(hf, shape, tp_rank=0, tp_size=1, pp_rank=0, pp_size=1)[name]]
+    buffer = torch.zeros(shard.numel() + 64)  # the param as a window of a larger flat buffer
+    param = buffer[: shard.numel()].view(shard.shape).copy_(shard)
+    [(_, single)] = to_hf(name, [param], shape, layer_offset=0)
+    assert torch.equal(single, hf[hf_name]) and is_window(single)
+    assert single.untyped_storage().data_ptr() == buffer.untyped_storage().data_ptr()
 
 
 @pytest.mark.parametrize("config,tp,pp", [

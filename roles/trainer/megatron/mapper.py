@@ -178,7 +178,12 @@ def to_hf(name: str, shards: list[torch.Tensor], shape: ModelShape, *, layer_off
     if kind == "row":
         return [(targets[0], _cat(shards, dim=1))]
     if kind == "vocab":
-        return [(targets[0], _cat(shards, dim=0)[: shape.vocab_size])]
+        rows = _cat(shards, dim=0)[: shape.vocab_size]
+        if len(shards) > 1 and rows.shape[0] < sum(s.shape[0] for s in shards):
+            # a slice of the gathered temporary would look like a window into a persistent
+            # buffer (roles.weight_sync.is_window) and keep the whole gather alive in a sync
+            rows = rows.clone()
+        return [(targets[0], rows)]
     return [(targets[0], shards[0])]
 
 
