@@ -25,7 +25,8 @@ step() {  # NAME LIMIT_S CMD...: SIGINT at the limit (benches still print what t
   echo "== $name: rc=$? after $((SECONDS - START)) s"
   tail -n 3 "$OUT/$name.log"
 }
-# 25 tests took over 110 s on 2026-12-03 (the last one was cut): the sync's first
+# the weight-sync tests first: on 2026-12-03 these 25 tests needed more than 110 s and the
+# last one (the direct sync) was cut
 step gpu_tests 170 python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_weight_sync.py \
   tests/test_megatron_gpu.py tests/test_megatron_gpu_parallel.py
 step weight_sync 40 python3 -m bench.weight_sync --json "$OUT/weight_sync.json"

@@ -150,10 +150,13 @@ def _row(phase: str, t0: float, t1: float, samples) -> dict:
 
 def _move(e: dict, rates: dict[str, float]) -> dict:
     into_gpu = e["phase"] in ("onload", "resume")
-    copied = e.get("copied", e["bytes"])  # a rate counts bytes copied, not grads merely freed or zeroed
-    gbps = copied / e["seconds"] / 1e9 if e["seconds"] > 0 else 0.0
+    # a rate counts bytes copied, not grads merely freed or zeroed; None: the role could not
+    # tell (an sglang engine's weights), so no rate
+    copied = e.get("copied", e["bytes"])
+    gbps = copied / e["seconds"] / 1e9 if copied is not None and e["seconds"] > 0 else None
     return {"role": e["role"], "move": e["phase"], "tags": e.get("tags"), "bytes": e["bytes"], "copied": copied,
-            "seconds": e["seconds"], "gb_per_s": gbps, "vs_pinned": gbps / rates["h2d" if into_gpu else "d2h"],
+            "seconds": e["seconds"], "gb_per_s": gbps,
+            "vs_pinned": None if gbps is None else gbps / rates["h2d" if into_gpu else "d2h"],
             "untracked": e.get("untracked", [])}
 
 
@@ -188,13 +191,21 @@ def report(steps: list[dict], rates: dict[str, float]) -> str:
         for role, sec in s["training_role_s"].items():
             if sec:
                 lines.append(f"  {role} inside train: {sec:.3f} s")
-        for m in s["moves"]:
-            lines.append(f"  {m['role']:<10} {m['move']:<8} {','.join(m['tags'] or []):<28} "
-                         f"{m['bytes'] / 1e9:>7.2f} GB {m['copied'] / 1e9:>7.2f} GB copied {m['seconds']:>7.3f} s "
-                         + (f"{m['gb_per_s']:>6.1f} GB/s {m['vs_pinned']:>5.2f}x pinned" if m["copied"]
-                            else f"{'(freed or allocated, nothing copied)':>24}")
-                         + (f"  untracked {', '.join(format_bytes(b) for b in m['untracked'])}" if m["untracked"] else ""))
+        lines += [_move_line(m) for m in s["moves"]]
     return "\n".join(lines)
+
+
+def _move_line(m: dict) -> str:
+    copied, rate = m["copied"], m["gb_per_s"]
+    line = f"  {m['role']:<10} {m['move']:<8} {','.join(m['tags'] or []):<28} {m['bytes'] / 1e9:>7.2f} GB "
+    line += f"{'?' if copied is None else f'{copied / 1e9:.2f}':>7} GB copied {m['seconds']:>7.3f} s "
+    if copied == 0:
+        line += f"{'(freed or allocated, nothing copied)':>24}"
+    elif rate is not None:
+        line += f"{rate:>6.1f} GB/s {m['vs_pinned']:>5.2f}x pinned"
+    if m["untracked"]:
+        line += f"  untracked {', '.join(format_bytes(b) for b in m['untracked'])}"
+    return line
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -70,14 +70,16 @@ def test_a_move_rate_counts_the_bytes_copied_not_the_grads_only_freed():
 
     e = {"role": "actor.0", "phase": "offload", "tags": ["grads", "optimizer"], "bytes": 64e9,
          "copied": 48e9, "seconds": 1.0, "untracked": [3 << 20]}
+    step = {"step": 0, "step_s": 1.0, "compute_s": 1.0, "outside_s": 0.0, "outside_share": 0.0, "phases": [],
+            "rollout_tokens_per_s": 0, "response_tokens": 0, "training_role_s": {}}
+
+    def line(move: dict) -> str:
+        return report([{**step, "moves": [move]}], RATES).splitlines()[-1]
+
     m = _move(e, RATES)
     assert (m["gb_per_s"], m["vs_pinned"], m["bytes"]) == (48.0, 48.0 / 50.0, 64e9)
-    line = report([{"step": 0, "step_s": 1.0, "compute_s": 1.0, "outside_s": 0.0, "outside_share": 0.0,
-                    "phases": [], "rollout_tokens_per_s": 0, "response_tokens": 0, "training_role_s": {},
-                    "moves": [m]}], RATES).splitlines()[-1]
-    assert "48.00 GB copied" in line and "0.96x pinned" in line and "untracked 3.0 MiB" in line
-    freed = _move({**e, "phase": "release", "copied": 0, "untracked": []}, RATES)
-    line = report([{"step": 0, "step_s": 1.0, "compute_s": 1.0, "outside_s": 0.0, "outside_share": 0.0,
-                    "phases": [], "rollout_tokens_per_s": 0, "response_tokens": 0, "training_role_s": {},
-                    "moves": [freed]}], RATES).splitlines()[-1]
-    assert "nothing copied" in line and "pinned" not in line
+    assert "48.00 GB copied" in line(m) and "0.96x pinned" in line(m) and "untracked 3.0 MiB" in line(m)
+    freed = _move({**e, "phase": "release", "copied": 0, "untracked": []}, RATES)  # a KV cache dropped
+    assert "nothing copied" in line(freed) and "pinned" not in line(freed)
+    unknown = _move({**e, "phase": "release", "copied": None, "untracked": []}, RATES)  # an sglang engine
+    assert unknown["gb_per_s"] is None and "? GB copied" in line(unknown) and "pinned" not in line(unknown)

@@ -184,8 +184,8 @@ class RolloutEngine(Actor):
         back); the KV cache and the graphs are dropped and rebuilt, nothing copied."""
         if "weights" not in tags:
             return {"copied": 0}
-        weights = getattr(self._backend, "weights_bytes", None)  # sglang's live in its scheduler
-        return {} if weights is None else {"copied": weights}
+        # None: not known here (sglang's weights live in its scheduler process)
+        return {"copied": getattr(self._backend, "weights_bytes", None)}
 
     @endpoint
     def resume(self, tags: list[str]) -> dict:
