@@ -7,12 +7,16 @@ needs megatron-core (Python >= 3.12) and CUDA.
     shape      HF config -> ModelShape -> TransformerConfig kwargs
     mapper     HF <-> megatron state dicts (TP shards, PP stages, local/TE names)
     attention  core attention on SDPA / varlen, with context parallelism
+    rope       RoPE for that attention, with no host sync (local spec)
+    batch_memo what every layer derives from one packed micro-batch, computed once
     model      GPTModel (local spec + our attention, or TE's spec), critic value head
     packing    packed micro-batches
     logprobs   chunked log-probs and entropy from (vocab-parallel) output weights
     cp         context-parallel slicing of packed micro-batches, row reassembly
     offload    offload to page-locked host blocks, one per tag
-    core       parallel state, DDP, optimizer, train loop
+    env        parallel groups, the HF start state, departures from megatron's defaults
+    export     HF tensors of every pipeline stage, gathered to stage 0
+    core       DDP, optimizer, forward, train loop
     trainer    the roles
 """
 
