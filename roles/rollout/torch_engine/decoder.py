@@ -188,8 +188,10 @@ class Weights:
                 raise ValueError(f"update_weights: tensor {name!r} has dtype {dtype_name(tensor.dtype)}, "
                                  f"the model's is {dtype_name(target.dtype)}; cast on the sender")
         with torch.no_grad():
-            for name, tensor in named:
-                self.named[name].copy_(tensor)  # in place: graphs captured over these views see it
+            # in place (graphs captured over these views see it), batched: a direct bucket holds
+            # ~400 tensors, and one copy_ each is one launch each (torch falls back to copy_ per
+            # pair where the fast path does not apply, e.g. a CPU bucket for a GPU engine)
+            torch._foreach_copy_([self.named[name] for name, _ in named], [tensor for _, tensor in named])
         return len(named)
 
     def checksum(self) -> dict[str, str]:
