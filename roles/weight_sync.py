@@ -151,7 +151,7 @@ def unpack_bucket(bucket: dict) -> list[tuple[str, torch.Tensor]]:
     names, shapes = bucket["names"], bucket["shapes"]
     if len(names) != len(shapes):
         raise ValueError(f"bucket has {len(names)} names but {len(shapes)} shapes")
-    if "windows" in bucket:
+    if is_direct(bucket):
         return _unpack_windows(bucket)
     flat = bucket["flat"]
     if dtype_name(flat.dtype) != bucket["dtype"]:
@@ -167,6 +167,11 @@ def unpack_bucket(bucket: dict) -> list[tuple[str, torch.Tensor]]:
         out.append((name, flat[offset : offset + numel].view(shape)))
         offset += numel
     return out
+
+
+def is_direct(bucket: dict) -> bool:
+    """A direct bucket (windows of the sender's storages), not a packed one."""
+    return "windows" in bucket
 
 
 def bucket_nbytes(bucket: dict) -> int:
@@ -237,7 +242,7 @@ def push_weights(named_tensors: NamedTensors, send: Callable[[dict], Any], buffe
             num_buckets += 1
             num_tensors += len(bucket["names"])
             num_bytes += bucket_nbytes(bucket)
-            direct_bytes += bucket_nbytes(bucket) if "windows" in bucket else 0
+            direct_bytes += bucket_nbytes(bucket) if is_direct(bucket) else 0
             while len(in_flight) >= num_buffers:  # the next bucket may reuse the oldest one's buffer
                 _wait(in_flight.pop(0)[1])
         while in_flight:
@@ -320,7 +325,7 @@ def for_receiver(bucket: dict, receiver_gpus: list[int] | None) -> dict:
     made for receivers on the sender's GPU."""
     from roles.cuda_ipc import share
 
-    if "windows" in bucket:
+    if is_direct(bucket):
         storages = bucket["storages"]
         if not all(_sees(s.device, receiver_gpus) for s in storages):
             raise ValueError(f"direct bucket for a receiver on GPUs {receiver_gpus}, which cannot map "

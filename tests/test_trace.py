@@ -83,6 +83,7 @@ def test_trace_has_a_track_per_role_and_gpu_with_phases_bytes_buckets_and_leases
     assert max(e["args"]["bytes"] for e in moved) > 0 and all(e["dur"] >= 0 for e in moved)
     buckets = [e for e in spans if e["name"] == "weight_bucket"]
     assert len(buckets) >= 2 and all(e["args"]["bytes"] > 0 for e in buckets)
+    assert not any(e["args"]["direct"] for e in buckets)  # CPU weights: packed (direct needs CUDA IPC)
     for gpu in (0, 1):
         holders = by_track(f"gpu {gpu}", "B")
         assert {"actor", "critic", f"rollout-{gpu}"} <= set(holders)  # the handoffs, one span per lease

@@ -15,7 +15,7 @@ from roles.trainer.config import TrainerConfig
 from roles.trainer.core import TrainCore, token_share
 from roles.trainer.distributed import is_rank_zero
 from roles.trainer.model import load_policy, policy_log_probs
-from roles.weight_sync import bucket_nbytes, checksum_named_tensors, send_to_engines
+from roles.weight_sync import bucket_nbytes, checksum_named_tensors, is_direct, send_to_engines
 from roles.trainer.role import TrainerRole
 from runtime import endpoint
 
@@ -132,7 +132,7 @@ class ActorTrainer(TrainerRole):
 
         def acked(bucket: dict, t0: float) -> None:
             self.publish_span("weight_bucket", t0, bytes=bucket_nbytes(bucket),
-                              tensors=len(bucket["names"]), engines=len(engines))
+                              tensors=len(bucket["names"]), engines=len(engines), direct=is_direct(bucket))
 
         # The bucket buffers sit where the weights are: on the device only when onloaded.
         resident = "params" not in self._core.offloaded
