@@ -37,4 +37,6 @@ step learning $((BUDGET - (SECONDS - START) - 5)) python3 launch.py --train-back
   --actor-num-gpus-per-node 1 --num-gpus-per-node 1 --num-rollout 100 --check-weight-update-equal \
   --run-dir /tmp/learning
 cp /tmp/learning/metrics.jsonl "$OUT/learning_metrics.jsonl" 2>/dev/null
+# which sync path the run took: weight_bucket spans record `direct`
+grep 'weight_bucket' /tmp/learning/events.jsonl | grep -o '"direct": *[a-z]*' | sort | uniq -c > "$OUT/learning_direct.txt" 2>&1
 exit 0
