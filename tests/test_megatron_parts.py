@@ -115,7 +115,8 @@ def test_offloader_frees_storages_restores_views_and_accounts():
     report = off.offload("params")
     assert report["bytes"] == 48 and flat.untyped_storage().nbytes() == 0 and "params" not in memory.ledger()
     assert off.nbytes("params") == 48
-    off.onload("params")
+    onload = off.onload("params")
+    assert onload["bytes"] == 48 and 0 <= onload["alloc_seconds"] <= onload["seconds"]  # allocating is part of it
     assert torch.equal(views[1], torch.arange(5, 12, dtype=torch.float32)) and memory.ledger()["params"] == 48
     assert "params" not in off._host  # the construction-time offload's block is freed at its onload
     off.offload("params")
