@@ -1,6 +1,6 @@
 """Page-locked host memory for offload: what the first offload of a tag pays to get it.
 
-    python -m bench.host_pinning [--gib 8]
+    python -m bench.host_pinning [--gib 8] [--resident-gib 48]
 
 Rows, each a fresh block of the same size, then one device->host copy into it:
 - torch pinned: torch.empty(pin_memory=True) (cudaHostAlloc, rounded up to a power of two);
@@ -10,7 +10,12 @@ Rows, each a fresh block of the same size, then one device->host copy into it:
   roles.device.TOUCH_THREADS threads (what the trainers' offload and the rollout engine
   use); run with OMP_NUM_THREADS=1, as the role processes are, to check it does not rely on
   torch's intra-op threads.
-Each row prints seconds to get the block, the copy's GB/s, and both as ratios to torch pinned.
+Each row prints seconds to get the block, the copies' GB/s each way, and all as ratios to torch
+pinned, and the NUMA nodes its pages landed on (from /proc/self/numa_maps).
+
+--resident-gib N first makes and keeps a touched block of N GiB, as a trainer's optimizer
+block is there when its params' block is made: on a host of several NUMA nodes the later
+block's pages may land on a node far from the GPU, and the copy from it slows down.
 Needs a CUDA GPU.
 """
 
@@ -31,33 +36,52 @@ def _timed(fn):
     return out, time.perf_counter() - t0
 
 
-def _copy_rate(dev: torch.Tensor, host: torch.Tensor) -> float:
-    return dev.numel() / copy_seconds(host, dev) / 1e9
+def _copy_rates(dev: torch.Tensor, host: torch.Tensor) -> tuple[float, float]:
+    """(device->host, host->device) GB/s."""
+    return dev.numel() / copy_seconds(host, dev) / 1e9, dev.numel() / copy_seconds(dev, host) / 1e9
+
+
+def numa_pages(address: int) -> str:
+    """'N0=… N1=…': pages per NUMA node of the mapping that holds `address` ('?' if unknown)."""
+    try:
+        with open("/proc/self/numa_maps") as f:
+            # lines are sorted by start address: the holder is the last one starting at or below it
+            holder = [fields for fields in map(str.split, f) if int(fields[0], 16) <= address][-1]
+    except (OSError, ValueError, IndexError):
+        return "?"
+    return " ".join(x for x in holder if x[:1] == "N" and x[1:2].isdigit()) or "?"
+
+
+def _row(name: str, dev: torch.Tensor, make) -> tuple:
+    """(name, seconds to get the block, D2H GB/s, H2D GB/s, NUMA pages) of a fresh block."""
+    block, s = _timed(make)
+    host = block.views[0] if isinstance(block, HostBlock) else block
+    row = (name, s, *_copy_rates(dev, host), numa_pages(host.data_ptr()))
+    if isinstance(block, HostBlock):
+        block.free()
+    return row
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--gib", type=float, default=8.0)
+    parser.add_argument("--resident-gib", type=float, default=0.0)
     args = parser.parse_args(argv)
     n = int(args.gib * (1 << 30))
+    resident = HostBlock([int(args.resident_gib * (1 << 30))], pin=True) if args.resident_gib else None
     dev = torch.empty(n, dtype=torch.uint8, device="cuda")
-    rows = []
-
-    pinned, s = _timed(lambda: torch.empty(n, dtype=torch.uint8, pin_memory=True))
-    rows.append(("torch pinned", s, _copy_rate(dev, pinned)))
-    del pinned
-    block, s = _timed(lambda: HostBlock([n], pin=True, touch=False))
-    rows.append(("host block", s, _copy_rate(dev, block.views[0])))
-    block.free()
-    block, s = _timed(lambda: HostBlock([n], pin=True, touch=True))
-    rows.append(("host block, touched first", s, _copy_rate(dev, block.views[0])))
-    block.free()
-
-    base_s, base_rate = rows[0][1], rows[0][2]
-    print(f"{args.gib:g} GiB, torch intra-op threads {torch.get_num_threads()}, touch threads {TOUCH_THREADS}")
-    print(f"{'block':<28}{'get s':>8}{'vs torch':>10}{'D2H GB/s':>10}{'vs torch':>10}")
-    for name, s, rate in rows:
-        print(f"{name:<28}{s:>8.2f}{s / base_s:>9.2f}x{rate:>10.1f}{rate / base_rate:>9.2f}x")
+    rows = [_row("torch pinned", dev, lambda: torch.empty(n, dtype=torch.uint8, pin_memory=True)),
+            _row("host block", dev, lambda: HostBlock([n], pin=True, touch=False)),
+            _row("host block, touched first", dev, lambda: HostBlock([n], pin=True, touch=True))]
+    base_s, base_d2h, base_h2d = rows[0][1:4]
+    print(f"{args.gib:g} GiB, torch intra-op threads {torch.get_num_threads()}, touch threads {TOUCH_THREADS}, "
+          f"resident block {args.resident_gib:g} GiB"
+          + (f" (pages {numa_pages(resident.views[0].data_ptr())})" if resident else ""))
+    print(f"{'block':<28}{'get s':>8}{'vs torch':>10}{'D2H GB/s':>10}{'vs torch':>10}{'H2D GB/s':>10}{'vs torch':>10}"
+          "  pages per NUMA node")
+    for name, s, d2h, h2d, nodes in rows:
+        print(f"{name:<28}{s:>8.2f}{s / base_s:>9.2f}x{d2h:>10.1f}{d2h / base_d2h:>9.2f}x{h2d:>10.1f}"
+              f"{h2d / base_h2d:>9.2f}x  {nodes}")
 
 
 if __name__ == "__main__":
