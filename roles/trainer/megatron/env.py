@@ -5,6 +5,7 @@ and CUDA at call time."""
 
 from __future__ import annotations
 
+import atexit
 import os
 import socket
 
@@ -30,6 +31,8 @@ def init_parallel(config: MegatronTrainerConfig) -> None:
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         os.environ.setdefault("MASTER_PORT", str(port))
         dist.init_process_group("cpu:gloo,cuda:nccl", rank=0, world_size=1)
+        # ours to close: NCCL warns at exit of a group never destroyed (it may leak resources)
+        atexit.register(lambda: dist.is_initialized() and dist.destroy_process_group())
     if not parallel_state.model_parallel_is_initialized():
         parallel_state.initialize_model_parallel(
             tensor_model_parallel_size=config.tensor_model_parallel_size,
