@@ -6,10 +6,11 @@ Rows, each a fresh block of the same size, then one device->host copy into it:
 - torch pinned: torch.empty(pin_memory=True) (cudaHostAlloc, rounded up to a power of two);
 - host block: roles.device.HostBlock(touch=False) (malloc, then cudaHostRegister, which
   faults every page in on one kernel thread);
-- host block, touched first: HostBlock's default, the same after writing every page from
-  roles.device.TOUCH_THREADS threads (what the trainers' offload and the rollout engine
-  use); run with OMP_NUM_THREADS=1, as the role processes are, to check it does not rely on
-  torch's intra-op threads.
+- host block, touched first: the same after writing every page from
+  roles.device.TOUCH_THREADS threads; run with OMP_NUM_THREADS=1, as the role processes are,
+  to check it does not rely on torch's intra-op threads;
+- host block, GPU's node preferred: HostBlock's default (what the trainers' offload and the
+  rollout engine use), the same with the pages asked from the GPU's NUMA node first.
 Each row prints seconds to get the block, the copies' GB/s each way, and all as ratios to torch
 pinned, and the NUMA nodes its pages landed on (from /proc/self/numa_maps).
 
@@ -28,6 +29,7 @@ import torch
 
 from bench.peers import copy_seconds
 from roles.device import TOUCH_THREADS, HostBlock
+from roles.numa import gpu_node
 
 
 def _timed(fn):
@@ -71,11 +73,12 @@ def main(argv: list[str] | None = None) -> None:
     resident = HostBlock([int(args.resident_gib * (1 << 30))], pin=True) if args.resident_gib else None
     dev = torch.empty(n, dtype=torch.uint8, device="cuda")
     rows = [_row("torch pinned", dev, lambda: torch.empty(n, dtype=torch.uint8, pin_memory=True)),
-            _row("host block", dev, lambda: HostBlock([n], pin=True, touch=False)),
-            _row("host block, touched first", dev, lambda: HostBlock([n], pin=True, touch=True))]
+            _row("host block", dev, lambda: HostBlock([n], pin=True, touch=False, numa=False)),
+            _row("host block, touched first", dev, lambda: HostBlock([n], pin=True, numa=False)),
+            _row("host block, GPU's node preferred", dev, lambda: HostBlock([n], pin=True))]
     base_s, base_d2h, base_h2d = rows[0][1:4]
     print(f"{args.gib:g} GiB, torch intra-op threads {torch.get_num_threads()}, touch threads {TOUCH_THREADS}, "
-          f"resident block {args.resident_gib:g} GiB"
+          f"GPU's NUMA node {gpu_node()}, resident block {args.resident_gib:g} GiB"
           + (f" (pages {numa_pages(resident.views[0].data_ptr())})" if resident else ""))
     print(f"{'block':<28}{'get s':>8}{'vs torch':>10}{'D2H GB/s':>10}{'vs torch':>10}{'H2D GB/s':>10}{'vs torch':>10}"
           "  pages per NUMA node")
