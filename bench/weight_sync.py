@@ -11,15 +11,19 @@ roles.trainer.megatron.mapper) inside one flat bf16 buffer, as megatron's DDP ke
 A receiver role on the same GPU holds a model-shaped copy. Every row runs the real path
 (`roles.weight_sync.push_weights`: pack into reused flat buckets, send a CUDA IPC handle,
 the receiver copies by name and acks); the megatron rows first map megatron -> HF names
-(`mapper.stage_to_hf`, what `MegatronCore.named_hf_weights` does at TP1 PP1):
+(`mapper.stage_to_hf(views=True)`, what `MegatronCore.named_hf_weights` gives the actor's
+sync at TP1 PP1: q/k/v as strided windows, `roles.weight_views.LazyReshape`):
 
 - hf / megatron, buffers 1 or 2 (double buffering: the next bucket is packed while the
   receiver copies the last), per bucket size
 - hf / megatron, production: `roles.weight_sync.send_to_engines`, the call
   `ActorTrainer.sync_weights` (both backends) makes, at its defaults (bucket size
   `--update-weight-buffer-size`'s default, `SYNC_NUM_BUFFERS` buffers, acks per engine):
-  windows into the megatron buffer travel as direct buckets (no packing copy), the q/k/v
-  regroups packed; the hf tensors own their storages, so that row packs everything
+  windows into the megatron buffer, q/k/v included, travel as direct buckets (no packing
+  copy); the hf tensors own their storages, so that row packs everything. Each production
+  row also gets a per-bucket breakdown (`bucket_breakdown`): when the sender sent it, the
+  way to the receiver (IPC share and message), the receiver's map of the IPC storages, its
+  copy (and synchronize), its unmap, the way back to the sender, in ms
 - megatron, production packed: the same call with direct=False (every tensor packed), the
   sender of the production row before direct buckets, side by side in the same run
 - megatron pack only: the same packing with no receiver (the sender's share)
@@ -84,20 +88,59 @@ def _position_sums(named) -> dict[str, float]:
     return out
 
 
+def bucket_breakdown(sync_start: float, sends: list[dict], receipts: list[dict]) -> list[dict]:
+    """Per bucket of one sync, in ms: `sent` (from the sync's start), `to_receiver` (the IPC
+    share and the message), the receiver's `map` (rebuilding the IPC storages), `copy` (its
+    copies and synchronize), `unmap` (dropping the mappings), `to_sender` (the ack's way
+    back: an upper bound, as the sender looks at an ack only when it needs the buffer or at
+    the end) and `acked` (from the sync's start).
+
+    `sends`: the sender's records, in bucket order ({"direct", "bytes", "sent", "acked"},
+    wall-clock seconds); `receipts`: the receiver's, the last len(sends) of them this sync's
+    ({"direct", "bytes", "start", "mapped", "copied", "dropped"}); both on one host's clock."""
+    if len(receipts) < len(sends):
+        raise ValueError(f"{len(sends)} buckets sent but {len(receipts)} received")
+    rows = []
+    for s, r in zip(sends, receipts[len(receipts) - len(sends):]):
+        if (s["direct"], s["bytes"]) != (r["direct"], r["bytes"]):
+            raise ValueError(f"bucket {len(rows)}: sent {s['bytes']} bytes (direct={s['direct']}), "
+                             f"received {r['bytes']} (direct={r['direct']}): the records do not pair up")
+        spans = {"sent": s["sent"] - sync_start, "to_receiver": r["start"] - s["sent"], "map": r["mapped"] - r["start"],
+                 "copy": r["copied"] - r["mapped"], "unmap": r["dropped"] - r["copied"],
+                 "to_sender": s["acked"] - r["dropped"], "acked": s["acked"] - sync_start}
+        rows.append({"kind": "direct" if s["direct"] else "packed", "mib": s["bytes"] / 2**20,
+                     **{k: v * 1e3 for k, v in spans.items()}})
+    return rows
+
+
 class Receiver(Actor):
     def __init__(self, shapes):
         import torch
         self.params = {n: torch.zeros(s, dtype=torch.bfloat16, device="cuda") for n, s in shapes}
+        self.receipts: list[dict] = []  # per bucket: its phases' wall-clock times (bucket_breakdown)
 
     @endpoint
     def update_weights(self, bucket: dict) -> int:
         import torch
-        from roles.weight_sync import received, unpack_bucket
+        from roles.weight_sync import bucket_nbytes, is_direct, received, unpack_bucket
+        from roles.weight_views import copy_into
 
-        named = unpack_bucket(received(bucket))
-        torch._foreach_copy_([self.params[n] for n, _ in named], [t for _, t in named])
+        start = time.time()
+        bucket = received(bucket)
+        mapped = time.time()
+        named = unpack_bucket(bucket)
+        copy_into([self.params[n] for n, _ in named], [t for _, t in named])
         torch.cuda.synchronize()  # the ack lets the sender overwrite its buffer
-        return len(named)  # returning drops the mappings (a direct bucket's storages) before the ack
+        copied = time.time()
+        receipt, num_tensors = {"direct": is_direct(bucket), "bytes": bucket_nbytes(bucket)}, len(named)
+        del named, bucket  # drops the mappings (a direct bucket's storages) before the ack
+        self.receipts.append({**receipt, "start": start, "mapped": mapped, "copied": copied, "dropped": time.time()})
+        return num_tensors
+
+    @endpoint
+    def take_receipts(self) -> list[dict]:
+        receipts, self.receipts = self.receipts, []
+        return receipts
 
     @endpoint
     def position_sums(self) -> dict[str, float]:
@@ -128,16 +171,22 @@ class Sender(Actor):
             return self.params.items()
         from roles.trainer.megatron.mapper import stage_to_hf
 
-        return stage_to_hf(lambda name: [self.megatron[name]], self.shape, pp_rank=0, pp_size=1)
+        return stage_to_hf(lambda name: [self.megatron[name]], self.shape, pp_rank=0, pp_size=1, views=True)
 
     @endpoint
     def push(self, receiver, layout: str, buffer_bytes: int, num_buffers: int, gpus: list[int] | None,
              reps: int = 3, production: bool = False, direct: bool = True) -> dict:
         """Median seconds of `reps` syncs after a warm-up; receiver=None: packing only;
         production: the actor's sender (`send_to_engines`, its own buffer count; `direct`
-        passed on)."""
+        passed on), with the last sync's per-bucket send and ack times (`bucket_breakdown`)."""
         import torch
-        from roles.weight_sync import for_receiver, push_weights, send_to_engines
+        from roles.weight_sync import bucket_nbytes, for_receiver, is_direct, push_weights, send_to_engines
+
+        sends: list[dict] = []
+
+        def acked(bucket: dict, sent: float) -> None:
+            sends.append({"direct": is_direct(bucket), "bytes": bucket_nbytes(bucket), "sent": sent,
+                          "acked": time.time()})
 
         def send(bucket):
             if receiver is None:
@@ -148,15 +197,17 @@ class Sender(Actor):
         times = []
         for _ in range(reps + 1):
             torch.cuda.synchronize()
-            t0 = time.perf_counter()
+            sends.clear()  # the last sync's are returned
+            sync_start, t0 = time.time(), time.perf_counter()
             if production:
                 totals = send_to_engines(self._named(layout), [receiver], buffer_bytes, engine_gpus=[gpus],
-                                         direct=direct)
+                                         on_bucket=acked, direct=direct)
             else:
                 totals = push_weights(self._named(layout), send, buffer_bytes, num_buffers=num_buffers)
             torch.cuda.synchronize()
             times.append(time.perf_counter() - t0)
-        return {**totals, "seconds": statistics.median(times[1:])}
+        timing = {"sync_start": sync_start, "sends": list(sends)} if production else {}
+        return {**totals, "seconds": statistics.median(times[1:]), **timing}
 
     @endpoint
     def position_sums(self) -> dict[str, float]:
@@ -175,6 +226,15 @@ class Sender(Actor):
         return {"num_bytes": sum(t.numel() * 2 for t in self.params.values()), "seconds": time.perf_counter() - t0}
 
 
+def print_breakdown(row: str, buckets: list[dict]) -> None:
+    print(f"\n{row}: per bucket of the last sync, ms (sent, acked: from the sync's start; to_sender: "
+          "an upper bound)")
+    keys = ("sent", "to_receiver", "map", "copy", "unmap", "to_sender", "acked")
+    print(f"{'#':>3} {'kind':<7}{'MiB':>8}" + "".join(f"{k:>12}" for k in keys))
+    for i, b in enumerate(buckets):
+        print(f"{i:>3} {b['kind']:<7}{b['mib']:>8.0f}" + "".join(f"{b[k]:>12.2f}" for k in keys))
+
+
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(prog="python -m bench.weight_sync", description=__doc__.splitlines()[0])
     ap.add_argument("--scale", type=float, default=1.0, help="fraction of Qwen3-4B's 36 layers")
@@ -191,8 +251,11 @@ def main(argv=None) -> dict:
         expected = snd.position_sums()
 
         def timed(row: str, layout: str, buffer_bytes: int, buffers: int, **kw) -> None:
-            rows.append({"row": row, "bucket_mb": buffer_bytes >> 20, **snd.push(rcv, layout, buffer_bytes, buffers,
-                                                                                  [0], **kw)})
+            out = snd.push(rcv, layout, buffer_bytes, buffers, [0], **kw)
+            receipts = rcv.take_receipts()
+            if "sends" in out:
+                out["buckets"] = bucket_breakdown(out.pop("sync_start"), out.pop("sends"), receipts)
+            rows.append({"row": row, "bucket_mb": buffer_bytes >> 20, **out})
             got = rcv.position_sums()
             bad = [n for n in expected if abs(got[n] - expected[n]) > 1e-3 * (1 + abs(expected[n]))]
             assert not bad, f"{row}: receiver weights differ after the sync: {bad[:3]}"
@@ -220,6 +283,9 @@ def main(argv=None) -> dict:
         direct = f"{r['direct_bytes'] / 1e9:.2f}" if "direct_bytes" in r else "-"
         print(f"{r['row']:<30}{str(r['bucket_mb'] or '-'):>11}{str(r.get('num_buckets', '-')):>8}{direct:>10}"
               f"{r['seconds'] * 1e3:>9.1f}{r['num_bytes'] / r['seconds'] / 1e9:>9.0f}{r['seconds'] / peer:>10.1f}x")
+    for r in rows:
+        if "buckets" in r:
+            print_breakdown(r["row"], r["buckets"])
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=2)

@@ -22,17 +22,24 @@ Direct buckets (no packing copy). When every receiver sees the sender's physical
 storage (megatron's flat DDP parameter buffer: `is_window`) is not copied into a buffer.
 Per dtype, such windows form one bucket, yielded after the packed ones:
 
-    {"dtype": "bfloat16", "names": [...], "shapes": [...],
+    {"dtype": "bfloat16", "names": [...], "shapes": [...],      # HF shapes, as in a packed bucket
      "windows": [[storage_index, storage_offset, stride], ...],  # per tensor, in elements of dtype
      "storages": [<1-D uint8 tensor over a whole storage>, ...]} # each distinct storage once
 
+A window's stride applies to its HF shape, or, where the window has another shape (a fourth
+entry, `[storage_index, storage_offset, stride, size]`), to that size: a `LazyReshape`, whose
+elements in row-major order are the HF tensor's (megatron's q/k/v at TP1: rows of q, k and
+v interleave per query group in the fused parameter, so q_proj is the strided window
+[groups, q rows per group, H], and no view has its HF shape).
+
 `for_receiver` replaces each storage by one CUDA IPC handle (`cuda_ipc_storages`), so a
 storage is shared once per bucket and receiver; the receiver maps each once (`received`),
-`unpack_bucket` rebuilds the views (`as_strided` over the dtype view of the storage), the
-receiver copies them through the same checks as a packed bucket's, synchronizes, drops the
-mappings and acks. The ledger charges nothing for them (no buffer). Everything else
-(temporaries: q/k/v regroups, casts, TP gathers; tensors that own their storage; CPU
-tensors; receivers on another GPU) goes through the packed buffers.
+`unpack_bucket` rebuilds the views (`as_strided` over the dtype view of the storage; a
+`LazyReshape` where the window has its own size), the receiver copies them (`copy_into`)
+through the same checks as a packed bucket's, synchronizes, drops the mappings and acks.
+The ledger charges nothing for them (no buffer). Everything else (temporaries: casts, TP
+gathers and the q/k/v regroup of one; tensors that own their storage; CPU tensors;
+receivers on another GPU) goes through the packed buffers.
 
 Contract for direct buckets: the sender must not write, free or resize its parameters
 until every receiver acked (the actor's `sync_weights` waits for every ack before it
@@ -50,15 +57,15 @@ per sync and engine.
 
 from __future__ import annotations
 
-import hashlib
 import time
 from typing import Any, Callable, Iterable, Iterator
 
 import torch
 
 from roles.device import DeviceMemory
+from roles.weight_views import LazyReshape, copy_into
 
-NamedTensors = Iterable[tuple[str, torch.Tensor]]
+NamedTensors = Iterable[tuple[str, torch.Tensor | LazyReshape]]
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -104,6 +111,9 @@ def pack_buckets(named_tensors: NamedTensors, buffer_bytes: int, *,
     (`is_window`) on such a device is then not packed but listed in its dtype's direct
     bucket (module docstring), yielded after every packed bucket; its storage must stay
     unchanged until that bucket is acked.
+
+    A `LazyReshape` is a window of its view: packed, its view is copied into the buffer in
+    HF row-major order; direct, the window names its own size. Buckets list HF shapes.
     """
     if not isinstance(buffer_bytes, int) or buffer_bytes <= 0:
         raise ValueError(f"buffer_bytes={buffer_bytes!r} must be a positive int")
@@ -121,14 +131,16 @@ def pack_buckets(named_tensors: NamedTensors, buffer_bytes: int, *,
         return torch.empty(numel, dtype=dtype, device=device)
 
     windows: dict[torch.dtype, _DirectBucket] = {}
-    for name, tensor in named_tensors:
+    for name, item in named_tensors:
+        # what to read (a LazyReshape's view) and the HF shape it stands for
+        tensor, shape = (item.view, item.shape) if isinstance(item, LazyReshape) else (item, item.shape)
         tensor = tensor.detach()
         if direct is not None and is_window(tensor) and direct(tensor.device):
-            windows.setdefault(tensor.dtype, _DirectBucket(tensor.dtype)).add(name, tensor)
+            windows.setdefault(tensor.dtype, _DirectBucket(tensor.dtype)).add(name, tensor, shape)
             continue
         if tensor.numel() * tensor.element_size() > buffer_bytes:
             flat = tensor.reshape(-1).contiguous()
-            yield _bucket(tensor.dtype, [name], [list(tensor.shape)], flat)
+            yield _bucket(tensor.dtype, [name], [list(shape)], flat)
             continue
         bucket = open_buckets.get(tensor.dtype)
         if bucket is None:
@@ -137,7 +149,7 @@ def pack_buckets(named_tensors: NamedTensors, buffer_bytes: int, *,
         if not bucket.fits(tensor):
             yield bucket.seal()
             bucket.next_buffer()  # the caller has acked the bucket that used it: it may be overwritten now
-        bucket.add(name, tensor)
+        bucket.add(name, tensor, shape)
     for bucket in open_buckets.values():
         if bucket.names:
             yield bucket.seal()
@@ -145,9 +157,10 @@ def pack_buckets(named_tensors: NamedTensors, buffer_bytes: int, *,
         yield window_bucket.bucket()
 
 
-def unpack_bucket(bucket: dict) -> list[tuple[str, torch.Tensor]]:
+def unpack_bucket(bucket: dict) -> list[tuple[str, torch.Tensor | LazyReshape]]:
     """(name, tensor) views into `bucket["flat"]` (a packed bucket) or into its `storages`
-    (a direct bucket), in bucket order; the receiver copies them."""
+    (a direct bucket), in bucket order, each of its HF shape; a direct bucket's window of
+    another size comes as a LazyReshape. The receiver copies them (`copy_into`)."""
     names, shapes = bucket["names"], bucket["shapes"]
     if len(names) != len(shapes):
         raise ValueError(f"bucket has {len(names)} names but {len(shapes)} shapes")
@@ -197,11 +210,16 @@ def _unpack_windows(bucket: dict) -> list[tuple[str, torch.Tensor]]:
                              "expected 1-D uint8")
         typed.append(storage[: storage.numel() - storage.numel() % dtype.itemsize].view(dtype))
     out = []
-    for name, shape, (index, offset, stride) in zip(names, shapes, windows):
+    for name, shape, window in zip(names, shapes, windows):
+        if len(window) not in (3, 4):
+            raise ValueError(f"direct bucket tensor {name!r} has window {window}, expected "
+                             "[storage_index, storage_offset, stride] or [..., size]")
+        index, offset, stride, *size = window
         if not 0 <= index < len(typed):
             raise ValueError(f"direct bucket tensor {name!r} names storage {index} of {len(typed)}")
         # as_strided checks the window lies inside the storage
-        out.append((name, typed[index].as_strided(shape, stride, offset)))
+        view = typed[index].as_strided(size[0] if size else shape, stride, offset)
+        out.append((name, LazyReshape(view, shape) if size else view))
     return out
 
 
@@ -356,73 +374,6 @@ def received(bucket: dict) -> dict:
     return {**{k: v for k, v in bucket.items() if k != "cuda_ipc"}, "flat": open_shared(bucket["cuda_ipc"])}
 
 
-# HF's tied-weight convention (`_tied_weights_keys` of the *ForCausalLM classes): the output
-# projection aliases the input embedding, and a checkpoint stores the embedding's name only.
-TIED_ALIASES = {"lm_head.weight": "model.embed_tokens.weight"}
-
-
-def canonical_named_tensors(named_tensors: NamedTensors) -> Iterator[tuple[str, torch.Tensor]]:
-    """The tensors as an HF checkpoint stores them: every tied alias dropped.
-
-    Two listings of one model differ in how they show tied weights: `named_parameters()`
-    lists a shared parameter once, `state_dict()` under every name (Qwen3-4B's
-    `lm_head.weight` is `model.embed_tokens.weight`). Memory listed under several names is
-    kept once, under its first name, except that a tied alias (`TIED_ALIASES`) yields to the
-    name HF stores, as `save_pretrained` does. An alias that is a separate but bit-identical
-    copy of its target (a backend that copies tied weights) is dropped too; an untied
-    `lm_head.weight` that differs from the embedding is an ordinary tensor, and a listing
-    with the alias alone keeps it.
-    """
-    seen: dict[tuple, str] = {}  # memory identity -> the name it is kept under
-    kept: dict[str, torch.Tensor] = {}
-    for name, tensor in named_tensors:
-        key = _memory_identity(tensor) if tensor.numel() else ("empty", name)  # no memory to share
-        first = seen.get(key)
-        if first is None:
-            seen[key], kept[name] = name, tensor
-        elif TIED_ALIASES.get(first) == name:  # the alias came first: the stored name wins
-            del kept[first]
-            seen[key], kept[name] = name, tensor
-        # else: memory already listed under another name, kept once (as named_parameters does)
-    for alias, target in TIED_ALIASES.items():
-        a, t = kept.get(alias), kept.get(target)
-        if a is not None and t is not None and _bit_equal(a, t):
-            del kept[alias]
-    yield from kept.items()
-
-
-def checksum_named_tensors(named_tensors: NamedTensors) -> dict[str, str]:
-    """name -> blake2b hex digest of the tensor's dtype, shape and raw bytes, over the
-    canonical listing (`canonical_named_tensors`), so trainer and engine compare the same
-    set of names however each lists tied weights.
-
-    Exact: equal digests mean bit-identical tensors (any dtype, bfloat16 included), so
-    `--check-weight-update-equal` can compare trainer and engine weights without tolerances.
-    """
-    out = {}
-    for name, tensor in canonical_named_tensors(named_tensors):
-        tensor = tensor.detach().to("cpu").contiguous()
-        digest = hashlib.blake2b(digest_size=16)
-        digest.update(f"{dtype_name(tensor.dtype)}{list(tensor.shape)}".encode())
-        # Viewing as bytes needs at least one dim; reshape(-1) also covers 0-d tensors.
-        digest.update(tensor.reshape(-1).view(torch.uint8).numpy().tobytes())
-        out[name] = digest.hexdigest()
-    return out
-
-
-def _memory_identity(tensor: torch.Tensor) -> tuple:
-    """Equal for two tensors that view the same elements of the same memory."""
-    return (tensor.device, tensor.untyped_storage().data_ptr(), tensor.storage_offset(),
-            tuple(tensor.shape), tuple(tensor.stride()), tensor.dtype)
-
-
-def _bit_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
-    if a.dtype != b.dtype or a.shape != b.shape:
-        return False
-    a, b = a.detach().to("cpu").contiguous(), b.detach().to("cpu").contiguous()
-    return bool(torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8)))
-
-
 class _OpenBucket:
     """The bucket being filled for one dtype, over `num_buffers` reusable flat buffers taken
     in turn; copies are queued and run together when the bucket is sealed."""
@@ -442,7 +393,8 @@ class _OpenBucket:
     def fits(self, tensor: torch.Tensor) -> bool:
         return self.used + tensor.numel() <= self.buffer.numel()
 
-    def add(self, name: str, tensor: torch.Tensor) -> None:
+    def add(self, name: str, tensor: torch.Tensor, shape: torch.Size) -> None:
+        """`tensor`'s elements, in row-major order, as the next tensor of HF `shape`."""
         dst = self.buffer[self.used : self.used + tensor.numel()].view(tensor.shape)
         if is_window(tensor):
             # a window into a larger, persistent storage (megatron's parameter buffer): batched at the seal
@@ -453,13 +405,13 @@ class _OpenBucket:
             # a bucket of such tensors is not kept alive on the device until the seal
             dst.copy_(tensor)
         self.names.append(name)
-        self.shapes.append(list(tensor.shape))
+        self.shapes.append(list(shape))
         self.used += tensor.numel()
 
     def seal(self) -> dict:
         if self.dst:
-            # one batched copy per bucket: hundreds of tensors cost a few kernel launches, not one each
-            torch._foreach_copy_(self.dst, self.src)
+            # batched copies per bucket: hundreds of tensors cost a few kernel launches, not one each
+            copy_into(self.dst, self.src)
             self.dst, self.src = [], []
         return _bucket(self.dtype, self.names, self.shapes, self.buffer[: self.used])
 
@@ -483,7 +435,8 @@ class _DirectBucket:
         self.shapes: list[list[int]] = []
         self.windows: list[list] = []
 
-    def add(self, name: str, tensor: torch.Tensor) -> None:
+    def add(self, name: str, tensor: torch.Tensor, shape: torch.Size) -> None:
+        """The window `tensor` as the tensor of HF `shape` (its size named when it differs)."""
         storage = tensor.untyped_storage()
         key = (tensor.device, storage.data_ptr())
         if key not in self.index:
@@ -491,8 +444,9 @@ class _DirectBucket:
             # a uint8 tensor over the whole storage: what one IPC handle describes
             self.storages.append(torch.empty(0, dtype=torch.uint8, device=tensor.device).set_(storage))
         self.names.append(name)
-        self.shapes.append(list(tensor.shape))
-        self.windows.append([self.index[key], tensor.storage_offset(), list(tensor.stride())])
+        self.shapes.append(list(shape))
+        window = [self.index[key], tensor.storage_offset(), list(tensor.stride())]
+        self.windows.append(window if tensor.shape == shape else window + [list(tensor.shape)])
 
     def bucket(self) -> dict:
         return {"dtype": dtype_name(self.dtype), "names": self.names, "shapes": self.shapes,

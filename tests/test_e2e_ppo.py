@@ -10,7 +10,7 @@ from ppo.config.validate import ensure_valid
 from ppo.job import start_job
 from ppo.loop import check_weights_equal, run, train
 from ppo.recipes import tiny_ppo
-from roles.weight_sync import checksum_named_tensors
+from roles.weight_checksum import checksum_named_tensors
 from runtime.fakegpu import FakeDevice, check_no_overlap
 
 

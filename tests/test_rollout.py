@@ -6,7 +6,8 @@ import torch
 
 from ppo.tiny_model import EOS_ID, build_tiny_checkpoint, load_causal_lm
 from roles.rollout import RolloutEngine
-from roles.weight_sync import checksum_named_tensors, pack_buckets, push_weights
+from roles.weight_checksum import checksum_named_tensors
+from roles.weight_sync import pack_buckets, push_weights
 
 PROMPTS = [[5, 14, 6, 17], [9], [7, 8, 9, 10, 11, 12, 13], [20, 21]]
 

@@ -12,7 +12,8 @@ import torch
 from ppo.tiny_model import build_tiny_checkpoint, load_causal_lm
 from roles.rollout import RolloutEngine
 from roles.rollout.torch_engine.backend import HOST_ALIGN
-from roles.weight_sync import checksum_named_tensors, push_weights
+from roles.weight_checksum import checksum_named_tensors
+from roles.weight_sync import push_weights
 
 pytestmark = pytest.mark.gpu
 

@@ -22,7 +22,8 @@ from ppo.tiny_model import EOS_ID, load_causal_lm
 from roles.rollout import RolloutEngine
 from roles.rollout import sglang_backend
 from roles.rollout.sglang_backend import flattened_bucket_payloads
-from roles.weight_sync import checksum_named_tensors, pack_buckets, push_weights, unpack_bucket
+from roles.weight_checksum import checksum_named_tensors
+from roles.weight_sync import pack_buckets, push_weights, unpack_bucket
 from tests.fakes import sglang_engine
 
 REPO = Path(__file__).resolve().parent.parent

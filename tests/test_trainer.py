@@ -8,7 +8,8 @@ import torch
 from roles.device import nbytes_of
 from roles.trainer.batching import plan_micro_batches
 from roles.trainer import ActorTrainer, CriticTrainer
-from roles.weight_sync import checksum_named_tensors, unpack_bucket
+from roles.weight_checksum import checksum_named_tensors
+from roles.weight_sync import unpack_bucket
 from runtime.fakegpu import LeaseViolation, create_fake_devices
 
 N, R = 8, 6

@@ -3,10 +3,10 @@
 import pytest
 import torch
 
+from roles.weight_checksum import checksum_named_tensors
 from roles.weight_sync import (
     SYNC_BUFFER_TAG,
     SYNC_NUM_BUFFERS,
-    checksum_named_tensors,
     pack_buckets,
     push_weights,
     unpack_bucket,
@@ -499,6 +499,33 @@ def _tiny_sender(ckpt, device: str = "cpu") -> tuple[list, torch.Tensor]:
     return named, buf
 
 
+def _megatron_sender(ckpt, device: str = "cpu") -> tuple[list, dict]:
+    """The tiny checkpoint's weights as megatron's sender holds them at TP1: every parameter a
+    window of one flat bf16 buffer (DDP's param buffer; fused q/k/v per query group, fc1 =
+    gate|up), mapped to HF names as the actor's sync asks for them (`stage_to_hf(views=True)`:
+    q/k/v as LazyReshapes of strided 3-D windows). Returns (named, hf): hf the HF tensors,
+    nudged off the checkpoint's (a trained policy's: an engine started from it must change)."""
+    import json
+    import os
+
+    from ppo.tiny_model import load_causal_lm
+    from roles.trainer.megatron.mapper import hf_to_megatron, stage_to_hf
+    from roles.trainer.megatron.shape import shape_from_hf
+
+    with open(os.path.join(ckpt, "config.json")) as f:
+        shape = shape_from_hf(json.load(f))
+    gen = torch.Generator().manual_seed(5)
+    hf = {n: (p.detach() + 0.01 * torch.randn(p.shape, generator=gen)).to(torch.bfloat16).to(device)
+          for n, p in load_causal_lm(ckpt).named_parameters()}
+    params = hf_to_megatron(hf, shape, tp_rank=0, tp_size=1, pp_rank=0, pp_size=1)
+    buf = torch.zeros(sum(t.numel() for t in params.values()), dtype=torch.bfloat16, device=device)
+    windows, offset = {}, 0
+    for name, t in params.items():
+        windows[name] = buf[offset : offset + t.numel()].view(t.shape).copy_(t)
+        offset += t.numel()
+    return list(stage_to_hf(lambda name: [windows[name]], shape, pp_rank=0, pp_size=1, views=True)), hf
+
+
 @pytest.mark.timeout(120)
 def test_a_real_engine_loads_direct_buckets_bit_identically_and_refuses_an_unknown_name_first(ckpt, ipc):
     from roles.rollout import RolloutEngine
@@ -542,9 +569,12 @@ def test_direct_sync_over_cuda_ipc_is_bit_identical_before_and_after_the_sender_
     the same GPU over CUDA IPC. Then the buffer is freed and reallocated as megatron's
     offloader does (`untyped_storage().resize_(0)`, `resize_`): the free must return the
     memory at once (an engine that kept a mapping would park it in torch's IPC limbo), and a
-    second sync of new content, from the new address, is bit-identical too."""
+    second sync of new content, from the new address, is bit-identical too. Last, megatron's
+    own TP1 layout through the mapper, as the actor's sync reads it: q/k/v go as strided
+    windows too, so nothing is packed, and the engine is bit-identical to the HF weights."""
     from roles.rollout import RolloutEngine
     from roles.weight_sync import send_to_engines
+    from roles.weight_views import LazyReshape
     from runtime import Supervisor
 
     named, buf = _tiny_sender(ckpt, device="cuda")
@@ -572,6 +602,12 @@ def test_direct_sync_over_cuda_ipc_is_bit_identical_before_and_after_the_sender_
         assert engine.weights_checksum.call().result(60) == want
         assert want != checksum_named_tensors(_tiny_sender(ckpt)[0])  # really new content
 
+        named, hf = _megatron_sender(ckpt, device="cuda")
+        assert any(isinstance(t, LazyReshape) for _, t in named)  # q/k/v as windows, not copies
+        totals = send_to_engines(named, [engine], 16 * 1024, engine_gpus=[[0]])
+        assert totals["direct_bytes"] == totals["num_bytes"] > 0 and totals["num_buckets"] == 1  # 0 packed
+        assert engine.weights_checksum.call().result(60) == checksum_named_tensors(hf.items())
+
 
 def test_sglang_gathers_a_direct_bucket_in_parts_of_bounded_size_in_order():
     """sglang loads flat buckets only: its adapter gathers a direct bucket's views in parts of
@@ -589,10 +625,15 @@ def test_sglang_gathers_a_direct_bucket_in_parts_of_bounded_size_in_order():
 
 
 @pytest.mark.timeout(120)
-def test_an_sglang_engine_loads_direct_buckets_in_parts_bit_identically(ckpt, ipc, monkeypatch):
+@pytest.mark.parametrize("megatron", [False, True])
+def test_an_sglang_engine_loads_direct_buckets_in_parts_bit_identically(ckpt, ipc, monkeypatch, megatron):
     """The sglang adapter (against tests/fakes/sglang_engine.py, as tests/test_rollout_sglang.py
     runs it) takes direct buckets: parts of at most DIRECT_GROUP_BYTES, each one
-    flattened_bucket update inside one weight-update session."""
+    flattened_bucket update inside one weight-update session. From megatron's TP1 layout
+    (`_megatron_sender`) q/k/v come as strided windows too, and sglang's loaders take HF-shaped
+    tensors (QKVParallelLinear.weight_loader narrows its parameter to the q, k or v shard and
+    asserts the shapes equal): the adapter gathers them in HF row-major order under HF shapes
+    (the fake's reconstruct_tensors reshapes by the metadata, as sglang's does)."""
     from ppo.tiny_model import EOS_ID
     from roles.rollout import RolloutEngine
     from roles.rollout import sglang_backend
@@ -603,11 +644,13 @@ def test_an_sglang_engine_loads_direct_buckets_in_parts_bit_identically(ckpt, ip
     monkeypatch.setattr(sglang_backend, "DIRECT_GROUP_BYTES", 8 * 1024)
     engine = RolloutEngine(ckpt, backend="sglang", dtype="bfloat16")
     fake = fake_sglang.instances[-1]
-    named, _ = _tiny_sender(ckpt)
+    named, want = _megatron_sender(ckpt) if megatron else (_tiny_sender(ckpt)[0], None)
+    want = want or dict(named)
     totals = send_to_engines(named, [_InProcess(engine)], buffer_bytes=1 << 20, engine_gpus=[[0]])
     engine.set_weight_version(1)
     updates = [c for c in fake.calls if c[0] == "update_weights"]
-    assert totals["num_buckets"] == 2 and len(updates) > 2  # one packed bucket, the direct one in parts
-    assert fake.session is None and set(fake.weights) == {n for n, _ in named}
-    for name, tensor in named:
-        assert torch.equal(fake.weights[name], tensor), name
+    # the tiny sender's q_proj temporaries make one packed bucket; megatron's layout packs nothing
+    assert totals["num_buckets"] == (1 if megatron else 2) and len(updates) > 2  # the direct one in parts
+    assert fake.session is None and set(fake.weights) == set(want)
+    for name, tensor in want.items():
+        assert fake.weights[name].shape == tensor.shape and torch.equal(fake.weights[name], tensor), name

@@ -267,7 +267,7 @@ class RolloutEngine(Actor):
 
     @endpoint
     def weights_checksum(self) -> dict[str, str]:
-        """HF name -> exact digest of the engine's weights (roles.weight_sync.checksum_named_tensors)."""
+        """HF name -> exact digest of the engine's weights (roles.weight_checksum.checksum_named_tensors)."""
         return self._backend.weights_checksum()
 
     # -- helpers ----------------------------------------------------------------------

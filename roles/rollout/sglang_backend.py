@@ -47,6 +47,7 @@ import torch
 from roles.device import DeviceMemory
 from roles.rollout.sampling import GenerateRequest
 from roles.weight_sync import dtype_name, unpack_bucket
+from roles.weight_views import LazyReshape, copy_into
 
 SGLANG_VERSIONS = ">=0.5.21,<0.5.24"  # keep equal to pyproject's `sglang` extra
 # Engine arguments RolloutEngine sets itself; passing them in `options` would be ambiguous.
@@ -129,7 +130,7 @@ def engine_kwargs(hf_checkpoint: str, *, dtype: str, seed: int, max_batch_size: 
     return kwargs
 
 
-def flattened_bucket_payloads(named: list[tuple[str, torch.Tensor]], flat: torch.Tensor, *,
+def flattened_bucket_payloads(named: list[tuple[str, torch.Tensor | LazyReshape]], flat: torch.Tensor, *,
                               num_ranks: int, sgl: SimpleNamespace, device: torch.device | None,
                               owned: bool = False) -> list[str]:
     """sglang's `flattened_bucket` payloads of one bucket, one per TP rank.
@@ -145,7 +146,9 @@ def flattened_bucket_payloads(named: list[tuple[str, torch.Tensor]], flat: torch
     The layout is `FlattenedTensorBucket(named_tensors=...)`'s: bytes (uint8) with byte
     offsets, which its `reconstruct_tensors` views back as each tensor's dtype. `owned`: a
     CUDA `flat` this process allocated (a direct bucket's views gathered, `direct_groups`)
-    goes as is.
+    goes as is. `named` gives each tensor's HF name, shape and dtype (what sglang's loaders
+    take: QKVParallelLinear.weight_loader narrows its parameter to a q/k/v shard and copies an
+    HF-shaped q_proj/k_proj/v_proj in); `flat` holds their elements in HF row-major order.
     """
     if owned:
         own = flat
@@ -158,7 +161,7 @@ def flattened_bucket_payloads(named: list[tuple[str, torch.Tensor]], flat: torch
     own = own.view(torch.uint8)
     metadata_, start = [], 0
     for name, tensor in named:
-        nbytes = tensor.numel() * tensor.element_size()
+        nbytes = tensor.nbytes
         metadata_.append(sgl.FlattenedTensorMetadata(
             name=name, shape=tensor.shape, dtype=tensor.dtype,
             start_idx=start, end_idx=start + nbytes, numel=nbytes))
@@ -177,19 +180,34 @@ def flattened_bucket_payloads(named: list[tuple[str, torch.Tensor]], flat: torch
 DIRECT_GROUP_BYTES = 512 << 20
 
 
-def direct_groups(named: list[tuple[str, torch.Tensor]], max_bytes: int):
+def direct_groups(named: list[tuple[str, torch.Tensor | LazyReshape]], max_bytes: int):
     """(part, flat, owned=True) per run of a direct bucket's views of at most `max_bytes`
     (a lone larger tensor alone): `flat` gathers the part's views in one new tensor (one
-    device copy, as the clone of a packed bucket), made one part at a time."""
+    device copy, as the clone of a packed bucket), made one part at a time. A q/k/v window
+    (LazyReshape) lands in HF row-major order: its metadata names the HF shape, which
+    sglang's loaders need."""
     part, nbytes = [], 0
     for name, tensor in named:
         if part and nbytes + tensor.nbytes > max_bytes:
-            yield part, torch.cat([t.reshape(-1) for _, t in part]), True
+            yield part, _gathered(part), True
             part, nbytes = [], 0
         part.append((name, tensor))
         nbytes += tensor.nbytes
     if part:
-        yield part, torch.cat([t.reshape(-1) for _, t in part]), True
+        yield part, _gathered(part), True
+
+
+def _gathered(part: list[tuple[str, torch.Tensor | LazyReshape]]) -> torch.Tensor:
+    """A new 1-D tensor of the part's elements, tensor after tensor, in one batched copy."""
+    first = part[0][1]
+    flat = torch.empty(sum(t.nbytes for _, t in part) // first.dtype.itemsize, dtype=first.dtype, device=first.device)
+    targets, offset = [], 0
+    for _, tensor in part:
+        numel = tensor.nbytes // first.dtype.itemsize
+        targets.append(flat[offset : offset + numel].view(tensor.shape))
+        offset += numel
+    copy_into(targets, [t for _, t in part])
+    return flat
 
 
 class SglangBackend:

@@ -15,7 +15,8 @@ from roles.trainer.config import TrainerConfig
 from roles.trainer.core import TrainCore, token_share
 from roles.trainer.distributed import is_rank_zero
 from roles.trainer.model import load_policy, policy_log_probs
-from roles.weight_sync import bucket_nbytes, checksum_named_tensors, is_direct, send_to_engines
+from roles.weight_checksum import checksum_named_tensors
+from roles.weight_sync import bucket_nbytes, is_direct, send_to_engines
 from roles.trainer.role import TrainerRole
 from runtime import endpoint
 
@@ -101,10 +102,13 @@ class ActorTrainer(TrainerRole):
 
     # ---- weights ------------------------------------------------------------------------
 
-    def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+    def named_weights(self, views: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
         """(HF name, tensor in the compute dtype) for every parameter, as the checkpoint names them.
 
-        Tied weights appear once, under the name the HF checkpoint stores.
+        Tied weights appear once, under the name the HF checkpoint stores. `views` (the weight
+        sync only): a backend may give a tensor that no view of its parameters shapes as HF does
+        as a roles.weight_views.LazyReshape instead of a copy (megatron's q/k/v at TP1); this
+        backend's parameters are HF tensors already.
         """
         for name, param in self.model.named_parameters():
             yield name, param.detach().to(self.config.torch_dtype)
@@ -136,7 +140,7 @@ class ActorTrainer(TrainerRole):
 
         # The bucket buffers sit where the weights are: on the device only when onloaded.
         resident = "params" not in self._core.offloaded
-        totals = send_to_engines(self.named_weights(), engines, buffer_bytes, engine_gpus=engine_gpus,
+        totals = send_to_engines(self.named_weights(views=True), engines, buffer_bytes, engine_gpus=engine_gpus,
                                  timeout_s=timeout_s, memory=self._core.memory if resident else None, on_bucket=acked)
         for future in [engine.set_weight_version.call(version) for engine in engines]:
             future.result(timeout_s)

@@ -24,7 +24,9 @@ import torch
 import torch.nn.functional as F
 from safetensors import safe_open
 
-from roles.weight_sync import checksum_named_tensors, dtype_name, unpack_bucket
+from roles.weight_checksum import checksum_named_tensors
+from roles.weight_sync import dtype_name, unpack_bucket
+from roles.weight_views import copy_into
 
 FAMILIES = ("qwen3", "qwen2", "llama", "mistral")
 
@@ -189,9 +191,9 @@ class Weights:
                                  f"the model's is {dtype_name(target.dtype)}; cast on the sender")
         with torch.no_grad():
             # in place (graphs captured over these views see it), batched: a direct bucket holds
-            # ~400 tensors, and one copy_ each is one launch each (torch falls back to copy_ per
-            # pair where the fast path does not apply, e.g. a CPU bucket for a GPU engine)
-            torch._foreach_copy_([self.named[name] for name, _ in named], [tensor for _, tensor in named])
+            # ~400 tensors, and one copy_ each is one launch each; q/k/v windows (LazyReshape) go
+            # into the views reshaped to the window's shape
+            copy_into([self.named[name] for name, _ in named], [tensor for _, tensor in named])
         return len(named)
 
     def checksum(self) -> dict[str, str]:

@@ -186,15 +186,16 @@ class MegatronCore:
         groups of dp rank 0, CP rank 0 (the other dp and CP ranks hold replicas)."""
         return self.dp_rank == 0 and self.cp_rank == 0
 
-    def named_hf_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+    def named_hf_weights(self, views: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
         """(HF name, full tensor in the compute dtype), the TP shards all-gathered: on pipeline
         stage 0 the whole model, stage by stage; on a later stage its own stage's weights
         (roles.trainer.megatron.export). A collective over the TP and pipeline groups: every
-        rank for which `gathers_weights` holds consumes it whole, in step with its peers."""
+        rank for which `gathers_weights` holds consumes it whole, in step with its peers.
+        `views` (the weight sync): q/k/v at TP1 as LazyReshapes of the parameters (mapper.to_hf)."""
         return model_hf_weights({n: p.detach() for n, p in self.module.named_parameters()}, self.shape,
                                 tp_size=self.tp_size, tp_shards=lambda name, t: all_gather_shards(t, self.tp_group),
                                 pp_group=self.pp_group, pp_rank=self.pp_rank, pp_size=self.pp_size, spec=self.spec,
-                                critic=self.critic, device=self.device)
+                                critic=self.critic, device=self.device, views=views)
 
     def _param_tensors(self) -> list[torch.Tensor]:
         """DDP's flat param buffers (distributed optimizer), else the parameters themselves."""

@@ -21,22 +21,27 @@ import torch.distributed as dist
 
 from roles.trainer.megatron.mapper import stage_to_hf
 from roles.trainer.megatron.shape import ModelShape
+from roles.weight_views import LazyReshape
 
-NamedTensors = Iterator[tuple[str, torch.Tensor]]
+NamedTensors = Iterator[tuple[str, torch.Tensor | LazyReshape]]
 Meta = list[tuple[str, torch.Size, torch.dtype]]
 
 
 def model_hf_weights(params: Mapping[str, torch.Tensor], shape: ModelShape, *, tp_size: int,
                      tp_shards: Callable[[str, torch.Tensor], list[torch.Tensor]], pp_group: dist.ProcessGroup | None,
-                     pp_rank: int, pp_size: int, spec: str, critic: bool, device: torch.device | str) -> NamedTensors:
+                     pp_rank: int, pp_size: int, spec: str, critic: bool, device: torch.device | str,
+                     views: bool = False) -> NamedTensors:
     """The HF pairs of a TP x PP sharded megatron model, as pipeline_named_tensors delivers
     them. `params`: this rank's megatron parameters by name; `tp_shards(name, tensor)`:
     every TP rank's version of one, in rank order (e.g. all_gather_shards: a collective over
-    the TP group). The metadata is the mapping run on meta tensors shaped as the TP shards."""
+    the TP group). The metadata is the mapping run on meta tensors shaped as the TP shards.
+    `views` (the weight sync): pp rank 0's own q/k/v at TP1 come as LazyReshapes (mapper.to_hf);
+    a later stage's pairs are broadcast, HF-shaped, whatever it is."""
     stage = dict(pp_rank=pp_rank, pp_size=pp_size, spec=spec, critic=critic)
 
     def own() -> NamedTensors:
-        return stage_to_hf(lambda name: tp_shards(name, params[name]), shape, **stage)
+        # only pp rank 0 consumes its own pairs here; a later stage broadcasts them (_send)
+        return stage_to_hf(lambda name: tp_shards(name, params[name]), shape, **stage, views=views and pp_rank == 0)
 
     def own_meta() -> Meta:
         pairs = stage_to_hf(lambda name: [params[name].to("meta")] * tp_size, shape, **stage)

@@ -29,6 +29,7 @@ from typing import Callable, Iterator, Mapping
 import torch
 
 from roles.trainer.megatron.shape import ModelShape
+from roles.weight_views import LazyReshape
 
 SPECS = ("local", "te")
 
@@ -153,11 +154,17 @@ def to_megatron(name: str, hf: Mapping[str, torch.Tensor], shape: ModelShape, *,
 
 
 def to_hf(name: str, shards: list[torch.Tensor], shape: ModelShape, *, layer_offset: int, spec: str = "local",
-          critic: bool = False) -> list[tuple[str, torch.Tensor]]:
+          critic: bool = False, views: bool = False) -> list[tuple[str, torch.Tensor | LazyReshape]]:
     """HF (name, tensor) pairs of megatron parameter `name`, from its shards of every TP rank
     in rank order. The HF tensors of the tied output layer are left out (the embedding
     carries them). With one shard every tensor but q/k/v is a view of the shard (no copy):
-    callers that keep or modify them copy first."""
+    callers that keep or modify them copy first.
+
+    q/k/v are copies (their rows interleave per query group: no view of the fused parameter
+    has the HF shape), except that with `views` and one shard they come as LazyReshapes of
+    the strided windows [groups, rows per group, *rest] (roles.weight_views: the weight sync,
+    which sends them unpacked); at TP>1 the windows would be of a gathered temporary, so they
+    are copies there too."""
     targets = hf_sources(name, shape, layer_offset=layer_offset, spec=spec, critic=critic)
     kind = _kind(name, critic)
     if name == "output_layer.weight" and not critic and shape.tied_embeddings:
@@ -167,9 +174,10 @@ def to_hf(name: str, shards: list[torch.Tensor], shape: ModelShape, *, layer_off
         full = _cat(shards, dim=0)
         rest = full.shape[1:]
         grouped = full.reshape(shape.num_query_groups, (qpg + 2) * d, *rest)
-        q, k, v = grouped.split([qpg * d, d, d], dim=1)
-        # the one copy of the mapping: q, k and v rows interleave per query group
-        return [(t, x.reshape(-1, *rest)) for t, x in zip(targets, (q, k, v))]
+        windows = [LazyReshape(x, (x.shape[0] * x.shape[1], *rest)) for x in grouped.split([qpg * d, d, d], dim=1)]
+        lazy = views and len(shards) == 1
+        # else the one copy of the mapping (a view where one exists: a single query group)
+        return [(t, w if lazy else w.materialize()) for t, w in zip(targets, windows)]
     if kind == "fc1":
         halves = [s.chunk(2, dim=0) for s in shards]
         gate = _cat([h[0] for h in halves], dim=0)
@@ -212,14 +220,15 @@ def hf_to_megatron(hf: Mapping[str, torch.Tensor], shape: ModelShape, *, tp_rank
 
 
 def stage_to_hf(shards: Callable[[str], list[torch.Tensor]], shape: ModelShape, *, pp_rank: int, pp_size: int,
-                spec: str = "local", critic: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+                spec: str = "local", critic: bool = False,
+                views: bool = False) -> Iterator[tuple[str, torch.Tensor | LazyReshape]]:
     """HF (name, tensor) pairs of one pipeline stage, in megatron_names' order, its layers
     under their global indices. `shards(name)` gives a parameter's shards of every TP rank in
     rank order; it is called lazily, one parameter at a time (a caller may all-gather there).
-    Meta tensors give the names, shapes and dtypes without data."""
+    Meta tensors give the names, shapes and dtypes without data. `views`: as `to_hf`'s."""
     offset = layer_offset(shape, pp_rank=pp_rank, pp_size=pp_size)
     for name in megatron_names(shape, pp_rank=pp_rank, pp_size=pp_size, spec=spec, critic=critic):
-        yield from to_hf(name, shards(name), shape, layer_offset=offset, spec=spec, critic=critic)
+        yield from to_hf(name, shards(name), shape, layer_offset=offset, spec=spec, critic=critic, views=views)
 
 
 def megatron_to_hf(states: list[list[Mapping[str, torch.Tensor]]], shape: ModelShape, *, spec: str = "local",

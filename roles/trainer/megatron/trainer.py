@@ -151,10 +151,11 @@ class MegatronActorTrainer(_MegatronRole):
 
     # ---- weights (ActorTrainer's endpoints over named_weights) ---------------------------
 
-    def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """(HF name, tensor in the compute dtype): megatron's tensors mapped back to HF names."""
+    def named_weights(self, views: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+        """(HF name, tensor in the compute dtype): megatron's tensors mapped back to HF names;
+        `views`: q/k/v at TP1 as LazyReshapes (ActorTrainer.named_weights)."""
         self._core.require_onloaded("params")
-        yield from self._core.named_hf_weights()
+        yield from self._core.named_hf_weights(views=views)
 
     def _weights_out(self, endpoint_fn, *args, **kwargs):
         """Run ActorTrainer's weight endpoint: rank 0 reads named_weights; its TP and pipeline
