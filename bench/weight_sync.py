@@ -27,6 +27,11 @@ sync at TP1 PP1: q/k/v as strided windows, `roles.weight_views.LazyReshape`):
 - megatron, production packed: the same call with direct=False (every tensor packed), the
   sender of the production row before direct buckets, side by side in the same run
 - megatron pack only: the same packing with no receiver (the sender's share)
+- megatron plan only: the production sender's mapping and direct-bucket listing, no receiver
+  (the sender's share of the production row, before anything is sent)
+- megatron copy only: the receiver's copies of the production row (HF tensors from the
+  megatron windows into HF-shaped tensors) in the sender's process, no IPC: by `copy_into`
+  (batched, as the receivers) and by one `copy_` each (as the memcpy peer)
 - host: buckets through host memory (D2H, shared-memory frame, H2D); with --host (slow)
 - peer: one process copying the same tensors device to device (the memcpy ceiling)
 
@@ -175,8 +180,9 @@ class Sender(Actor):
 
     @endpoint
     def push(self, receiver, layout: str, buffer_bytes: int, num_buffers: int, gpus: list[int] | None,
-             reps: int = 3, production: bool = False, direct: bool = True) -> dict:
-        """Median seconds of `reps` syncs after a warm-up; receiver=None: packing only;
+             reps: int = 3, production: bool = False, direct: bool = False) -> dict:
+        """Median seconds of `reps` syncs after a warm-up; receiver=None: packing only (with
+        `direct`, planning only: the mapping and the direct bucket's listing, no copy);
         production: the actor's sender (`send_to_engines`, its own buffer count; `direct`
         passed on), with the last sync's per-bucket send and ack times (`bucket_breakdown`)."""
         import torch
@@ -203,7 +209,8 @@ class Sender(Actor):
                 totals = send_to_engines(self._named(layout), [receiver], buffer_bytes, engine_gpus=[gpus],
                                          on_bucket=acked, direct=direct)
             else:
-                totals = push_weights(self._named(layout), send, buffer_bytes, num_buffers=num_buffers)
+                totals = push_weights(self._named(layout), send, buffer_bytes, num_buffers=num_buffers,
+                                      direct=(lambda device: True) if direct else None)
             torch.cuda.synchronize()
             times.append(time.perf_counter() - t0)
         timing = {"sync_start": sync_start, "sends": list(sends)} if production else {}
@@ -217,13 +224,46 @@ class Sender(Actor):
     def peer_copy(self) -> dict:
         import torch
         dst = {n: torch.empty_like(t) for n, t in self.params.items()}
-        for _ in range(2):  # first pass warms up the allocator
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
+
+        def run():
             for n, t in self.params.items():
                 dst[n].copy_(t)
-            torch.cuda.synchronize()
-        return {"num_bytes": sum(t.numel() * 2 for t in self.params.values()), "seconds": time.perf_counter() - t0}
+
+        return {"num_bytes": sum(t.numel() * 2 for t in self.params.values()), "seconds": _second_pass_seconds(run)}
+
+    @endpoint
+    def local_copy(self, batched: bool) -> dict:
+        """The receiver's copies of a megatron sync without IPC or messages: the HF tensors read
+        from the megatron windows (q/k/v strided) into HF-shaped tensors of this process, by
+        `copy_into` (batched) or one `copy_` each (what the memcpy peer does)."""
+        import torch
+        from roles.weight_views import LazyReshape, copy_into
+
+        named = list(self._named("megatron"))
+        dst = [torch.empty(t.shape, dtype=t.dtype, device="cuda") for _, t in named]
+
+        def run():
+            if batched:
+                copy_into(dst, [t for _, t in named])
+                return
+            for d, (_, t) in zip(dst, named):
+                if isinstance(t, LazyReshape):
+                    d, t = d.view(t.view.shape), t.view
+                d.copy_(t)
+
+        return {"num_bytes": sum(d.nbytes for d in dst), "seconds": _second_pass_seconds(run)}
+
+
+def _second_pass_seconds(run) -> float:
+    """Seconds of `run()`'s second pass, synchronized (the first warms up the allocator)."""
+    import torch
+
+    for _ in range(2):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        run()
+        torch.cuda.synchronize()
+    return time.perf_counter() - t0
 
 
 def print_breakdown(row: str, buckets: list[dict]) -> None:
@@ -266,9 +306,14 @@ def main(argv=None) -> dict:
                     timed(f"{layout}, {buffers} buffer{'s' if buffers > 1 else ''}", layout, mb << 20, buffers)
             rows.append({"row": "megatron pack only", "bucket_mb": mb, **snd.push(None, "megatron", mb << 20, 1, None)})
         for layout in ("hf", "megatron"):
-            timed(f"{layout}, production", layout, DEFAULT_BUFFER_BYTES, SYNC_NUM_BUFFERS, production=True)
-        timed("megatron, production packed", "megatron", DEFAULT_BUFFER_BYTES, SYNC_NUM_BUFFERS, production=True,
-              direct=False)
+            timed(f"{layout}, production", layout, DEFAULT_BUFFER_BYTES, SYNC_NUM_BUFFERS, production=True,
+                  direct=True)
+        timed("megatron, production packed", "megatron", DEFAULT_BUFFER_BYTES, SYNC_NUM_BUFFERS, production=True)
+        rows.append({"row": "megatron plan only", "bucket_mb": DEFAULT_BUFFER_BYTES >> 20,
+                     **snd.push(None, "megatron", DEFAULT_BUFFER_BYTES, SYNC_NUM_BUFFERS, None, direct=True)})
+        for batched in (True, False):
+            rows.append({"row": f"megatron copy only, {'copy_into' if batched else 'copy_ each'}", "bucket_mb": None,
+                         **snd.local_copy(batched)})
         if args.host:
             rows.append({"row": "hf, host staging", "bucket_mb": args.bucket_mb[0],
                          **snd.push(rcv, "hf", args.bucket_mb[0] << 20, 1, None, reps=1)})
