@@ -57,6 +57,7 @@ per sync and engine.
 
 from __future__ import annotations
 
+import functools
 import time
 from typing import Any, Callable, Iterable, Iterator
 
@@ -316,6 +317,7 @@ def send_to_engines(named_tensors: NamedTensors, engines: list, buffer_bytes: in
     if len(gpus) != len(engines):
         raise ValueError(f"engine_gpus has {len(gpus)} entries for {len(engines)} engines")
 
+    @functools.cache  # asked for each of ~400 tensors, all on one device
     def all_engines_see(device: torch.device) -> bool:
         return bool(engines) and all(_sees(device, g) for g in gpus)
 

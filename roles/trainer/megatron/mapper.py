@@ -97,8 +97,16 @@ def hf_sources(name: str, shape: ModelShape, *, layer_offset: int, spec: str = "
         return ["value_head.bias"]
     index, tail = _layer_parts(name)
     p = f"{trunk}layers.{index + layer_offset}."
-    norms = _NORM_NAMES[spec]
-    table = {
+    table = _LAYER_TABLES[spec]
+    if tail not in table:
+        raise KeyError(f"megatron parameter {name!r} has no HF counterpart in this mapper")
+    return [p + t for t in table[tail]]
+
+
+# megatron name within a layer -> the HF names within a layer it is made of, per spec (built once:
+# the weight sync maps every parameter on every sync)
+_LAYER_TABLES = {
+    spec: {
         norms["input"]: ["input_layernorm.weight"],
         norms["pre_mlp"]: ["post_attention_layernorm.weight"],
         "self_attention.linear_qkv.weight": ["self_attn.q_proj.weight", "self_attn.k_proj.weight",
@@ -110,9 +118,8 @@ def hf_sources(name: str, shape: ModelShape, *, layer_offset: int, spec: str = "
         "mlp.linear_fc1.weight": ["mlp.gate_proj.weight", "mlp.up_proj.weight"],
         "mlp.linear_fc2.weight": ["mlp.down_proj.weight"],
     }
-    if tail not in table:
-        raise KeyError(f"megatron parameter {name!r} has no HF counterpart in this mapper")
-    return [p + t for t in table[tail]]
+    for spec, norms in _NORM_NAMES.items()
+}
 
 
 def _kind(name: str, critic: bool) -> str:
