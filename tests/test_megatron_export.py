@@ -85,17 +85,22 @@ def test_stage_names_carry_the_global_layer_offset():
 
 def _export_pp4_worker(rank: int, group) -> list:
     from roles.trainer.megatron.export import model_hf_weights
+    from roles.weight_views import LazyReshape
 
     shape = shape_from_hf(qwen3_config(False))
     stage = hf_to_megatron(_reference(False, False, torch.float32), shape, tp_rank=0, tp_size=1, pp_rank=rank,
                            pp_size=4)
-    return list(model_hf_weights(stage, shape, tp_size=1, tp_shards=lambda name, t: [t], pp_group=group,
-                                 pp_rank=rank, pp_size=4, spec="local", critic=False, device="cpu"))
+    pairs = model_hf_weights(stage, shape, tp_size=1, tp_shards=lambda name, t: [t], pp_group=group,
+                             pp_rank=rank, pp_size=4, spec="local", critic=False, device="cpu", views=True)
+    # (name, tensor): a LazyReshape as its HF tensor, its name marked
+    return [(name + " (lazy)", t.materialize()) if isinstance(t, LazyReshape) else (name, t) for name, t in pairs]
 
 
 def test_with_four_stages_rank_zero_gets_all_in_order_and_the_middle_stages_their_own(tmp_path):
     """PP4 of the 4-layer model: stage k holds layer k (stage 0 the embedding too, stage 3 the
-    norm and the head)."""
+    norm and the head). Exported for the weight sync (`views`): rank 0's own q/k/v come as
+    windows of its parameters (LazyReshape), every stage's it receives as HF tensors, and a
+    later stage broadcasts HF tensors (it checks them against the announced shapes)."""
     hf = _reference(False, False, torch.float32)
     ranks = run_gloo_ranks(_export_pp4_worker, tmp_path, world_size=4)
 
@@ -104,6 +109,10 @@ def test_with_four_stages_rank_zero_gets_all_in_order_and_the_middle_stages_thei
             return int(name.split(".")[2])
         return 0 if name == "model.embed_tokens.weight" else 3
 
+    lazy = [name.removesuffix(" (lazy)") for name, _ in ranks[0] if name.endswith(" (lazy)")]
+    assert lazy == [f"model.layers.0.self_attn.{x}_proj.weight" for x in "qkv"]
+    assert not any(name.endswith(" (lazy)") for pairs in ranks[1:] for name, _ in pairs)
+    ranks[0] = [(name.removesuffix(" (lazy)"), t) for name, t in ranks[0]]
     for rank, pairs in enumerate(ranks):
         names = [name for name, _ in pairs]
         want = set(hf) if rank == 0 else {n for n in hf if stage_of(n) == rank}
