@@ -1,5 +1,13 @@
-"""Tensor, context and pipeline parallelism of the megatron trainer on ONE GPU
+"""Tensor, context, pipeline and data parallelism of the megatron trainer on ONE GPU
 (`bash .ci/gpu tests/test_megatron_gpu_parallel.py`).
+
+Every layout is driven as the driver's TrainerGroup drives a rank group
+(roles.trainer.group): each rank gets its data-parallel rank's share of the batch
+(roles.trainer.sharding.plan_forward / plan_train, cut by take_rows), and the output ranks'
+results are put back in batch order by sharding.put_rows. With dp size 1 the share is the
+whole batch. DP2 splits it: rows 0, 3 and rows 1, 2 (balanced by tokens), one train
+mini-batch of 2 rows per rank divided by the whole mini-batch's counts; megatron's DDP SUMS
+the two ranks' gradients (roles.trainer.megatron.core) and the metrics are summed over dp.
 
 NCCL refuses two ranks on one GPU, so the multi-rank runs use gloo, which takes CUDA tensors
 for all_reduce, broadcast and all_gather (through the host). Every collective of TP2
@@ -52,8 +60,9 @@ LAYOUTS = {"ref": dict(world=1), "tp2": dict(world=2, tensor_model_parallel_size
            "cp2": dict(world=2, context_parallel_size=2),
            "ref_tied": dict(world=1, tied=True),
            "pp2": dict(world=2, pipeline_model_parallel_size=2, tied=True, max_tokens_per_gpu=16),
-           "pp2cp2": dict(world=4, pipeline_model_parallel_size=2, context_parallel_size=2, max_tokens_per_gpu=8)}
-PARALLEL = ["tp2", "cp2", "pp2", "pp2cp2"]
+           "pp2cp2": dict(world=4, pipeline_model_parallel_size=2, context_parallel_size=2, max_tokens_per_gpu=8),
+           "dp2": dict(world=2)}  # data parallelism: what is left of the world after tp, cp and pp
+PARALLEL = ["tp2", "cp2", "pp2", "pp2cp2", "dp2"]
 RUN_DEADLINE_S = 120  # every layout's processes, together
 
 
@@ -135,7 +144,7 @@ def _steps(layout: str, rank: int, port: int, ckpt: str, keep) -> None:
     spec = dict(LAYOUTS[layout])
     world = spec.pop("world")
     spec.pop("tied", None)  # the fixture picked the checkpoint
-    torch.set_num_threads(2)  # up to 12 processes share the machine's cores
+    torch.set_num_threads(2)  # up to 14 processes share the machine's cores
     p2p = None
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     if world > 1:
@@ -149,36 +158,67 @@ def _steps(layout: str, rank: int, port: int, ckpt: str, keep) -> None:
     from transformers import AutoConfig
 
     from roles.trainer.megatron import MegatronActorTrainer, MegatronCriticTrainer
-    from roles.trainer.sharding import plan_train
+    from roles.trainer.sharding import plan_forward, plan_train, take_rows
     from tests.test_megatron_gpu import make_batch
 
     cfg = _config(ckpt, **spec)
     batch = make_batch(AutoConfig.from_pretrained(ckpt).vocab_size)
-    minis = plan_train(batch, 1, cfg["global_batch_size"], cfg["loss_agg_mode"])[1][0]
-    g = torch.Generator().manual_seed(1)
+    g = torch.Generator().manual_seed(1)  # the same draws on every rank (and in the references)
     actor = MegatronActorTrainer(cfg)
     actor.onload(["params", "grads", "optimizer"])
+    lay = actor.rank_layout()
+    dp_rank, dp_size = lay["dp_rank"], lay["dp_size"]
+    rows = plan_forward(batch, dp_size)[dp_rank]  # TrainerGroup._call_sharded's share
+    share = take_rows(batch, rows)
     tc = actor._core.tconfig  # the p2p path the stand-in replaces (module docstring)
     keep(p2p_path=dict(batch_p2p_comm=tc.batch_p2p_comm, ring=tc.use_ring_exchange_p2p,
                        overlap=tc.overlap_p2p_comm, variable_seq_lengths=tc.variable_seq_lengths))
-    lp = actor.compute_log_probs(batch)["log_probs"]
-    keep(layout=actor.rank_layout(), lp=lp)
+    lp = actor.compute_log_probs(share)["log_probs"]
+    keep(layout=lay, rows=rows, lp=lp)
     keep(weights={k: v.cpu() for k, v in actor.named_weights()})  # each TP / pipeline group gathers in step
-    # before the last pipeline stage lp is zeros (not an output rank); only the last stage reads old_log_probs
-    train = {**batch, "old_log_probs": lp + 0.01 * torch.randn(lp.shape, generator=g),
+    # the driver builds the train batch from the gathered log-probs, then the group splits it (_call_train)
+    train = {**batch, "old_log_probs": _all_gathered(lay, rows, "lp", lp) + 0.01 * torch.randn(4, 6, generator=g),
              "advantages": torch.randn(4, 6, generator=g)}
-    keep(train=actor.train(train, mini_batches=minis))
-    keep(lp_after=actor.compute_log_probs(batch)["log_probs"], p2p=p2p and dict(p2p))
+    train_rows, minis = (plan[dp_rank] for plan in plan_train(train, dp_size, cfg["global_batch_size"],
+                                                              cfg["loss_agg_mode"]))
+    keep(train_rows=train_rows, minis=minis, train=actor.train(take_rows(train, train_rows), mini_batches=minis))
+    keep(lp_after=actor.compute_log_probs(share)["log_probs"], p2p=p2p and dict(p2p))
     keep(weights_after={k: v.cpu() for k, v in actor.named_weights()}, checksum=actor.weights_checksum())
     keep(save_hf=actor.save_hf(f"{os.path.dirname(ckpt)}/{layout}.{rank}.hf"))  # rank 0 writes; its peers gather
     actor.offload(["params", "grads", "optimizer"])
     critic = MegatronCriticTrainer(_config(ckpt, keep_ref=False, **spec))
     critic.onload(["params", "grads", "optimizer"])
-    values = critic.compute_values(batch)["values"]
+    values = critic.compute_values(share)["values"]
     keep(values=values)
-    critic_train = {**batch, "old_values": values, "returns": torch.randn(4, 6, generator=g)}
-    keep(critic_train=critic.train(critic_train, mini_batches=minis))
-    keep(values_after=critic.compute_values(batch)["values"])
+    critic_train = {**batch, "old_values": _all_gathered(lay, rows, "values", values),
+                    "returns": torch.randn(4, 6, generator=g)}
+    keep(critic_train=critic.train(take_rows(critic_train, train_rows), mini_batches=minis))
+    keep(values_after=critic.compute_values(share)["values"])
+
+
+def _all_gathered(rank_layout: dict, rows: list[int], key: str, value: torch.Tensor) -> torch.Tensor:
+    """What the driver gets back from the group for `key`: every rank's result exchanged
+    (all_gather_object over the world), then _gathered, in every rank."""
+    import torch.distributed as dist
+
+    mine = {"layout": rank_layout, "rows": rows, key: value}
+    if dist.get_world_size() == 1:
+        return _gathered([mine], key)
+    everyone: list = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    return _gathered(everyone, key)
+
+
+def _gathered(ranks: list[dict], key: str) -> torch.Tensor:
+    """TrainerGroup's result of a batch endpoint: the output rank of each dp rank
+    (TrainerGroup._outputs), its rows put back in batch order (sharding.put_rows, as
+    TrainerGroup._call_sharded combines them)."""
+    from roles.trainer.sharding import put_rows
+
+    outputs = sorted((r for r in ranks if r["layout"]["is_output"]), key=lambda r: r["layout"]["dp_rank"])
+    assert [r["layout"]["dp_rank"] for r in outputs] == list(range(ranks[0]["layout"]["dp_size"])), \
+        [r["layout"] for r in ranks]
+    return put_rows([(r["rows"], {key: r[key]}) for r in outputs], sum(len(r["rows"]) for r in outputs))[key]
 
 
 def _free_port() -> int:
@@ -236,38 +276,69 @@ def _need(runs, layout: str, *keys: str) -> tuple[dict, list[dict]]:
     return runs[ref][0], runs[layout]
 
 
-def _coords(layout: str, rank: int) -> dict[str, int]:
-    """(tp, cp, pp) rank of a global rank in megatron's order tp, cp, dp, pp (dp size 1 here)."""
+AXES = ("tp", "cp", "dp", "pp")  # megatron's rank order, fastest first
+
+
+def _sizes(layout: str) -> dict[str, int]:
     spec = LAYOUTS[layout]
     tp, cp = spec.get("tensor_model_parallel_size", 1), spec.get("context_parallel_size", 1)
-    return {"tp": rank % tp, "cp": rank // tp % cp, "pp": rank // (tp * cp)}
+    pp = spec.get("pipeline_model_parallel_size", 1)
+    return {"tp": tp, "cp": cp, "dp": spec["world"] // (tp * cp * pp), "pp": pp}
+
+
+def _coords(layout: str, rank: int) -> dict[str, int]:
+    """(tp, cp, dp, pp) rank of a global rank, in megatron's order tp, cp, dp, pp."""
+    out, stride = {}, 1
+    for axis in AXES:
+        out[axis] = rank // stride % _sizes(layout)[axis]
+        stride *= _sizes(layout)[axis]
+    return out
+
+
+def _rank(layout: str, coords: dict[str, int]) -> int:
+    """The global rank at `coords` (the inverse of _coords)."""
+    rank, stride = 0, 1
+    for axis in AXES:
+        rank += coords[axis] * stride
+        stride *= _sizes(layout)[axis]
+    return rank
 
 
 def _last_stage(layout: str, rank: int) -> bool:
-    return _coords(layout, rank)["pp"] == LAYOUTS[layout].get("pipeline_model_parallel_size", 1) - 1
+    return _coords(layout, rank)["pp"] == _sizes(layout)["pp"] - 1
 
 
-def _output(layout: str, ranks: list[dict]) -> dict:
-    """The output rank's results: TP rank 0, CP rank 0 on the last pipeline stage."""
-    (out,) = [r for i, r in enumerate(ranks) if _last_stage(layout, i) and _coords(layout, i)["cp"] == 0
-              and _coords(layout, i)["tp"] == 0]
-    return out
+def _is_output(layout: str, rank: int) -> bool:
+    """The output rank of its dp rank: TP rank 0, CP rank 0 on the last pipeline stage."""
+    c = _coords(layout, rank)
+    return c["tp"] == 0 and c["cp"] == 0 and _last_stage(layout, rank)
 
 
 TIGHT = dict(rtol=0.0, atol=1e-4)  # float32; the ranks only reorder sums
 
 
+def _check_shares(ref: dict, layout: str, ranks: list[dict], key: str) -> None:
+    """Each last-stage rank's `key` over its share equals the reference's rows (TP peers
+    compute the same rows; CP peers gather them), earlier stages return zeros (not output
+    ranks: MegatronCore.forward_only); gathered as the group gathers, the whole reference."""
+    for i, r in enumerate(ranks):
+        if _last_stage(layout, i):
+            torch.testing.assert_close(r[key], ref[key][r["rows"], :r[key].shape[1]], **TIGHT, msg=f"rank {i}")
+        else:
+            assert not r[key].any(), i
+    torch.testing.assert_close(_gathered(ranks, key), ref[key], **TIGHT)
+
+
 @pytest.mark.parametrize("layout", PARALLEL)
 def test_parallel_ranks_equal_one_rank_log_probs(runs, layout):
-    ref, ranks = _need(runs, layout, "layout", "lp")
+    ref, ranks = _need(runs, layout, "layout", "rows", "lp")
+    sizes = _sizes(layout)
     for i, r in enumerate(ranks):
         c = _coords(layout, i)
-        assert r["layout"] == {"dp_rank": 0, "dp_size": 1,
-                               "is_output": c["tp"] == 0 and c["cp"] == 0 and _last_stage(layout, i)}, i
-        if _last_stage(layout, i):  # TP peers compute the same rows; CP peers gather them
-            torch.testing.assert_close(r["lp"], ref["lp"], **TIGHT)
-        else:  # earlier pipeline stages are not output ranks (MegatronCore.forward_only)
-            assert not r["lp"].any(), i
+        assert r["layout"] == {"dp_rank": c["dp"], "dp_size": sizes["dp"], "is_output": _is_output(layout, i)}, i
+        if sizes["dp"] > 1:  # a real split: each dp rank got part of the batch
+            assert 0 < len(r["rows"]) < len(ref["rows"]), (i, r["rows"])
+    _check_shares(ref, layout, ranks, "lp")
 
 
 @pytest.mark.parametrize("layout", ["pp2", "pp2cp2"])
@@ -286,29 +357,41 @@ def test_pipeline_stages_talk_through_megatrons_batched_p2p(runs, layout):
         assert r["p2p"]["sent"] > 0 and r["p2p"]["received"] > 0, (i, r["p2p"])
 
 
+def _check_metrics(ref: dict, layout: str, ranks: list[dict], key: str) -> None:
+    """Every rank reports the whole global batch's metrics (summed over the dp ranks' shares;
+    PP: broadcast from the last stage), equal to the reference's; the output ranks (one per
+    dp rank, the group returns the first) exactly equal (the rank contract). grad_norm is what
+    catches a dp reduction that averages, or drops a rank's share: Adam's first step is
+    nearly scale-invariant (~lr * sign(grad)), so the weights and log-probs after it hardly
+    tell (the replicas' bit-identity in the weights test catches a missing all-reduce)."""
+    for i, r in enumerate(ranks):
+        assert set(r[key]) == set(ref[key]), i
+        for name, value in ref[key].items():
+            assert r[key][name] == pytest.approx(value, rel=1e-3, abs=1e-5), (i, name)
+    outputs = [r[key] for i, r in enumerate(ranks) if _is_output(layout, i)]
+    assert all(m == outputs[0] for m in outputs), outputs
+    assert outputs[0]["skipped_nonfinite"] == 0 and outputs[0]["grad_norm"] > 0
+
+
 @pytest.mark.parametrize("layout", PARALLEL)
 def test_parallel_ranks_equal_one_rank_ppo_update(runs, layout):
     ref, ranks = _need(runs, layout, "train", "lp_after")
-    for i, r in enumerate(ranks):  # every rank reports the metrics (PP: broadcast from the last stage)
-        for key, value in ref["train"].items():
-            assert r["train"][key] == pytest.approx(value, rel=1e-3, abs=1e-5), (i, key)
-    out = _output(layout, ranks)
-    assert out["train"]["skipped_nonfinite"] == 0 and out["train"]["grad_norm"] > 0
-    assert (out["lp_after"] - out["lp"]).abs().max() > 1e-3  # the update moved the policy
+    for i, r in enumerate(ranks):  # the group's split: this dp rank's part of each mini-batch
+        assert [m["num_samples"] for m in r["minis"]] == [len(r["train_rows"])], i
+        assert r["minis"][0]["global_batch_size"] == len(ref["train_rows"]), i
+    _check_metrics(ref, layout, ranks, "train")
+    lp_after = _gathered(ranks, "lp_after")
+    assert (lp_after - _gathered(ranks, "lp")).abs().max() > 1e-3  # the update moved the policy
     # Adam divides by sqrt(v): near-zero gradients may move a weight by up to ~lr either way
-    torch.testing.assert_close(out["lp_after"], ref["lp_after"], rtol=0.0, atol=2e-3)
+    torch.testing.assert_close(lp_after, ref["lp_after"], rtol=0.0, atol=2e-3)
 
 
 @pytest.mark.parametrize("layout", PARALLEL)
 def test_parallel_ranks_equal_one_rank_critic(runs, layout):
     ref, ranks = _need(runs, layout, "values", "critic_train", "values_after")
-    for i, r in enumerate(ranks):
-        if _last_stage(layout, i):
-            torch.testing.assert_close(r["values"], ref["values"], **TIGHT)
-    out = _output(layout, ranks)
-    for key, value in ref["critic_train"].items():
-        assert out["critic_train"][key] == pytest.approx(value, rel=1e-3, abs=1e-5), key
-    torch.testing.assert_close(out["values_after"], ref["values_after"], rtol=0.0, atol=2e-3)
+    _check_shares(ref, layout, ranks, "values")
+    _check_metrics(ref, layout, ranks, "critic_train")
+    torch.testing.assert_close(_gathered(ranks, "values_after"), ref["values_after"], rtol=0.0, atol=2e-3)
 
 
 @pytest.mark.parametrize("layout", PARALLEL)
@@ -329,7 +412,12 @@ def test_gathered_hf_weights_are_the_checkpoint_and_follow_the_update(runs, layo
     assert set(out["checksum"]) == set(hf)
     for i, r in enumerate(ranks):  # dp 0, cp 0 gather: on stage 0 the whole model, later stages their own part
         c = _coords(layout, i)
-        if c["cp"] != 0:
+        if c["dp"] != 0:  # a data-parallel replica: the weights of its dp-0 twin, bit for bit
+            twin = ranks[_rank(layout, {**c, "dp": 0})]
+            for key in ("weights", "weights_after"):
+                assert set(r[key]) == set(twin[key]), (i, key)
+                assert all(torch.equal(r[key][k], twin[key][k]) for k in twin[key]), (i, key)
+        if c["cp"] != 0 or c["dp"] != 0:
             assert r["checksum"] == {}, i
         elif c["pp"] == 0:
             assert r["checksum"] == out["checksum"], i
