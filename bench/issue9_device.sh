@@ -33,7 +33,7 @@ step host_pinning 60 python3 -m bench.host_pinning --gib 8
 step host_pinning_resident 90 python3 -m bench.host_pinning --gib 8 --resident-gib 48
 # the weight-sync tests first: on 2026-12-03 these 25 tests needed more than 110 s and the
 # last one (the direct sync) was cut
-step gpu_tests 170 python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_weight_sync.py \
+step gpu_tests 200 python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_weight_sync.py \
   tests/test_offload_host_block_gpu.py tests/test_megatron_gpu.py tests/test_megatron_gpu_parallel.py
 step weight_sync 40 python3 -m bench.weight_sync --json "$OUT/weight_sync.json"
 step trainer 125 python3 -m bench.trainer --backends megatron --tokens 8192 --recompute 8192=none \
