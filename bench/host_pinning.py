@@ -9,8 +9,9 @@ Rows, each a fresh block of the same size, then one device->host copy into it:
 - host block, touched first: the same after writing every page from
   roles.device.TOUCH_THREADS threads; run with OMP_NUM_THREADS=1, as the role processes are,
   to check it does not rely on torch's intra-op threads;
-- host block, GPU's node preferred: HostBlock's default (what the trainers' offload and the
-  rollout engine use), the same with the pages asked from the GPU's NUMA node first.
+- host block, pages placed: HostBlock's default (what the trainers' offload and the rollout
+  engine use), the same with the pages asked from the GPU's NUMA node first and as
+  transparent huge pages (roles.host_pages).
 Each row prints seconds to get the block, the copies' GB/s each way, and all as ratios to torch
 pinned, and the NUMA nodes its pages landed on (from /proc/self/numa_maps).
 
@@ -23,13 +24,14 @@ Needs a CUDA GPU.
 from __future__ import annotations
 
 import argparse
+import re
 import time
 
 import torch
 
 from bench.peers import copy_seconds
 from roles.device import TOUCH_THREADS, HostBlock
-from roles.numa import gpu_node
+from roles.host_pages import gpu_node
 
 
 def _timed(fn):
@@ -54,11 +56,31 @@ def numa_pages(address: int) -> str:
     return " ".join(x for x in holder if x[:1] == "N" and x[1:2].isdigit()) or "?"
 
 
+def huge_page_share(address: int) -> float | None:
+    """AnonHugePages / Rss of the mapping that holds `address` (/proc/self/smaps); None if unknown."""
+    try:
+        with open("/proc/self/smaps") as f:
+            text = f.read()
+    except OSError:
+        return None
+    holder = None
+    for block in re.split(r"\n(?=[0-9a-f]+-[0-9a-f]+ )", text):
+        start, _, end = block.split(" ", 1)[0].partition("-")
+        if int(start, 16) <= address < int(end, 16):
+            holder = dict(re.findall(r"^(\w+):\s+(\d+) kB", block, re.M))
+            break
+    if not holder or not int(holder.get("Rss", 0)):
+        return None
+    return int(holder.get("AnonHugePages", 0)) / int(holder["Rss"])
+
+
 def _row(name: str, dev: torch.Tensor, make) -> tuple:
     """(name, seconds to get the block, D2H GB/s, H2D GB/s, NUMA pages) of a fresh block."""
     block, s = _timed(make)
     host = block.views[0] if isinstance(block, HostBlock) else block
-    row = (name, s, *_copy_rates(dev, host), numa_pages(host.data_ptr()))
+    share = huge_page_share(host.data_ptr())
+    pages = numa_pages(host.data_ptr()) + ("" if share is None else f", {share:.0%} in huge pages")
+    row = (name, s, *_copy_rates(dev, host), pages)
     if isinstance(block, HostBlock):
         block.free()
     return row
@@ -73,9 +95,9 @@ def main(argv: list[str] | None = None) -> None:
     resident = HostBlock([int(args.resident_gib * (1 << 30))], pin=True) if args.resident_gib else None
     dev = torch.empty(n, dtype=torch.uint8, device="cuda")
     rows = [_row("torch pinned", dev, lambda: torch.empty(n, dtype=torch.uint8, pin_memory=True)),
-            _row("host block", dev, lambda: HostBlock([n], pin=True, touch=False, numa=False)),
-            _row("host block, touched first", dev, lambda: HostBlock([n], pin=True, numa=False)),
-            _row("host block, GPU's node preferred", dev, lambda: HostBlock([n], pin=True))]
+            _row("host block", dev, lambda: HostBlock([n], pin=True, touch=False, place_pages=False)),
+            _row("host block, touched first", dev, lambda: HostBlock([n], pin=True, place_pages=False)),
+            _row("host block, pages placed", dev, lambda: HostBlock([n], pin=True))]
     base_s, base_d2h, base_h2d = rows[0][1:4]
     print(f"{args.gib:g} GiB, torch intra-op threads {torch.get_num_threads()}, touch threads {TOUCH_THREADS}, "
           f"GPU's NUMA node {gpu_node()}, resident block {args.resident_gib:g} GiB"

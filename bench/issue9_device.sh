@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Issue 9's proof pass on the lent GPU, in one device call (10 minutes at most):
-#   bash bench/issue9_device.sh OUT_DIR [BUDGET_S]
-# 0. the host's NUMA layout, and bench.host_pinning with and without a 48 GiB block held;
+#   [GPU_TESTS="tests/..."] [ROLLOUTS=100] bash bench/issue9_device.sh OUT_DIR [BUDGET_S]
+# 0. the host's NUMA layout and THP mode, and bench.host_pinning beside a 48 GiB block held;
 # 1. the GPU tests of the megatron trainer (against the torch backend, and parallel layouts
 #    against one rank), of the weight sync and of the host blocks;
 # 2. bench.weight_sync (the production sync against a memcpy of the same bytes);
@@ -28,18 +28,20 @@ step() {  # NAME LIMIT_S CMD...: SIGINT at the limit (benches still print what t
   echo "== $name: rc=$? after $((SECONDS - START)) s"
   tail -n 3 "$OUT/$name.log"
 }
-{ nvidia-smi topo -m; lscpu | grep -i numa; free -g; } > "$OUT/numa.txt" 2>&1
-step host_pinning 60 python3 -m bench.host_pinning --gib 8
-step host_pinning_resident 90 python3 -m bench.host_pinning --gib 8 --resident-gib 48
+{ nvidia-smi topo -m; lscpu | grep -i numa; free -g; cat /sys/kernel/mm/transparent_hugepage/enabled; } \
+  > "$OUT/numa.txt" 2>&1
+step host_pinning 90 python3 -m bench.host_pinning --gib 8 --resident-gib 48
 # the weight-sync tests first: on 2026-12-03 these 25 tests needed more than 110 s and the
 # last one (the direct sync) was cut
-step gpu_tests 200 python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_weight_sync.py \
-  tests/test_offload_host_block_gpu.py tests/test_megatron_gpu.py tests/test_megatron_gpu_parallel.py
+GPU_TESTS=${GPU_TESTS:-tests/test_weight_sync.py tests/test_offload_host_block_gpu.py tests/test_megatron_gpu.py
+  tests/test_megatron_gpu_parallel.py}
+# shellcheck disable=SC2086  # a list of paths
+step gpu_tests 200 python3 -m pytest -m gpu -q -p no:cacheprovider $GPU_TESTS
 step weight_sync 40 python3 -m bench.weight_sync --json "$OUT/weight_sync.json"
 step trainer 125 python3 -m bench.trainer --backends megatron --tokens 8192 --recompute 8192=none \
   --budget-s 90 --out "$OUT/trainer"
 step learning $((BUDGET - (SECONDS - START) - 5)) python3 launch.py --train-backend megatron --no-fake-gpus \
-  --actor-num-gpus-per-node 1 --num-gpus-per-node 1 --num-rollout 100 --check-weight-update-equal \
+  --actor-num-gpus-per-node 1 --num-gpus-per-node 1 --num-rollout "${ROLLOUTS:-100}" --check-weight-update-equal \
   --run-dir /tmp/learning
 cp /tmp/learning/metrics.jsonl "$OUT/learning_metrics.jsonl" 2>/dev/null
 # which sync path the run took: weight_bucket spans record `direct`

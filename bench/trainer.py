@@ -39,6 +39,7 @@ import time
 
 import torch
 
+from bench.host_pinning import huge_page_share, numa_pages
 from bench.peers import memcpy_gbps, pinned_copy_rates
 
 QWEN3_4B = dict(model_type="qwen3", architectures=["Qwen3ForCausalLM"], vocab_size=151936, hidden_size=2560,
@@ -286,8 +287,11 @@ def bench_megatron(ckpt, shape, tokens_list, plan, peak_tflops, results, deadlin
     offload = actor.offload(["params", "grads", "optimizer"])["moves"]
     onload2 = actor.onload(["params", "grads", "optimizer"])["moves"]
     actor.offload(["params", "grads", "optimizer"])
+    blocks = {tag: {"huge_pages": huge_page_share(block.views[0].data_ptr()),
+                    "numa": numa_pages(block.views[0].data_ptr())}
+              for tag, block in actor._core.offloader._host.items() if block.views}
     memory = {"offload_first": offload_first, "offload": offload, "onload_first": onload, "onload": onload2,
-              "adam": adam, "sync": sync,
+              "adam": adam, "sync": sync, "host_blocks": blocks,
               "bytes_in_use_after_offload": actor._core.memory.bytes_in_use()}
     del actor
     gc.collect()
@@ -356,6 +360,9 @@ def markdown(report: dict) -> str:
             lines.append(f"| {tag} | {off['gb_per_s']:.1f} | {off['gb_per_s'] / pinned['d2h']:.2f}x | "
                          f"{on['gb_per_s']:.1f} | {on['gb_per_s'] / pinned['h2d']:.2f}x | {on['alloc_seconds']:.3f} | "
                          f"{off['bytes'] / 1e9:.1f} | {first['gb_per_s']:.1f} |")
+        lines += [f"host block of {tag}: {b['numa']} pages per NUMA node, "
+                  + ("?" if b["huge_pages"] is None else f"{b['huge_pages']:.0%}") + " in huge pages"
+                  for tag, b in mem.get("host_blocks", {}).items()]
         adam = mem["adam"]
         lines += ["", f"Adam step alone: foreach {adam['foreach']['ms']:.1f} ms (+{adam['foreach']['temp_gib']:.1f} GiB "
                   f"temporaries), fused {adam['fused']['ms']:.1f} ms (+{adam['fused']['temp_gib']:.1f} GiB)",

@@ -30,7 +30,7 @@ from typing import Iterator, Literal
 import torch
 from torch import nn
 
-from roles.numa import gpu_node, prefer_node
+from roles.host_pages import advise_huge_pages, gpu_node, prefer_node
 from runtime.fakegpu import FakeOutOfMemory, visible_fake_devices
 from runtime.memory import format_bytes
 
@@ -183,20 +183,22 @@ class HostBlock:
     intra-op pool: role processes run with OMP_NUM_THREADS=1 (ppo.job), where zero_() is one
     thread again.
 
-    numa (when pinning): before any page is touched, prefer the NUMA node of the current GPU
-    (roles.numa): a block made while others fill that node otherwise lands on the far one, and
-    the copies cross the socket link (bench.host_pinning --resident-gib).
+    place_pages (when pinning): before any page is touched, prefer the NUMA node of the current GPU
+    (roles.host_pages): a block made while others fill that node otherwise lands on the far one, and
+    the copies cross the socket link (bench.host_pinning --resident-gib); and ask for
+    transparent huge pages.
 
     The owner keeps the block while the views are in use: dropping it (free() or garbage
     collection) unregisters the pages.
     """
 
-    def __init__(self, sizes: list[int], *, pin: bool, touch: bool = True, numa: bool = True):
+    def __init__(self, sizes: list[int], *, pin: bool, touch: bool = True, place_pages: bool = True):
         self.sizes, self.nbytes = sizes, sum(sizes)
         self._flat = torch.empty(self.nbytes, dtype=torch.uint8)
         pin = pin and self.nbytes > 0
-        node = gpu_node(torch.cuda.current_device()) if pin and numa else None
+        node = gpu_node(torch.cuda.current_device()) if pin and place_pages else None
         self.numa_node = node if node is not None and prefer_node(self._flat, node) else None
+        self.huge_pages = pin and place_pages and advise_huge_pages(self._flat)
         if pin and touch:
             touch_pages(self._flat)
         self.views = list(self._flat.split(sizes)) if sizes else []

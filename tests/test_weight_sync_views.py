@@ -73,18 +73,23 @@ def test_at_tp2_views_still_gives_copies_that_own_their_memory():
         assert not isinstance(tensor, LazyReshape) and not is_window(tensor) and torch.equal(tensor, hf[name])
 
 
-def test_copy_into_batches_dense_pairs_apart_from_strided_ones(monkeypatch):
-    """ATen runs a whole _foreach_copy_ list one copy_ per pair when any pair is strided."""
+def test_copy_into_batches_small_dense_pairs_and_copies_large_or_strided_ones_alone(monkeypatch):
+    """ATen runs a whole _foreach_copy_ list one copy_ per pair when any pair is strided, and a
+    large pair copies faster by its own copy_ (a memcpy) than inside a foreach."""
+    from roles import weight_views
+
     calls = []
     real = torch._foreach_copy_
     monkeypatch.setattr(torch, "_foreach_copy_", lambda dst, src: (calls.append(len(dst)), real(dst, src)))
-    base = torch.arange(24.0)
-    window = LazyReshape(base.view(2, 12)[:, 2:8].view(2, 2, 3)[:, :, :], (4, 3))  # strided [2, 2, 3]
-    sources = [base[:5], window, base[5:9].view(2, 2), base.view(4, 6).t()]
-    targets = [torch.zeros(5), torch.zeros(4, 3), torch.zeros(2, 2), torch.zeros(6, 4)]
+    monkeypatch.setattr(weight_views, "LARGE_COPY_BYTES", 64)  # 16 float32s
+    base = torch.arange(40.0)
+    window = LazyReshape(base[:24].view(2, 12)[:, 2:8].view(2, 2, 3)[:, :, :], (4, 3))  # strided [2, 2, 3]
+    sources = [base[:5], window, base[5:9].view(2, 2), base[:24].view(4, 6).t(), base[16:36]]
+    targets = [torch.zeros(5), torch.zeros(4, 3), torch.zeros(2, 2), torch.zeros(6, 4), torch.zeros(20)]
     copy_into(targets, sources)
-    assert calls == [2, 2]  # the contiguous pairs, then the strided ones
-    assert torch.equal(targets[1], window.materialize()) and torch.equal(targets[3], base.view(4, 6).t())
+    assert calls == [2]  # the two small contiguous pairs; the strided and the large (80 B) alone
+    assert torch.equal(targets[1], window.materialize()) and torch.equal(targets[3], base[:24].view(4, 6).t())
+    assert torch.equal(targets[0], base[:5]) and torch.equal(targets[4], base[16:36])
     with pytest.raises(ValueError, match="2 targets for 1 tensors"):
         copy_into(targets[:2], sources[:1])
     with pytest.raises(ValueError, match="cannot be read as shape"):

@@ -1,4 +1,4 @@
-"""NUMA placement of host blocks (roles.numa) and bench.host_pinning's report of where pages landed."""
+"""NUMA placement of host blocks (roles.host_pages) and bench.host_pinning's report of where pages landed."""
 
 import os
 
@@ -19,7 +19,7 @@ def test_numa_pages_counts_the_pages_of_the_mapping_that_holds_a_touched_block()
 
 
 def test_prefer_node_sets_the_policy_on_the_whole_pages_and_refuses_a_missing_node():
-    from roles.numa import prefer_node
+    from roles.host_pages import prefer_node
 
     block = torch.empty(8 << 20, dtype=torch.uint8)
     if not prefer_node(block, 0):
@@ -33,7 +33,7 @@ def test_prefer_node_sets_the_policy_on_the_whole_pages_and_refuses_a_missing_no
 
 
 def test_node_of_pci_reads_sysfs_and_treats_minus_one_as_unknown(tmp_path):
-    from roles.numa import node_of_pci
+    from roles.host_pages import node_of_pci
 
     for address, text in (("0000:1b:00.0", "1\n"), ("0000:2c:00.0", "-1\n")):
         (tmp_path / address).mkdir()
@@ -41,3 +41,15 @@ def test_node_of_pci_reads_sysfs_and_treats_minus_one_as_unknown(tmp_path):
     assert node_of_pci("0000:1B:00.0", str(tmp_path)) == 1
     assert node_of_pci("0000:2c:00.0", str(tmp_path)) is None
     assert node_of_pci("0000:ff:00.0", str(tmp_path)) is None  # no such device
+
+
+def test_advised_block_is_backed_by_huge_pages_once_touched():
+    from bench.host_pinning import huge_page_share
+    from roles.host_pages import advise_huge_pages
+
+    block = torch.empty(16 << 20, dtype=torch.uint8)
+    if not advise_huge_pages(block):
+        pytest.skip("transparent huge pages are off here")
+    block.zero_()
+    assert huge_page_share(block[8 << 20:].data_ptr()) > 0.5  # the whole 2 MiB pages inside it
+    assert not advise_huge_pages(torch.empty(1 << 20, dtype=torch.uint8)[1:])  # no whole huge page

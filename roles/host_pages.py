@@ -1,10 +1,16 @@
-"""Which NUMA node a GPU hangs off, and asking the kernel to put a host range's pages there.
+"""Where the pages of a host block for GPU copies come from: the GPU's NUMA node, huge pages.
+
+Which NUMA node a GPU hangs off, and asking the kernel to put a host range's pages there:
 
 An offload's host block is read and written by one GPU's copy engines. On a host of several
 NUMA nodes, pages on a node far from that GPU cross the socket link on every copy; the kernel
 places a page where the thread that first touches it runs, and on whatever node has room once
 that one is full. `prefer_node` sets MPOL_PREFERRED on the range before its pages are touched:
 the GPU's node while it has room, any other after (never an allocation failure).
+
+`advise_huge_pages` asks for transparent huge pages (madvise MADV_HUGEPAGE) where the
+kernel's THP mode is `madvise`: 2 MiB pages mean 512x fewer page-table entries for the DMA
+engine to walk and fewer faults when the block is first touched.
 """
 
 from __future__ import annotations
@@ -16,6 +22,8 @@ import platform
 import torch
 
 MPOL_PREFERRED = 1
+MADV_HUGEPAGE = 14
+HUGE_PAGE = 2 << 20
 _SYS_MBIND = {"x86_64": 237, "aarch64": 235}
 _PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 
@@ -58,3 +66,17 @@ def prefer_node(tensor: torch.Tensor, node: int) -> bool:
     result = libc.syscall(ctypes.c_long(number), ctypes.c_void_p(start), ctypes.c_ulong(end - start),
                           ctypes.c_int(MPOL_PREFERRED), mask, ctypes.c_ulong(129), ctypes.c_uint(0))
     return result == 0
+
+
+def advise_huge_pages(tensor: torch.Tensor) -> bool:
+    """madvise(MADV_HUGEPAGE) over the whole 2 MiB pages CPU `tensor` spans, before they are
+    touched; False where the kernel refuses (THP off) or the range holds no whole huge page."""
+    if tensor.device.type != "cpu":
+        return False
+    start = -(-tensor.data_ptr() // HUGE_PAGE) * HUGE_PAGE
+    end = (tensor.data_ptr() + tensor.nbytes) // HUGE_PAGE * HUGE_PAGE
+    if end <= start:
+        return False
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    return libc.madvise(start, end - start, MADV_HUGEPAGE) == 0
