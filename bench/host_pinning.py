@@ -12,8 +12,9 @@ Rows, each a fresh block of the same size, then one device->host copy into it:
 - host block, pages placed: HostBlock's default (what the trainers' offload and the rollout
   engine use), the same with the pages asked from the GPU's NUMA node first and as
   transparent huge pages (roles.host_pages).
-Each row prints seconds to get the block, the copies' GB/s each way, and all as ratios to torch
-pinned, and the NUMA nodes its pages landed on (from /proc/self/numa_maps).
+Each row prints seconds to get the block, the warm copies' GB/s each way (best of 3), all as
+ratios to torch pinned, the GB/s of the block's first copy each way (cold, as an offload
+writes it and an onload reads it), and the NUMA nodes its pages landed on (from /proc/self/numa_maps).
 
 --resident-gib N first makes and keeps a touched block of N GiB, as a trainer's optimizer
 block is there when its params' block is made: on a host of several NUMA nodes the later
@@ -40,9 +41,18 @@ def _timed(fn):
     return out, time.perf_counter() - t0
 
 
-def _copy_rates(dev: torch.Tensor, host: torch.Tensor) -> tuple[float, float]:
-    """(device->host, host->device) GB/s."""
-    return dev.numel() / copy_seconds(host, dev) / 1e9, dev.numel() / copy_seconds(dev, host) / 1e9
+def _copy_rates(dev: torch.Tensor, host: torch.Tensor) -> tuple[float, float, float, float]:
+    """GB/s of the block's first device->host copy and first host->device copy (an offload
+    writes a block once, its onload reads it once), then the best warm copy each way."""
+    def once(dst: torch.Tensor, src: torch.Tensor) -> float:
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        dst.copy_(src, non_blocking=True)
+        torch.cuda.synchronize()
+        return dev.numel() / (time.perf_counter() - t0) / 1e9
+
+    first = once(host, dev), once(dev, host)
+    return *first, dev.numel() / copy_seconds(host, dev) / 1e9, dev.numel() / copy_seconds(dev, host) / 1e9
 
 
 def numa_pages(address: int) -> str:
@@ -75,7 +85,8 @@ def huge_page_share(address: int) -> float | None:
 
 
 def _row(name: str, dev: torch.Tensor, make) -> tuple:
-    """(name, seconds to get the block, D2H GB/s, H2D GB/s, NUMA pages) of a fresh block."""
+    """(name, seconds to get the block, first D2H, first H2D, warm D2H, warm H2D GB/s, pages) of a
+    fresh block."""
     block, s = _timed(make)
     host = block.views[0] if isinstance(block, HostBlock) else block
     share = huge_page_share(host.data_ptr())
@@ -98,15 +109,15 @@ def main(argv: list[str] | None = None) -> None:
             _row("host block", dev, lambda: HostBlock([n], pin=True, touch=False, place_pages=False)),
             _row("host block, touched first", dev, lambda: HostBlock([n], pin=True, place_pages=False)),
             _row("host block, pages placed", dev, lambda: HostBlock([n], pin=True))]
-    base_s, base_d2h, base_h2d = rows[0][1:4]
+    base_s, base_d2h, base_h2d = rows[0][1], rows[0][4], rows[0][5]
     print(f"{args.gib:g} GiB, torch intra-op threads {torch.get_num_threads()}, touch threads {TOUCH_THREADS}, "
           f"GPU's NUMA node {gpu_node()}, resident block {args.resident_gib:g} GiB"
           + (f" (pages {numa_pages(resident.views[0].data_ptr())})" if resident else ""))
     print(f"{'block':<28}{'get s':>8}{'vs torch':>10}{'D2H GB/s':>10}{'vs torch':>10}{'H2D GB/s':>10}{'vs torch':>10}"
-          "  pages per NUMA node")
-    for name, s, d2h, h2d, nodes in rows:
+          f"{'1st D2H':>9}{'1st H2D':>9}  pages per NUMA node")
+    for name, s, first_d2h, first_h2d, d2h, h2d, nodes in rows:
         print(f"{name:<28}{s:>8.2f}{s / base_s:>9.2f}x{d2h:>10.1f}{d2h / base_d2h:>9.2f}x{h2d:>10.1f}"
-              f"{h2d / base_h2d:>9.2f}x  {nodes}")
+              f"{h2d / base_h2d:>9.2f}x{first_d2h:>9.1f}{first_h2d:>9.1f}  {nodes}")
 
 
 if __name__ == "__main__":

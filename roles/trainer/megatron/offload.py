@@ -97,7 +97,7 @@ class TaggedOffloader:
 
     def onload(self, tag: str) -> dict:
         if tag not in self.offloaded:
-            return _report(0, 0.0)
+            return {**_report(0, 0.0), "alloc_seconds": 0.0}
         freed = self._freed.pop(tag)
         self.memory.account(tag, sum(n for _, n in freed))  # before allocating: a lease violation raises here
         start = time.perf_counter()
