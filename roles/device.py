@@ -183,10 +183,11 @@ class HostBlock:
     intra-op pool: role processes run with OMP_NUM_THREADS=1 (ppo.job), where zero_() is one
     thread again.
 
-    place_pages (when pinning): before any page is touched, prefer the NUMA node of the current GPU
-    (roles.host_pages): a block made while others fill that node otherwise lands on the far one, and
-    the copies cross the socket link (bench.host_pinning --resident-gib); and ask for
-    transparent huge pages.
+    place_pages (when pinning): before any page is touched, prefer the NUMA node of the
+    current GPU (roles.host_pages): on a host of several nodes, a block made while others fill
+    that node would otherwise land on the far one and its copies cross the socket link; and
+    ask for transparent huge pages. Not measured on a multi-node host (the lent H200's has
+    one node; bench.host_pinning compares the placements).
 
     The owner keeps the block while the views are in use: dropping it (free() or garbage
     collection) unregisters the pages.
@@ -196,9 +197,11 @@ class HostBlock:
         self.sizes, self.nbytes = sizes, sum(sizes)
         self._flat = torch.empty(self.nbytes, dtype=torch.uint8)
         pin = pin and self.nbytes > 0
-        node = gpu_node(torch.cuda.current_device()) if pin and place_pages else None
-        self.numa_node = node if node is not None and prefer_node(self._flat, node) else None
-        self.huge_pages = pin and place_pages and advise_huge_pages(self._flat)
+        if pin and place_pages:
+            node = gpu_node(torch.cuda.current_device())
+            if node is not None:
+                prefer_node(self._flat, node)
+            advise_huge_pages(self._flat)
         if pin and touch:
             touch_pages(self._flat)
         self.views = list(self._flat.split(sizes)) if sizes else []

@@ -70,7 +70,9 @@ def prefer_node(tensor: torch.Tensor, node: int) -> bool:
 
 def advise_huge_pages(tensor: torch.Tensor) -> bool:
     """madvise(MADV_HUGEPAGE) over the whole 2 MiB pages CPU `tensor` spans, before they are
-    touched; False where the kernel refuses (THP off) or the range holds no whole huge page."""
+    touched. It takes effect where the kernel's THP mode is `madvise` (with `always` the pages
+    are huge anyway, with `never` not at all); False where the kernel refuses the call or the
+    range holds no whole huge page."""
     if tensor.device.type != "cpu":
         return False
     start = -(-tensor.data_ptr() // HUGE_PAGE) * HUGE_PAGE
