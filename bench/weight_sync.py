@@ -20,7 +20,8 @@ sync at TP1 PP1: q/k/v as strided windows, `roles.weight_views.LazyReshape`):
   `ActorTrainer.sync_weights` (both backends) makes, at its defaults (bucket size
   `--update-weight-buffer-size`'s default, `SYNC_NUM_BUFFERS` buffers, acks per engine):
   windows into the megatron buffer, q/k/v included, travel as direct buckets (no packing
-  copy); the hf tensors own their storages, so that row packs everything. Each production
+  copy), mapped to HF names once as the megatron actor does at TP1 PP1; the hf tensors own
+  their storages, so that row packs everything. Each production
   row also gets a per-bucket breakdown (`bucket_breakdown`): when the sender sent it, the
   way to the receiver (IPC share and message), the receiver's map of the IPC storages, its
   copy (and synchronize), its unmap, the way back to the sender, in ms
@@ -169,13 +170,19 @@ class Sender(Actor):
             self.megatron[name].copy_(t)
             offset += t.numel()
         del separate
+        self._mapped: list | None = None  # the production rows' megatron pairs (_named)
         torch.cuda.synchronize()
 
-    def _named(self, layout: str):
+    def _named(self, layout: str, production: bool = False):
         if layout == "hf":
             return self.params.items()
         from roles.trainer.megatron.mapper import stage_to_hf
 
+        if production:  # mapped once, as MegatronCore.named_hf_weights caches its views at TP1 PP1
+            if self._mapped is None:
+                self._mapped = list(stage_to_hf(lambda name: [self.megatron[name]], self.shape, pp_rank=0,
+                                                pp_size=1, views=True))
+            return iter(self._mapped)
         return stage_to_hf(lambda name: [self.megatron[name]], self.shape, pp_rank=0, pp_size=1, views=True)
 
     @endpoint
@@ -206,7 +213,7 @@ class Sender(Actor):
             sends.clear()  # the last sync's are returned
             sync_start, t0 = time.time(), time.perf_counter()
             if production:
-                totals = send_to_engines(self._named(layout), [receiver], buffer_bytes, engine_gpus=[gpus],
+                totals = send_to_engines(self._named(layout, production=True), [receiver], buffer_bytes, engine_gpus=[gpus],
                                          on_bucket=acked, direct=direct)
             else:
                 totals = push_weights(self._named(layout), send, buffer_bytes, num_buffers=num_buffers,
