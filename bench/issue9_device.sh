@@ -33,7 +33,7 @@ step() {  # NAME LIMIT_S CMD...: SIGINT at the limit (benches still print what t
 step host_pinning 90 python3 -m bench.host_pinning --gib 8 --resident-gib 48
 # the weight-sync tests first: on 2026-12-03 these 25 tests needed more than 110 s and the
 # last one (the direct sync) was cut
-GPU_TESTS=${GPU_TESTS:-tests/test_weight_sync.py tests/test_offload_host_block_gpu.py tests/test_megatron_gpu.py
+GPU_TESTS=${GPU_TESTS:-tests/test_weight_sync.py tests/test_weight_sync_direct.py tests/test_offload_host_block_gpu.py tests/test_megatron_gpu.py
   tests/test_megatron_gpu_parallel.py}
 # shellcheck disable=SC2086  # a list of paths
 step gpu_tests 200 python3 -m pytest -m gpu -q -p no:cacheprovider $GPU_TESTS
