@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Issue 9's proof pass on the lent GPU, in one device call (10 minutes at most):
-#   [GPU_TESTS="tests/..."] [ROLLOUTS=100] bash bench/issue9_device.sh OUT_DIR [BUDGET_S]
+#   [STEPS="host_pinning gpu_tests weight_sync trainer learning"] [GPU_TESTS="tests/..."] [ROLLOUTS=100] \
+#     bash bench/issue9_device.sh OUT_DIR [BUDGET_S]
 # 0. the host's NUMA layout and THP mode, and bench.host_pinning beside a 48 GiB block held;
 # 1. the GPU tests of the megatron trainer (against the torch backend, and parallel layouts
 #    against one rank), of the weight sync and of the host blocks;
@@ -20,9 +21,11 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$OUT/machine.txt" 2>&1
+STEPS=${STEPS:-host_pinning gpu_tests weight_sync trainer learning}
 step() {  # NAME LIMIT_S CMD...: SIGINT at the limit (benches still print what they measured)
   local name=$1 limit=$2
   shift 2
+  [[ " $STEPS " == *" $name "* ]] || return 0
   echo "== $(date -u +%H:%M:%S) $name (limit $limit s)"
   timeout -s INT -k 15 "$limit" "$@" > "$OUT/$name.log" 2>&1
   echo "== $name: rc=$? after $((SECONDS - START)) s"
