@@ -9,7 +9,8 @@ from roles.trainer.megatron.shape import shape_from_hf
 from roles.weight_checksum import checksum_named_tensors
 from roles.weight_sync import for_receiver, is_window, pack_buckets, received, send_to_engines, unpack_bucket
 from roles.weight_views import LazyReshape, copy_into
-from tests.test_weight_sync import _InProcess, _megatron_sender, ipc  # noqa: F401  (ipc: a fixture)
+from tests.test_weight_sync import _InProcess
+from tests.test_weight_sync_direct import _megatron_sender, ipc  # noqa: F401  (ipc: a fixture)
 
 QKV = "decoder.layers.0.self_attention.linear_qkv."
 
