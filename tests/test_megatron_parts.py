@@ -197,3 +197,37 @@ def test_megatron_losses_equal_the_torch_backends_on_the_same_log_probs(ckpt, ag
     torch.testing.assert_close(loss, expect_loss)
     for k in expect:
         torch.testing.assert_close(metrics[k].float(), torch.as_tensor(expect[k]).float(), msg=k)
+
+
+def test_sync_views_are_mapped_once_per_set_of_parameter_storages(monkeypatch):
+    """MegatronCore.named_hf_weights(views=True) at TP1 on one stage maps once and reuses the
+    list across syncs and offloads (resize_ keeps the storage), and maps again when a
+    parameter storage is replaced; other calls map every time."""
+    from roles.trainer.megatron.core import MegatronCore
+
+    core = object.__new__(MegatronCore)  # only the fields named_hf_weights reads
+    core.tp_group = core.pp_group = core._sync_views = None
+    buffer = [torch.arange(6.0)]
+    mapped = []
+
+    def hf_weights(views):
+        mapped.append(views)
+        return iter([("w", buffer[0][:3]), ("b", buffer[0][3:])])
+
+    monkeypatch.setattr(core, "_param_tensors", lambda: buffer, raising=False)
+    monkeypatch.setattr(core, "_hf_weights", hf_weights, raising=False)
+    first = list(core.named_hf_weights(views=True))
+    buffer[0].untyped_storage().resize_(0)  # an offload, then the onload
+    buffer[0].untyped_storage().resize_(6 * 4)
+    buffer[0].copy_(torch.arange(6.0) * 2)  # a train step writes in place
+    again = list(core.named_hf_weights(views=True))
+    assert mapped == [True] and torch.equal(again[1][1], torch.tensor([6.0, 8.0, 10.0]))
+    assert [n for n, _ in first] == [n for n, _ in again]
+    list(core.named_hf_weights())  # checksums, save_hf: mapped each time, never cached
+    assert mapped == [True, False]
+    buffer[0] = torch.arange(6.0) + 100  # a new storage (e.g. a rebuilt DDP buffer)
+    renewed = dict(core.named_hf_weights(views=True))
+    assert mapped == [True, False, True] and renewed["w"][0] == 100.0
+    core.tp_group = object()  # at TP2 the pairs are gathered copies: mapped every sync
+    list(core.named_hf_weights(views=True))
+    assert mapped == [True, False, True, True]
