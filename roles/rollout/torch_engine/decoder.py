@@ -190,9 +190,9 @@ class Weights:
                 raise ValueError(f"update_weights: tensor {name!r} has dtype {dtype_name(tensor.dtype)}, "
                                  f"the model's is {dtype_name(target.dtype)}; cast on the sender")
         with torch.no_grad():
-            # in place (graphs captured over these views see it), batched: a direct bucket holds
-            # ~400 tensors, and one copy_ each is one launch each; q/k/v windows (LazyReshape) go
-            # into the views reshaped to the window's shape
+            # in place (graphs captured over these views see it); copy_into batches the small
+            # tensors of a ~400-tensor bucket into one launch, copies each large one by a memcpy,
+            # and puts q/k/v windows (LazyReshape) into the views reshaped to the window's shape
             copy_into([self.named[name] for name, _ in named], [tensor for _, tensor in named])
         return len(named)
 
