@@ -2,7 +2,7 @@
 
     python -m bench.host_pinning [--gib 8] [--resident-gib 48]
 
-Rows, each a fresh block of the same size, then one device->host copy into it:
+Rows, each a fresh block of the same size, then copies into it and out of it:
 - torch pinned: torch.empty(pin_memory=True) (cudaHostAlloc, rounded up to a power of two);
 - host block: roles.device.HostBlock(touch=False) (malloc, then cudaHostRegister, which
   faults every page in on one kernel thread);
@@ -14,7 +14,8 @@ Rows, each a fresh block of the same size, then one device->host copy into it:
   transparent huge pages (roles.host_pages).
 Each row prints seconds to get the block, the warm copies' GB/s each way (best of 3), all as
 ratios to torch pinned, the GB/s of the block's first copy each way (cold, as an offload
-writes it and an onload reads it), and the NUMA nodes its pages landed on (from /proc/self/numa_maps).
+writes it and an onload reads it), and the NUMA nodes its pages landed on (from
+/proc/self/numa_maps) with their share in huge pages (/proc/self/smaps).
 
 --resident-gib N first makes and keeps a touched block of N GiB, as a trainer's optimizer
 block is there when its params' block is made: on a host of several NUMA nodes the later

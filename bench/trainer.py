@@ -352,8 +352,8 @@ def markdown(report: dict) -> str:
                          "| | | | |")
     mem = report.get("megatron_memory")
     if mem:
-        lines += ["", "| megatron tag (steady state: host blocks reused) | offload GB/s | vs d2h | onload GB/s | vs h2d "
-                  "| of it allocating s | GB | first full offload GB/s (makes the params' block) |",
+        lines += ["", "| megatron tag (steady state: host blocks reused) | offload GB/s | vs d2h | onload GB/s "
+                  "| vs h2d | of it allocating s | GB | first full offload GB/s (makes the params' block) |",
                   "|---|---|---|---|---|---|---|---|"]
         for tag in ("params", "grads", "optimizer"):
             off, on, first = mem["offload"][tag], mem["onload"][tag], mem["offload_first"][tag]

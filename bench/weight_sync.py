@@ -32,7 +32,8 @@ sync at TP1 PP1: q/k/v as strided windows, `roles.weight_views.LazyReshape`):
   (the sender's share of the production row, before anything is sent)
 - megatron copy only: the receiver's copies of the production row (HF tensors from the
   megatron windows into HF-shaped tensors) in the sender's process, no IPC: by `copy_into`
-  (batched, as the receivers) and by one `copy_` each (as the memcpy peer)
+  (as the receivers: small tensors batched, large and strided ones one `copy_` each) and by
+  one `copy_` each (as the memcpy peer)
 - host: buckets through host memory (D2H, shared-memory frame, H2D); with --host (slow)
 - peer: one process copying the same tensors device to device (the memcpy ceiling)
 
@@ -213,8 +214,8 @@ class Sender(Actor):
             sends.clear()  # the last sync's are returned
             sync_start, t0 = time.time(), time.perf_counter()
             if production:
-                totals = send_to_engines(self._named(layout, production=True), [receiver], buffer_bytes, engine_gpus=[gpus],
-                                         on_bucket=acked, direct=direct)
+                totals = send_to_engines(self._named(layout, production=True), [receiver], buffer_bytes,
+                                         engine_gpus=[gpus], on_bucket=acked, direct=direct)
             else:
                 totals = push_weights(self._named(layout), send, buffer_bytes, num_buffers=num_buffers,
                                       direct=(lambda device: True) if direct else None)
@@ -242,7 +243,7 @@ class Sender(Actor):
     def local_copy(self, batched: bool) -> dict:
         """The receiver's copies of a megatron sync without IPC or messages: the HF tensors read
         from the megatron windows (q/k/v strided) into HF-shaped tensors of this process, by
-        `copy_into` (batched) or one `copy_` each (what the memcpy peer does)."""
+        `copy_into` (what the receivers run) or one `copy_` each (what the memcpy peer does)."""
         import torch
         from roles.weight_views import LazyReshape, copy_into
 
