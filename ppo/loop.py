@@ -28,7 +28,7 @@ from ppo.config.serialize import to_dict
 from ppo.job import Job, start_job
 from ppo.console import RunConsole
 from ppo.logger import RunLogger
-from ppo.rollout import SamplingParams, generate_and_score
+from ppo.rollout import RolloutFaults, SamplingParams, generate_and_score
 from ppo.trace import TraceWriter
 from runtime import ActorDied, gather
 
@@ -79,11 +79,10 @@ def run(job: Job) -> list[dict]:
                     decode=tok.decode, eos_id=tok.eos_token_id,
                     recover=lambda role, dead: recover(job, role, dead, version))
             batch = build_batch(samples, pad_id=tok.pad_token_id)
-            counters.engine_restarts += faults.engine_restarts
             counters.scorer_restarts += faults.scorer_restarts
 
             # 2-3. engines hand the GPUs to the actor: old and reference log-probs
-            engine_handoff(job, lambda: colo.vacate(job.engine_tenants, ["kv_cache", "weights"]), version)
+            engine_handoff(job, lambda: colo.vacate(job.engine_tenants, ["kv_cache", "weights"]), version, faults)
             colo.occupy([job.actor_tenant], ["params"])
             with perf.phase("log_probs"):
                 batch["old_log_probs"] = actor.compute_log_probs(select(batch))["log_probs"]
@@ -120,7 +119,7 @@ def run(job: Job) -> list[dict]:
 
                 # 7. weight sync: engines take their memory back, the actor streams buckets
                 # (a restarted engine needs no sync of its own here: the weight sync follows)
-                engine_handoff(job, lambda: colo.occupy(job.engine_tenants, ["weights"]), 0)
+                engine_handoff(job, lambda: colo.occupy(job.engine_tenants, ["weights"]), 0, faults)
                 version += 1
                 with colo.sending_weights(job.actor_tenant, job.engine_tenants), perf.phase("weight_sync"):
                     actor.sync_weights(engines, cfg.engine.update_weight_buffer_size, version,
@@ -128,11 +127,12 @@ def run(job: Job) -> list[dict]:
                 if cfg.engine.check_weight_update_equal:
                     check_weights_equal(job)
                 colo.drop_residual(job.actor_tenant, ["params"])
-                engine_handoff(job, lambda: colo.occupy(job.engine_tenants, ["kv_cache"]), version)
+                engine_handoff(job, lambda: colo.occupy(job.engine_tenants, ["kv_cache"]), version, faults)
             else:
                 # 8. weights unchanged: engines take back everything they released
-                engine_handoff(job, lambda: colo.occupy(job.engine_tenants, ["weights", "kv_cache"]), version)
+                engine_handoff(job, lambda: colo.occupy(job.engine_tenants, ["weights", "kv_cache"]), version, faults)
 
+            counters.engine_restarts += faults.engine_restarts  # the rollout's and the handoffs' deaths
             perf["perf/offload_time"] = colo.take_time()
             perf["perf/step_time"] = time.monotonic() - t_step
             log.dump_samples(step, samples)
@@ -163,12 +163,12 @@ def run(job: Job) -> list[dict]:
     return log.history
 
 
-def engine_handoff(job: Job, handoff, version: int) -> None:
+def engine_handoff(job: Job, handoff, version: int, faults: RolloutFaults) -> None:
     """Run a memory handoff of the engines (`colo.vacate`/`colo.occupy`); an engine found
     dead in it (killed just before, or during its release/resume) is waited for and
-    brought to `version` (0: no sync), and the handoff runs again: its steps are idempotent
-    (releasing what is released or taking what is resident costs nothing, leases already
-    taken are kept)."""
+    brought to `version` (0: no sync), counted in the step's `faults`, and the handoff runs
+    again: its steps are idempotent (releasing what is released or taking what is resident
+    costs nothing, leases already taken are kept)."""
     while True:
         try:
             return handoff()
@@ -176,6 +176,7 @@ def engine_handoff(job: Job, handoff, version: int) -> None:
             engine = next((x for x in job.engines if x.name == e.role), None)
             if engine is None:
                 raise
+            faults.engine_restarts += 1
             recover(job, engine, e.incarnation, version)
 
 

@@ -53,7 +53,8 @@ def split_evenly(items: list, num_parts: int) -> list[list]:
 
 @dataclass
 class RolloutFaults:
-    """Roles that died during a rollout and were replaced (the rollout itself lost nothing)."""
+    """Roles that died during a step and were replaced: in its rollout (which lost nothing), and
+    engines found dead at one of the step's memory handoffs (ppo.loop.engine_handoff)."""
 
     engine_restarts: int = 0
     scorer_restarts: int = 0

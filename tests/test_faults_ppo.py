@@ -159,3 +159,33 @@ def test_engine_killed_as_its_generation_ends_is_recovered_at_the_handoff(tmp_pa
     assert [h["step"] for h in history] == [0, 1, 2]
     assert_full_batches(tmp_path, values, 3)
     assert all(h["rollout/log_probs_diff"] < 1e-4 for h in history)
+
+
+def test_an_engine_found_dead_at_a_handoff_is_recovered_counted_and_the_handoff_rerun(monkeypatch):
+    """A kill that lands after the generation ended is found at the next memory handoff: the
+    step's engine restarts count it there too (a tiny rollout often ends before the kill)."""
+    from types import SimpleNamespace
+
+    import ppo.loop
+    from ppo.rollout import RolloutFaults
+    from runtime import ActorDied
+
+    recovered, calls = [], []
+    monkeypatch.setattr(ppo.loop, "recover", lambda job, role, dead, version: recovered.append((role.name, dead)))
+    job = SimpleNamespace(engines=[SimpleNamespace(name="rollout-0")])
+
+    def handoff():
+        calls.append(1)
+        if len(calls) == 1:
+            raise ActorDied("rollout-0", 2, "killed")
+
+    faults = RolloutFaults()
+    ppo.loop.engine_handoff(job, handoff, 5, faults)
+    assert (faults.engine_restarts, recovered, len(calls)) == (1, [("rollout-0", 2)], 2)
+
+    def trainer_dies():
+        raise ActorDied("actor.0", 1, "killed")
+
+    with pytest.raises(ActorDied):  # not an engine: the handoff does not own it
+        ppo.loop.engine_handoff(job, trainer_dies, 5, faults)
+    assert faults.engine_restarts == 1
