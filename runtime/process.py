@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import threading
 from pathlib import Path
 
@@ -54,10 +53,3 @@ def read_text(path: str, limit: int = 20000) -> str | None:
     except OSError:
         return None
     return text[-limit:] if text.strip() else None
-
-
-def free_port(host: str) -> int:
-    """A TCP port nothing listens on now (the OS's choice), for a rank group's rendezvous."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]

@@ -47,7 +47,8 @@ from runtime.events import EventBus, watch_socket
 from runtime.fakegpu import create_fake_devices
 from runtime.handle import ActorGroup, ActorHandle, Address, Caller, Directory
 from runtime.memory import LeaseTable
-from runtime.process import exit_reason, free_port, kill_tree, read_text, start_with_env
+from runtime.process import exit_reason, kill_tree, read_text, start_with_env
+from runtime.rendezvous import host_store
 
 RESTART_POLICIES = ("one_for_one", "one_for_all", "temporary")
 MAX_IPC_PATH = 100  # sun_path is 108 bytes on Linux
@@ -137,6 +138,7 @@ class Supervisor:
         self.leases = LeaseTable(sorted(fake_devices) if fake_devices else list(gpus),
                                  on_event=self._on_lease_event, fake_devices=fake_devices)
         self._deferred: dict[str, str] = {}  # children whose restart waits for their leases: reason
+        self._stores: dict[str, object] = {}  # rank group name: its rendezvous store (a TCPStore server)
 
         self._children: dict[str, _Child] = {}
         self._lock = threading.RLock()          # guards _children and restart bookkeeping
@@ -200,8 +202,10 @@ class Supervisor:
                     **kwargs) -> list[ActorHandle]:
         """Start a rank group: ``cls(*args, **kwargs)`` once per GPU, rank i named ``f"{name}.{i}"``
         on ``gpus[i]`` alone, with the torch.distributed environment set before any import:
-        MASTER_ADDR=127.0.0.1, MASTER_PORT (a free port, one per group), RANK, WORLD_SIZE and
-        LOCAL_RANK (= RANK: one node). Returns the ranks' handles in rank order.
+        MASTER_ADDR=127.0.0.1, MASTER_PORT, RANK, WORLD_SIZE and LOCAL_RANK (= RANK: one node).
+        MASTER_PORT is the group's rendezvous store, which the supervisor hosts until the group
+        dies (runtime.rendezvous): the ranks connect to it, none listens. Returns the ranks'
+        handles in rank order.
 
         The group lives and dies as one (``restart="temporary"``, ``group=name``): when a rank
         dies the others are stopped, and calls to any of them raise the ActorDied of the rank
@@ -214,7 +218,8 @@ class Supervisor:
         with self._lock:
             if any(c.spec.group == name for c in self._children.values()):
                 raise ValueError(f"a group named {name!r} already exists")
-        port = free_port("127.0.0.1")
+            self._stores[name] = store = host_store("127.0.0.1", len(gpus))
+        port = store.port
         return [self.spawn(f"{name}.{rank}", cls, *args, gpus=[gpu], restart="temporary", group=name,
                            env={**(env or {}), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
                                 "RANK": str(rank), "WORLD_SIZE": str(len(gpus)), "LOCAL_RANK": str(rank)},
@@ -294,6 +299,7 @@ class Supervisor:
         self._wake()
         self._thread.join(timeout=5)
         self._stop_children(children, reason="supervisor shutdown", event="stopped")
+        self._stores.clear()
         self._spawner.shutdown()
         self.caller.close()
         self._control.disable_monitor()
@@ -495,6 +501,8 @@ class Supervisor:
                          if c.spec.group == spec.group and c is not child and c.state != "dead"]
                 self._stop_children(peers, reason=f"stopped with its group {spec.group!r}: {spec.name!r} died "
                                                   f"({reason})", cause=err)
+                with self._lock:
+                    self._stores.pop(spec.group, None)  # never restarted: nobody rendezvouses again
             return
         if not child.ever_ready:
             self._give_up(f"actor {spec.name!r} died while starting ({reason}); not restarting it, "

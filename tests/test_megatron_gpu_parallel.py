@@ -41,12 +41,13 @@ from __future__ import annotations
 
 import contextlib
 import os
-import socket
 import time
 
 import pytest
 import torch
 import torch.multiprocessing as mp
+
+from runtime.rendezvous import host_store
 
 pytestmark = pytest.mark.gpu
 
@@ -139,17 +140,17 @@ def _worker(layout: str, rank: int, port: int, ckpt: str, path: str) -> None:
 
 
 def _steps(layout: str, rank: int, port: int, ckpt: str, keep) -> None:
-    import torch.distributed as dist
-
     spec = dict(LAYOUTS[layout])
     world = spec.pop("world")
     spec.pop("tied", None)  # the fixture picked the checkpoint
     torch.set_num_threads(2)  # up to 14 processes share the machine's cores
     p2p = None
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     if world > 1:
-        os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
-        dist.init_process_group("gloo", rank=rank, world_size=world)
+        from roles.trainer.distributed import init_from_env
+
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                          LOCAL_RANK=str(rank))
+        init_from_env("gloo")
         import megatron.core.distributed.param_and_grad_buffer as pgb
 
         pgb._coalescing_manager = _sequential
@@ -221,12 +222,6 @@ def _gathered(ranks: list[dict], key: str) -> torch.Tensor:
     return put_rows([(r["rows"], {key: r[key]}) for r in outputs], sum(len(r["rows"]) for r in outputs))[key]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def tied_ckpt(tmp_path_factory):
     """The tiny Qwen3 of the `ckpt` fixture with tied input and output embeddings."""
@@ -240,9 +235,10 @@ def runs(ckpt, tied_ckpt, tmp_path_factory) -> dict[str, list[dict]]:
     """Every layout's ranks, run at once (separate processes: one parallel state each)."""
     tmp = tmp_path_factory.mktemp("parallel")
     ctx = mp.get_context("spawn")
-    procs, paths = [], {}
+    procs, paths, stores = [], {}, []  # the stores serve until the ranks are done
     for layout, spec in LAYOUTS.items():
-        port = _free_port()
+        stores.append(host_store("127.0.0.1", spec["world"]))
+        port = stores[-1].port
         paths[layout] = [str(tmp / f"{layout}.{r}.pt") for r in range(spec["world"])]
         path = tied_ckpt if spec.get("tied") else ckpt
         procs += [ctx.Process(target=_worker, args=(layout, r, port, path, paths[layout][r]))

@@ -8,7 +8,6 @@ tests/test_megatron_gpu_parallel.py."""
 from __future__ import annotations
 
 import os
-import socket
 
 import pytest
 import torch
@@ -18,14 +17,9 @@ from roles.trainer.megatron import MegatronTrainerConfig
 from roles.trainer.megatron.cp import cp_slice, gather_rows
 from roles.trainer.megatron.logprobs import vocab_parallel_log_probs, vocab_shard
 from roles.trainer.megatron.packing import pack
+from runtime.rendezvous import host_store
 
 VOCAB, HIDDEN, ROWS = 23, 16, 37  # vocab 23 pads to 24 on 2 TP ranks: the last shard has a padding row
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run_gloo_ranks(target, tmp_path, world_size: int = 2) -> list[dict]:
@@ -33,7 +27,8 @@ def run_gloo_ranks(target, tmp_path, world_size: int = 2) -> list[dict]:
     importable); the dicts, by rank. Used by tests/test_megatron_attention.py and
     tests/test_megatron_export.py too."""
     ctx = mp.get_context("spawn")
-    port = _free_port()
+    store = host_store("127.0.0.1", world_size)  # held until the ranks are done
+    port = store.port
     paths = [str(tmp_path / f"rank{r}.pt") for r in range(world_size)]
     procs = [ctx.Process(target=_entry, args=(target, r, world_size, port, paths[r])) for r in range(world_size)]
     for p in procs:
@@ -53,8 +48,10 @@ def run_gloo_ranks(target, tmp_path, world_size: int = 2) -> list[dict]:
 def _entry(target, rank: int, world_size: int, port: int, path: str) -> None:
     import torch.distributed as dist
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    from roles.trainer.distributed import init_from_env
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size))
+    init_from_env("gloo")
     try:
         torch.save(target(rank, dist.group.WORLD), path)
     finally:

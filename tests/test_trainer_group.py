@@ -2,6 +2,7 @@
 over real rank processes (2 ranks on 2 fake GPUs, gloo) that matches one process."""
 
 import os
+import socket
 import time
 
 import pytest
@@ -219,6 +220,28 @@ def test_spawn_group_gives_each_rank_the_distributed_env_and_one_gpu(sup):
                            CUDA_VISIBLE_DEVICES=gpu)
     other = sup.spawn_group("other", Echo, gpus=[0])
     assert other[0].env("MASTER_PORT")["MASTER_PORT"] != envs[0]["MASTER_PORT"]  # one port per group
+
+
+@pytest.mark.timeout(60)
+def test_the_supervisor_holds_a_groups_rendezvous_port_until_the_group_dies(sup):
+    """The port is the supervisor's store from before the ranks start (no window in which
+    another process can take it, as a probed-and-closed free port had: EADDRINUSE in CI)."""
+    from tests.actors import Echo
+
+    ranks = sup.spawn_group("grp", Echo, gpus=[0, 1])
+    port = int(ranks[0].env("MASTER_PORT")["MASTER_PORT"])
+    with pytest.raises(OSError, match="in use"), socket.socket() as s:
+        s.bind(("127.0.0.1", port))
+    sup.kill("grp.1")
+    deadline = time.monotonic() + 20
+    while True:  # the group dies as one, and its store goes with it
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+                break
+            except OSError:
+                assert time.monotonic() < deadline, f"port {port} still held after the group died"
+        time.sleep(0.05)
 
 
 @pytest.mark.timeout(60)

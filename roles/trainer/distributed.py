@@ -34,16 +34,21 @@ class Rank:
         return self.world_size > 1
 
 
-def init_from_env() -> Rank:
-    """Join the rank group described by the environment (gloo on fake GPUs and the CPU, gloo
-    for CPU tensors and NCCL for CUDA tensors on GPUs); Rank(0, 1) without one."""
+def init_from_env(backend: str | None = None) -> Rank:
+    """Join the rank group described by the environment; Rank(0, 1) without one. The store at
+    MASTER_ADDR:MASTER_PORT is the launcher's (runtime.rendezvous): every rank connects to it
+    as a client. `backend` defaults to gloo on fake GPUs and the CPU, gloo for CPU tensors and
+    NCCL for CUDA tensors on GPUs."""
     if "WORLD_SIZE" not in os.environ:
         return Rank(0, 1)
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     if not dist.is_initialized():
-        cuda = torch.cuda.is_available() and not visible_fake_devices()
-        dist.init_process_group("cpu:gloo,cuda:nccl" if cuda else "gloo", init_method="env://",
-                                rank=rank, world_size=world, timeout=COLLECTIVE_TIMEOUT)
+        if backend is None:
+            cuda = torch.cuda.is_available() and not visible_fake_devices()
+            backend = "cpu:gloo,cuda:nccl" if cuda else "gloo"
+        store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
+                              is_master=False, timeout=COLLECTIVE_TIMEOUT)
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=COLLECTIVE_TIMEOUT)
     return Rank(rank, world)
 
 

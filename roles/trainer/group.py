@@ -9,7 +9,7 @@ Processes
     ("actor.1"; its error file is RUN_DIR/errors/actor.1.<incarnation>.txt), sees only
     gpus[i] (CUDA_VISIBLE_DEVICES=g_i: its device is cuda:0, or its one fake GPU) and
     starts with this environment, set before the interpreter imports anything:
-        MASTER_ADDR=127.0.0.1   MASTER_PORT=<a free port, one per group>
+        MASTER_ADDR=127.0.0.1   MASTER_PORT=<the group's rendezvous store, hosted by the supervisor>
         RANK=i   WORLD_SIZE=N   LOCAL_RANK=i   (one node)
     The trainer's __init__ joins the process group from that environment
     (roles.trainer.distributed.init_from_env: gloo on fake GPUs and the CPU,
@@ -72,7 +72,11 @@ What the group returns (TrainerGroup, in the driver)
     (RemoteError) is raised once every rank has answered, or after `straggler_s` when a
     rank never does (it is then blocked in a collective its peer never joined).
 
-Changes to the contract: none yet.
+Changes to the contract
+    2026-12-03: MASTER_PORT is a store the supervisor listens on for the group's life
+    (runtime.rendezvous), and every rank connects to it as a client; rank 0 no longer
+    listens. A port probed free and closed could be taken before rank 0 listened on it
+    (EADDRINUSE in CI).
 """
 
 from __future__ import annotations

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import atexit
 import os
-import socket
 
 import torch
 import torch.distributed as dist
@@ -25,12 +24,8 @@ def init_parallel(config: MegatronTrainerConfig) -> None:
     torch.cuda.set_device(0)  # a rank sees only its own GPU (CUDA_VISIBLE_DEVICES)
     init_from_env()
     if not dist.is_initialized():  # in-process trainer (tests, bench): a world of one
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(port))
-        dist.init_process_group("cpu:gloo,cuda:nccl", rank=0, world_size=1)
+        # an in-memory store: nothing to listen on, so no port to race for
+        dist.init_process_group("cpu:gloo,cuda:nccl", store=dist.HashStore(), rank=0, world_size=1)
         # ours to close: NCCL warns at exit of a group never destroyed (it may leak resources)
         atexit.register(lambda: dist.is_initialized() and dist.destroy_process_group())
     if not parallel_state.model_parallel_is_initialized():
