@@ -28,7 +28,7 @@ from ppo.config.serialize import to_dict
 from ppo.job import Job, start_job
 from ppo.console import RunConsole
 from ppo.logger import RunLogger
-from ppo.rollout import RolloutFaults, SamplingParams, generate_and_score
+from ppo.rollout import SamplingParams, generate_and_score
 from ppo.trace import TraceWriter
 from runtime import ActorDied, gather
 
@@ -71,18 +71,18 @@ def run(job: Job) -> list[dict]:
         for step in range(start.step, cfg.rollout.num_rollout):
             t_step = time.monotonic()
             perf = log.step_phases(step)  # perf/*_time; each phase is a span in RUN_DIR/trace.json
+            restarts_before = job.sup.restart_counts()
 
             # 1. generate and score (a role that dies here is replaced and its work re-issued)
             with perf.phase("rollout"):
-                samples, faults = generate_and_score(
+                samples = generate_and_score(
                     engines, job.scorers, data.next_batch(cfg.rollout.rollout_batch_size), sampling, step,
                     decode=tok.decode, eos_id=tok.eos_token_id,
                     recover=lambda role, dead: recover(job, role, dead, version))
             batch = build_batch(samples, pad_id=tok.pad_token_id)
-            counters.scorer_restarts += faults.scorer_restarts
 
             # 2-3. engines hand the GPUs to the actor: old and reference log-probs
-            engine_handoff(job, lambda: colo.vacate(job.engine_tenants, ["kv_cache", "weights"]), version, faults)
+            engine_handoff(job, lambda: colo.vacate(job.engine_tenants, ["kv_cache", "weights"]), version)
             colo.occupy([job.actor_tenant], ["params"])
             with perf.phase("log_probs"):
                 batch["old_log_probs"] = actor.compute_log_probs(select(batch))["log_probs"]
@@ -119,7 +119,7 @@ def run(job: Job) -> list[dict]:
 
                 # 7. weight sync: engines take their memory back, the actor streams buckets
                 # (a restarted engine needs no sync of its own here: the weight sync follows)
-                engine_handoff(job, lambda: colo.occupy(job.engine_tenants, ["weights"]), 0, faults)
+                engine_handoff(job, lambda: colo.occupy(job.engine_tenants, ["weights"]), 0)
                 version += 1
                 with colo.sending_weights(job.actor_tenant, job.engine_tenants), perf.phase("weight_sync"):
                     actor.sync_weights(engines, cfg.engine.update_weight_buffer_size, version,
@@ -127,19 +127,21 @@ def run(job: Job) -> list[dict]:
                 if cfg.engine.check_weight_update_equal:
                     check_weights_equal(job)
                 colo.drop_residual(job.actor_tenant, ["params"])
-                engine_handoff(job, lambda: colo.occupy(job.engine_tenants, ["kv_cache"]), version, faults)
+                engine_handoff(job, lambda: colo.occupy(job.engine_tenants, ["kv_cache"]), version)
             else:
                 # 8. weights unchanged: engines take back everything they released
-                engine_handoff(job, lambda: colo.occupy(job.engine_tenants, ["weights", "kv_cache"]), version, faults)
+                engine_handoff(job, lambda: colo.occupy(job.engine_tenants, ["weights", "kv_cache"]), version)
 
-            counters.engine_restarts += faults.engine_restarts  # the rollout's and the handoffs' deaths
+            engine_restarts, scorer_restarts = restarts_since(job, restarts_before)
+            counters.engine_restarts += engine_restarts
+            counters.scorer_restarts += scorer_restarts
             perf["perf/offload_time"] = colo.take_time()
             perf["perf/step_time"] = time.monotonic() - t_step
             log.dump_samples(step, samples)
             log.log(step, {**rollout_metrics(batch, samples),
-                           "rollout/engine_restarts": faults.engine_restarts,
+                           "rollout/engine_restarts": engine_restarts,
                            "rollout/skipped_samples": skipped_samples,
-                           "rollout/scorer_restarts": faults.scorer_restarts,
+                           "rollout/scorer_restarts": scorer_restarts,
                            "train/skipped_updates_total": skipped,
                            "rollout/engine_restarts_total": counters.engine_restarts,
                            "rollout/scorer_restarts_total": counters.scorer_restarts,
@@ -163,12 +165,12 @@ def run(job: Job) -> list[dict]:
     return log.history
 
 
-def engine_handoff(job: Job, handoff, version: int, faults: RolloutFaults) -> None:
+def engine_handoff(job: Job, handoff, version: int) -> None:
     """Run a memory handoff of the engines (`colo.vacate`/`colo.occupy`); an engine found
     dead in it (killed just before, or during its release/resume) is waited for and
-    brought to `version` (0: no sync), counted in the step's `faults`, and the handoff runs
-    again: its steps are idempotent (releasing what is released or taking what is resident
-    costs nothing, leases already taken are kept)."""
+    brought to `version` (0: no sync), and the handoff runs again: its steps are idempotent
+    (releasing what is released or taking what is resident costs nothing, leases already
+    taken are kept)."""
     while True:
         try:
             return handoff()
@@ -176,8 +178,17 @@ def engine_handoff(job: Job, handoff, version: int, faults: RolloutFaults) -> No
             engine = next((x for x in job.engines if x.name == e.role), None)
             if engine is None:
                 raise
-            faults.engine_restarts += 1
             recover(job, engine, e.incarnation, version)
+
+
+def restarts_since(job: Job, before: dict[str, int]) -> tuple[int, int]:
+    """(engine, scorer) restarts since `before` (a `sup.restart_counts()`). The supervisor counts
+    each at the death, so one the loop never saw (a scorer killed idle and back before its next
+    call) counts, and one seen by two calls counts once."""
+    now = job.sup.restart_counts()
+    def since(roles):
+        return sum(now.get(r.name, 0) - before.get(r.name, 0) for r in roles)
+    return since(job.engines), since(job.scorers)
 
 
 def recover(job: Job, role, dead_incarnation: int, version: int) -> None:

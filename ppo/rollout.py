@@ -51,30 +51,20 @@ def split_evenly(items: list, num_parts: int) -> list[list]:
     return out
 
 
-@dataclass
-class RolloutFaults:
-    """Roles that died during a step and were replaced: in its rollout (which lost nothing), and
-    engines found dead at one of the step's memory handoffs (ppo.loop.engine_handoff)."""
-
-    engine_restarts: int = 0
-    scorer_restarts: int = 0
-
-
 def generate_and_score(engines: list[ActorHandle], scorers: list[ActorHandle], prompts: list[dict],
                        params: SamplingParams, step: int, decode, eos_id: int,
-                       recover: Callable[[ActorHandle, int], None]) -> tuple[list[dict], RolloutFaults]:
+                       recover: Callable[[ActorHandle, int], None]) -> list[dict]:
     """Samples in request order: prompt, response ids/text/log-probs, reward and status.
 
     An engine or scorer that dies mid-call is replaced (`recover(handle, dead_incarnation)`
     waits for the restarted incarnation and, for an engine, syncs it to the current policy), and its
     unfinished work is issued again. Requests carry their own seeds, so a re-issued request
     yields the sample it would have yielded the first time; results are keyed by request
-    id, so nothing is counted twice.
+    id, so nothing is counted twice. (Restarts are counted by the supervisor, at each death.)
     """
     requests = make_requests(prompts, params, step)
     chunks = split_evenly(requests, len(engines))
     n = params.n_samples_per_prompt
-    faults = RolloutFaults()
 
     def call(role: ActorHandle, method: str, arg):
         """Start a call; a role found dead (now or when its result is read) is replaced."""
@@ -85,10 +75,6 @@ def generate_and_score(engines: list[ActorHandle], scorers: list[ActorHandle], p
                 replace(role, e)
 
     def replace(role: ActorHandle, e: ActorDied) -> None:
-        if role in engines:
-            faults.engine_restarts += 1
-        else:
-            faults.scorer_restarts += 1
         recover(role, e.incarnation)
 
     samples: dict[int, dict] = {}
@@ -130,7 +116,7 @@ def generate_and_score(engines: list[ActorHandle], scorers: list[ActorHandle], p
                 continue
             for res in results:
                 samples[res["index"]].update(reward=res["reward"], reward_status=res["status"])
-    return [samples[i] for i in range(len(requests))], faults
+    return [samples[i] for i in range(len(requests))]
 
 
 def _sample(r: dict, group: int, prompt: dict, decode, eos_id: int) -> dict:

@@ -143,6 +143,9 @@ class Supervisor:
         self._children: dict[str, _Child] = {}
         self._lock = threading.RLock()          # guards _children and restart bookkeeping
         self._restart_times: collections.deque[float] = collections.deque()
+        # per role, the deaths that led to a restart (immediate or deferred), counted once at
+        # the death: callers that see an ActorDied or none at all read the same count
+        self._restarts_by_role: collections.Counter[str] = collections.Counter()
         self._failure: SupervisionFailed | None = None
         self._stopping = False  # no more restarts
         self._closed = False
@@ -252,6 +255,12 @@ class Supervisor:
             if time.monotonic() > until:
                 raise TimeoutError(f"actors not ready after {timeout} s: {', '.join(pending)}")
             time.sleep(0.01)
+
+    def restart_counts(self) -> dict[str, int]:
+        """{role: deaths that led to its restart so far}. Counted at the death, once, whether
+        or not a caller saw it: a role that dies idle and comes back unnoticed counts too."""
+        with self._lock:
+            return dict(self._restarts_by_role)
 
     def wait_restarted(self, name: str, dead_incarnation: int, timeout: float = 300.0) -> int:
         """Block until `name` runs a newer incarnation than `dead_incarnation` and is ready;
@@ -508,6 +517,8 @@ class Supervisor:
             self._give_up(f"actor {spec.name!r} died while starting ({reason}); not restarting it, "
                           "since a start-up failure usually repeats", err_file, err_text)
             return
+        with self._lock:
+            self._restarts_by_role[spec.name] += 1
         if spec.lease_to_start and spec.restart == "one_for_one" and self._defer_restart(child, reason):
             return
         if not self._count_restart(spec.name, reason, err_file, err_text):

@@ -146,6 +146,31 @@ def test_one_for_all_restarts_the_whole_group(sup):
     assert solo.incr() == 2 and solo.incarnation == 0
 
 
+def test_restart_counts_count_each_death_once_whether_or_not_a_caller_saw_it(sup):
+    """A role killed while idle comes back before anyone calls it (no caller sees ActorDied);
+    one killed with two calls pending fails both futures. Each is one restart, counted at
+    the death; a one_for_all group restarted for one death counts one restart too."""
+    e = sup.spawn("e", Echo)
+    a = sup.spawn("a", Counter, restart="one_for_all", group="g")
+    sup.spawn("b", Counter, restart="one_for_all", group="g")
+    t = sup.spawn("t", Echo, restart="temporary")
+    e.ping(0)
+    e.kill()  # idle
+    assert restarted(sup, "e", 1)
+    assert e.ping(1) == 1
+    first, second = e.sleep.call(30), e.sleep.call(30)
+    e.kill()
+    for fut in (first, second):
+        with pytest.raises(ActorDied):
+            fut.result(timeout=5)
+    assert restarted(sup, "e", 2)
+    a.kill()
+    assert restarted(sup, "a", 1) and restarted(sup, "b", 1)
+    t.kill()
+    assert wait_for(lambda: sup._children["t"].state == "dead")
+    assert sup.restart_counts() == {"e": 2, "a": 1}  # b restarted with a's death; t never restarts
+
+
 def test_temporary_actor_is_not_restarted(sup):
     t = sup.spawn("t", Echo, restart="temporary")
     t.ping(1)
