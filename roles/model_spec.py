@@ -108,7 +108,8 @@ class ModelSpec:
                 f"{self.num_kv_heads} and num_attention_heads={self.num_heads}"
             )
         if self.intermediate_size % tp_size:
-            raise ValueError(f"tensor_model_parallel_size={tp_size} must divide intermediate_size={self.intermediate_size}")
+            raise ValueError(
+                f"tensor_model_parallel_size={tp_size} must divide intermediate_size={self.intermediate_size}")
         if self.num_layers % pp_size:
             raise ValueError(
                 f"pipeline_model_parallel_size={pp_size} must divide num_hidden_layers={self.num_layers} "
@@ -188,6 +189,7 @@ def rope_from_hf(cfg: dict) -> Rope:
         mscale, mscale_all_dim = params.get("mscale"), params.get("mscale_all_dim")
         attention_factor = (yarn_mscale(factor, mscale) / yarn_mscale(factor, mscale_all_dim)
                             if mscale and mscale_all_dim else yarn_mscale(factor))
-    return Rope(theta=theta, head_dim=head_dim, kind=kind, factor=float(factor), original_max_position_embeddings=original,
-                beta_fast=float(params.get("beta_fast") or 32), beta_slow=float(params.get("beta_slow") or 1),
-                truncate=bool(params.get("truncate", True)), attention_factor=float(attention_factor))
+    return Rope(theta=theta, head_dim=head_dim, kind=kind, factor=float(factor),
+                original_max_position_embeddings=original, beta_fast=float(params.get("beta_fast") or 32),
+                beta_slow=float(params.get("beta_slow") or 1), truncate=bool(params.get("truncate", True)),
+                attention_factor=float(attention_factor))

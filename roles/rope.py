@@ -1,4 +1,4 @@
-"""Rotary position embedding: frequencies, cos/sin tables and the rotation, for every backend.
+"""Rotary position embedding: the frequencies and cos/sin tables of every backend.
 
 The engine's decoder (torch ops and the Triton `rope_and_store` kernel) and the megatron
 trainer's core attention (an autograd Function) build their tables here, so they rotate by the
@@ -6,9 +6,9 @@ same numbers; the torch trainer runs transformers' own RoPE, which `inv_freq` re
 (tests/test_rope.py holds it to transformers' ROPE_INIT_FUNCTIONS). Which scalings a model may
 ask for is decided in roles.model_spec, which builds `Rope` from the HF config.
 
-Numerics, as transformers and megatron's unfused path compute them: inv_freq in float32 on the
-positions' device, freqs = position x inv_freq in float32, cos/sin times the scaling's
-attention factor (YaRN's mscale; 1 otherwise) in float32, then cast to the compute dtype;
+Numerics, as transformers computes them: inv_freq in float32 on the CPU; on the device
+freqs = position x inv_freq in float32, cos/sin times the scaling's attention factor (YaRN's
+mscale; 1 otherwise) in float32, then cast to the compute dtype. Both consumers rotate
 non-interleaved halves (rotate_half), each product rounded to the tensor's dtype before the sum.
 """
 
@@ -50,10 +50,12 @@ class Rope:
             raise ValueError(f"Rope.original_max_position_embeddings={self.original_max_position_embeddings!r} "
                              f"with kind={self.kind!r}, expected >= 1")
 
-    def inv_freq(self, device=None) -> torch.Tensor:
-        """[head_dim / 2] float32 on `device`, as transformers' ROPE_INIT_FUNCTIONS[kind] computes it."""
+    def inv_freq(self) -> torch.Tensor:
+        """[head_dim / 2] float32, as transformers' ROPE_INIT_FUNCTIONS[kind] computes it: on the
+        CPU, so every backend rotates by the very numbers of the HF model (a device's pow may
+        round differently)."""
         d = self.head_dim
-        wave = self.theta ** (torch.arange(0, d, 2, dtype=torch.float32, device=device) / d)  # theta^(2i/d)
+        wave = self.theta ** (torch.arange(0, d, 2, dtype=torch.float32) / d)  # theta^(2i/d)
         if self.kind == "linear":
             return 1.0 / wave / self.factor
         if self.kind == "llama3":
@@ -87,14 +89,16 @@ class Rope:
         low, high = max(low, 0), min(high, d - 1)
         if low == high:
             high += 0.001  # no zero-width ramp
-        ramp = ((torch.arange(d // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1).to(wave.device)
+        ramp = ((torch.arange(d // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
         extrapolation = 1 - ramp
         return (1.0 / (self.factor * wave)) * (1 - extrapolation) + (1.0 / wave) * extrapolation
 
     def tables(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """(cos, sin), each [len(positions), head_dim / 2] in `dtype`, on the positions' device:
         float32 freqs and attention factor, then the cast."""
-        freqs = torch.outer(positions.to(torch.float32), self.inv_freq(positions.device))
+        # a copy staged from pageable memory: the host does not wait for the device's queue
+        inv_freq = self.inv_freq().to(positions.device, non_blocking=True)
+        freqs = torch.outer(positions.to(torch.float32), inv_freq)
         cos, sin = freqs.cos(), freqs.sin()
         if self.attention_factor != 1.0:
             cos, sin = cos * self.attention_factor, sin * self.attention_factor

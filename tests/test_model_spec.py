@@ -64,8 +64,10 @@ def test_shapes_of_the_families():
     ({"partial_rotary_factor": 0.5}, "llama with partial_rotary_factor=0.5 is not supported"),
     ({"rope_parameters": {"rope_type": "dynamic", "factor": 2.0}},
      r"rope_parameters: rope_type='dynamic' is not supported; supported: \('default', 'linear', 'llama3', 'yarn'\)"),
-    ({"rope_scaling": {"type": "longrope", "short_factor": [1.0]}}, "rope_scaling: rope_type='longrope' is not supported"),
-    ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, "rope_scaling: rope_type='llama3' needs 'low_freq_factor'"),
+    ({"rope_scaling": {"type": "longrope", "short_factor": [1.0]}},
+     "rope_scaling: rope_type='longrope' is not supported"),
+    ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}},
+     "rope_scaling: rope_type='llama3' needs 'low_freq_factor'"),
     ({"rope_parameters": {"rope_type": "linear"}}, "rope_parameters: rope_type='linear' needs 'factor'"),
     ({"rope_parameters": {"rope_type": "default", "partial_rotary_factor": 0.5}},
      "rope_parameters: partial_rotary_factor=0.5 is not supported"),
@@ -80,7 +82,8 @@ def test_every_refusal_names_the_field_and_value(fields, match):
 
 def test_backend_refusals_name_the_numbers():
     spec = ModelSpec.from_hf({**BASE, "rope_scaling": {"rope_type": "linear", "factor": 2.0}})
-    with pytest.raises(ValueError, match=r"megatron backend: llama with RoPE scaling rope_type='linear' \(rope_parameters"):
+    with pytest.raises(ValueError,
+                       match=r"megatron backend: llama with RoPE scaling rope_type='linear' \(rope_parameters"):
         spec.check_plain_rope("megatron backend")
     ModelSpec.from_hf(BASE).check_plain_rope("megatron backend")
     with pytest.raises(ValueError, match="tensor_model_parallel_size=4 must divide num_key_value_heads=2"):

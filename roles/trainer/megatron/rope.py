@@ -7,8 +7,8 @@ per sequence. Here the positions come from cu_seqlens on the device (searchsorte
 are computed once per packed batch and shared by every layer (`cos_sin`), and the rotation
 is one autograd Function over the whole batch that saves only cos/sin.
 
-The tables are roles.rope's (the engine's decoder builds its own from the same module), which
-for plain RoPE are the numbers of megatron's unfused path; the rotation is out = t*cos +
+The tables are roles.rope's, as the engine's decoder builds its own (megatron's unfused path
+computes the same, with inv_freq on the device rather than the CPU); the rotation is out = t*cos +
 rotate_half(t)*sin with each product rounded to t's dtype, as megatron rounds it. Applied by
 roles.trainer.megatron.attention.SDPACoreAttention, after the q/k layernorms (Qwen3 qk-norm),
 as megatron orders them.
