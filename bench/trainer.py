@@ -72,8 +72,8 @@ def matmul_tflops(n: int = 8192, iters: int = 20) -> float:
 
 def hf_random_state(shape, device: str = "cuda") -> dict[str, torch.Tensor]:
     """HF-named Qwen3 weights, normal(0, 0.02) (norms 1), bf16: a checkpoint without a disk."""
-    h, d, f = shape.hidden_size, shape.head_dim, shape.ffn_hidden_size
-    q, kv = shape.num_heads * d, shape.num_query_groups * d
+    h, d, f = shape.hidden_size, shape.head_dim, shape.intermediate_size
+    q, kv = shape.num_heads * d, shape.num_kv_heads * d
 
     def w(*s):
         return torch.empty(*s, device=device, dtype=torch.bfloat16).normal_(0.0, 0.02)
@@ -97,8 +97,8 @@ def train_flops(shape, num_samples: int) -> float:
     """Model FLOPs of one train step (forward + backward = 3x forward) over num_samples
     SAMPLE_LEN-token samples: the decoder's matmuls on every token, causal attention, and the
     LM head on response tokens only (the trainers skip it elsewhere)."""
-    h, d, f = shape.hidden_size, shape.head_dim, shape.ffn_hidden_size
-    q, kv = shape.num_heads * d, shape.num_query_groups * d
+    h, d, f = shape.hidden_size, shape.head_dim, shape.intermediate_size
+    q, kv = shape.num_heads * d, shape.num_kv_heads * d
     per_token = 2 * shape.num_layers * (h * q + 2 * h * kv + q * h + 3 * h * f)
     tokens = num_samples * SAMPLE_LEN
     attention = 2 * shape.num_layers * q * SAMPLE_LEN**2 * num_samples  # QK^T and PV, causal half
@@ -417,13 +417,13 @@ def main() -> None:
     plan = parse_plan(args.recompute)
     from transformers import Qwen3Config
 
-    from roles.trainer.megatron.shape import shape_from_hf
+    from roles.trainer.megatron.shape import megatron_spec
 
     # the torch backend reads an 8 GB safetensors file: from memory when /dev/shm has room
     shm = os.path.isdir("/dev/shm") and shutil.disk_usage("/dev/shm").free > 20e9
     ckpt = tempfile.mkdtemp(prefix="qwen3_4b_shape_", dir="/dev/shm" if shm else None)
     Qwen3Config(**{k: v for k, v in QWEN3_4B.items() if k not in ("model_type",)}).save_pretrained(ckpt)
-    shape = shape_from_hf(QWEN3_4B)
+    shape = megatron_spec(QWEN3_4B)
     report = {"device": torch.cuda.get_device_name(), "matmul_tflops": matmul_tflops(), "pinned": pinned_copy_rates(),
               "memcpy_gbps": memcpy_gbps()}
 

@@ -79,9 +79,9 @@ def num_layers(scale: float) -> int:
 
 
 def _shape(scale: float):
-    from roles.trainer.megatron.shape import shape_from_hf
+    from roles.trainer.megatron.shape import megatron_spec
 
-    return shape_from_hf({**QWEN3_4B, "num_hidden_layers": num_layers(scale)})
+    return megatron_spec({**QWEN3_4B, "num_hidden_layers": num_layers(scale)})
 
 
 def _position_sums(named) -> dict[str, float]:

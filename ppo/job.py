@@ -145,7 +145,7 @@ def trainer_layout_problem(cfg: PPOConfig) -> str | None:
     if cfg.training.train_backend != "megatron":
         return None
     from roles.trainer.megatron.config import PARALLEL_SIZES, MegatronTrainerConfig  # no megatron import
-    from roles.trainer.megatron.shape import shape_from_hf
+    from roles.trainer.megatron.shape import megatron_spec
 
     def layout_problem(e: ValueError) -> str:
         message = str(e).removeprefix("megatron trainer config: ")
@@ -161,7 +161,7 @@ def trainer_layout_problem(cfg: PPOConfig) -> str | None:
     if not model_config.is_file():
         return None
     try:
-        shape = shape_from_hf(json.loads(model_config.read_text()))
+        shape = megatron_spec(json.loads(model_config.read_text()))
     except ValueError as e:  # unreadable JSON or a model the mapper does not cover: not a layout problem
         return (f"--hf-checkpoint {cfg.checkpoint.hf_checkpoint}: its config.json is not a model the megatron "
                 f"trainer builds: {e}")

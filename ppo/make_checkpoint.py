@@ -33,6 +33,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import AutoModelForCausalLM, GenerationConfig, PreTrainedTokenizerFast, Qwen3Config
 
 from ppo.dapo_prompts import dapo_math_records, write_dapo_math_prompts
+from roles.model_spec import ModelSpec
 
 # Qwen3-4B's config.json as Qwen publishes it (the fields that shape the model).
 ARCHS: dict[str, dict] = {
@@ -51,14 +52,20 @@ PROMPTS_FILE = "dapo_math_prompts.jsonl"
 
 
 def arch_config(arch: str, overrides: dict | None = None) -> Qwen3Config:
-    """The HF config of `arch` with `overrides` (config field -> value) applied."""
+    """The HF config of `arch` with `overrides` (config field -> value) applied, refused (before
+    minutes of random init) when the engine and trainers would refuse it (roles.model_spec)."""
     if arch not in ARCHS:
         raise ValueError(f"--arch {arch!r} is unknown; known: {', '.join(ARCHS)}")
     fields = {**ARCHS[arch], **(overrides or {})}
     unknown = sorted(set(fields) - set(Qwen3Config().to_dict()) - {"rope_theta"})
     if unknown:
         raise ValueError(f"--override {unknown[0]}: not a field of Qwen3Config")
-    return Qwen3Config(**fields)
+    config = Qwen3Config(**fields)
+    try:
+        ModelSpec.from_hf(config)
+    except ValueError as e:
+        raise ValueError(f"--arch {arch} with --override {overrides}: {e}") from None
+    return config
 
 
 def parameter_count(config: Qwen3Config) -> int:

@@ -24,6 +24,9 @@ def test_qwen3_4b_config_and_size_without_weights():
     assert parameter_count(c) == 4_022_468_096  # Qwen3-4B's 4.02B, the tied embedding counted once
     with pytest.raises(ValueError, match="not a field of Qwen3Config"):
         arch_config("qwen3-4b", {"hiden_size": 3})
+    # what the engine and trainers refuse (roles.model_spec) is refused before the random init
+    with pytest.raises(ValueError, match=r"--override \{'hidden_act': 'gelu'\}: qwen3 with hidden_act='gelu' is not"):
+        arch_config("qwen3-4b", {"hidden_act": "gelu"})
 
 
 @pytest.mark.timeout(300)

@@ -21,7 +21,8 @@ import torch
 
 from roles.trainer.megatron import batch_memo
 from roles.trainer.megatron.attention import SDPACoreAttention, cp_local_index
-from roles.trainer.megatron.rope import RopeParams, apply_rope, cos_sin, packed_positions, rope_tables
+from roles.rope import Rope
+from roles.trainer.megatron.rope import apply_rope, cos_sin, packed_positions
 from tests.test_megatron_attention import (
     SEQLENS_CP,
     D,
@@ -33,7 +34,7 @@ from tests.test_megatron_attention import (
     qkv,
 )
 
-PARAMS = RopeParams(theta=10000.0, head_dim=D)
+PARAMS = Rope(theta=10000.0, head_dim=D)
 
 
 def megatron_rope(t: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
@@ -48,7 +49,7 @@ def megatron_rope(t: torch.Tensor, positions: torch.Tensor, theta: float) -> tor
 
 
 def rotated(t: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-    cos, sin = rope_tables(positions, PARAMS, t.dtype)
+    cos, sin = PARAMS.tables(positions, t.dtype)
     shape = (len(positions),) + (1,) * (t.dim() - 2) + (D // 2,)
     return apply_rope(t, cos.view(shape), sin.view(shape))
 
@@ -82,7 +83,7 @@ def test_rotation_is_megatrons_unfused_formula_bit_for_bit(dtype):
 def test_rotation_gradcheck_float64_and_only_cos_sin_saved():
     gen = torch.Generator().manual_seed(1)
     t = torch.randn(6, 2, 3, D, generator=gen, dtype=torch.float64, requires_grad=True)
-    cos, sin = rope_tables(torch.arange(6) * 5, PARAMS, torch.float64)
+    cos, sin = PARAMS.tables(torch.arange(6) * 5, torch.float64)
     cos, sin = cos[:, None, None], sin[:, None, None]
     assert torch.autograd.gradcheck(lambda x: apply_rope(x, cos, sin), (t,))
     out = apply_rope(t, cos, sin)
@@ -96,18 +97,11 @@ def test_rotation_on_a_strided_view_and_width_checked():
     # megatron hands q/k over as views of the qkv projection
     base = torch.randn(5, N_HEADS, 3 * D, dtype=torch.float64)
     view = base[..., D:2 * D]
-    cos, sin = rope_tables(torch.arange(5), PARAMS, torch.float64)
+    cos, sin = PARAMS.tables(torch.arange(5), torch.float64)
     torch.testing.assert_close(apply_rope(view, cos[:, None], sin[:, None]),
                                megatron_rope(view.contiguous(), torch.arange(5), PARAMS.theta), rtol=0, atol=0)
     with pytest.raises(ValueError, match="head_dim 16 != 2 x the tables' width 4"):
         apply_rope(torch.zeros(5, 1, 16), cos[:, None], sin[:, None])
-
-
-def test_rope_params_refuse_bad_values():
-    with pytest.raises(ValueError, match="RopeParams.head_dim=7"):
-        RopeParams(theta=1e6, head_dim=7)
-    with pytest.raises(ValueError, match="RopeParams.theta=0"):
-        RopeParams(theta=0, head_dim=8)
 
 
 # ---- positions ---------------------------------------------------------------------------------
@@ -140,11 +134,11 @@ def test_tables_are_shared_per_batch_and_recomputed_when_it_changes():
     cu[1:] = cu_of([5, 3])[1:]  # reused buffer, new batch: its version changed
     second = cos_sin(PARAMS, torch.float32, total=8, cu_seqlens=cu)
     assert second[0] is not first[0]
-    torch.testing.assert_close(second[0], rope_tables(packed_positions(cu, 8), PARAMS, torch.float32)[0])
+    torch.testing.assert_close(second[0], PARAMS.tables(packed_positions(cu, 8), torch.float32)[0])
     batch_memo.drop()
     assert not batch_memo._MEMO
     padded = cos_sin(PARAMS, torch.bfloat16, total=6, device="cpu")
-    torch.testing.assert_close(padded[1], rope_tables(torch.arange(6), PARAMS, torch.bfloat16)[1], rtol=0, atol=0)
+    torch.testing.assert_close(padded[1], PARAMS.tables(torch.arange(6), torch.bfloat16)[1], rtol=0, atol=0)
 
 
 # ---- the module with rope ------------------------------------------------------------------------
@@ -190,7 +184,7 @@ def _cp_rope_worker(rank: int, group) -> dict:
     # every layer of one batch shares its gather plan and rope tables: built by the first only
     built = []
     for name, mod in (("cp", attention), ("rope", rope)):
-        fn = getattr(mod, {"cp": "_cp_plan", "rope": "rope_tables"}[name])
+        fn = getattr(mod, {"cp": "_cp_plan", "rope": "packed_positions"}[name])
         setattr(mod, fn.__name__, lambda *a, fn=fn, name=name, **kw: built.append(name) or fn(*a, **kw))
     q, k, v = (x[got["idx"]] for x in qkv(sum(SEQLENS_CP), seed=5))
     params = packed_params(SEQLENS_CP)

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from roles.trainer.megatron.mapper import hf_to_megatron, megatron_names, stage_to_hf
-from roles.trainer.megatron.shape import shape_from_hf
+from roles.trainer.megatron.shape import megatron_spec
 from tests.test_megatron_mapper import hf_state, qwen3_config
 from tests.test_megatron_parallel import run_gloo_ranks
 
@@ -33,7 +33,7 @@ def _export_worker(rank: int, group) -> dict:
     out = {}
     for case, tied, critic, tp, dtype in CASES:
         config = qwen3_config(tied)
-        shape = shape_from_hf(config)
+        shape = megatron_spec(config)
         hf = _reference(tied, critic, dtype)
         shards = [hf_to_megatron(hf, shape, tp_rank=t, tp_size=tp, pp_rank=rank, pp_size=2, critic=critic)
                   for t in range(tp)]
@@ -71,7 +71,7 @@ def test_every_stage_reaches_pp_rank_zero_bit_identical(exported, case, tied, cr
 def test_stage_names_carry_the_global_layer_offset():
     """Stage 1 of 2 of a 4-layer model holds megatron layers 0-1, exported as HF layers 2-3."""
     config = qwen3_config(False)
-    shape = shape_from_hf(config)
+    shape = megatron_spec(config)
     hf = hf_state(config)
     stage1 = hf_to_megatron(hf, shape, tp_rank=0, tp_size=1, pp_rank=1, pp_size=2)
     assert {n.split(".")[2] for n in megatron_names(shape, pp_rank=1, pp_size=2) if n.startswith("decoder.layers.")} \
@@ -87,7 +87,7 @@ def _export_pp4_worker(rank: int, group) -> list:
     from roles.trainer.megatron.export import model_hf_weights
     from roles.weight_views import LazyReshape
 
-    shape = shape_from_hf(qwen3_config(False))
+    shape = megatron_spec(qwen3_config(False))
     stage = hf_to_megatron(_reference(False, False, torch.float32), shape, tp_rank=0, tp_size=1, pp_rank=rank,
                            pp_size=4)
     pairs = model_hf_weights(stage, shape, tp_size=1, tp_shards=lambda name, t: [t], pp_group=group,

@@ -12,7 +12,7 @@ import torch
 from transformers import AutoModel, AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
 
 from roles.trainer.megatron.mapper import hf_to_megatron, megatron_names, megatron_to_hf, to_hf
-from roles.trainer.megatron.shape import shape_from_hf
+from roles.trainer.megatron.shape import megatron_spec
 from roles.trainer.model import ValueModel
 from roles.weight_sync import is_window
 
@@ -41,8 +41,8 @@ def reference_qkv(hf, layer, shape, tp_rank, tp_size, prefix="model."):
     """linear_qkv of one TP rank, row by row: for each of the rank's query groups, its q
     heads, its k head, its v head."""
     d = shape.head_dim
-    qpg = shape.num_heads // shape.num_query_groups
-    groups_per_rank = shape.num_query_groups // tp_size
+    qpg = shape.num_heads // shape.num_kv_heads
+    groups_per_rank = shape.num_kv_heads // tp_size
     q = hf[f"{prefix}layers.{layer}.self_attn.q_proj.weight"]
     k = hf[f"{prefix}layers.{layer}.self_attn.k_proj.weight"]
     v = hf[f"{prefix}layers.{layer}.self_attn.v_proj.weight"]
@@ -56,7 +56,7 @@ def reference_qkv(hf, layer, shape, tp_rank, tp_size, prefix="model."):
 
 
 def reference_fc1(hf, layer, shape, tp_rank, tp_size, prefix="model."):
-    f = shape.ffn_hidden_size // tp_size
+    f = shape.intermediate_size // tp_size
     gate = hf[f"{prefix}layers.{layer}.mlp.gate_proj.weight"]
     up = hf[f"{prefix}layers.{layer}.mlp.up_proj.weight"]
     return torch.stack([gate[tp_rank * f + i] for i in range(f)] + [up[tp_rank * f + i] for i in range(f)])
@@ -65,7 +65,7 @@ def reference_fc1(hf, layer, shape, tp_rank, tp_size, prefix="model."):
 @pytest.mark.parametrize("tp,pp", [(1, 1), (2, 1), (1, 2), (2, 2), (4, 4)])
 def test_qwen3_round_trip_is_bit_identical_and_matches_reference(tp, pp):
     config = qwen3_config()
-    shape = shape_from_hf(config)
+    shape = megatron_spec(config)
     hf = hf_state(config)
     states = [[hf_to_megatron(hf, shape, tp_rank=t, tp_size=tp, pp_rank=s, pp_size=pp) for t in range(tp)]
               for s in range(pp)]
@@ -104,7 +104,7 @@ def test_a_gathered_embedding_owns_its_memory_and_a_single_shard_stays_a_view():
     pass for a window into the param buffer, and a direct weight sync would keep the whole
     gather alive unaccounted. At TP1 it stays a view of the parameter (megatron's buffer)."""
     config = Qwen3Config(**{**SMALL, "vocab_size": 251}, head_dim=8)  # padded to 252 at TP2
-    shape = shape_from_hf(config)
+    shape = megatron_spec(config)
     hf = hf_state(config)
     name = "embedding.word_embeddings.weight"
     shards = [hf_to_megatron(hf, shape, tp_rank=t, tp_size=2, pp_rank=0, pp_size=1)[name] for t in range(2)]
@@ -126,7 +126,7 @@ def test_a_gathered_embedding_owns_its_memory_and_a_single_shard_stays_a_view():
     (qwen3_config(tied=False), 2, 4),
 ])
 def test_dense_models_round_trip(config, tp, pp):
-    shape = shape_from_hf(config)
+    shape = megatron_spec(config)
     hf = hf_state(config)
     states = [[hf_to_megatron(hf, shape, tp_rank=t, tp_size=tp, pp_rank=s, pp_size=pp) for t in range(tp)]
               for s in range(pp)]
@@ -134,7 +134,7 @@ def test_dense_models_round_trip(config, tp, pp):
         bias = states[0][1]["decoder.layers.0.self_attention.linear_qkv.bias"]
         d, qpg = shape.head_dim, shape.heads_per_group
         q, k, v = (hf[f"model.layers.0.self_attn.{x}_proj.bias"] for x in "qkv")
-        g = shape.num_query_groups // tp  # first group of TP rank 1
+        g = shape.num_kv_heads // tp  # first group of TP rank 1
         assert torch.equal(bias[: qpg * d], q[g * qpg * d:(g + 1) * qpg * d])
         assert torch.equal(bias[qpg * d:(qpg + 1) * d], k[g * d:(g + 1) * d])
     assert torch.equal(states[-1][0]["output_layer.weight"], hf["lm_head.weight"].chunk(tp)[0])
@@ -145,7 +145,7 @@ def test_dense_models_round_trip(config, tp, pp):
 @pytest.mark.parametrize("tp,pp", [(1, 1), (2, 2)])
 def test_critic_round_trip_with_value_head(tp, pp):
     config = qwen3_config()
-    shape = shape_from_hf(config)
+    shape = megatron_spec(config)
     hf = hf_state(config, critic=True)
     states = [[hf_to_megatron(hf, shape, tp_rank=t, tp_size=tp, pp_rank=s, pp_size=pp, critic=True)
                for t in range(tp)] for s in range(pp)]
@@ -159,7 +159,7 @@ def test_critic_round_trip_with_value_head(tp, pp):
 
 
 def test_te_spec_names_the_fused_norms():
-    shape = shape_from_hf(qwen3_config())
+    shape = megatron_spec(qwen3_config())
     local = megatron_names(shape, pp_rank=0, pp_size=1)
     te = megatron_names(shape, pp_rank=0, pp_size=1, spec="te")
     assert "decoder.layers.0.input_layernorm.weight" in local
@@ -173,9 +173,9 @@ def test_te_spec_names_the_fused_norms():
 
 def test_unsupported_shapes_are_refused_with_the_field():
     with pytest.raises(ValueError, match="num_key_value_heads=4"):
-        hf_to_megatron(hf_state(qwen3_config()), shape_from_hf(qwen3_config()), tp_rank=0, tp_size=8,
+        hf_to_megatron(hf_state(qwen3_config()), megatron_spec(qwen3_config()), tp_rank=0, tp_size=8,
                        pp_rank=0, pp_size=1)
     with pytest.raises(ValueError, match="num_hidden_layers=4"):
-        shape_from_hf(qwen3_config()).check_parallel(tp_size=1, pp_size=3)
-    with pytest.raises(ValueError, match="model_type='gpt2' is not built"):
-        shape_from_hf({"model_type": "gpt2"})
+        megatron_spec(qwen3_config()).check_parallel(tp_size=1, pp_size=3)
+    with pytest.raises(ValueError, match="model_type='gpt2' is not supported"):
+        megatron_spec({"model_type": "gpt2"})

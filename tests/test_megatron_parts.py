@@ -13,7 +13,7 @@ from roles.trainer.batching import collate, sequences
 from roles.trainer.megatron import MegatronTrainerConfig
 from roles.trainer.megatron.offload import TaggedOffloader
 from roles.trainer.megatron.packing import pack, plan_packed
-from roles.trainer.megatron.shape import shape_from_hf, transformer_config_kwargs
+from roles.trainer.megatron.shape import megatron_spec, transformer_config_kwargs
 
 BASE = dict(hf_checkpoint="x", seed=0, lr=1e-6, min_lr=0.0, lr_decay_style="constant", lr_warmup_iters=0,
             weight_decay=0.0, betas=(0.9, 0.999), clip_grad=1.0, global_batch_size=4, max_tokens_per_gpu=64,
@@ -30,7 +30,7 @@ def test_recompute_flags_validated_and_mapped():
         MegatronTrainerConfig(**BASE, recompute_method="uniform")
     with pytest.raises(ValueError, match="recompute_num_layers=None, expected >= 1"):
         MegatronTrainerConfig(**BASE, recompute_granularity="full", recompute_method="uniform")
-    shape = shape_from_hf(Qwen3Config(**QWEN3_4B))
+    shape = megatron_spec(Qwen3Config(**QWEN3_4B))
     kw = transformer_config_kwargs(shape, tp_size=1, pp_size=1, cp_size=1, dtype="bfloat16",
                                    recompute_granularity="full", recompute_method="block", recompute_num_layers=4)
     assert (kw["recompute_granularity"], kw["recompute_method"], kw["recompute_num_layers"]) == ("full", "block", 4)
@@ -40,9 +40,9 @@ def test_recompute_flags_validated_and_mapped():
 
 
 def test_qwen3_4b_config_maps_to_megatron_fields():
-    shape = shape_from_hf(Qwen3Config(**QWEN3_4B))
-    assert (shape.num_query_groups, shape.head_dim, shape.qk_norm, shape.tied_embeddings) == (8, 128, True, True)
-    assert shape.rope_theta == 1e6 and shape.padded_vocab(1) == 151936
+    shape = megatron_spec(Qwen3Config(**QWEN3_4B))
+    assert (shape.num_kv_heads, shape.head_dim, shape.qk_norm, shape.tied_embeddings) == (8, 128, True, True)
+    assert shape.rope.theta == 1e6 and shape.padded_vocab(1) == 151936
     kw = transformer_config_kwargs(shape, tp_size=2, pp_size=1, cp_size=2, dtype="bfloat16",
                                    recompute_granularity=None, recompute_method=None, recompute_num_layers=None)
     assert kw["num_query_groups"] == 8 and kw["kv_channels"] == 128 and kw["ffn_hidden_size"] == 9728
@@ -58,14 +58,14 @@ def test_qwen3_4b_config_maps_to_megatron_fields():
 
 
 def test_llama_and_qwen2_shapes():
-    llama = shape_from_hf(LlamaConfig(hidden_size=64, num_attention_heads=8, num_key_value_heads=2,
+    llama = megatron_spec(LlamaConfig(hidden_size=64, num_attention_heads=8, num_key_value_heads=2,
                                       intermediate_size=128, num_hidden_layers=2, vocab_size=100))
     assert (llama.head_dim, llama.qk_norm, llama.qkv_bias, llama.tied_embeddings) == (8, False, False, False)
-    qwen2 = shape_from_hf(Qwen2Config(hidden_size=64, num_attention_heads=8, num_key_value_heads=2,
+    qwen2 = megatron_spec(Qwen2Config(hidden_size=64, num_attention_heads=8, num_key_value_heads=2,
                                       intermediate_size=128, num_hidden_layers=2, vocab_size=100))
     assert qwen2.qkv_bias and not qwen2.qk_norm
     with pytest.raises(ValueError, match="rope_scaling"):
-        shape_from_hf(LlamaConfig(rope_scaling={"rope_type": "linear", "factor": 2.0}))
+        megatron_spec(LlamaConfig(rope_scaling={"rope_type": "linear", "factor": 2.0}))
 
 
 def test_plan_packed_fills_by_summed_tokens():

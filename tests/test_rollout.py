@@ -1,6 +1,8 @@
 """The built-in torch rollout engine on the CPU: HF equality, sampling semantics, log-prob
 invariant, continuous batching, weight updates."""
 
+import json
+
 import pytest
 import torch
 
@@ -233,6 +235,24 @@ def test_tied_embeddings_checkpoint_matches_hf(tmp_path):
     assert eng.weights_checksum() == checksum_named_tensors(model.state_dict().items())
     out = eng.generate(_reqs(PROMPTS, temperature=0, max_new_tokens=6, ignore_eos=True))
     assert [r["token_ids"] for r in out] == [_greedy_reference(model, p, 6) for p in PROMPTS]
+
+
+@pytest.mark.parametrize("rope", [
+    {"rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 8}},  # 4.x spelling
+    {"rope_parameters": {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
+                         "high_freq_factor": 4.0, "original_max_position_embeddings": 8}},  # transformers 5
+], ids=["yarn-4.x", "llama3-5.x"])
+def test_scaled_rope_checkpoint_matches_hf(tmp_path, rope):
+    scaled = build_tiny_checkpoint(str(tmp_path / "scaled"), seed=3)
+    config_path = tmp_path / "scaled" / "config.json"
+    config = {k: v for k, v in json.loads(config_path.read_text()).items() if k not in ("rope_parameters", "rope_theta")}
+    config_path.write_text(json.dumps({**config, "rope_theta": 10000.0, **rope}))
+    eng, model = RolloutEngine(scaled, dtype="float32"), load_causal_lm(scaled, "float32")
+    assert model.config.rope_parameters["rope_type"] == eng._backend.spec.rope.kind != "default"
+    out = eng.generate(_reqs(PROMPTS, temperature=1.0, max_new_tokens=8, ignore_eos=True))
+    for prompt, r in zip(PROMPTS, out):
+        expected = _teacher_forced_logprobs(model, prompt, r["token_ids"], 1.0)
+        torch.testing.assert_close(torch.tensor(r["logprobs"]), expected, atol=2e-5, rtol=0)
 
 
 def test_update_weights_by_buckets_matches_source_checksum(ckpt, other_ckpt):

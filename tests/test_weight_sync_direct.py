@@ -183,10 +183,10 @@ def _megatron_sender(ckpt, device: str = "cpu") -> tuple[list, dict]:
 
     from ppo.tiny_model import load_causal_lm
     from roles.trainer.megatron.mapper import hf_to_megatron, stage_to_hf
-    from roles.trainer.megatron.shape import shape_from_hf
+    from roles.trainer.megatron.shape import megatron_spec
 
     with open(os.path.join(ckpt, "config.json")) as f:
-        shape = shape_from_hf(json.load(f))
+        shape = megatron_spec(json.load(f))
     gen = torch.Generator().manual_seed(5)
     hf = {n: (p.detach() + 0.01 * torch.randn(p.shape, generator=gen)).to(torch.bfloat16).to(device)
           for n, p in load_causal_lm(ckpt).named_parameters()}

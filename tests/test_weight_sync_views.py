@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from roles.trainer.megatron.mapper import to_hf, to_megatron
-from roles.trainer.megatron.shape import shape_from_hf
+from roles.trainer.megatron.shape import megatron_spec
 from roles.weight_checksum import checksum_named_tensors
 from roles.weight_sync import for_receiver, is_window, pack_buckets, received, send_to_engines, unpack_bucket
 from roles.weight_views import LazyReshape, copy_into
@@ -17,7 +17,7 @@ QKV = "decoder.layers.0.self_attention.linear_qkv."
 
 def _shape(num_heads: int, num_kv_heads: int, bias: bool):
     # Qwen2 has q/k/v biases, Qwen3 none; 8-wide heads keep the tensors small
-    return shape_from_hf(dict(model_type="qwen2" if bias else "qwen3", vocab_size=64, hidden_size=16,
+    return megatron_spec(dict(model_type="qwen2" if bias else "qwen3", vocab_size=64, hidden_size=16,
                               intermediate_size=32, num_hidden_layers=1, num_attention_heads=num_heads,
                               num_key_value_heads=num_kv_heads, head_dim=8, tie_word_embeddings=True))
 
@@ -27,7 +27,7 @@ def _fused_in_buffer(shape, suffix: str):
     them (mapper.to_megatron), as a window in the middle of a larger flat buffer."""
     g = torch.Generator().manual_seed(len(suffix) + shape.num_heads)
     rest = (shape.hidden_size,) if suffix == "weight" else ()
-    q_rows, kv_rows = shape.num_heads * shape.head_dim, shape.num_query_groups * shape.head_dim
+    q_rows, kv_rows = shape.num_heads * shape.head_dim, shape.num_kv_heads * shape.head_dim
     hf = {f"model.layers.0.self_attn.{x}_proj.{suffix}": torch.randn(rows, *rest, generator=g).to(torch.bfloat16)
           for x, rows in (("q", q_rows), ("k", kv_rows), ("v", kv_rows))}
     fused = to_megatron(QKV + suffix, hf, shape, tp_rank=0, tp_size=1, layer_offset=0)

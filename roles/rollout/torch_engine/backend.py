@@ -20,7 +20,8 @@ import torch
 
 from roles.device import CUDA_BLOCK, DeviceMemory, HostBlock, nbytes_of
 from roles.rollout.sampling import GenerateRequest
-from roles.rollout.torch_engine.decoder import Decoder, ModelSpec, Weights, rope_parameters
+from roles.model_spec import ModelSpec
+from roles.rollout.torch_engine.decoder import Decoder, Weights
 from roles.rollout.torch_engine.graphs import DecodeGraphs
 from roles.rollout.torch_engine.kv_cache import KVCache
 from roles.rollout.torch_engine.scheduler import Scheduler
@@ -69,8 +70,7 @@ class TorchBackend:
         self.cache.allocate()
         on_gpu = memory.kind == "cuda"
         self.graphs = DecodeGraphs(memory, enabled=options.get("cuda_graphs", True))
-        self.decoder = Decoder(self.weights, *rope_parameters(hf_checkpoint),
-                               compile_ops=on_gpu and options.get("compile", True))
+        self.decoder = Decoder(self.weights, compile_ops=on_gpu and options.get("compile", True))
         self.scheduler = Scheduler(self.decoder, self.cache, self.graphs,
                                    sync_every=options.get("sync_every", 16 if on_gpu else 1),
                                    slot_quantum=64 if on_gpu else 1, span_quantum=64 if on_gpu else 1,

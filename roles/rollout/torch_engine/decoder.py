@@ -15,77 +15,17 @@ Triton kernel that also writes the cache; kernels.py).
 
 from __future__ import annotations
 
-import json
 import os
-from dataclasses import dataclass
 from typing import Callable
 
 import torch
 import torch.nn.functional as F
 from safetensors import safe_open
 
+from roles.model_spec import ModelSpec
 from roles.weight_checksum import checksum_named_tensors
 from roles.weight_sync import dtype_name, unpack_bucket
 from roles.weight_views import copy_into
-
-FAMILIES = ("qwen3", "qwen2", "llama", "mistral")
-
-
-@dataclass(frozen=True, kw_only=True)
-class ModelSpec:
-    """The shapes a forward needs, read from an HF config.json."""
-
-    num_layers: int
-    hidden: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    intermediate: int
-    vocab: int
-    max_positions: int
-    rms_eps: float
-    tied: bool
-    qk_norm: bool  # Qwen3 normalises q and k per head before rope
-    qkv_bias: bool  # Qwen2 has q/k/v biases
-    eos_ids: tuple[int, ...]
-
-    @classmethod
-    def from_checkpoint(cls, hf_checkpoint: str) -> ModelSpec:
-        with open(os.path.join(hf_checkpoint, "config.json")) as f:
-            cfg = json.load(f)
-        family = cfg.get("model_type")
-        if family not in FAMILIES:
-            raise ValueError(f"backend 'torch': model_type={family!r} is not supported; supported: {FAMILIES}")
-        if cfg.get("use_sliding_window"):
-            raise ValueError("backend 'torch': use_sliding_window=True is not supported (full attention only)")
-        if cfg.get("hidden_act", "silu") != "silu":
-            raise ValueError(f"backend 'torch': hidden_act={cfg['hidden_act']!r} is not supported; only 'silu'")
-        eos = _generation_eos(hf_checkpoint, cfg.get("eos_token_id"))
-        heads = cfg["num_attention_heads"]
-        return cls(
-            num_layers=cfg["num_hidden_layers"], hidden=cfg["hidden_size"], num_heads=heads,
-            num_kv_heads=cfg.get("num_key_value_heads") or heads,
-            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
-            intermediate=cfg["intermediate_size"], vocab=cfg["vocab_size"],
-            max_positions=cfg["max_position_embeddings"], rms_eps=cfg["rms_norm_eps"],
-            tied=bool(cfg.get("tie_word_embeddings", False)), qk_norm=family == "qwen3",
-            qkv_bias=bool(cfg.get("attention_bias", family == "qwen2")), eos_ids=eos,
-        )
-
-    @property
-    def kv_elements_per_token(self) -> int:
-        """KV-cache elements per token (all layers, K and V); times the dtype's itemsize for bytes."""
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim
-
-
-def _generation_eos(hf_checkpoint: str, config_eos) -> tuple[int, ...]:
-    path = os.path.join(hf_checkpoint, "generation_config.json")
-    eos = config_eos
-    if os.path.exists(path):
-        with open(path) as f:
-            eos = json.load(f).get("eos_token_id", eos)
-    return tuple([eos] if isinstance(eos, int) else eos or [])
-
 
 class Weights:
     """The decoder's tensors, fused into storages, exposed by HF name.
@@ -110,29 +50,29 @@ class Weights:
                 row += shape[0]
             shapes[key] = (row, *parts[0][1][1:])
 
-        add("embed", [("model.embed_tokens.weight", (s.vocab, s.hidden))])
+        add("embed", [("model.embed_tokens.weight", (s.vocab_size, s.hidden_size))])
         for i in range(s.num_layers):
             p = f"model.layers.{i}."
-            add(f"{i}.qkv", [(p + "self_attn.q_proj.weight", (q, s.hidden)),
-                             (p + "self_attn.k_proj.weight", (kv, s.hidden)),
-                             (p + "self_attn.v_proj.weight", (kv, s.hidden))])
+            add(f"{i}.qkv", [(p + "self_attn.q_proj.weight", (q, s.hidden_size)),
+                             (p + "self_attn.k_proj.weight", (kv, s.hidden_size)),
+                             (p + "self_attn.v_proj.weight", (kv, s.hidden_size))])
             if s.qkv_bias:
                 add(f"{i}.qkv_bias", [(p + "self_attn.q_proj.bias", (q,)), (p + "self_attn.k_proj.bias", (kv,)),
                                       (p + "self_attn.v_proj.bias", (kv,))])
-            add(f"{i}.o", [(p + "self_attn.o_proj.weight", (s.hidden, q))])
+            add(f"{i}.o", [(p + "self_attn.o_proj.weight", (s.hidden_size, q))])
             if s.qk_norm:
                 add(f"{i}.q_norm", [(p + "self_attn.q_norm.weight", (s.head_dim,))])
                 add(f"{i}.k_norm", [(p + "self_attn.k_norm.weight", (s.head_dim,))])
-            add(f"{i}.gate_up", [(p + "mlp.gate_proj.weight", (s.intermediate, s.hidden)),
-                                 (p + "mlp.up_proj.weight", (s.intermediate, s.hidden))])
-            add(f"{i}.down", [(p + "mlp.down_proj.weight", (s.hidden, s.intermediate))])
-            add(f"{i}.ln1", [(p + "input_layernorm.weight", (s.hidden,))])
-            add(f"{i}.ln2", [(p + "post_attention_layernorm.weight", (s.hidden,))])
-        add("norm", [("model.norm.weight", (s.hidden,))])
-        if s.tied:
+            add(f"{i}.gate_up", [(p + "mlp.gate_proj.weight", (s.intermediate_size, s.hidden_size)),
+                                 (p + "mlp.up_proj.weight", (s.intermediate_size, s.hidden_size))])
+            add(f"{i}.down", [(p + "mlp.down_proj.weight", (s.hidden_size, s.intermediate_size))])
+            add(f"{i}.ln1", [(p + "input_layernorm.weight", (s.hidden_size,))])
+            add(f"{i}.ln2", [(p + "post_attention_layernorm.weight", (s.hidden_size,))])
+        add("norm", [("model.norm.weight", (s.hidden_size,))])
+        if s.tied_embeddings:
             self._layout["lm_head.weight"] = self._layout["model.embed_tokens.weight"]
         else:
-            add("lm_head", [("lm_head.weight", (s.vocab, s.hidden))])
+            add("lm_head", [("lm_head.weight", (s.vocab_size, s.hidden_size))])
         self._shapes = shapes
         self.storages: dict[str, torch.Tensor] = {}
         self.named: dict[str, torch.Tensor] = {}
@@ -153,7 +93,7 @@ class Weights:
         files = sorted(f for f in os.listdir(hf_checkpoint) if f.endswith(".safetensors"))
         if not files:
             raise ValueError(f"backend 'torch': no *.safetensors files in {hf_checkpoint!r}")
-        missing = set(self._layout) - ({"lm_head.weight"} if self.spec.tied else set())
+        missing = set(self._layout) - ({"lm_head.weight"} if self.spec.tied_embeddings else set())
         with torch.no_grad():
             for fname in files:
                 with safe_open(os.path.join(hf_checkpoint, fname), framework="pt") as f:
@@ -209,12 +149,9 @@ class Decoder:
     and in the tests it stays off.
     """
 
-    def __init__(self, weights: Weights, rope_inv_freq: torch.Tensor, rope_scaling: float, *,
-                 compile_ops: bool = False):
+    def __init__(self, weights: Weights, *, compile_ops: bool = False):
         self.w = weights
         self.spec = weights.spec
-        self._inv_freq = rope_inv_freq  # [D/2] float32, as HF's rotary embedding computes it
-        self._rope_scaling = rope_scaling
         self.cos = self.sin = None  # [T, D] in the model dtype
         ops = (_rms_norm, _add_rms_norm, _attention_inputs, _swiglu)
         if compile_ops:
@@ -227,13 +164,12 @@ class Decoder:
         self._norm, self._add_norm, self._attention_inputs, self._swiglu = ops
 
     def build_rope(self, length: int, device: torch.device) -> None:
-        """cos/sin for positions [0, length): HF's formula (fp32 product, then the model dtype)."""
+        """cos/sin [length, D] for positions [0, length), from roles.rope's tables: the same
+        values in both halves, which is how `_attention_inputs` and the Triton kernel read them."""
         if self.cos is not None and self.cos.shape[0] >= length and self.cos.device == device:
             return
-        freqs = torch.arange(length, device=device).float()[:, None] * self._inv_freq.to(device)[None, :]
-        emb = torch.cat((freqs, freqs), dim=-1)
-        self.cos = (emb.cos() * self._rope_scaling).to(self.w.dtype)
-        self.sin = (emb.sin() * self._rope_scaling).to(self.w.dtype)
+        cos, sin = self.spec.rope.tables(torch.arange(length, device=device), self.w.dtype)
+        self.cos, self.sin = torch.cat((cos, cos), dim=-1), torch.cat((sin, sin), dim=-1)
 
     def drop_rope(self) -> None:
         self.cos = self.sin = None
@@ -246,13 +182,13 @@ class Decoder:
         s, st = self.spec, self.w.storages
         n = tokens.shape[0]
         x = F.embedding(tokens, st["embed"])
-        h = self._norm(x, st["0.ln1"], s.rms_eps)
+        h = self._norm(x, st["0.ln1"], s.norm_eps)
         for i in range(s.num_layers):
             out = attend(i, F.linear(h, st[f"{i}.qkv"], st.get(f"{i}.qkv_bias")))  # [N, H, D]
-            x, h = self._add_norm(x, F.linear(out.reshape(n, -1), st[f"{i}.o"]), st[f"{i}.ln2"], s.rms_eps)
+            x, h = self._add_norm(x, F.linear(out.reshape(n, -1), st[f"{i}.o"]), st[f"{i}.ln2"], s.norm_eps)
             down = F.linear(self._swiglu(F.linear(h, st[f"{i}.gate_up"])), st[f"{i}.down"])
             following = st[f"{i + 1}.ln1"] if i + 1 < s.num_layers else st["norm"]
-            x, h = self._add_norm(x, down, following, s.rms_eps)
+            x, h = self._add_norm(x, down, following, s.norm_eps)
         return h
 
     def rope_at(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -264,7 +200,7 @@ class Decoder:
         """q [N, H, D], k and v [N, KV, D] of one layer: per-head norms (Qwen3), then rope."""
         s, st = self.spec, self.w.storages
         return self._attention_inputs(qkv, cos, sin, st.get(f"{layer}.q_norm"), st.get(f"{layer}.k_norm"),
-                                      s.num_heads, s.num_kv_heads, s.rms_eps)
+                                      s.num_heads, s.num_kv_heads, s.norm_eps)
 
     def rope_and_store(self, layer: int, qkv: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
                        keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
@@ -275,7 +211,7 @@ class Decoder:
         s, st = self.spec, self.w.storages
         return rope_and_store(qkv, self.cos, self.sin, st.get(f"{layer}.q_norm"), st.get(f"{layer}.k_norm"),
                               positions, slots, keys, values, num_heads=s.num_heads,
-                              num_kv_heads=s.num_kv_heads, eps=s.rms_eps)
+                              num_kv_heads=s.num_kv_heads, eps=s.norm_eps)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, V] float32
         return F.linear(hidden, self.w.named["lm_head.weight"]).float()
@@ -316,22 +252,3 @@ def _swiglu(gate_up: torch.Tensor) -> torch.Tensor:
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
-def rope_parameters(hf_checkpoint: str) -> tuple[torch.Tensor, float]:
-    """(inv_freq [D/2] float32, attention scaling) exactly as transformers computes them."""
-    from transformers import AutoConfig
-    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
-
-    config = AutoConfig.from_pretrained(hf_checkpoint)
-    params = getattr(config, "rope_parameters", None) or {"rope_type": "default",
-                                                          "rope_theta": getattr(config, "rope_theta", 10000.0)}
-    kind = params.get("rope_type", "default")
-    if kind == "default":
-        dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        base = params["rope_theta"]
-        return 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float) / dim)), 1.0
-    if kind not in ROPE_INIT_FUNCTIONS:
-        raise ValueError(f"backend 'torch': rope_type={kind!r} is not supported")
-    inv_freq, scaling = ROPE_INIT_FUNCTIONS[kind](config, "cpu")
-    return inv_freq.float(), float(scaling)

@@ -83,7 +83,7 @@ class Scheduler:
         self.cache.shape(geometry)
         if self.state is None:
             device = self.cache.memory.device
-            self.state = SlotState(self.cache.max_slots, self.sync_every, self.spec.vocab, device)
+            self.state = SlotState(self.cache.max_slots, self.sync_every, self.spec.vocab_size, device)
             self.decoder.build_rope(self.spec.max_positions + self.sync_every + self.slot_quantum, device)
         self.state.positions.zero_()  # slots idle from the last call restart from 0
         mode = sampling_mode([r.sampling for r in requests])
@@ -230,7 +230,7 @@ class Scheduler:
         hidden = self.decoder.forward(tokens, attend)
         last = torch.tensor(lengths).cumsum(0).to(device) - 1
         logits = self.decoder.logits(hidden[last])  # [R, V]
-        rows = SamplingRows.build([r.sampling for r in reqs], seeds, s.vocab, device)
+        rows = SamplingRows.build([r.sampling for r in reqs], seeds, s.vocab_size, device)
         length_t = torch.tensor(lengths, device=device)
         first, logprob = sample(logits, rows, length_t, mode=mode)
         index = torch.tensor(slots, device=device)

@@ -4,7 +4,7 @@ Importing this package needs no megatron-core (CI imports it on Python 3.11 to t
 config, the weight mapper, the attention module and the packing); building a trainer
 needs megatron-core (Python >= 3.12) and CUDA.
 
-    shape      HF config -> ModelShape -> TransformerConfig kwargs
+    shape      HF config -> ModelSpec -> TransformerConfig kwargs
     mapper     HF <-> megatron state dicts (TP shards, PP stages, local/TE names)
     attention  core attention on SDPA / varlen, with context parallelism
     rope       RoPE for that attention, with no host sync (local spec)

@@ -36,8 +36,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from roles.rope import Rope
 from roles.trainer.megatron.batch_memo import per_batch
-from roles.trainer.megatron.rope import RopeParams, apply_rope, cos_sin
+from roles.trainer.megatron.rope import apply_rope, cos_sin
 
 # ---- packed attention (one call per batch of segments) -------------------------------------
 
@@ -208,7 +209,7 @@ class SDPACoreAttention(nn.Module):
 
     def __init__(self, config, layer_number: int, attn_mask_type, attention_type: str = "self",
                  attention_dropout: float | None = None, softmax_scale: float | None = None,
-                 cp_comm_type: str | None = None, pg_collection=None, rope: RopeParams | None = None):
+                 cp_comm_type: str | None = None, pg_collection=None, rope: Rope | None = None):
         super().__init__()
         self.rope = rope  # None: q and k arrive rotated (transformer-engine's spec, tests)
         if (attention_dropout if attention_dropout is not None else config.attention_dropout) != 0:

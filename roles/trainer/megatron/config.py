@@ -6,7 +6,7 @@ the first train step. Tensor, context and pipeline parallelism are built (vocab-
 log-probs, CP slicing of packed micro-batches, megatron's pipeline schedule with the weights
 exported across stages; sequence parallelism is off); what has run where is in
 docs/architecture.md, "Megatron model parallelism". Uneven pipeline stages are refused when
-the model's shape is known (ModelShape.check_parallel).
+the model's shape is known (ModelSpec.check_parallel).
 """
 
 from __future__ import annotations

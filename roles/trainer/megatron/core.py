@@ -46,6 +46,7 @@ import torch
 import torch.distributed as dist
 
 from roles.device import DeviceMemory
+from roles.model_spec import ModelSpec
 from roles.trainer.batching import check_batch, response_mask, scatter_rows, sequences, split_mini_batches, valid_mask
 from roles.trainer.megatron.config import MegatronTrainerConfig
 from roles.trainer.megatron.cp import CPSlice, cp_slice, gather_rows
@@ -61,7 +62,7 @@ from roles.trainer.megatron.mapper import hf_to_megatron
 from roles.trainer.megatron.model import build_gpt_model, transformer_engine_available
 from roles.trainer.megatron.offload import TaggedOffloader
 from roles.trainer.megatron.packing import PackedMicroBatch, pack, plan_packed
-from roles.trainer.megatron.shape import ModelShape, shape_from_hf, transformer_config_kwargs
+from roles.trainer.megatron.shape import megatron_spec, transformer_config_kwargs
 from roles.trainer.sharding import aggregation_counts
 
 MEMORY_TAGS = ("params", "grads", "optimizer")
@@ -92,7 +93,7 @@ class MegatronCore:
         self.config, self.critic, self.memory = config, critic, memory
         init_parallel(config)
         compile_in_process()
-        self.shape: ModelShape = shape_from_hf(AutoConfig.from_pretrained(config.hf_checkpoint))
+        self.shape: ModelSpec = megatron_spec(AutoConfig.from_pretrained(config.hf_checkpoint))
         self.tp_size, self.cp_size = config.tensor_model_parallel_size, config.context_parallel_size
         self.pp_size = config.pipeline_model_parallel_size
         self.shape.check_parallel(tp_size=self.tp_size, pp_size=self.pp_size)

@@ -20,14 +20,14 @@ import torch
 import torch.distributed as dist
 
 from roles.trainer.megatron.mapper import stage_to_hf
-from roles.trainer.megatron.shape import ModelShape
+from roles.model_spec import ModelSpec
 from roles.weight_views import LazyReshape
 
 NamedTensors = Iterator[tuple[str, torch.Tensor | LazyReshape]]
 Meta = list[tuple[str, torch.Size, torch.dtype]]
 
 
-def model_hf_weights(params: Mapping[str, torch.Tensor], shape: ModelShape, *, tp_size: int,
+def model_hf_weights(params: Mapping[str, torch.Tensor], shape: ModelSpec, *, tp_size: int,
                      tp_shards: Callable[[str, torch.Tensor], list[torch.Tensor]], pp_group: dist.ProcessGroup | None,
                      pp_rank: int, pp_size: int, spec: str, critic: bool, device: torch.device | str,
                      views: bool = False) -> NamedTensors:

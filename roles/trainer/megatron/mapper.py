@@ -28,7 +28,7 @@ from typing import Callable, Iterator, Mapping
 
 import torch
 
-from roles.trainer.megatron.shape import ModelShape
+from roles.model_spec import ModelSpec
 from roles.weight_views import LazyReshape
 
 SPECS = ("local", "te")
@@ -45,7 +45,7 @@ def _hf_prefix(critic: bool) -> tuple[str, str]:
     return trunk, f"{trunk}embed_tokens.weight"
 
 
-def megatron_names(shape: ModelShape, *, pp_rank: int, pp_size: int, spec: str = "local",
+def megatron_names(shape: ModelSpec, *, pp_rank: int, pp_size: int, spec: str = "local",
                    critic: bool = False) -> list[str]:
     """Parameter names of one pipeline stage's GPTModel, in the order this module emits them."""
     if spec not in SPECS:
@@ -81,7 +81,7 @@ def _layer_parts(local: str) -> tuple[int, str]:
     return int(index), tail
 
 
-def hf_sources(name: str, shape: ModelShape, *, layer_offset: int, spec: str = "local",
+def hf_sources(name: str, shape: ModelSpec, *, layer_offset: int, spec: str = "local",
                critic: bool = False) -> list[str]:
     """The HF tensors a megatron parameter is made of (several for fused ones)."""
     trunk, embed = _hf_prefix(critic)
@@ -135,14 +135,14 @@ def _kind(name: str, critic: bool) -> str:
     return "replicated"
 
 
-def to_megatron(name: str, hf: Mapping[str, torch.Tensor], shape: ModelShape, *, tp_rank: int, tp_size: int,
+def to_megatron(name: str, hf: Mapping[str, torch.Tensor], shape: ModelSpec, *, tp_rank: int, tp_size: int,
                 layer_offset: int, spec: str = "local", critic: bool = False) -> torch.Tensor:
     """Rank tp_rank's shard of megatron parameter `name`, built from HF tensors (a new tensor)."""
     sources = [hf[n] for n in hf_sources(name, shape, layer_offset=layer_offset, spec=spec, critic=critic)]
     kind = _kind(name, critic)
     if kind == "qkv":
         q, k, v = sources
-        d, g, qpg = shape.head_dim, shape.num_query_groups, shape.heads_per_group
+        d, g, qpg = shape.head_dim, shape.num_kv_heads, shape.heads_per_group
         rest = q.shape[1:]  # (H,) for weights, () for biases
         fused = torch.cat([q.reshape(g, qpg * d, *rest), k.reshape(g, d, *rest), v.reshape(g, d, *rest)], dim=1)
         return fused.chunk(tp_size, dim=0)[tp_rank].reshape(-1, *rest).clone()
@@ -160,7 +160,7 @@ def to_megatron(name: str, hf: Mapping[str, torch.Tensor], shape: ModelShape, *,
     return src.clone()
 
 
-def to_hf(name: str, shards: list[torch.Tensor], shape: ModelShape, *, layer_offset: int, spec: str = "local",
+def to_hf(name: str, shards: list[torch.Tensor], shape: ModelSpec, *, layer_offset: int, spec: str = "local",
           critic: bool = False, views: bool = False) -> list[tuple[str, torch.Tensor | LazyReshape]]:
     """HF (name, tensor) pairs of megatron parameter `name`, from its shards of every TP rank
     in rank order. The HF tensors of the tied output layer are left out (the embedding
@@ -180,7 +180,7 @@ def to_hf(name: str, shards: list[torch.Tensor], shape: ModelShape, *, layer_off
         d, qpg = shape.head_dim, shape.heads_per_group
         full = _cat(shards, dim=0)
         rest = full.shape[1:]
-        grouped = full.reshape(shape.num_query_groups, (qpg + 2) * d, *rest)
+        grouped = full.reshape(shape.num_kv_heads, (qpg + 2) * d, *rest)
         windows = [LazyReshape(x, (x.shape[0] * x.shape[1], *rest)) for x in grouped.split([qpg * d, d, d], dim=1)]
         lazy = views and len(shards) == 1
         # else the one copy of the mapping (a view where one exists: a single query group)
@@ -209,12 +209,12 @@ def _cat(parts: list[torch.Tensor], dim: int) -> torch.Tensor:
     return parts[0] if len(parts) == 1 else torch.cat(parts, dim=dim)
 
 
-def layer_offset(shape: ModelShape, *, pp_rank: int, pp_size: int) -> int:
+def layer_offset(shape: ModelSpec, *, pp_rank: int, pp_size: int) -> int:
     """Global index of pipeline stage pp_rank's first layer (even stages)."""
     return pp_rank * (shape.num_layers // pp_size)
 
 
-def hf_to_megatron(hf: Mapping[str, torch.Tensor], shape: ModelShape, *, tp_rank: int, tp_size: int,
+def hf_to_megatron(hf: Mapping[str, torch.Tensor], shape: ModelSpec, *, tp_rank: int, tp_size: int,
                    pp_rank: int, pp_size: int, spec: str = "local", critic: bool = False) -> dict[str, torch.Tensor]:
     """The state dict of one (TP rank, PP stage) GPTModel from a full HF state dict."""
     shape.check_parallel(tp_size=tp_size, pp_size=pp_size)
@@ -226,7 +226,7 @@ def hf_to_megatron(hf: Mapping[str, torch.Tensor], shape: ModelShape, *, tp_rank
     }
 
 
-def stage_to_hf(shards: Callable[[str], list[torch.Tensor]], shape: ModelShape, *, pp_rank: int, pp_size: int,
+def stage_to_hf(shards: Callable[[str], list[torch.Tensor]], shape: ModelSpec, *, pp_rank: int, pp_size: int,
                 spec: str = "local", critic: bool = False,
                 views: bool = False) -> Iterator[tuple[str, torch.Tensor | LazyReshape]]:
     """HF (name, tensor) pairs of one pipeline stage, in megatron_names' order, its layers
@@ -238,7 +238,7 @@ def stage_to_hf(shards: Callable[[str], list[torch.Tensor]], shape: ModelShape, 
         yield from to_hf(name, shards(name), shape, layer_offset=offset, spec=spec, critic=critic, views=views)
 
 
-def megatron_to_hf(states: list[list[Mapping[str, torch.Tensor]]], shape: ModelShape, *, spec: str = "local",
+def megatron_to_hf(states: list[list[Mapping[str, torch.Tensor]]], shape: ModelSpec, *, spec: str = "local",
                    critic: bool = False) -> dict[str, torch.Tensor]:
     """A full HF state dict from states[pp_rank][tp_rank] of every rank of the model."""
     out: dict[str, torch.Tensor] = {}

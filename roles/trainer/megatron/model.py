@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from roles.trainer.megatron.shape import ModelShape
+from roles.model_spec import ModelSpec
 
 # The critic's value head init, as miles' LinearForLastLayer: normal(0, 0.02), bias 0.
 VALUE_HEAD_INIT_STD = 0.02
@@ -23,10 +23,10 @@ def transformer_engine_available() -> bool:
     return True
 
 
-def layer_spec(shape: ModelShape, *, use_te: bool):
+def layer_spec(shape: ModelSpec, *, use_te: bool):
     """transformer-engine's layer spec when it is installed (megatron applies its fused RoPE),
     else megatron's local spec with roles.trainer.megatron.attention.SDPACoreAttention as core
-    attention, which applies RoPE itself (`rope_params`; the model then has none of its own)."""
+    attention, which applies the spec's RoPE itself (roles.rope; the model then has none of its own)."""
     from megatron.core.models.gpt.gpt_layer_specs import (
         get_gpt_layer_local_spec,
         get_gpt_layer_with_transformer_engine_spec,
@@ -39,15 +39,8 @@ def layer_spec(shape: ModelShape, *, use_te: bool):
 
     spec = get_gpt_layer_local_spec(qk_layernorm=shape.qk_norm, normalization="RMSNorm")
     spec.submodules.self_attention.submodules.core_attention = ModuleSpec(
-        module=SDPACoreAttention, params={"rope": rope_params(shape)})
+        module=SDPACoreAttention, params={"rope": shape.rope})
     return spec
-
-
-def rope_params(shape: ModelShape):
-    """The RoPE that SDPACoreAttention applies on the local spec (megatron's rotary_base)."""
-    from roles.trainer.megatron.rope import RopeParams
-
-    return RopeParams(theta=shape.rope_theta, head_dim=shape.head_dim)
 
 
 def position_embedding_type(*, use_te: bool) -> str:
@@ -71,7 +64,7 @@ class ValueHead(nn.Module):
         return nn.functional.linear(hidden, self.weight, self.bias), None
 
 
-def build_gpt_model(shape: ModelShape, config, *, tp_size: int, critic: bool, use_te: bool,
+def build_gpt_model(shape: ModelSpec, config, *, tp_size: int, critic: bool, use_te: bool,
                     pre_process: bool, post_process: bool):
     """One pipeline stage's GPTModel; `config` is a megatron TransformerConfig."""
     from megatron.core.models.gpt import GPTModel
@@ -80,13 +73,13 @@ def build_gpt_model(shape: ModelShape, config, *, tp_size: int, critic: bool, us
         config=config,
         transformer_layer_spec=layer_spec(shape, use_te=use_te),
         vocab_size=shape.padded_vocab(tp_size),
-        max_sequence_length=shape.max_position_embeddings,
+        max_sequence_length=shape.max_positions,
         pre_process=pre_process,
         post_process=post_process,
         parallel_output=True,  # logits stay vocab-parallel; roles.trainer.megatron.logprobs reduces
         share_embeddings_and_output_weights=shape.tied_embeddings and not critic,
         position_embedding_type=position_embedding_type(use_te=use_te),
-        rotary_base=int(shape.rope_theta),  # read only with "rope"
+        rotary_base=int(shape.rope.theta),  # read only with "rope" (te spec); megatron_spec refused scaling
     )
     # megatron's local-spec norms (torch.nn.RMSNorm) are created in float32 on the CPU whatever
     # params_dtype says; in the compute dtype on the GPU like every other weight (megatron's

@@ -7,39 +7,19 @@ per sequence. Here the positions come from cu_seqlens on the device (searchsorte
 are computed once per packed batch and shared by every layer (`cos_sin`), and the rotation
 is one autograd Function over the whole batch that saves only cos/sin.
 
-Numerics are those of megatron's unfused path: inv_freq = 1 / theta^(2i/d) in float32,
-freqs = position x inv_freq in float32, non-interleaved halves (rotate_half), cos/sin cast
-to the tensor's dtype, then out = t*cos + rotate_half(t)*sin with each product rounded to
-that dtype. Applied by roles.trainer.megatron.attention.SDPACoreAttention, after the q/k
-layernorms (Qwen3 qk-norm), as megatron orders them.
+The tables are roles.rope's, as the engine's decoder builds its own (megatron's unfused path
+computes the same, with inv_freq on the device rather than the CPU); the rotation is out = t*cos +
+rotate_half(t)*sin with each product rounded to t's dtype, as megatron rounds it. Applied by
+roles.trainer.megatron.attention.SDPACoreAttention, after the q/k layernorms (Qwen3 qk-norm),
+as megatron orders them.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
+from roles.rope import Rope
 from roles.trainer.megatron.batch_memo import per_batch
-
-
-@dataclass(kw_only=True, frozen=True)
-class RopeParams:
-    """Plain RoPE (no scaling: roles.trainer.megatron.shape refuses rope_scaling)."""
-
-    theta: float
-    head_dim: int
-
-    def __post_init__(self):
-        if not self.theta > 0:
-            raise ValueError(f"RopeParams.theta={self.theta!r}, expected > 0")
-        if self.head_dim < 2 or self.head_dim % 2:
-            raise ValueError(f"RopeParams.head_dim={self.head_dim!r}, expected an even number >= 2")
-
-    def inv_freq(self, device) -> torch.Tensor:
-        """[head_dim / 2] float32, as megatron's RotaryEmbedding computes it."""
-        d = self.head_dim
-        return 1.0 / (self.theta ** (torch.arange(0, d, 2, dtype=torch.float32, device=device) / d))
 
 
 def packed_positions(cu_seqlens: torch.Tensor, total: int, *, cp_size: int = 1, cp_rank: int = 0) -> torch.Tensor:
@@ -62,13 +42,7 @@ def packed_positions(cu_seqlens: torch.Tensor, total: int, *, cp_size: int = 1, 
     return torch.where(k < c, cp_rank * c + k, (2 * cp_size - 1 - cp_rank) * c + (k - c))
 
 
-def rope_tables(positions: torch.Tensor, params: RopeParams, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """(cos, sin), each [len(positions), head_dim / 2] in `dtype`: float32 freqs, then the cast."""
-    freqs = torch.outer(positions.to(torch.float32), params.inv_freq(positions.device))
-    return freqs.cos().to(dtype), freqs.sin().to(dtype)
-
-
-def cos_sin(params: RopeParams, dtype: torch.dtype, *, total: int, cu_seqlens: torch.Tensor | None = None,
+def cos_sin(rope: Rope, dtype: torch.dtype, *, total: int, cu_seqlens: torch.Tensor | None = None,
             cp_size: int = 1, cp_rank: int = 0, device=None) -> tuple[torch.Tensor, torch.Tensor]:
     """cos/sin [total, head_dim / 2] of `packed_positions` (cu_seqlens given) or of 0..total-1
     (padded sbhd batches: position = row); computed once per batch for every layer
@@ -80,9 +54,9 @@ def cos_sin(params: RopeParams, dtype: torch.dtype, *, total: int, cu_seqlens: t
             positions = torch.arange(total, device=dev)
         else:
             positions = packed_positions(cu_seqlens, total, cp_size=cp_size, cp_rank=cp_rank)
-        return rope_tables(positions, params, dtype)
+        return rope.tables(positions, dtype)
 
-    return per_batch(cu_seqlens, ("rope", params, dtype, total, cp_size, cp_rank, str(dev)), build)
+    return per_batch(cu_seqlens, ("rope", rope, dtype, total, cp_size, cp_rank, str(dev)), build)
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, sign: int) -> torch.Tensor:

@@ -1,120 +1,29 @@
-"""The model shape read from an HF config, and the megatron-core TransformerConfig it maps to.
+"""The model spec as the megatron backend takes it, and the megatron-core TransformerConfig it maps to.
 
 Pure torch (no megatron import), so CI on Python 3.11 tests the mapping; `build_gpt_model`
-in roles.trainer.megatron.model turns the kwargs into megatron objects on the GPU.
-
-Covered: Qwen3 (GQA, qk-norm, RMSNorm, SwiGLU, head_dim, tied embeddings) and Llama/Qwen2-style
-dense models (Qwen2's q/k/v biases). Anything else is refused here, at validation, with the
-field that makes it unsupported.
+in roles.trainer.megatron.model turns the kwargs into megatron objects on the GPU. What is
+refused, and why, lives in roles.model_spec.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any, Mapping
 
 import torch
 
-SUPPORTED_MODEL_TYPES = ("qwen3", "qwen2", "llama", "mistral")
+from roles.model_spec import ModelSpec
 
 
-@dataclass(kw_only=True, frozen=True)
-class ModelShape:
-    """What the mapper and the model builder need to know about one dense decoder."""
-
-    num_layers: int
-    hidden_size: int
-    ffn_hidden_size: int
-    num_heads: int
-    num_query_groups: int  # key/value heads (GQA)
-    head_dim: int
-    vocab_size: int
-    tied_embeddings: bool
-    qk_norm: bool  # Qwen3: RMSNorm over each head of q and k before rotary
-    qkv_bias: bool  # Qwen2: biases on q, k, v projections
-    rope_theta: float
-    norm_eps: float
-    max_position_embeddings: int
-
-    @property
-    def heads_per_group(self) -> int:
-        return self.num_heads // self.num_query_groups
-
-    def padded_vocab(self, tp_size: int) -> int:
-        """Vocab rows megatron holds: a multiple of tp_size (vocab-parallel embedding/output).
-
-        Rows past vocab_size are zero on load, dropped on export, and cut out of the
-        log-softmax (roles.trainer.megatron.logprobs.vocab_shard).
-        """
-        return -(-self.vocab_size // tp_size) * tp_size
-
-    def check_parallel(self, *, tp_size: int, pp_size: int) -> None:
-        """Refuse TP/PP sizes this shape cannot be split by; the message names the numbers."""
-        if self.num_query_groups % tp_size or self.num_heads % tp_size:
-            raise ValueError(
-                f"tensor_model_parallel_size={tp_size} must divide num_key_value_heads="
-                f"{self.num_query_groups} and num_attention_heads={self.num_heads}"
-            )
-        if self.ffn_hidden_size % tp_size:
-            raise ValueError(f"tensor_model_parallel_size={tp_size} must divide intermediate_size={self.ffn_hidden_size}")
-        if self.num_layers % pp_size:
-            raise ValueError(
-                f"pipeline_model_parallel_size={pp_size} must divide num_hidden_layers={self.num_layers} "
-                "(uneven pipeline stages are not built)"
-            )
-
-
-def shape_from_hf(cfg: Any) -> ModelShape:
-    """ModelShape from an HF PretrainedConfig (or a dict of its fields)."""
-    get = cfg.get if isinstance(cfg, Mapping) else (lambda k, d=None: getattr(cfg, k, d))
-    model_type = get("model_type")
-    if model_type not in SUPPORTED_MODEL_TYPES:
-        raise ValueError(
-            f"megatron backend: model_type={model_type!r} is not built; supported: {SUPPORTED_MODEL_TYPES}"
-        )
-    for field, ok in (("hidden_act", get("hidden_act", "silu") == "silu"),
-                      ("rope_scaling", not _rope_scaling(get)),
-                      ("use_sliding_window", not get("use_sliding_window", False)),
-                      ("mlp_bias", not get("mlp_bias", False))):
-        if not ok:
-            raise ValueError(f"megatron backend: {model_type} with {field}={get(field)!r} is not built")
-    num_heads = get("num_attention_heads")
-    hidden = get("hidden_size")
-    return ModelShape(
-        num_layers=get("num_hidden_layers"),
-        hidden_size=hidden,
-        ffn_hidden_size=get("intermediate_size"),
-        num_heads=num_heads,
-        num_query_groups=get("num_key_value_heads") or num_heads,
-        head_dim=get("head_dim") or hidden // num_heads,
-        vocab_size=get("vocab_size"),
-        tied_embeddings=bool(get("tie_word_embeddings", False)),
-        qk_norm=model_type == "qwen3",
-        qkv_bias=model_type == "qwen2" or bool(get("attention_bias", False)),
-        rope_theta=float(_rope_theta(get)),
-        norm_eps=float(get("rms_norm_eps", 1e-6)),
-        max_position_embeddings=get("max_position_embeddings", 4096),
-    )
-
-
-def _rope_parameters(get) -> dict:
-    return get("rope_parameters", None) or {}
-
-
-def _rope_theta(get) -> float:
-    # transformers 5 moves rope_theta into rope_parameters; 4.x keeps it at the top level.
-    return _rope_parameters(get).get("rope_theta") or get("rope_theta", 10000.0)
-
-
-def _rope_scaling(get) -> bool:
-    """True when the config asks for a rotary scaling that megatron's plain RoPE would ignore."""
-    scaling = get("rope_scaling", None) or _rope_parameters(get)
-    kind = scaling.get("rope_type", scaling.get("type", "default")) if scaling else "default"
-    return kind not in (None, "default")
+def megatron_spec(config: Mapping[str, Any] | Any) -> ModelSpec:
+    """The model spec of an HF config (roles.model_spec), refused where this backend builds
+    plain RoPE only (transformer-engine's spec applies megatron's own RotaryEmbedding)."""
+    spec = ModelSpec.from_hf(config)
+    spec.check_plain_rope("megatron backend")
+    return spec
 
 
 def transformer_config_kwargs(
-    shape: ModelShape,
+    shape: ModelSpec,
     *,
     tp_size: int,
     pp_size: int,
@@ -134,9 +43,9 @@ def transformer_config_kwargs(
     kwargs = dict(
         num_layers=shape.num_layers,
         hidden_size=shape.hidden_size,
-        ffn_hidden_size=shape.ffn_hidden_size,
+        ffn_hidden_size=shape.intermediate_size,
         num_attention_heads=shape.num_heads,
-        num_query_groups=shape.num_query_groups,
+        num_query_groups=shape.num_kv_heads,
         kv_channels=shape.head_dim,
         normalization="RMSNorm",
         layernorm_epsilon=shape.norm_eps,
