@@ -8,13 +8,13 @@ from typing import Any, Iterator, Mapping
 
 import torch
 
-from ppo.algorithms import aggregate, kl_estimate, policy_loss
 from roles.trainer.batching import ACTOR_TRAIN_KEYS, MicroBatch
 from roles.trainer.checkpoint import save_hf_checkpoint
 from roles.trainer.config import TrainerConfig
-from roles.trainer.core import TrainCore, token_share
+from roles.trainer.core import TrainCore
 from roles.trainer.distributed import is_rank_zero
 from roles.trainer.model import load_policy, policy_log_probs
+from roles.trainer.objectives import policy_objective
 from roles.weight_checksum import checksum_named_tensors
 from roles.weight_sync import bucket_nbytes, is_direct, send_to_engines
 from roles.trainer.role import TrainerRole
@@ -98,8 +98,6 @@ class ActorTrainer(TrainerRole):
         )
         return policy_objective(cfg, log_probs, entropy, mb, counts)
 
-    # ---- memory -------------------------------------------------------------------------
-
     # ---- weights ------------------------------------------------------------------------
 
     def named_weights(self, views: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
@@ -162,40 +160,3 @@ class ActorTrainer(TrainerRole):
         save_hf_checkpoint(path, weights=weights, source=self.config.hf_checkpoint)
         return {"path": path, "seconds": time.monotonic() - start}
 
-
-def policy_objective(cfg: TrainerConfig, log_probs: torch.Tensor, entropy: torch.Tensor | None, mb, counts: dict
-                     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """The PPO policy objective of one micro-batch, both backends: clipped policy loss, minus
-    entropy_coef * entropy, plus kl_loss_coef * KL to the reference, each aggregated by
-    loss_agg_mode with the whole mini-batch's `counts`.
-
-    log_probs, entropy: [n, Rm] of `mb` (roles.trainer.batching.MicroBatch or
-    roles.trainer.megatron.packing.PackedMicroBatch: `.response`, `.valid`); metrics scaled
-    so that their sum over a mini-batch's micro-batches is the mini-batch's value.
-    """
-    r = {k: v.to(log_probs.device) for k, v in mb.response.items()}
-    valid = mb.valid.to(log_probs.device)
-    pg_loss, pg_metrics = policy_loss(
-        log_probs, r["old_log_probs"], r["advantages"], valid,
-        eps_clip=cfg.eps_clip, eps_clip_high=cfg.eps_clip_high, eps_clip_c=cfg.eps_clip_c,
-        agg=cfg.loss_agg_mode, **counts,
-    )
-    share = token_share(mb, counts)
-    metrics = {
-        "pg_loss": pg_loss.detach(),
-        "pg_clipfrac": pg_metrics["pg_clipfrac"] * share,
-        "ppo_kl": pg_metrics["ppo_kl"] * share,
-    }
-    loss = pg_loss
-    if entropy is not None:
-        entropy_loss = aggregate(entropy, valid, cfg.loss_agg_mode, **counts)
-        if cfg.entropy_coef != 0:
-            loss = loss - cfg.entropy_coef * entropy_loss
-        metrics["entropy_loss"] = entropy_loss.detach()
-    if cfg.use_kl_loss:
-        kl = kl_estimate(log_probs, r["ref_log_probs"], cfg.kl_loss_type)
-        kl_loss = aggregate(kl, valid, cfg.loss_agg_mode, **counts)
-        if cfg.kl_loss_coef != 0:
-            loss = loss + cfg.kl_loss_coef * kl_loss
-        metrics["kl_loss"] = kl_loss.detach()
-    return loss, metrics

@@ -60,11 +60,6 @@ MEMORY_TAGS = ("params", "grads", "optimizer")
 MicroLoss = Callable[[MicroBatch, dict], tuple[torch.Tensor, dict[str, torch.Tensor]]]
 
 
-def token_share(mb: MicroBatch, counts: dict) -> float:
-    """Weight of this micro-batch's token-mean metrics in its mini-batch's."""
-    return int(mb.valid.sum()) / max(counts["global_token_count"], 1)
-
-
 class TrainCore:
     """Model, optimizer, lr schedule and device memory of one trainer."""
 

@@ -6,11 +6,11 @@ from typing import Any, Mapping
 
 import torch
 
-from ppo.algorithms import value_loss
 from roles.trainer.batching import CRITIC_TRAIN_KEYS, MicroBatch
 from roles.trainer.config import TrainerConfig
-from roles.trainer.core import TrainCore, token_share
+from roles.trainer.core import TrainCore
 from roles.trainer.model import ValueModel, load_value_model, values_forward
+from roles.trainer.objectives import value_objective
 from roles.trainer.role import TrainerRole
 from runtime import endpoint
 
@@ -53,24 +53,3 @@ class CriticTrainer(TrainerRole):
     def _micro_loss(self, mb: MicroBatch, counts: dict) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         return value_objective(self.config, self._values(mb), mb, counts)
 
-
-def value_objective(cfg: TrainerConfig, values: torch.Tensor, mb, counts: dict
-                    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """The critic objective of one micro-batch, both backends (as roles.trainer.actor's
-    policy_objective for the actor): the clipped value loss against the returns, aggregated
-    by loss_agg_mode with the whole mini-batch's `counts`.
-
-    values: [n, Rm] of `mb` (roles.trainer.batching.MicroBatch or
-    roles.trainer.megatron.packing.PackedMicroBatch: `.response`, `.valid`); metrics
-    value_loss and value_clipfrac, scaled so that their sum over a mini-batch's micro-batches
-    is the mini-batch's value.
-    """
-    r = {k: v.to(values.device) for k, v in mb.response.items()}
-    loss, metrics = value_loss(
-        values, r["old_values"], r["returns"], mb.valid.to(values.device),
-        value_clip=cfg.value_clip, agg=cfg.loss_agg_mode, **counts,
-    )
-    return loss, {
-        "value_loss": loss.detach(),
-        "value_clipfrac": metrics["value_clipfrac"] * token_share(mb, counts),
-    }

@@ -1,8 +1,8 @@
 """The megatron actor and critic trainer roles: the endpoints of roles.trainer.actor / critic
 (same names, arguments and results) over roles.trainer.megatron.core.MegatronCore.
 
-The objectives are the torch backend's: roles.trainer.actor.policy_objective and
-roles.trainer.critic.value_objective.
+The objectives are both backends': roles.trainer.objectives.policy_objective and
+value_objective.
 
 In a rank group with TP or PP > 1 the weights leave through rank 0 (dp 0, cp 0, tp 0, pp 0),
 after its TP peers join the all-gather of the shards and the later pipeline stages send
@@ -18,14 +18,14 @@ from typing import Any, Iterator, Mapping
 
 import torch
 
-from roles.trainer.actor import ActorTrainer, policy_objective
+from roles.trainer.actor import ActorTrainer
 from roles.trainer.batching import ACTOR_TRAIN_KEYS, CRITIC_TRAIN_KEYS
-from roles.trainer.critic import value_objective
 from roles.trainer.distributed import is_rank_zero
 from roles.trainer.megatron.config import MegatronTrainerConfig
 from roles.trainer.megatron.core import MegatronCore
 from roles.trainer.megatron.logprobs import vocab_parallel_log_probs, vocab_shard
 from roles.trainer.megatron.packing import PackedMicroBatch
+from roles.trainer.objectives import policy_objective, value_objective
 from roles.trainer.role import TrainerRole
 from runtime import endpoint
 
@@ -143,7 +143,7 @@ class MegatronActorTrainer(_MegatronRole):
                                entropy_grad=cfg.entropy_coef != 0)
 
     def loss(self, out, mb: PackedMicroBatch, counts: dict) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """The torch backend's policy objective (roles.trainer.actor.policy_objective) on [n, Rm] rows."""
+        """The policy objective (roles.trainer.objectives) on [n, Rm] rows."""
         lp_flat, ent_flat = out
         entropy = mb.to_rows(ent_flat) if ent_flat.numel() else None
         loss, metrics = policy_objective(self.config, mb.to_rows(lp_flat), entropy, mb, counts)
@@ -212,6 +212,6 @@ class MegatronCriticTrainer(_MegatronRole):
         return self._train(batch, CRITIC_TRAIN_KEYS, self, mini_batches)
 
     def loss(self, out, mb: PackedMicroBatch, counts: dict) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """The torch backend's value objective (roles.trainer.critic.value_objective) on [n, Rm] rows."""
+        """The value objective (roles.trainer.objectives) on [n, Rm] rows."""
         return value_objective(self.config, mb.to_rows(out[0]), mb, counts)
 
