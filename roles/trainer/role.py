@@ -86,13 +86,15 @@ class TrainerRole(Actor):
     def _settle(self) -> None:
         self.set_state("offloaded" if {"params", "optimizer"} <= self._core.offloaded else "onloaded")
 
-    def _train(self, batch: dict, required: tuple[str, ...], micro_loss, mini_batches: list[dict] | None) -> dict:
+    def _train(self, batch: dict, required: tuple[str, ...], objective, mini_batches: list[dict] | None) -> dict:
+        """The core's train pass (roles.trainer.steps) in the "training" state; `objective` is
+        what the backend's core trains (torch: a micro-batch loss; megatron: the role itself)."""
         if mini_batches is None and self._rank.distributed:
             raise ValueError(f"rank {self._rank.rank} of {self._rank.world_size}: train needs mini_batches, its "
                              "share of each mini-batch (roles.trainer.group.TrainerGroup passes them)")
         self.set_state("training")
         try:
-            return self._core.train(batch, required, micro_loss, mini_batches)
+            return self._core.train(batch, required, objective, mini_batches)
         finally:
             self.set_state("onloaded")
 

@@ -64,15 +64,6 @@ class _MegatronRole(TrainerRole):
     def load(self, path: str) -> dict:
         return self._core.load(path)
 
-    def _train(self, batch: dict, required: tuple[str, ...], objective, mini_batches: list[dict] | None) -> dict:
-        if mini_batches is None and self._rank.distributed:
-            raise ValueError("train needs mini_batches in a rank group (roles.trainer.group.TrainerGroup passes them)")
-        self.set_state("training")
-        try:
-            return self._core.train(batch, required, objective.processor, objective.loss, mini_batches)
-        finally:
-            self.set_state("onloaded")
-
 
 class MegatronActorTrainer(_MegatronRole):
     """The policy on megatron-core (roles.trainer.megatron); starts offloaded like ActorTrainer.
