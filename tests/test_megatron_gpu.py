@@ -38,7 +38,8 @@ def make_batch(vocab: int, seed: int = 0) -> dict:
 def pair(ckpt):
     from transformers import AutoConfig
 
-    from roles.trainer import ActorTrainer, TrainerConfig
+    from roles.trainer import TrainerConfig
+    from roles.trainer.torch import ActorTrainer
     from roles.trainer.megatron import MegatronActorTrainer
 
     cfg = trainer_config(ckpt)
@@ -96,7 +97,8 @@ def test_offload_frees_the_device_and_onload_restores(pair):
 
 
 def test_critic_values_match_the_torch_backend(ckpt):
-    from roles.trainer import CriticTrainer, TrainerConfig
+    from roles.trainer import TrainerConfig
+    from roles.trainer.torch import CriticTrainer
     from roles.trainer.megatron import MegatronCriticTrainer
 
     cfg = trainer_config(ckpt, keep_ref=False)

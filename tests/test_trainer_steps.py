@@ -31,7 +31,7 @@ def unreachable(*args, **kwargs):
 
 
 def torch_core():
-    from roles.trainer.core import TrainCore
+    from roles.trainer.torch.core import TrainCore
 
     core = object.__new__(TrainCore)  # only what train reads before the first micro-batch
     config = TrainerConfig(**BASE)

@@ -20,7 +20,7 @@ import torch
 
 from roles.trainer.batching import check_batch, sequences, split_mini_batches, valid_mask
 from roles.trainer.config import TrainerConfig
-from roles.trainer.optim import LRSchedule
+from roles.trainer.schedule import LRSchedule
 from roles.trainer.sharding import aggregation_counts
 
 LOSS = "__loss"  # the key of the loss among a micro-batch's metrics (its sums cross ranks with them)

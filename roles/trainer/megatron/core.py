@@ -20,8 +20,9 @@ Micro-batches hold up to max_tokens_per_gpu * cp tokens (each CP rank runs 1/cp 
 as miles plans them.
 
 Train step: the skeleton of roles.trainer.steps (shared with the torch backend), the rank
-contract of roles.trainer.group and the aggregation of roles.trainer.core: each micro-batch
-loss is divided by the WHOLE mini-batch's counts, so gradients are summed over micro-batches and data-parallel ranks. megatron's DDP sums when
+contract of roles.trainer.group and the aggregation of roles.trainer.objectives: each
+micro-batch loss is divided by the WHOLE mini-batch's counts, so gradients are summed over
+micro-batches and data-parallel ranks. megatron's DDP sums when
 calculate_per_token_loss is set (no 1/dp scaling), and finalize_model_grads is called
 without a token count (no 1/tokens scaling). The optimizer is megatron's (distributed
 optimizer: float32 main params and Adam state sharded over dp; torch AdamW without apex or

@@ -1,9 +1,10 @@
-"""What the actor and critic trainers share: the model's memory, the optimizer, the train step.
+"""The torch backend's core, one per trainer: the model's memory, the optimizer, the train step.
 
 One `train` call is one pass over a rollout batch (roles.trainer.steps.train_pass): one
-optimizer step per mini-batch, gradients accumulated over micro-batches. Micro-batch losses are aggregated with the whole mini-batch's sample and
-token counts (ppo.algorithms.aggregate's sharding contract), so they sum to the loss of
-the mini-batch in one piece, however it was split.
+optimizer step per mini-batch, gradients accumulated over micro-batches. Micro-batch losses
+are aggregated with the whole mini-batch's sample and token counts (ppo.algorithms.aggregate's
+sharding contract), so they sum to the loss of the mini-batch in one piece, however it was
+split.
 
 Data parallel (a rank of a group, roles.trainer.group): the rank gets its share of each
 mini-batch and the global counts; after its micro-batches it all-reduces the gradients
@@ -45,8 +46,8 @@ from roles.trainer.batching import (
 )
 from roles.trainer.checkpoint import load_checkpoint, save_checkpoint
 from roles.trainer.config import TrainerConfig
-from roles.trainer.distributed import all_reduce_floats, all_reduce_sum_
-from roles.trainer.optim import build_adamw, clip_grad_norm, is_state_tensor, optimizer_state_bytes, set_lr
+from roles.trainer.distributed import all_reduce_floats, all_reduce_sum_, is_rank_zero
+from roles.trainer.torch.optim import build_adamw, clip_grad_norm, is_state_tensor, optimizer_state_bytes, set_lr
 from roles.trainer.rng import capture_rng, restore_rng
 from roles.trainer.steps import LOSS, sum_metrics, train_pass
 
@@ -199,17 +200,23 @@ class TrainCore:
 
     # ---- checkpoints --------------------------------------------------------------------
 
-    def save(self, path: str, named_params: dict[str, torch.Tensor]) -> dict:
+    def save(self, path: str) -> dict:
+        """Weights (safetensors, the model's parameter names), optimizer state, step and RNG
+        state, written atomically. In a rank group rank 0 writes (the replicas are equal); the
+        others return at once."""
+        if not is_rank_zero():
+            return {"path": path, "step": self.step, "seconds": 0.0}
         start = time.monotonic()
-        save_checkpoint(path, weights=named_params, optimizer=self.optimizer.state_dict(), step=self.step,
-                        rng=capture_rng())
+        save_checkpoint(path, weights=dict(self.model.named_parameters()), optimizer=self.optimizer.state_dict(),
+                        step=self.step, rng=capture_rng())
         return {"path": path, "step": self.step, "seconds": time.monotonic() - start}
 
-    def load(self, path: str, named_params: dict[str, torch.Tensor]) -> dict:
-        """Restore weights into `named_params` (in place), optimizer state, step and RNG state.
+    def load(self, path: str) -> dict:
+        """Restore the weights (in place), optimizer state, step and RNG state.
 
         Nothing is changed unless every name and shape matches the model.
         """
+        named_params = dict(self.model.named_parameters())
         ckpt = load_checkpoint(path)
         if set(ckpt.weights) != set(named_params):
             raise ValueError(
