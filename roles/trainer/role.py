@@ -58,12 +58,6 @@ class TrainerRole(Actor):
         ctx = self.context
         return DeviceMemory(default if ctx is None else ctx.group or ctx.name)
 
-    @endpoint
-    def rank_layout(self) -> dict:
-        """{"dp_rank", "dp_size", "is_output"}: every rank of the torch backend is a data-parallel
-        replica whose results count."""
-        return {"dp_rank": self._rank.rank, "dp_size": self._rank.world_size, "is_output": True}
-
     def _started(self) -> None:
         """Call at the end of __init__: a new trainer holds nothing on the device."""
         self.set_state("offloaded")

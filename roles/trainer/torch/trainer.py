@@ -15,6 +15,7 @@ from roles.trainer.objectives import Objective, policy_objective, value_objectiv
 from roles.trainer.role import TrainerRole
 from roles.trainer.torch.core import TrainCore
 from roles.trainer.torch.model import load_policy, load_value_model, policy_log_probs, values_forward
+from runtime import endpoint
 
 
 def _config(config: TrainerConfig | Mapping[str, Any]) -> TrainerConfig:
@@ -30,6 +31,12 @@ class _TorchRole(TrainerRole):
         torch.manual_seed(self.config.seed)
         self._core = TrainCore(self.config, load(self.config), self._device_memory(role))
         self._started()
+
+    @endpoint
+    def rank_layout(self) -> dict:
+        """{"dp_rank", "dp_size", "is_output"}: every rank is a data-parallel replica whose
+        results count."""
+        return {"dp_rank": self._rank.rank, "dp_size": self._rank.world_size, "is_output": True}
 
     @property
     def model(self) -> torch.nn.Module:
