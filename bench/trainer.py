@@ -320,13 +320,14 @@ def bench_megatron_critic(ckpt, shape, tokens_list, plan, peak_tflops, results, 
 def bench_torch(ckpt_dir, shape, tokens_list, peak_tflops, results, deadline) -> None:
     from safetensors.torch import save_file
 
-    from roles.trainer import ActorTrainer, TrainerConfig
+    from roles.trainer import TrainerConfig
+    from roles.trainer.torch import ActorTrainer
 
     state = {k: v.cpu() for k, v in hf_random_state(shape).items()}
     save_file(state, os.path.join(ckpt_dir, "model.safetensors"))
     del state
     n_max = max(tokens_list) // SAMPLE_LEN
-    # gradient_checkpointing: HF checkpointing of every layer (roles.trainer.model.enable_checkpointing)
+    # gradient_checkpointing: HF checkpointing of every layer (roles.trainer.torch.model.enable_checkpointing)
     config = TrainerConfig.from_dict({**trainer_config(ckpt_dir, max(tokens_list), n_max),
                                       "gradient_checkpointing": True})
     actor = ActorTrainer(config)

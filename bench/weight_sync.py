@@ -17,7 +17,7 @@ sync at TP1 PP1: q/k/v as strided windows, `roles.weight_views.LazyReshape`):
 - hf / megatron, buffers 1 or 2 (double buffering: the next bucket is packed while the
   receiver copies the last), per bucket size
 - hf / megatron, production: `roles.weight_sync.send_to_engines`, the call
-  `ActorTrainer.sync_weights` (both backends) makes, at its defaults (bucket size
+  `ActorRole.sync_weights` (roles.trainer.actor, both backends) makes, at its defaults (bucket size
   `--update-weight-buffer-size`'s default, `SYNC_NUM_BUFFERS` buffers, acks per engine):
   windows into the megatron buffer, q/k/v included, travel as direct buckets (no packing
   copy), mapped to HF names once as the megatron actor does at TP1 PP1; the hf tensors own
@@ -329,7 +329,7 @@ def main(argv=None) -> dict:
     peer = rows[-1]["seconds"]
     print(f"weight sync of {rows[0]['num_bytes'] / 1e9:.2f} GB (bf16, Qwen3-4B shapes x{args.scale}), "
           "sender and receiver roles on one GPU, CUDA IPC")
-    print(f"production: ActorTrainer.sync_weights' sender, {SYNC_NUM_BUFFERS} buffers, "
+    print(f"production: ActorRole.sync_weights' sender, {SYNC_NUM_BUFFERS} buffers, "
           f"{DEFAULT_BUFFER_BYTES >> 20} MiB buckets (--update-weight-buffer-size default)")
     print(f"{'row':<30}{'bucket MiB':>11}{'buckets':>8}{'direct GB':>10}{'ms':>9}{'GB/s':>9}{'vs memcpy':>11}")
     for r in rows:

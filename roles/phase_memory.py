@@ -20,7 +20,7 @@ GPT's narrower MLP and unnormed q/k. With gradient checkpointing each layer keep
 input (h) and one layer at a time is rebuilt; without gradients (log-probs, values)
 nothing is saved and one layer's intermediates are alive at a time.
 
-Logits (policy only; only response positions go through the LM head, roles.trainer.model):
+Logits (policy only; only response positions go through the LM head, roles.trainer.torch.model):
 tokens x vocab in the compute dtype, their float32 copy and one float32 temporary of the
 log-softmax; training adds the float32 gradient.
 """

@@ -19,8 +19,8 @@ from ppo.config.validate import ensure_valid
 from ppo.data import PromptDataset
 from ppo.recipes import tiny_ppo
 from ppo.tiny_model import build_tiny_checkpoint
-from roles.trainer import ActorTrainer, CriticTrainer
 from roles.trainer.rng import capture_rng, restore_rng
+from roles.trainer.torch import ActorTrainer, CriticTrainer
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

@@ -38,8 +38,9 @@ def make_batch(vocab: int, seed: int = 0) -> dict:
 def pair(ckpt):
     from transformers import AutoConfig
 
-    from roles.trainer import ActorTrainer, TrainerConfig
+    from roles.trainer import TrainerConfig
     from roles.trainer.megatron import MegatronActorTrainer
+    from roles.trainer.torch import ActorTrainer
 
     cfg = trainer_config(ckpt)
     meg = MegatronActorTrainer(cfg)
@@ -81,6 +82,22 @@ def test_log_probs_and_one_update_match_the_torch_backend(pair):
     torch.testing.assert_close(after, ref.compute_log_probs(batch)["log_probs"], rtol=0.0, atol=0.08)
 
 
+def test_both_backends_refuse_a_rank_plan_with_a_step_of_no_rows(pair):
+    """The one-row check of roles.trainer.steps, on a real megatron trainer as on the torch one,
+    before any micro-batch runs (the weights stay as they were)."""
+    meg, ref, vocab = pair
+    batch = make_batch(vocab, seed=5)
+    train = {**batch, "old_log_probs": torch.zeros(4, 6), "advantages": torch.ones(4, 6)}
+    plan = [{"num_samples": k, "global_batch_size": 8, "global_token_count": 32} for k in (0, 4)]
+    meg.onload(["params", "grads", "optimizer"])
+    ref.onload(["params", "optimizer"])
+    before = meg.compute_log_probs(batch)["log_probs"]
+    for trainer in (meg, ref):
+        with pytest.raises(ValueError, match="at least one row each"):
+            trainer.train(train, mini_batches=plan)
+    assert torch.equal(meg.compute_log_probs(batch)["log_probs"], before)
+
+
 def test_offload_frees_the_device_and_onload_restores(pair):
     meg, ref, vocab = pair
     ref.offload(["params", "optimizer"])
@@ -96,8 +113,9 @@ def test_offload_frees_the_device_and_onload_restores(pair):
 
 
 def test_critic_values_match_the_torch_backend(ckpt):
-    from roles.trainer import CriticTrainer, TrainerConfig
+    from roles.trainer import TrainerConfig
     from roles.trainer.megatron import MegatronCriticTrainer
+    from roles.trainer.torch import CriticTrainer
 
     cfg = trainer_config(ckpt, keep_ref=False)
     meg, ref = MegatronCriticTrainer(cfg), CriticTrainer(TrainerConfig.from_dict(cfg))

@@ -13,7 +13,7 @@ from transformers import AutoModel, AutoModelForCausalLM, LlamaConfig, Qwen2Conf
 
 from roles.trainer.megatron.mapper import hf_to_megatron, megatron_names, megatron_to_hf, to_hf
 from roles.trainer.megatron.shape import megatron_spec
-from roles.trainer.model import ValueModel
+from roles.trainer.torch.model import ValueModel
 from roles.weight_sync import is_window
 
 SMALL = dict(vocab_size=250, hidden_size=32, intermediate_size=48, num_hidden_layers=4,

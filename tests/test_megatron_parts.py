@@ -157,9 +157,10 @@ def test_offloader_replaces_its_host_block_when_new_state_appears():
 def test_megatron_losses_equal_the_torch_backends_on_the_same_log_probs(ckpt, agg):
     """The megatron roles' policy and value objectives (trainer.py) against the torch
     backend's _micro_loss, fed the same model outputs: packed rows vs padded rows."""
-    from roles.trainer import ActorTrainer, CriticTrainer, TrainerConfig
+    from roles.trainer import TrainerConfig
+    from roles.trainer.torch import ActorTrainer, CriticTrainer
     from roles.trainer.megatron.trainer import MegatronActorTrainer, MegatronCriticTrainer
-    from roles.trainer.model import policy_log_probs, values_forward
+    from roles.trainer.torch.model import policy_log_probs, values_forward
     from roles.trainer.sharding import aggregation_counts
 
     over = dict(hf_checkpoint=ckpt, dtype="float32", loss_agg_mode=agg, use_kl_loss=True, kl_loss_coef=0.1,

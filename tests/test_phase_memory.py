@@ -7,7 +7,7 @@ from transformers import Qwen3Config
 
 from roles.device import nbytes_of
 from roles.phase_memory import layer_activation_elements, micro_batch_bytes
-from roles.trainer import ActorTrainer
+from roles.trainer.torch import ActorTrainer
 from roles.weight_sync import SYNC_BUFFER_TAG
 from runtime.fakegpu import FakeOutOfMemory, LeaseViolation, create_fake_devices
 from tests.test_trainer import StubEngine, actor_train_batch, config, make_batch

@@ -7,7 +7,7 @@ import torch
 
 from roles.device import nbytes_of
 from roles.trainer.batching import plan_micro_batches
-from roles.trainer import ActorTrainer, CriticTrainer
+from roles.trainer.torch import ActorTrainer, CriticTrainer
 from roles.weight_checksum import checksum_named_tensors
 from roles.weight_sync import unpack_bucket
 from runtime.fakegpu import LeaseViolation, create_fake_devices
@@ -238,7 +238,7 @@ def test_checkpointing_is_enabled_under_either_transformers_name(ckpt, renamed):
     only has gradient_checkpointing_enable (the missing name broke the torch trainer there)."""
     from transformers import AutoModelForCausalLM
 
-    from roles.trainer.model import enable_checkpointing
+    from roles.trainer.torch.model import enable_checkpointing
 
     model = AutoModelForCausalLM.from_pretrained(ckpt)
     calls = []

@@ -13,7 +13,7 @@ from roles.trainer.batching import (
     split_mini_batches,
 )
 from roles.trainer.config import TrainerConfig
-from roles.trainer.optim import LRSchedule
+from roles.trainer.schedule import LRSchedule
 
 
 def test_fixed_micro_batches_are_consecutive_groups():

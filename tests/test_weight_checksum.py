@@ -47,7 +47,7 @@ def test_weight_check_holds_after_a_real_sync_of_a_tied_model(tmp_path):
     from ppo.loop import check_weights_equal
     from ppo.tiny_model import build_tiny_checkpoint
     from roles.rollout import RolloutEngine
-    from roles.trainer import ActorTrainer
+    from roles.trainer.torch import ActorTrainer
 
     ckpt = build_tiny_checkpoint(str(tmp_path / "tied"), tie_word_embeddings=True)
     actor = ActorTrainer(dict(

@@ -1,18 +1,29 @@
-"""Actor and critic trainer roles: backend `torch` (HF models, data parallel) here, `megatron`
-in roles.trainer.megatron (imported only when chosen). Each trainer role runs as a rank
-group that the driver calls through one TrainerGroup (the rank contract: roles.trainer.group)."""
+"""Actor and critic trainer roles, two backends, each a subpackage with one entry point that
+`trainer_classes` imports only when chosen: roles.trainer.torch (HF models, data parallel)
+and roles.trainer.megatron (megatron-core). Each trainer role runs as a rank group that the
+driver calls through one TrainerGroup (the rank contract: roles.trainer.group).
+
+What both backends share sits here:
+    config      TrainerConfig (megatron's extends it)
+    role        TrainerRole: memory endpoints, lifecycle, checkpoints
+    actor       the actor's endpoints over a backend's hooks
+    critic      the critic's endpoints over a backend's hooks
+    objectives  policy_objective and value_objective of one micro-batch
+    steps       the train-step skeleton: mini-batch plan, non-finite skip, metrics
+    schedule    the lr schedule
+    batching    the batch schema, mini-batch split, micro-batch planning
+    sharding    data-parallel shares and aggregation counts; group: the group handle
+    distributed, rng, checkpoint   process groups, RNG state, checkpoint files
+"""
 
 from __future__ import annotations
 
 import importlib.util
 
-from roles.trainer.actor import ActorTrainer
 from roles.trainer.config import TrainerConfig
-from roles.trainer.critic import CriticTrainer
 from roles.trainer.group import TrainerGroup
 
-__all__ = ["ActorTrainer", "BackendUnavailable", "CriticTrainer", "TrainerConfig", "TrainerGroup",
-           "megatron_missing", "trainer_classes"]
+__all__ = ["BackendUnavailable", "TrainerConfig", "TrainerGroup", "megatron_missing", "trainer_classes"]
 
 TRAIN_BACKENDS = ("torch", "megatron")
 
@@ -24,6 +35,8 @@ class BackendUnavailable(RuntimeError):
 def trainer_classes(backend: str) -> tuple[type, type]:
     """(actor class, critic class) of a training backend; the only place that branches on it."""
     if backend == "torch":
+        from roles.trainer.torch import ActorTrainer, CriticTrainer
+
         return ActorTrainer, CriticTrainer
     if backend == "megatron":
         problem = megatron_missing()

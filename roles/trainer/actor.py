@@ -1,60 +1,61 @@
-"""The actor trainer role (torch backend): policy log-probs, PPO policy updates, weight sync."""
+"""The actor trainer role's endpoints, both backends: policy log-probs, PPO policy updates,
+weight sync and HF export, over the hooks a backend's role defines (roles.trainer.torch,
+roles.trainer.megatron)."""
 
 from __future__ import annotations
 
 import contextlib
 import time
-from typing import Any, Iterator, Mapping
+from typing import Iterator
 
 import torch
 
-from ppo.algorithms import aggregate, kl_estimate, policy_loss
-from roles.trainer.batching import ACTOR_TRAIN_KEYS, MicroBatch
+from roles.trainer.batching import ACTOR_TRAIN_KEYS
 from roles.trainer.checkpoint import save_hf_checkpoint
-from roles.trainer.config import TrainerConfig
-from roles.trainer.core import TrainCore, token_share
 from roles.trainer.distributed import is_rank_zero
-from roles.trainer.model import load_policy, policy_log_probs
+from roles.trainer.role import TrainerRole
 from roles.weight_checksum import checksum_named_tensors
 from roles.weight_sync import bucket_nbytes, is_direct, send_to_engines
-from roles.trainer.role import TrainerRole
 from runtime import endpoint
 
 
-class ActorTrainer(TrainerRole):
-    """Policy model of PPO. Batches follow roles.trainer.batching; memory roles.trainer.core.
+class ActorRole(TrainerRole):
+    """Policy model of PPO. Batches follow roles.trainer.batching.
 
+    A backend sets `_ref_params` (the initial weights on the CPU, or None without keep_ref)
+    and defines `_parameters`, `_log_prob_fn`, `_objective` and `named_weights`.
     Starts offloaded: call `onload(["params"])` (and "optimizer" before training) first.
     """
 
-    def __init__(self, config: TrainerConfig | Mapping[str, Any]):
-        self._join_group()
-        self.config = config if isinstance(config, TrainerConfig) else TrainerConfig.from_dict(config)
-        torch.manual_seed(self.config.seed)
-        model = load_policy(self.config.hf_checkpoint, gradient_checkpointing=self.config.gradient_checkpointing)
-        # The reference policy is the initial one; a CPU copy, swapped in for ref log-probs.
-        self._ref_params = (
-            [p.detach().clone() for p in model.parameters()] if self.config.keep_ref else None
-        )
-        self._core = TrainCore(self.config, model, self._device_memory("actor"))
-        self._started()
+    _ref_params: list[torch.Tensor] | None
 
-    @property
-    def model(self) -> torch.nn.Module:
-        return self._core.model
+    def _parameters(self) -> list[torch.Tensor]:
+        """The model's parameters, in the order of `_ref_params`."""
+        raise NotImplementedError
+
+    def _log_prob_fn(self):
+        """What the core's forward_only computes log-probs with, at the rollout temperature."""
+        raise NotImplementedError
+
+    def _objective(self):
+        """What the core's train trains: the PPO policy objective (roles.trainer.objectives)."""
+        raise NotImplementedError
+
+    def named_weights(self, views: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+        """(HF name, tensor in the compute dtype) for every parameter, as the checkpoint names them.
+
+        Tied weights appear once, under the name the HF checkpoint stores. `views` (the weight
+        sync only): a backend may give a tensor that no view of its parameters shapes as HF does
+        as a roles.weight_views.LazyReshape instead of a copy (megatron's q/k/v at TP1).
+        """
+        raise NotImplementedError
 
     # ---- forward ------------------------------------------------------------------------
-
-    def _log_probs(self, mb: MicroBatch) -> torch.Tensor:
-        log_probs, _ = policy_log_probs(
-            self.model, mb, temperature=self.config.temperature, dtype=self.config.torch_dtype, with_entropy=False
-        )
-        return log_probs
 
     @endpoint
     def compute_log_probs(self, batch: dict) -> dict:
         """{"log_probs": float32 [N, R]} under the current policy, at the rollout temperature."""
-        return {"log_probs": self._core.forward_only(batch, self._log_probs)}
+        return {"log_probs": self._core.forward_only(batch, self._log_prob_fn())}
 
     @endpoint
     def compute_ref_log_probs(self, batch: dict) -> dict:
@@ -63,21 +64,21 @@ class ActorTrainer(TrainerRole):
             raise RuntimeError("compute_ref_log_probs needs the reference copy; build the actor with keep_ref=True")
         self._core.require_onloaded("params")
         with self._swapped_in(self._ref_params):
-            return {"log_probs": self._core.forward_only(batch, self._log_probs)}
+            return {"log_probs": self._core.forward_only(batch, self._log_prob_fn())}
 
     @contextlib.contextmanager
     def _swapped_in(self, weights: list[torch.Tensor]) -> Iterator[None]:
-        params = list(self.model.parameters())
+        params = self._parameters()
         backup = [p.detach().to("cpu", copy=True) for p in params]
         with torch.no_grad():
             for param, w in zip(params, weights):
-                param.copy_(w)
+                param.copy_(w, non_blocking=True)
         try:
             yield
         finally:
             with torch.no_grad():
                 for param, b in zip(params, backup):
-                    param.copy_(b)
+                    param.copy_(b, non_blocking=True)
 
     # ---- training -----------------------------------------------------------------------
 
@@ -88,30 +89,9 @@ class ActorTrainer(TrainerRole):
         kl_loss (when use_kl_loss), grad_norm, lr (of the last step), skipped_nonfinite.
         `mini_batches`: a rank's share of each mini-batch (roles.trainer.group)."""
         required = ACTOR_TRAIN_KEYS + (("ref_log_probs",) if self.config.use_kl_loss else ())
-        return self._train(batch, required, self._micro_loss, mini_batches)
-
-    def _micro_loss(self, mb: MicroBatch, counts: dict) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        cfg = self.config
-        log_probs, entropy = policy_log_probs(
-            self.model, mb, temperature=cfg.temperature, dtype=cfg.torch_dtype,
-            with_entropy=cfg.entropy_coef != 0 or cfg.log_entropy, entropy_requires_grad=cfg.entropy_coef != 0,
-        )
-        return policy_objective(cfg, log_probs, entropy, mb, counts)
-
-    # ---- memory -------------------------------------------------------------------------
+        return self._train(batch, required, self._objective(), mini_batches)
 
     # ---- weights ------------------------------------------------------------------------
-
-    def named_weights(self, views: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
-        """(HF name, tensor in the compute dtype) for every parameter, as the checkpoint names them.
-
-        Tied weights appear once, under the name the HF checkpoint stores. `views` (the weight
-        sync only): a backend may give a tensor that no view of its parameters shapes as HF does
-        as a roles.weight_views.LazyReshape instead of a copy (megatron's q/k/v at TP1); this
-        backend's parameters are HF tensors already.
-        """
-        for name, param in self.model.named_parameters():
-            yield name, param.detach().to(self.config.torch_dtype)
 
     @endpoint
     def weights_checksum(self) -> dict[str, str]:
@@ -162,40 +142,3 @@ class ActorTrainer(TrainerRole):
         save_hf_checkpoint(path, weights=weights, source=self.config.hf_checkpoint)
         return {"path": path, "seconds": time.monotonic() - start}
 
-
-def policy_objective(cfg: TrainerConfig, log_probs: torch.Tensor, entropy: torch.Tensor | None, mb, counts: dict
-                     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """The PPO policy objective of one micro-batch, both backends: clipped policy loss, minus
-    entropy_coef * entropy, plus kl_loss_coef * KL to the reference, each aggregated by
-    loss_agg_mode with the whole mini-batch's `counts`.
-
-    log_probs, entropy: [n, Rm] of `mb` (roles.trainer.batching.MicroBatch or
-    roles.trainer.megatron.packing.PackedMicroBatch: `.response`, `.valid`); metrics scaled
-    so that their sum over a mini-batch's micro-batches is the mini-batch's value.
-    """
-    r = {k: v.to(log_probs.device) for k, v in mb.response.items()}
-    valid = mb.valid.to(log_probs.device)
-    pg_loss, pg_metrics = policy_loss(
-        log_probs, r["old_log_probs"], r["advantages"], valid,
-        eps_clip=cfg.eps_clip, eps_clip_high=cfg.eps_clip_high, eps_clip_c=cfg.eps_clip_c,
-        agg=cfg.loss_agg_mode, **counts,
-    )
-    share = token_share(mb, counts)
-    metrics = {
-        "pg_loss": pg_loss.detach(),
-        "pg_clipfrac": pg_metrics["pg_clipfrac"] * share,
-        "ppo_kl": pg_metrics["ppo_kl"] * share,
-    }
-    loss = pg_loss
-    if entropy is not None:
-        entropy_loss = aggregate(entropy, valid, cfg.loss_agg_mode, **counts)
-        if cfg.entropy_coef != 0:
-            loss = loss - cfg.entropy_coef * entropy_loss
-        metrics["entropy_loss"] = entropy_loss.detach()
-    if cfg.use_kl_loss:
-        kl = kl_estimate(log_probs, r["ref_log_probs"], cfg.kl_loss_type)
-        kl_loss = aggregate(kl, valid, cfg.loss_agg_mode, **counts)
-        if cfg.kl_loss_coef != 0:
-            loss = loss + cfg.kl_loss_coef * kl_loss
-        metrics["kl_loss"] = kl_loss.detach()
-    return loss, metrics

@@ -4,7 +4,7 @@
     optimizer.pt        torch optimizer state_dict (AdamW moments, step counts, lr groups)
     trainer_state.json  {"step": optimizer steps taken, "rng": the process's RNG state}
 
-The LR schedule is a function of the step (roles.trainer.optim), so the step is its state.
+The LR schedule is a function of the step (roles.trainer.schedule), so the step is its state.
 
 A reader never sees a half-written directory under the final name. A crash while saving
 leaves a `.tmp-*` sibling to delete, and the previous checkpoint under its name or, if the

@@ -1,4 +1,5 @@
-"""TrainerConfig: everything the actor and critic trainers (torch backend) are built from."""
+"""TrainerConfig: everything the actor and critic trainers are built from (the torch backend's
+whole config; roles.trainer.megatron.config extends it)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from typing import Any, Mapping
 import torch
 
 from ppo.algorithms import AGG_MODES, KL_KINDS
-from roles.trainer.optim import LR_SCHEDULES, LRSchedule
+from roles.trainer.schedule import LR_SCHEDULES, LRSchedule
 
 DTYPES = ("float32", "bfloat16", "float16")
 
@@ -29,7 +30,7 @@ class TrainerConfig:
     dtype: str = "bfloat16"  # compute dtype; master weights and optimizer state stay float32
     gradient_checkpointing: bool = False
 
-    # optimizer and lr schedule (see roles.trainer.optim)
+    # optimizer and lr schedule (see roles.trainer.schedule and the backends' optimizers)
     lr: float
     min_lr: float
     lr_decay_style: str

@@ -1,76 +1,36 @@
-"""The critic trainer role (torch backend): token values and clipped value-loss updates."""
+"""The critic trainer role's endpoints, both backends: token values and clipped value-loss
+updates, over the hooks a backend's role defines (roles.trainer.torch, roles.trainer.megatron)."""
 
 from __future__ import annotations
 
-from typing import Any, Mapping
-
-import torch
-
-from ppo.algorithms import value_loss
-from roles.trainer.batching import CRITIC_TRAIN_KEYS, MicroBatch
-from roles.trainer.config import TrainerConfig
-from roles.trainer.core import TrainCore, token_share
-from roles.trainer.model import ValueModel, load_value_model, values_forward
+from roles.trainer.batching import CRITIC_TRAIN_KEYS
 from roles.trainer.role import TrainerRole
 from runtime import endpoint
 
 
-class CriticTrainer(TrainerRole):
-    """Value model of PPO: the policy's backbone plus a scalar head (roles.trainer.model).
+class CriticRole(TrainerRole):
+    """Value model of PPO: the policy's trunk plus a scalar head.
 
-    Starts offloaded: call `onload(["params"])` (and "optimizer" before training) first.
+    A backend defines `_value_fn` and `_objective`. Starts offloaded: call
+    `onload(["params"])` (and "optimizer" before training) first.
     """
 
-    def __init__(self, config: TrainerConfig | Mapping[str, Any]):
-        self._join_group()
-        self.config = config if isinstance(config, TrainerConfig) else TrainerConfig.from_dict(config)
-        torch.manual_seed(self.config.seed)
-        model = load_value_model(
-            self.config.hf_checkpoint, seed=self.config.seed, gradient_checkpointing=self.config.gradient_checkpointing
-        )
-        self._core = TrainCore(self.config, model, self._device_memory("critic"))
-        self._started()
+    def _value_fn(self):
+        """What the core's forward_only computes token values with."""
+        raise NotImplementedError
 
-    @property
-    def model(self) -> ValueModel:
-        return self._core.model
-
-    def _values(self, mb: MicroBatch) -> torch.Tensor:
-        return values_forward(self.model, mb, dtype=self.config.torch_dtype)
+    def _objective(self):
+        """What the core's train trains: the value objective (roles.trainer.objectives)."""
+        raise NotImplementedError
 
     @endpoint
     def compute_values(self, batch: dict) -> dict:
         """{"values": float32 [N, R]}: values[i, r] = V(state before response token r)."""
-        return {"values": self._core.forward_only(batch, self._values)}
+        return {"values": self._core.forward_only(batch, self._value_fn())}
 
     @endpoint
     def train(self, batch: dict, mini_batches: list[dict] | None = None) -> dict:
         """One pass of clipped value-loss updates; metrics averaged over optimizer steps:
         value_loss, value_clipfrac, grad_norm, lr (of the last step), skipped_nonfinite.
         `mini_batches`: a rank's share of each mini-batch (roles.trainer.group)."""
-        return self._train(batch, CRITIC_TRAIN_KEYS, self._micro_loss, mini_batches)
-
-    def _micro_loss(self, mb: MicroBatch, counts: dict) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        return value_objective(self.config, self._values(mb), mb, counts)
-
-
-def value_objective(cfg: TrainerConfig, values: torch.Tensor, mb, counts: dict
-                    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """The critic objective of one micro-batch, both backends (as roles.trainer.actor's
-    policy_objective for the actor): the clipped value loss against the returns, aggregated
-    by loss_agg_mode with the whole mini-batch's `counts`.
-
-    values: [n, Rm] of `mb` (roles.trainer.batching.MicroBatch or
-    roles.trainer.megatron.packing.PackedMicroBatch: `.response`, `.valid`); metrics
-    value_loss and value_clipfrac, scaled so that their sum over a mini-batch's micro-batches
-    is the mini-batch's value.
-    """
-    r = {k: v.to(values.device) for k, v in mb.response.items()}
-    loss, metrics = value_loss(
-        values, r["old_values"], r["returns"], mb.valid.to(values.device),
-        value_clip=cfg.value_clip, agg=cfg.loss_agg_mode, **counts,
-    )
-    return loss, {
-        "value_loss": loss.detach(),
-        "value_clipfrac": metrics["value_clipfrac"] * token_share(mb, counts),
-    }
+        return self._train(batch, CRITIC_TRAIN_KEYS, self._objective(), mini_batches)

@@ -10,11 +10,31 @@ Each move is published as a `state` event when the trainer runs as a spawned rol
 from __future__ import annotations
 
 import time
+from typing import Protocol
+
+import torch
 
 from roles.device import DeviceMemory
-from roles.trainer.core import TrainCore
-from roles.trainer.distributed import Rank, init_from_env, is_rank_zero
+from roles.trainer.distributed import Rank, init_from_env
 from runtime import Actor, endpoint
+
+
+class TrainerCore(Protocol):
+    """What a backend's core gives its roles (roles.trainer.torch.core.TrainCore,
+    roles.trainer.megatron.core.MegatronCore)."""
+
+    memory: DeviceMemory
+    step: int
+
+    @property
+    def offloaded(self) -> set[str]: ...
+    def offload(self, tags: list[str]) -> dict: ...
+    def onload(self, tags: list[str]) -> dict: ...
+    def require_onloaded(self, *tags: str) -> None: ...
+    def forward_only(self, batch: dict, fn) -> torch.Tensor: ...
+    def train(self, batch: dict, required: tuple[str, ...], objective, mini_batches: list[dict] | None) -> dict: ...
+    def save(self, path: str) -> dict: ...
+    def load(self, path: str) -> dict: ...
 
 
 class TrainerRole(Actor):
@@ -25,7 +45,7 @@ class TrainerRole(Actor):
         "onloaded": frozenset({"offloaded", "training"}),
         "training": frozenset({"onloaded"}),
     }
-    _core: TrainCore
+    _core: TrainerCore
     _rank: Rank = Rank(0, 1)
 
     def _join_group(self) -> None:
@@ -37,12 +57,6 @@ class TrainerRole(Actor):
         """The memory ledger under the role's name: a rank group's lease on each GPU is the role's."""
         ctx = self.context
         return DeviceMemory(default if ctx is None else ctx.group or ctx.name)
-
-    @endpoint
-    def rank_layout(self) -> dict:
-        """{"dp_rank", "dp_size", "is_output"}: every rank of the torch backend is a data-parallel
-        replica whose results count."""
-        return {"dp_rank": self._rank.rank, "dp_size": self._rank.world_size, "is_output": True}
 
     def _started(self) -> None:
         """Call at the end of __init__: a new trainer holds nothing on the device."""
@@ -71,28 +85,27 @@ class TrainerRole(Actor):
 
     @endpoint
     def save(self, path: str) -> dict:
-        """Weights (safetensors, the model's parameter names), optimizer state, step and RNG
-        state, written atomically. In a rank group rank 0 writes (the replicas are equal); the
-        others return at once."""
-        if not is_rank_zero():
-            return {"path": path, "step": self._core.step, "seconds": 0.0}
-        return self._core.save(path, dict(self._core.model.named_parameters()))
+        """Weights, optimizer state, step and RNG state, written atomically (the core's save says
+        which ranks write what)."""
+        return self._core.save(path)
 
     @endpoint
     def load(self, path: str) -> dict:
         """Weights, optimizer state, step and RNG state from a `save` directory."""
-        return self._core.load(path, dict(self._core.model.named_parameters()))
+        return self._core.load(path)
 
     def _settle(self) -> None:
         self.set_state("offloaded" if {"params", "optimizer"} <= self._core.offloaded else "onloaded")
 
-    def _train(self, batch: dict, required: tuple[str, ...], micro_loss, mini_batches: list[dict] | None) -> dict:
+    def _train(self, batch: dict, required: tuple[str, ...], objective, mini_batches: list[dict] | None) -> dict:
+        """The core's train pass (roles.trainer.steps) in the "training" state; `objective` is
+        what the backend's core trains (torch: a micro-batch loss; megatron: the role itself)."""
         if mini_batches is None and self._rank.distributed:
             raise ValueError(f"rank {self._rank.rank} of {self._rank.world_size}: train needs mini_batches, its "
                              "share of each mini-batch (roles.trainer.group.TrainerGroup passes them)")
         self.set_state("training")
         try:
-            return self._core.train(batch, required, micro_loss, mini_batches)
+            return self._core.train(batch, required, objective, mini_batches)
         finally:
             self.set_state("onloaded")
 

@@ -16,7 +16,7 @@ needs megatron-core (Python >= 3.12) and CUDA.
     offload    offload to page-locked host blocks, one per tag
     env        parallel groups, the HF start state, departures from megatron's defaults
     export     HF tensors of every pipeline stage, gathered to stage 0
-    core       DDP, optimizer, forward, train loop
+    core       DDP, optimizer, forward, the backend's half of a train step (roles.trainer.steps)
     trainer    the roles
 """
 

@@ -19,9 +19,10 @@ Parallelism (megatron's parallel_state; rank order tp, cp, dp, pp):
 Micro-batches hold up to max_tokens_per_gpu * cp tokens (each CP rank runs 1/cp of them),
 as miles plans them.
 
-Train loop: the rank contract of roles.trainer.group and the aggregation of
-roles.trainer.core: each micro-batch loss is divided by the WHOLE mini-batch's counts, so
-gradients are summed over micro-batches and data-parallel ranks. megatron's DDP sums when
+Train step: the skeleton of roles.trainer.steps (shared with the torch backend), the rank
+contract of roles.trainer.group and the aggregation of roles.trainer.objectives: each
+micro-batch loss is divided by the WHOLE mini-batch's counts, so gradients are summed over
+micro-batches and data-parallel ranks. megatron's DDP sums when
 calculate_per_token_loss is set (no 1/dp scaling), and finalize_model_grads is called
 without a token count (no 1/tokens scaling). The optimizer is megatron's (distributed
 optimizer: float32 main params and Adam state sharded over dp; torch AdamW without apex or
@@ -40,14 +41,14 @@ from __future__ import annotations
 import math
 import os
 import time
-from typing import Callable, Iterator
+from typing import Callable, Iterator, Protocol
 
 import torch
 import torch.distributed as dist
 
 from roles.device import DeviceMemory
 from roles.model_spec import ModelSpec
-from roles.trainer.batching import check_batch, response_mask, scatter_rows, sequences, split_mini_batches, valid_mask
+from roles.trainer.batching import check_batch, response_mask, scatter_rows, sequences
 from roles.trainer.megatron.config import MegatronTrainerConfig
 from roles.trainer.megatron.cp import CPSlice, cp_slice, gather_rows
 from roles.trainer.megatron.env import (
@@ -63,19 +64,25 @@ from roles.trainer.megatron.model import build_gpt_model, transformer_engine_ava
 from roles.trainer.megatron.offload import TaggedOffloader
 from roles.trainer.megatron.packing import PackedMicroBatch, pack, plan_packed
 from roles.trainer.megatron.shape import megatron_spec, transformer_config_kwargs
-from roles.trainer.sharding import aggregation_counts
+from roles.trainer.steps import LOSS, sum_metrics, train_pass
 
 MEMORY_TAGS = ("params", "grads", "optimizer")
 # Above this much device memory outside the tags a report lists the largest blocks: below it
 # (the fused Adam's step counters, norms' flags) listing costs a snapshot and says nothing.
 UNTRACKED_NOTE = 1 << 20
 
-# (model output of a micro-batch, the micro-batch, aggregation counts) -> (loss, metrics);
-# metrics scaled so that their sum over a mini-batch's micro-batches is its value.
-MegatronLoss = Callable[[object, PackedMicroBatch, dict], tuple[torch.Tensor, dict[str, torch.Tensor]]]
 # processor(hidden [nr, H] at this rank's response rows, their targets [nr], output weight
 # or None, output layer) -> a tuple of [nr] tensors, or None for an output not asked for
 Processor = Callable[..., tuple[torch.Tensor | None, ...]]
+
+
+class MegatronObjective(Protocol):
+    """What a role trains: the processor of a micro-batch's forward and the loss of its outputs."""
+
+    def processor(self, mb: PackedMicroBatch) -> Processor: ...
+
+    def loss(self, out, mb: PackedMicroBatch, counts: dict) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """(loss, metrics) as roles.trainer.objectives gives them, from `forward`'s outputs."""
 
 
 class MegatronCore:
@@ -317,7 +324,7 @@ class MegatronCore:
             def loss_func(out_tensor):
                 value, metrics = on_output(out_tensor, mb)
                 reported = {k: v.detach().float().reshape(()) for k, v in metrics.items()}
-                reported["__loss"] = value.detach().float()
+                reported[LOSS] = value.detach().float()
                 return value, torch.ones((), dtype=torch.int, device=value.device), reported
 
             return out, loss_func
@@ -349,43 +356,27 @@ class MegatronCore:
 
     # ---- training -----------------------------------------------------------------------
 
-    def train(self, batch: dict, required: tuple[str, ...], processor: Callable[[PackedMicroBatch], Processor],
-              loss: MegatronLoss, mini_batches: list[dict] | None = None) -> dict:
-        """One pass over `batch` (roles.trainer.core.TrainCore.train's contract);
-        `processor(mb)` is the processor for `forward`, `loss(out, mb, counts)` the micro-batch loss."""
+    def train(self, batch: dict, required: tuple[str, ...], objective: MegatronObjective,
+              mini_batches: list[dict] | None = None) -> dict:
+        """One pass over `batch` (roles.trainer.steps.train_pass, as TrainCore.train):
+        `objective.processor(mb)` is the processor for `forward`, `objective.loss(out, mb,
+        counts)` the micro-batch loss."""
         self.require_onloaded("params", "grads", "optimizer")
-        n = check_batch(batch, required)
-        seqs = sequences(batch)
         self.ddp.train()
-        per_step: list[dict[str, float]] = []
-        skipped = 0
-        lr = self.schedule.lr_at(self.step)
-        for mini, counts in self._steps(batch, n, mini_batches):
-            self._zero_grads()
-            stores = self._run(self.micro_batches(batch, mini, seqs, required), processor,
-                               lambda out, mb, counts=counts: loss(out, mb, counts), forward_only=False)
-            sums = self._reduce_metrics(stores)
-            total_loss = sums.pop("__loss")
-            grad_norm = self._step_if_finite(total_loss)
-            if grad_norm is None:
-                skipped += 1
-                grad_norm = math.nan
-            else:
-                lr = self.schedule.lr_at(self.step - 1)
-            per_step.append({**sums, "grad_norm": grad_norm})
         self._zero_grads()
-        metrics = {key: sum(s[key] for s in per_step) / len(per_step) for key in per_step[0]}
-        metrics.update(lr=lr, skipped_nonfinite=skipped)
-        return metrics
+
+        def accumulate(seqs: list[torch.Tensor], rows: list[int], counts: dict) -> dict[str, float]:
+            stores = self._run(self.micro_batches(batch, rows, seqs, required), objective.processor,
+                               lambda out, mb: objective.loss(out, mb, counts), forward_only=False)
+            return self._reduce_metrics(stores)
+
+        return train_pass(self, batch, required, mini_batches, accumulate)
 
     def _reduce_metrics(self, stores: list[dict]) -> dict[str, float]:
         """A mini-batch's metric sums over its micro-batches and dp ranks, on every rank. TP and
         CP peers computed the same (replicated) loss, so only dp is summed; only the last
         pipeline stage has them, so it broadcasts them over its pipeline group."""
-        sums: dict[str, float] = {}
-        for store in stores:
-            for key, value in store.items():
-                sums[key] = sums.get(key, 0.0) + float(value)
+        sums = sum_metrics(stores)
         if self.pp_group is not None:
             box = [sums]
             dist.broadcast_object_list(box, src=dist.get_process_group_ranks(self.pp_group)[-1], group=self.pp_group)
@@ -406,38 +397,22 @@ class MegatronCore:
         for p in self.module.parameters():
             p.grad = None
 
-    def _step_if_finite(self, total_loss: float) -> float | None:
-        """Clip and step unless the loss or grad norm is not finite; the norm, or None when skipped."""
-        if not math.isfinite(total_loss):
-            return None
-        found_inf = self.optimizer.prepare_grads()
-        grad_norm = float(self.optimizer.get_grad_norm())
-        if found_inf or not math.isfinite(grad_norm):
-            return None
-        if self.config.clip_grad > 0:
-            self.optimizer.clip_grad_norm(self.config.clip_grad)
-        lr = self.schedule.lr_at(self.step)
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
-        self.optimizer.step_with_ready_grads()
-        self.step += 1
-        self.memory.account("optimizer", self.offloader.nbytes("optimizer"))  # Adam state exists from step 1
-        return grad_norm
-
-    def _steps(self, batch: dict, n: int, mini_batches: list[dict] | None):
-        if mini_batches is None:
-            for mini in split_mini_batches(n, self.config.global_batch_size):
-                idx = torch.tensor(mini)
-                yield mini, aggregation_counts(valid_mask(batch["loss_mask"][idx], batch["response_lens"][idx]),
-                                               self.config.loss_agg_mode)
-            return
-        if sum(m["num_samples"] for m in mini_batches) != n:
-            raise ValueError(f"mini_batches {[m['num_samples'] for m in mini_batches]} must split the {n} rows")
-        start = 0
-        for m in mini_batches:
-            yield (list(range(start, start + m["num_samples"])),
-                   {"global_batch_size": m["global_batch_size"], "global_token_count": m["global_token_count"]})
-            start += m["num_samples"]
+    def apply_step(self, loss: float, lr: float) -> tuple[float, bool]:
+        """roles.trainer.steps.StepBackend.apply_step; the grad norm is NaN when the step is skipped."""
+        grad_norm = math.nan
+        # prepare_grads unscales (fp16) and says whether the grads hold an inf or NaN
+        if math.isfinite(loss) and not self.optimizer.prepare_grads():
+            grad_norm = float(self.optimizer.get_grad_norm())
+        stepped = math.isfinite(grad_norm)
+        if stepped:
+            if self.config.clip_grad > 0:
+                self.optimizer.clip_grad_norm(self.config.clip_grad)
+            for group in self.optimizer.param_groups:
+                group["lr"] = lr
+            self.optimizer.step_with_ready_grads()
+            self.memory.account("optimizer", self.offloader.nbytes("optimizer"))  # Adam state exists from step 1
+        self._zero_grads()
+        return (grad_norm if stepped else math.nan), stepped
 
     # ---- checkpoints --------------------------------------------------------------------
 

@@ -18,7 +18,7 @@ Layouts (megatron's, per tensor-parallel rank r of tp):
 Layer i of pipeline stage s is global layer s * L/pp + i (even stages).
 
 The critic (`critic=True`) is the trunk plus a value head: HF side `backbone.<AutoModel
-name>` and `value_head.{weight,bias}` (roles.trainer.model.ValueModel), megatron side
+name>` and `value_head.{weight,bias}` (roles.trainer.torch.model.ValueModel), megatron side
 `output_layer.{weight,bias}` of shape [1, H] and [1].
 """
 

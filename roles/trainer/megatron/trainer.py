@@ -1,31 +1,30 @@
 """The megatron actor and critic trainer roles: the endpoints of roles.trainer.actor / critic
 (same names, arguments and results) over roles.trainer.megatron.core.MegatronCore.
 
-The objectives are the torch backend's: roles.trainer.actor.policy_objective and
-roles.trainer.critic.value_objective.
+The objectives are both backends': roles.trainer.objectives.policy_objective and
+value_objective.
 
 In a rank group with TP or PP > 1 the weights leave through rank 0 (dp 0, cp 0, tp 0, pp 0),
 after its TP peers join the all-gather of the shards and the later pipeline stages send
 theirs (roles.trainer.megatron.export): the weight endpoints (sync_weights, save_hf,
 weights_checksum) run the gather on every rank for which MegatronCore.gathers_weights
-holds, and ActorTrainer's own endpoints send from rank 0.
+holds, and ActorRole's own endpoints send from rank 0.
 """
 
 from __future__ import annotations
 
-import contextlib
 from typing import Any, Iterator, Mapping
 
 import torch
 
-from roles.trainer.actor import ActorTrainer, policy_objective
-from roles.trainer.batching import ACTOR_TRAIN_KEYS, CRITIC_TRAIN_KEYS
-from roles.trainer.critic import value_objective
+from roles.trainer.actor import ActorRole
+from roles.trainer.critic import CriticRole
 from roles.trainer.distributed import is_rank_zero
 from roles.trainer.megatron.config import MegatronTrainerConfig
 from roles.trainer.megatron.core import MegatronCore
 from roles.trainer.megatron.logprobs import vocab_parallel_log_probs, vocab_shard
 from roles.trainer.megatron.packing import PackedMicroBatch
+from roles.trainer.objectives import policy_objective, value_objective
 from roles.trainer.role import TrainerRole
 from runtime import endpoint
 
@@ -35,7 +34,7 @@ def _config(config: MegatronTrainerConfig | Mapping[str, Any]) -> MegatronTraine
 
 
 class _MegatronRole(TrainerRole):
-    _core: MegatronCore  # type: ignore[assignment]
+    _core: MegatronCore
 
     def _build(self, config, *, critic: bool, role: str, hf_state: dict | None) -> None:
         self._join_group()
@@ -55,27 +54,9 @@ class _MegatronRole(TrainerRole):
         return {"dp_rank": ps.get_data_parallel_rank(), "dp_size": ps.get_data_parallel_world_size(),
                 "is_output": is_output}
 
-    @endpoint
-    def save(self, path: str) -> dict:
-        """HF-named weights, step, RNG and each rank's optimizer shard (MegatronCore.save)."""
-        return self._core.save(path)
 
-    @endpoint
-    def load(self, path: str) -> dict:
-        return self._core.load(path)
-
-    def _train(self, batch: dict, required: tuple[str, ...], objective, mini_batches: list[dict] | None) -> dict:
-        if mini_batches is None and self._rank.distributed:
-            raise ValueError("train needs mini_batches in a rank group (roles.trainer.group.TrainerGroup passes them)")
-        self.set_state("training")
-        try:
-            return self._core.train(batch, required, objective.processor, objective.loss, mini_batches)
-        finally:
-            self.set_state("onloaded")
-
-
-class MegatronActorTrainer(_MegatronRole):
-    """The policy on megatron-core (roles.trainer.megatron); starts offloaded like ActorTrainer.
+class MegatronActorTrainer(_MegatronRole, ActorRole):
+    """The policy on megatron-core (roles.trainer.megatron).
 
     `hf_state` (in-process use: tests, bench) replaces reading the checkpoint's safetensors.
     """
@@ -101,41 +82,16 @@ class MegatronActorTrainer(_MegatronRole):
     def _log_prob_processor(self, mb: PackedMicroBatch):
         return self._processor(mb, with_entropy=False, entropy_grad=False)
 
-    @endpoint
-    def compute_log_probs(self, batch: dict) -> dict:
-        """{"log_probs": float32 [N, R]} under the current policy, at the rollout temperature."""
-        return {"log_probs": self._core.forward_only(batch, self._log_prob_processor)}
+    def _log_prob_fn(self):
+        return self._log_prob_processor
 
-    @endpoint
-    def compute_ref_log_probs(self, batch: dict) -> dict:
-        """{"log_probs": float32 [N, R]} under the reference (initial) policy."""
-        if self._ref_params is None:
-            raise RuntimeError("compute_ref_log_probs needs the reference copy; build the actor with keep_ref=True")
-        self._core.require_onloaded("params")
-        with self._swapped_in(self._ref_params):
-            return {"log_probs": self._core.forward_only(batch, self._log_prob_processor)}
-
-    @contextlib.contextmanager
-    def _swapped_in(self, weights: list[torch.Tensor]) -> Iterator[None]:
-        params = list(self._core.module.parameters())
-        backup = [p.detach().to("cpu", copy=True) for p in params]
-        with torch.no_grad():
-            for param, w in zip(params, weights):
-                param.copy_(w, non_blocking=True)
-        try:
-            yield
-        finally:
-            with torch.no_grad():
-                for param, b in zip(params, backup):
-                    param.copy_(b, non_blocking=True)
+    def _parameters(self) -> list[torch.Tensor]:
+        return list(self._core.module.parameters())
 
     # ---- training -----------------------------------------------------------------------
 
-    @endpoint
-    def train(self, batch: dict, mini_batches: list[dict] | None = None) -> dict:
-        """One PPO pass over the batch; metrics as ActorTrainer.train."""
-        required = ACTOR_TRAIN_KEYS + (("ref_log_probs",) if self.config.use_kl_loss else ())
-        return self._train(batch, required, self, mini_batches)
+    def _objective(self):
+        return self  # MegatronCore.train's MegatronObjective: processor and loss below
 
     def processor(self, mb: PackedMicroBatch):
         cfg = self.config
@@ -143,22 +99,22 @@ class MegatronActorTrainer(_MegatronRole):
                                entropy_grad=cfg.entropy_coef != 0)
 
     def loss(self, out, mb: PackedMicroBatch, counts: dict) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """The torch backend's policy objective (roles.trainer.actor.policy_objective) on [n, Rm] rows."""
+        """The policy objective (roles.trainer.objectives) on [n, Rm] rows."""
         lp_flat, ent_flat = out
         entropy = mb.to_rows(ent_flat) if ent_flat.numel() else None
         loss, metrics = policy_objective(self.config, mb.to_rows(lp_flat), entropy, mb, counts)
         return loss, {k: torch.as_tensor(v, dtype=torch.float32) for k, v in metrics.items()}
 
-    # ---- weights (ActorTrainer's endpoints over named_weights) ---------------------------
+    # ---- weights (ActorRole's endpoints over named_weights) ------------------------------
 
     def named_weights(self, views: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
-        """(HF name, tensor in the compute dtype): megatron's tensors mapped back to HF names;
-        `views`: q/k/v at TP1 as LazyReshapes (ActorTrainer.named_weights)."""
+        """ActorRole.named_weights: megatron's tensors mapped back to HF names; `views`: q/k/v at
+        TP1 as LazyReshapes."""
         self._core.require_onloaded("params")
         yield from self._core.named_hf_weights(views=views)
 
     def _weights_out(self, endpoint_fn, *args, **kwargs):
-        """Run ActorTrainer's weight endpoint: rank 0 reads named_weights; its TP and pipeline
+        """Run ActorRole's weight endpoint: rank 0 reads named_weights; its TP and pipeline
         peers feed the all-gather and the stage broadcasts by reading them too (and drop
         them); other ranks hold replicas.
 
@@ -173,23 +129,23 @@ class MegatronActorTrainer(_MegatronRole):
 
     @endpoint
     def weights_checksum(self) -> dict[str, str]:
-        """HF name -> digest (ActorTrainer.weights_checksum) from each rank that gathers the
+        """HF name -> digest (ActorRole.weights_checksum) from each rank that gathers the
         weights: on pipeline stage 0 the whole model (rank 0 and its TP peers, all equal), on
         a later stage its own part; other ranks {}. The group merges them (a union)."""
-        return ActorTrainer.weights_checksum(self) if self._core.gathers_weights else {}
+        return ActorRole.weights_checksum(self) if self._core.gathers_weights else {}
 
     @endpoint
     def sync_weights(self, *args, **kwargs) -> dict:
-        """ActorTrainer.sync_weights from rank 0, the TP shards and pipeline stages gathered."""
-        return self._weights_out(ActorTrainer.sync_weights, *args, **kwargs)
+        """ActorRole.sync_weights from rank 0, the TP shards and pipeline stages gathered."""
+        return self._weights_out(ActorRole.sync_weights, *args, **kwargs)
 
     @endpoint
     def save_hf(self, path: str) -> dict:
-        """ActorTrainer.save_hf from rank 0, the TP shards and pipeline stages gathered."""
-        return self._weights_out(ActorTrainer.save_hf, path)
+        """ActorRole.save_hf from rank 0, the TP shards and pipeline stages gathered."""
+        return self._weights_out(ActorRole.save_hf, path)
 
 
-class MegatronCriticTrainer(_MegatronRole):
+class MegatronCriticTrainer(_MegatronRole, CriticRole):
     """The value model on megatron-core: the policy's trunk and an untied Linear(hidden, 1)."""
 
     def __init__(self, config: MegatronTrainerConfig | Mapping[str, Any], hf_state: dict | None = None):
@@ -201,17 +157,13 @@ class MegatronCriticTrainer(_MegatronRole):
 
         return process
 
-    @endpoint
-    def compute_values(self, batch: dict) -> dict:
-        """{"values": float32 [N, R]}: values[i, r] = V(state before response token r)."""
-        return {"values": self._core.forward_only(batch, self.processor)}
+    def _value_fn(self):
+        return self.processor
 
-    @endpoint
-    def train(self, batch: dict, mini_batches: list[dict] | None = None) -> dict:
-        """One pass of clipped value-loss updates; metrics as CriticTrainer.train."""
-        return self._train(batch, CRITIC_TRAIN_KEYS, self, mini_batches)
+    def _objective(self):
+        return self  # MegatronCore.train's MegatronObjective: processor above, loss below
 
     def loss(self, out, mb: PackedMicroBatch, counts: dict) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """The torch backend's value objective (roles.trainer.critic.value_objective) on [n, Rm] rows."""
+        """The value objective (roles.trainer.objectives) on [n, Rm] rows."""
         return value_objective(self.config, mb.to_rows(out[0]), mb, counts)
 

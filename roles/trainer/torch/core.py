@@ -1,10 +1,10 @@
-"""What the actor and critic trainers share: the model's memory, the optimizer, the train loop.
+"""The torch backend's core, one per trainer: the model's memory, the optimizer, the train step.
 
-One `train` call is one pass over a rollout batch: consecutive mini-batches of
-global_batch_size samples, one optimizer step each, gradients accumulated over
-micro-batches. Micro-batch losses are aggregated with the whole mini-batch's sample and
-token counts (ppo.algorithms.aggregate's sharding contract), so they sum to the loss of
-the mini-batch in one piece, however it was split.
+One `train` call is one pass over a rollout batch (roles.trainer.steps.train_pass): one
+optimizer step per mini-batch, gradients accumulated over micro-batches. Micro-batch losses
+are aggregated with the whole mini-batch's sample and token counts (ppo.algorithms.aggregate's
+sharding contract), so they sum to the loss of the mini-batch in one piece, however it was
+split.
 
 Data parallel (a rank of a group, roles.trainer.group): the rank gets its share of each
 mini-batch and the global counts; after its micro-batches it all-reduces the gradients
@@ -43,26 +43,19 @@ from roles.trainer.batching import (
     response_mask,
     scatter_rows,
     sequences,
-    split_mini_batches,
-    valid_mask,
 )
 from roles.trainer.checkpoint import load_checkpoint, save_checkpoint
 from roles.trainer.config import TrainerConfig
-from roles.trainer.distributed import all_reduce_floats, all_reduce_sum_
-from roles.trainer.optim import build_adamw, clip_grad_norm, is_state_tensor, optimizer_state_bytes, set_lr
+from roles.trainer.distributed import all_reduce_floats, all_reduce_sum_, is_rank_zero
+from roles.trainer.torch.optim import build_adamw, clip_grad_norm, is_state_tensor, optimizer_state_bytes, set_lr
 from roles.trainer.rng import capture_rng, restore_rng
-from roles.trainer.sharding import aggregation_counts
+from roles.trainer.steps import LOSS, sum_metrics, train_pass
 
 MEMORY_TAGS = ("params", "grads", "optimizer")
 
 # (micro-batch, aggregation counts of its mini-batch) -> (loss, metrics). Metrics must be
 # scaled so that summing them over the micro-batches of a mini-batch gives its value.
 MicroLoss = Callable[[MicroBatch, dict], tuple[torch.Tensor, dict[str, torch.Tensor]]]
-
-
-def token_share(mb: MicroBatch, counts: dict) -> float:
-    """Weight of this micro-batch's token-mean metrics in its mini-batch's."""
-    return int(mb.valid.sum()) / max(counts["global_token_count"], 1)
 
 
 class TrainCore:
@@ -76,7 +69,7 @@ class TrainCore:
             model, lr=config.lr, weight_decay=config.weight_decay, betas=config.betas, eps=config.adam_eps
         )
         self.schedule = config.lr_schedule_fn
-        self.step = 0  # optimizer steps taken (skipped steps do not count, as in Megatron)
+        self.step = 0  # optimizer steps taken (roles.trainer.steps counts them)
         self.offloaded = {"params", "optimizer"}
 
     # ---- memory -------------------------------------------------------------------------
@@ -153,48 +146,34 @@ class TrainCore:
 
     def train(self, batch: dict, required: tuple[str, ...], micro_loss: MicroLoss,
               mini_batches: list[dict] | None = None) -> dict:
-        """One pass over `batch`; returns metrics averaged over its optimizer steps.
-
-        `mini_batches`: a data-parallel rank's plan (the rank contract in
-        roles.trainer.group); None when `batch` is the whole batch.
-        A step whose loss or grad norm is not finite is skipped: no weight, optimizer or
-        schedule change, and `skipped_nonfinite` counts it; its own (non-finite) metrics
-        still enter the means, so the log shows them.
-        """
+        """One pass over `batch` (roles.trainer.steps.train_pass); `mini_batches`: a data-parallel
+        rank's plan (the rank contract in roles.trainer.group), None when `batch` is the whole batch."""
         self.require_onloaded("params", "optimizer")
-        n = check_batch(batch, required)
-        seqs = sequences(batch)
         self.model.train()
-        per_step: list[dict[str, float]] = []
-        skipped = 0
-        lr = self.schedule.lr_at(self.step)
-        for mini, counts in self._steps(batch, n, mini_batches):
-            total_loss = 0.0
-            sums: dict[str, float] = {}
-            for mb in self.micro_batches(batch, mini, seqs, required):
+
+        def accumulate(seqs: list[torch.Tensor], rows: list[int], counts: dict) -> dict[str, float]:
+            stores = []
+            for mb in self.micro_batches(batch, rows, seqs, required):
                 with self._charged(mb, training=True):
                     loss, metrics = micro_loss(mb, counts)
                     loss.backward()
                 self._account_grads()
-                total_loss += float(loss.detach())
-                for key, value in metrics.items():
-                    sums[key] = sums.get(key, 0.0) + float(value)
-            total_loss, sums = self._reduce_over_ranks(total_loss, sums)
-            grad_norm = clip_grad_norm(self.model, self.config.clip_grad) if math.isfinite(total_loss) else math.nan
-            if math.isfinite(total_loss) and math.isfinite(grad_norm):
-                lr = self.schedule.lr_at(self.step)
-                set_lr(self.optimizer, lr)
-                self.optimizer.step()
-                self.step += 1
-                self.memory.account("optimizer", optimizer_state_bytes(self.optimizer))
-            else:
-                skipped += 1
-            self.optimizer.zero_grad(set_to_none=True)
-            self.memory.account("grads", 0)
-            per_step.append({**sums, "grad_norm": grad_norm})
-        metrics = {key: sum(s[key] for s in per_step) / len(per_step) for key in per_step[0]}
-        metrics.update(lr=lr, skipped_nonfinite=skipped)
-        return metrics
+                stores.append({**metrics, LOSS: loss.detach()})
+            return self._reduce_over_ranks(sum_metrics(stores))
+
+        return train_pass(self, batch, required, mini_batches, accumulate)
+
+    def apply_step(self, loss: float, lr: float) -> tuple[float, bool]:
+        """roles.trainer.steps.StepBackend.apply_step; the grads are freed (set_to_none)."""
+        grad_norm = clip_grad_norm(self.model, self.config.clip_grad) if math.isfinite(loss) else math.nan
+        stepped = math.isfinite(loss) and math.isfinite(grad_norm)
+        if stepped:
+            set_lr(self.optimizer, lr)
+            self.optimizer.step()
+            self.memory.account("optimizer", optimizer_state_bytes(self.optimizer))
+        self.optimizer.zero_grad(set_to_none=True)
+        self.memory.account("grads", 0)
+        return grad_norm, stepped
 
     def _charged(self, mb: MicroBatch, *, training: bool):
         """The micro-batch's activations and logits, charged while it is computed."""
@@ -205,31 +184,14 @@ class TrainCore:
                                    gradient_checkpointing=self.config.gradient_checkpointing, with_logits=has_lm_head)
         return self.memory.transient("activations", nbytes, phase="train" if training else "forward")
 
-    def _steps(self, batch: dict, n: int, mini_batches: list[dict] | None) -> Iterator[tuple[list[int], dict]]:
-        """(rows, aggregation counts of the whole mini-batch) for each optimizer step."""
-        if mini_batches is None:
-            for mini in split_mini_batches(n, self.config.global_batch_size):
-                idx = torch.tensor(mini)
-                valid = valid_mask(batch["loss_mask"][idx], batch["response_lens"][idx])
-                yield mini, aggregation_counts(valid, self.config.loss_agg_mode)
-            return
-        if sum(m["num_samples"] for m in mini_batches) != n or min(m["num_samples"] for m in mini_batches) < 1:
-            raise ValueError(f"mini_batches {[m['num_samples'] for m in mini_batches]} must split the {n} rows "
-                             "of this share, at least one row each")
-        start = 0
-        for m in mini_batches:
-            yield (list(range(start, start + m["num_samples"])),
-                   {"global_batch_size": m["global_batch_size"], "global_token_count": m["global_token_count"]})
-            start += m["num_samples"]
-
-    def _reduce_over_ranks(self, loss: float, sums: dict[str, float]) -> tuple[float, dict[str, float]]:
-        """Sum the gradients, the loss and the metric sums over the data-parallel ranks (no-op alone)."""
+    def _reduce_over_ranks(self, sums: dict[str, float]) -> dict[str, float]:
+        """Sum the gradients and the loss and metric sums over the data-parallel ranks (no-op alone)."""
         grads = [p.grad for p in self.model.parameters() if p.grad is not None]
         all_reduce_sum_(grads)
-        total = all_reduce_floats({**sums, "__loss": loss, "__num_grads": len(grads), "__one": 1})
+        total = all_reduce_floats({**sums, "__num_grads": len(grads), "__one": 1})
         assert total.pop("__num_grads") == len(grads) * total.pop("__one"), \
             "data-parallel ranks disagree on which parameters have gradients"
-        return total.pop("__loss"), total
+        return total
 
     def _account_grads(self) -> None:
         nbytes = sum(p.grad.numel() * p.grad.element_size() for p in self.model.parameters() if p.grad is not None)
@@ -238,17 +200,23 @@ class TrainCore:
 
     # ---- checkpoints --------------------------------------------------------------------
 
-    def save(self, path: str, named_params: dict[str, torch.Tensor]) -> dict:
+    def save(self, path: str) -> dict:
+        """Weights (safetensors, the model's parameter names), optimizer state, step and RNG
+        state, written atomically. In a rank group rank 0 writes (the replicas are equal); the
+        others return at once."""
+        if not is_rank_zero():
+            return {"path": path, "step": self.step, "seconds": 0.0}
         start = time.monotonic()
-        save_checkpoint(path, weights=named_params, optimizer=self.optimizer.state_dict(), step=self.step,
-                        rng=capture_rng())
+        save_checkpoint(path, weights=dict(self.model.named_parameters()), optimizer=self.optimizer.state_dict(),
+                        step=self.step, rng=capture_rng())
         return {"path": path, "step": self.step, "seconds": time.monotonic() - start}
 
-    def load(self, path: str, named_params: dict[str, torch.Tensor]) -> dict:
-        """Restore weights into `named_params` (in place), optimizer state, step and RNG state.
+    def load(self, path: str) -> dict:
+        """Restore the weights (in place), optimizer state, step and RNG state.
 
         Nothing is changed unless every name and shape matches the model.
         """
+        named_params = dict(self.model.named_parameters())
         ckpt = load_checkpoint(path)
         if set(ckpt.weights) != set(named_params):
             raise ValueError(
