@@ -22,10 +22,10 @@ from ppo.config import (
     offload_rollout,
     offload_train,
     override,
-    parse_args,
     to_dict,
     uses_critic,
 )
+from ppo.cli import parse_args
 from ppo.recipes import RECIPES, qwen3_4b_ppo, tiny_ppo
 
 
