@@ -100,6 +100,7 @@ SCRIPT_PLANS = {  # name: (flags before, flags now); both pass FULL's length and
                   "--sglang-mem-fraction-static", "0.62"),
                  ("--offload-rollout", "--offload-rollout-level", "kv_cache", "--sglang-mem-fraction-static", "0.62")),
 }
+SCRIPT_PLANS["grpo 8192"] = tuple(("--advantage-estimator", "grpo", *flags) for flags in SCRIPT_PLANS["ppo 8192"])
 
 
 @pytest.mark.parametrize("plan", sorted(SCRIPT_PLANS))
