@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
-# qwen3_4b_ppo scaled to one GPU, measured by bench.iteration (docs/benchmarks.md).
+# qwen3_4b_ppo_1gpu (qwen3_4b_ppo scaled to one GPU), measured by bench.iteration (docs/benchmarks.md).
 #
 #   [PLANS="ppo grpo" PPO_ROLLOUTS=3 GRPO_ROLLOUTS=2 GRPO_S=130 RESPONSE_LEN=2048] \
 #     bash bench/qwen3_4b_one_gpu.sh OUT_DIR [BUDGET_S]
 #
 # 1. A tiny random-init Qwen3 through the same path (megatron trainers, built-in engine, the
-#    same placement flags): one rollout with both updates and the weight sync, or the script
+#    same recipe and plan): one rollout with both updates and the weight sync, or the script
 #    stops there. Skipped when BUDGET_S < 520.
 # 2. An untrained Qwen3-4B (ppo.make_checkpoint, random init) and generated dapo-math prompts.
 # 3. PPO: both trainers keep their bf16 weights on the GPU and move only their optimizers
