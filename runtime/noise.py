@@ -31,77 +31,48 @@ LIBRARIES: tuple[str, ...] = ("megatron", "transformer_engine", "apex", "transfo
 LOG_NAME = "logs/warnings.log"  # under the run directory
 
 
-class NoiseRoute:
-    """Installed by `route_library_noise`; `close()` puts the previous hooks back."""
+_lock = threading.RLock()
+_routes: list[NoiseRoute] = []  # open routes, newest last: noise goes to the newest
+_before: dict = {}  # what the first open route replaced, put back when the last one closes
 
-    def __init__(self, path: str | os.PathLike, *, source: str,
-                 categories: tuple[type[Warning], ...] = CATEGORIES, libraries: tuple[str, ...] = LIBRARIES):
+
+class NoiseRoute:
+    """An open route of this process's library noise into `path`; `close()` ends it.
+
+    Routes nest (a test may run two supervisors): the newest open one gets the noise, and the
+    hooks are installed by the first and removed when the last one closes, in any order.
+    """
+
+    def __init__(self, path: str | os.PathLike, *, source: str):
         self.path = Path(path)
         self.source = source
-        self.categories, self.libraries = categories, libraries
-        self._lock = threading.Lock()
-        self._saved = warnings.catch_warnings()  # the filters and hook that close() puts back
-        self._saved.__enter__()
-        # the categories Python ignores by default (deprecations) must reach the hook to be logged
-        for category in categories:
-            warnings.filterwarnings("default", category=category)
-        self._previous = warnings.showwarning
-        warnings.showwarning = self._show
-        self._handler = _FileHandler(self)
-        self._loggers = {}
-        for name in libraries:
-            logger = logging.getLogger(name)
-            self._loggers[name] = (logger.propagate, list(logger.handlers))
-            for h in logger.handlers:
-                if isinstance(h, logging.StreamHandler) and h.stream in (sys.stderr, sys.stdout):
-                    logger.removeHandler(h)
-            logger.addHandler(self._handler)
-            logger.propagate = False
-
-    def is_noise(self, category: type[Warning], emitter: str) -> bool:
-        """Whether a warning of `category` that module `emitter` emitted goes to the file."""
-        return issubclass(category, self.categories) or emitter.split(".")[0] in self.libraries
+        with _lock:
+            if not _routes:
+                _install()
+            _routes.append(self)
 
     def write(self, text: str) -> None:
         """Append one entry; each is a single write, so processes sharing the file do not interleave."""
         stamp = time.strftime("%Y-%m-%d %H:%M:%S")
         data = f"{stamp} {self.source} (pid {os.getpid()}): {text.rstrip()}\n".encode()
-        with self._lock:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-            try:
-                os.write(fd, data)
-            finally:
-                os.close(fd)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        try:
+            os.write(fd, data)
+        finally:
+            os.close(fd)
 
     def close(self) -> None:
-        self._saved.__exit__(None, None, None)
-        for name, (propagate, handlers) in self._loggers.items():
-            logger = logging.getLogger(name)
-            logger.removeHandler(self._handler)
-            for h in handlers:
-                if h not in logger.handlers:
-                    logger.addHandler(h)
-            logger.propagate = propagate
-
-    def _show(self, message, category, filename, lineno, file=None, line=None) -> None:
-        if file is None and self.is_noise(category, _emitter()):  # an explicit file: the caller chose
-            self.write(warnings.formatwarning(message, category, filename, lineno, line))
-        else:
-            self._previous(message, category, filename, lineno, file, line)
+        with _lock:
+            if self in _routes:
+                _routes.remove(self)
+                if not _routes:
+                    _uninstall()
 
 
-class _FileHandler(logging.Handler):
-    def __init__(self, route: NoiseRoute):
-        super().__init__()
-        self.route = route
-        self.setFormatter(logging.Formatter("%(name)s %(levelname)s: %(message)s"))
-
-    def emit(self, record: logging.LogRecord) -> None:
-        try:
-            self.route.write(self.format(record))
-        except Exception:
-            self.handleError(record)
+def is_noise(category: type[Warning], emitter: str) -> bool:
+    """Whether a warning of `category` that module `emitter` emitted goes to the log file."""
+    return issubclass(category, CATEGORIES) or emitter.split(".")[0] in LIBRARIES
 
 
 def route_library_noise(run_dir: str | os.PathLike, *, source: str) -> NoiseRoute:
@@ -110,10 +81,73 @@ def route_library_noise(run_dir: str | os.PathLike, *, source: str) -> NoiseRout
     return NoiseRoute(Path(run_dir) / LOG_NAME, source=source)
 
 
+def _write(text: str) -> None:
+    with _lock:
+        route = _routes[-1] if _routes else None
+        if route is not None:
+            route.write(text)
+
+
+def _show(message, category, filename, lineno, file=None, line=None) -> None:
+    # an explicit file is a caller's choice of where; with no route open (ours was wrapped by a
+    # later hook that outlived us) everything passes through
+    if file is None and _routes and is_noise(category, _emitter()):
+        _write(warnings.formatwarning(message, category, filename, lineno, line))
+    else:
+        _before["showwarning"](message, category, filename, lineno, file, line)
+
+
+class _FileHandler(logging.Handler):
+    def __init__(self):
+        super().__init__()
+        self.setFormatter(logging.Formatter("%(name)s %(levelname)s: %(message)s"))
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            _write(self.format(record))
+        except Exception:
+            self.handleError(record)
+
+
+def _install() -> None:
+    _before["showwarning"] = warnings.showwarning
+    warnings.showwarning = _show
+    # the categories Python ignores by default (deprecations) must reach the hook to be logged
+    _before["filters"] = [("default", None, c, None, 0) for c in CATEGORIES]
+    for category in CATEGORIES:
+        warnings.filterwarnings("default", category=category)
+    handler = _before["handler"] = _FileHandler()
+    _before["loggers"] = {}
+    for name in LIBRARIES:
+        logger = logging.getLogger(name)
+        _before["loggers"][name] = (logger.propagate, list(logger.handlers))
+        for h in logger.handlers:
+            if isinstance(h, logging.StreamHandler) and h.stream in (sys.stderr, sys.stdout):
+                logger.removeHandler(h)
+        logger.addHandler(handler)
+        logger.propagate = False
+
+
+def _uninstall() -> None:
+    if warnings.showwarning is _show:  # else a later hook wraps ours, which now passes all through
+        warnings.showwarning = _before["showwarning"]
+    for entry in _before["filters"]:
+        if entry in warnings.filters:
+            warnings.filters.remove(entry)
+    warnings._filters_mutated()  # what filterwarnings calls: the module's caches see the change
+    for name, (propagate, handlers) in _before["loggers"].items():
+        logger = logging.getLogger(name)
+        logger.removeHandler(_before["handler"])
+        for h in handlers:
+            if h not in logger.handlers:
+                logger.addHandler(h)
+        logger.propagate = propagate
+
+
 def _emitter() -> str:
     """The module of the code that emitted the warning being shown: the first frame outside
     the warnings machinery and this module."""
-    frame = sys._getframe(2)  # _emitter <- NoiseRoute._show <- its caller
+    frame = sys._getframe(2)  # _emitter <- _show <- its caller
     while frame is not None and frame.f_globals.get("__name__") in ("warnings", __name__):
         frame = frame.f_back
     return frame.f_globals.get("__name__", "") if frame is not None else ""

@@ -46,3 +46,19 @@ def test_the_driver_logs_library_noise_until_closed(tmp_path):
     assert "tandem:" not in log
     assert logging.getLogger("megatron").propagate  # the logger is as it was
 
+
+
+def test_routes_nest_and_close_in_any_order(tmp_path):
+    before = warnings.showwarning
+    first = route_library_noise(tmp_path / "a", source="first")
+    second = route_library_noise(tmp_path / "b", source="second")
+    megatron_noise()  # the newest open route gets it
+    first.close()
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        megatron_noise()
+    second.close()
+    assert not (tmp_path / "a" / LOG_NAME).exists()
+    assert (tmp_path / "b" / LOG_NAME).read_text().count("Apex is not installed") == 2
+    assert warnings.showwarning is before
+    assert logging.getLogger("megatron").propagate and not logging.getLogger("megatron").handlers
