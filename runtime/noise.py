@@ -12,8 +12,8 @@ Noise is:
   whatever `stacklevel` blames), and any record of those libraries' loggers.
 
 The supervisor routes its own process for as long as it runs, and every role process from
-its start, before the role's class is imported. A library that attaches its own console
-handler to its logger after that (transformers does, when first imported) keeps it.
+its start, before the role's class is imported. A console handler that a library attaches
+to its logger (transformers does, when first imported) is left off while a route is open.
 """
 
 from __future__ import annotations
@@ -120,10 +120,10 @@ def _install() -> None:
     _before["loggers"] = {}
     for name in LIBRARIES:
         logger = logging.getLogger(name)
-        _before["loggers"][name] = (logger.propagate, list(logger.handlers))
-        for h in logger.handlers:
-            if isinstance(h, logging.StreamHandler) and h.stream in (sys.stderr, sys.stdout):
-                logger.removeHandler(h)
+        _before["loggers"][name] = (logger.propagate, logger.handlers)
+        # a list that refuses console handlers, also those a library adds when it is first
+        # imported, after this (transformers' own stderr handler)
+        logger.handlers = _NoConsole(h for h in logger.handlers if not _is_console(h))
         logger.addHandler(handler)
         logger.propagate = False
 
@@ -137,11 +137,21 @@ def _uninstall() -> None:
     warnings._filters_mutated()  # what filterwarnings calls: the module's caches see the change
     for name, (propagate, handlers) in _before["loggers"].items():
         logger = logging.getLogger(name)
-        logger.removeHandler(_before["handler"])
-        for h in handlers:
-            if h not in logger.handlers:
-                logger.addHandler(h)
+        logger.handlers = [h for h in handlers if h is not _before["handler"]]
         logger.propagate = propagate
+
+
+def _is_console(handler: logging.Handler) -> bool:
+    return isinstance(handler, logging.StreamHandler) and handler.stream in (sys.stderr, sys.stdout)
+
+
+class _NoConsole(list):
+    """A logger's handler list while routed: `Logger.addHandler` appends, and a console handler
+    is dropped instead."""
+
+    def append(self, handler: logging.Handler) -> None:
+        if not _is_console(handler):
+            super().append(handler)
 
 
 def _emitter() -> str:

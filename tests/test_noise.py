@@ -62,3 +62,18 @@ def test_routes_nest_and_close_in_any_order(tmp_path):
     assert (tmp_path / "b" / LOG_NAME).read_text().count("Apex is not installed") == 2
     assert warnings.showwarning is before
     assert logging.getLogger("megatron").propagate and not logging.getLogger("megatron").handlers
+
+
+def test_a_library_console_handler_added_while_routed_is_left_off(tmp_path):
+    # transformers adds its own stderr handler to its logger when first imported
+    import sys
+
+    library = logging.getLogger("transformers")
+    route = route_library_noise(tmp_path, source="noisy")
+    console = logging.StreamHandler(sys.stderr)
+    library.addHandler(console)
+    logging.getLogger("transformers.modeling_utils").warning("Some weights were not initialized")
+    route.close()
+    assert console not in library.handlers
+    assert "transformers.modeling_utils WARNING: Some weights were not initialized" in (
+        tmp_path / LOG_NAME).read_text()
