@@ -134,7 +134,9 @@ def _uninstall() -> None:
     for entry in _before["filters"]:
         if entry in warnings.filters:
             warnings.filters.remove(entry)
-    warnings._filters_mutated()  # what filterwarnings calls: the module's caches see the change
+    mutated = getattr(warnings, "_filters_mutated", None)  # what filterwarnings calls (3.10-3.13)
+    if mutated is not None:
+        mutated()  # so the module's caches of past decisions see the change
     for name, (propagate, handlers) in _before["loggers"].items():
         logger = logging.getLogger(name)
         logger.handlers = [h for h in handlers if h is not _before["handler"]]
