@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 
 import launch
@@ -134,3 +137,9 @@ def test_dry_run_places_qwen3_4b_ppo_1gpu_on_gpu_0(capsys):
     assert any(line.split()[:2] == ["actor", "0"] and line.endswith("tp 1 x pp 1 x cp 1 x dp 1")
                for line in placement)
     assert [line.split()[:3] for line in placement if line.startswith("engine")] == [["engine", "0", "0"]]
+
+
+def test_config_imports_neither_the_recipes_nor_the_command_line_built_on_it():
+    code = "import sys, ppo.config; print(sorted({'ppo.recipes', 'ppo.cli'} & set(sys.modules)))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert out.stdout.strip() == "[]"
