@@ -9,7 +9,8 @@ from __future__ import annotations
 import json
 import sys
 
-from ppo.config import ConfigError, build_parser, derived_values, parse_cli, to_dict
+from ppo.cli import build_parser, parse_cli
+from ppo.config import ConfigError, derived_values, to_dict
 from ppo.placement import format_placement, plan_placement
 
 

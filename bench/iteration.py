@@ -38,7 +38,7 @@ from pathlib import Path
 import torch
 
 from bench.peers import pinned_copy_rates
-from runtime.memory import format_bytes
+from runtime.units import format_bytes
 
 COMPUTE_PHASES = ("rollout", "log_probs", "values", "advantages", "critic_train", "actor_train")
 MOVES = ("offload", "onload", "release", "resume")
@@ -214,7 +214,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.iteration", description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", required=True, help="directory for iteration.json")
     args = parser.parse_args(argv[:split])
-    from ppo.config import build_parser, parse_cli, samples_per_rollout
+    from ppo.cli import build_parser, parse_cli
+    from ppo.config import samples_per_rollout
     from ppo.loop import train
 
     cfg, _ = parse_cli(build_parser(prog="launch.py"), argv[split + 1:])

@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
-# qwen3_4b_ppo scaled to one GPU, measured by bench.iteration (docs/benchmarks.md).
+# qwen3_4b_ppo_1gpu (qwen3_4b_ppo scaled to one GPU), measured by bench.iteration (docs/benchmarks.md).
 #
 #   [PLANS="ppo grpo" PPO_ROLLOUTS=3 GRPO_ROLLOUTS=2 GRPO_S=130 RESPONSE_LEN=2048] \
 #     bash bench/qwen3_4b_one_gpu.sh OUT_DIR [BUDGET_S]
 #
 # 1. A tiny random-init Qwen3 through the same path (megatron trainers, built-in engine, the
-#    same placement flags): one rollout with both updates and the weight sync, or the script
+#    same recipe and plan): one rollout with both updates and the weight sync, or the script
 #    stops there. Skipped when BUDGET_S < 520.
 # 2. An untrained Qwen3-4B (ppo.make_checkpoint, random init) and generated dapo-math prompts.
 # 3. PPO: both trainers keep their bf16 weights on the GPU and move only their optimizers
@@ -29,17 +29,15 @@ CK=/tmp/qwen3-4b-random
 TINY=/tmp/qwen3-tiny-random
 { nvidia-smi; free -g; df -hT /tmp; python3 -c "import torch, psutil; print(torch.__version__)"; } > "$OUT/machine.txt" 2>&1
 
-COMMON=(--recipe qwen3_4b_ppo --load none --save none --save-interval none
-        --num-gpus-per-node 1 --actor-num-gpus-per-node 1
-        --pipeline-model-parallel-size 1 --context-parallel-size 1 --rollout-backend torch
-        --recompute-granularity full --recompute-method uniform --recompute-num-layers 1
-        --log-format plain)
+# The recipe carries the one-GPU layout and the 2048-token memory plan (ppo/recipes.py); the
+# bench only saves nothing, prints plain lines and varies the plan.
+COMMON=(--recipe qwen3_4b_ppo_1gpu --load none --save none --save-interval none --log-format plain)
 LEN=${RESPONSE_LEN:-2048}
 if [ "$LEN" -le 2048 ]; then
-  PPO_PLAN=(--offload-train-level optimizer --no-offload-rollout --sglang-mem-fraction-static 0.22)
-  GRPO_PLAN=(--advantage-estimator grpo --no-offload-train --no-offload-rollout --sglang-mem-fraction-static 0.22)
+  PPO_PLAN=()
+  GRPO_PLAN=(--advantage-estimator grpo --no-offload-train --offload-train-level all)
 else
-  PPO_PLAN=(--offload-train-level optimizer --offload-rollout-level kv_cache --sglang-mem-fraction-static 0.62)
+  PPO_PLAN=(--offload-rollout --offload-rollout-level kv_cache --sglang-mem-fraction-static 0.62)
   GRPO_PLAN=(--advantage-estimator grpo "${PPO_PLAN[@]}")
 fi
 

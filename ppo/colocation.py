@@ -25,7 +25,8 @@ from dataclasses import dataclass
 from typing import Callable, Iterator
 
 from runtime import ActorHandle, gather
-from runtime.memory import LeaseError, LeaseTable, format_bytes
+from runtime.memory import LeaseError, LeaseTable
+from runtime.units import format_bytes
 
 
 @dataclass(frozen=True)

@@ -21,6 +21,7 @@ from ppo.config import (
     RewardConfig,
     RolloutConfig,
     TrainingConfig,
+    override,
 )
 
 
@@ -108,6 +109,36 @@ def qwen3_4b_ppo() -> PPOConfig:
     )
 
 
+def qwen3_4b_ppo_1gpu() -> PPOConfig:
+    """Qwen3-4B PPO on one GPU (H200, 141 GB): 64 x 2048-token responses, the measured plan.
+
+    qwen3_4b_ppo with everything on GPU 0: megatron actor and critic at TP1 PP1 CP1 with full
+    recompute, the built-in engine taking 22% of the GPU. Both trainers keep their bf16
+    weights on the GPU and move only their optimizers to pinned host memory around their
+    train calls (about 100 GiB of host memory); the engine keeps its weights and KV cache.
+    docs/benchmarks.md, "qwen3_4b_ppo on one GPU", has the iteration this plan measured and
+    why it fits; `bench/qwen3_4b_one_gpu.sh` runs it. Longer responses need another memory
+    plan (the script's RESPONSE_LEN > 2048 branch).
+    """
+    return override(
+        qwen3_4b_ppo(),
+        load="runs/qwen3_4b_ppo_1gpu/checkpoints",
+        save="runs/qwen3_4b_ppo_1gpu/checkpoints",
+        rollout_max_response_len=2048,
+        num_gpus_per_node=1,
+        actor_num_gpus_per_node=1,
+        pipeline_model_parallel_size=1,
+        context_parallel_size=1,
+        recompute_granularity="full",
+        recompute_method="uniform",
+        recompute_num_layers=1,
+        rollout_backend="torch",
+        sglang_mem_fraction_static=0.22,
+        offload_train_level="optimizer",
+        offload_rollout=False,
+    )
+
+
 def tiny_ppo() -> PPOConfig:
     """CPU PPO on 2 fake GPUs: a generated tiny Qwen3 learns generated arithmetic.
 
@@ -137,6 +168,7 @@ def tiny_ppo() -> PPOConfig:
 
 RECIPES: dict[str, Callable[[], PPOConfig]] = {
     "qwen3_4b_ppo": qwen3_4b_ppo,
+    "qwen3_4b_ppo_1gpu": qwen3_4b_ppo_1gpu,
     "tiny_ppo": tiny_ppo,
 }
 DEFAULT_RECIPE = "tiny_ppo"

@@ -32,7 +32,7 @@ from torch import nn
 
 from roles.host_pages import advise_huge_pages, gpu_node, prefer_node
 from runtime.fakegpu import FakeOutOfMemory, visible_fake_devices
-from runtime.memory import format_bytes
+from runtime.units import format_bytes
 
 Movable = nn.Module | list[torch.Tensor]
 

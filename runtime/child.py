@@ -36,6 +36,7 @@ from runtime import shm, wire
 from runtime.actor import ActorContext, endpoints_of
 from runtime.errors import ActorDied
 from runtime.handle import Address, Caller, Directory
+from runtime.noise import route_library_noise
 
 PR_SET_PDEATHSIG = 1
 ERROR_FILE_ENV = "TANDEM_ERROR_FILE"  # set in a child's environment: its error file, for bootstrap failures
@@ -164,6 +165,7 @@ def child_main(boot: ChildBoot) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     err = open(boot.error_file, "w")
     faulthandler.enable(err)  # segfaults and fatal signals leave a traceback too
+    route_library_noise(boot.run_dir, source=boot.name)  # before the role's class imports its libraries
     code = 0
     child = None
     try:

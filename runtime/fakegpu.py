@@ -29,7 +29,7 @@ import time
 from pathlib import Path
 from typing import Iterator
 
-from runtime.memory import format_bytes
+from runtime.units import format_bytes
 
 FAKE_GPU_DIR_ENV = "TANDEM_FAKE_GPU_DIR"
 

@@ -22,6 +22,8 @@ import threading
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Mapping
 
+from runtime.units import format_bytes
+
 if TYPE_CHECKING:
     from runtime.fakegpu import FakeDevice
 
@@ -35,18 +37,6 @@ class Grant:
     gpu: int
     holder: str
     residuals: dict[str, int]  # bytes that earlier holders still keep on this GPU, by holder
-
-
-def format_bytes(nbytes: int) -> str:
-    """Human-readable size with binary units: '0 B', '512 B', '1.5 KiB', '3.2 GiB'."""
-    if abs(nbytes) < 1024:
-        return f"{nbytes} B"
-    size = float(nbytes)
-    for unit in ("KiB", "MiB", "GiB", "TiB"):
-        size /= 1024
-        if abs(size) < 1024 or unit == "TiB":
-            break
-    return f"{size:.1f} {unit}"
 
 
 def _exact(nbytes: int) -> str:

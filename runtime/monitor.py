@@ -22,7 +22,7 @@ from rich.panel import Panel
 from rich.table import Table
 
 from runtime.events import SUPERVISOR_FILE, follow_events, read_events
-from runtime.memory import format_bytes
+from runtime.units import format_bytes
 
 
 @dataclass(kw_only=True)

@@ -47,6 +47,7 @@ from runtime.events import EventBus, watch_socket
 from runtime.fakegpu import create_fake_devices
 from runtime.handle import ActorGroup, ActorHandle, Address, Caller, Directory
 from runtime.memory import LeaseTable
+from runtime.noise import route_library_noise
 from runtime.process import exit_reason, kill_tree, read_text, start_with_env
 from runtime.rendezvous import host_store
 
@@ -152,6 +153,7 @@ class Supervisor:
         self._wake_fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
         self._mp = multiprocessing.get_context("spawn")
         self._spawner = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tandem-spawner")
+        self._noise = route_library_noise(self.run_dir, source="supervisor")  # until shutdown
         self.bus.publish("supervisor_started", pid=os.getpid(), run_dir=str(self.run_dir))
         self._thread = threading.Thread(target=self._watch, name="tandem-supervisor", daemon=True)
         self._thread.start()
@@ -324,6 +326,7 @@ class Supervisor:
         if self.sock_dir != str(self.run_dir / "sockets"):
             shutil.rmtree(self.sock_dir, ignore_errors=True)
         os.close(self._wake_fd)
+        self._noise.close()
 
     # -- starting ---------------------------------------------------------------------------
     def _make_socket_dir(self) -> str:

@@ -6,6 +6,7 @@ import asyncio
 import os
 import signal
 import time
+import warnings
 
 import numpy as np
 
@@ -137,3 +138,26 @@ class SharedUser(Actor):
         from runtime import shm
 
         return all(s.free() for s in shm._process_pool._segments)
+
+
+# What megatron-core says on import without apex, and a deprecation, as its own module would
+# emit them: the code runs under megatron's module name and file.
+MEGATRON_NOISE = """
+import warnings
+warnings.warn("Apex is not installed. Falling back to Torch Norm")
+warnings.warn("the old layer spec is deprecated", DeprecationWarning, stacklevel=2)
+"""
+
+
+def megatron_noise() -> None:
+    code = compile(MEGATRON_NOISE, "/site-packages/megatron/core/fusions/fused_layer_norm.py", "exec")
+    exec(code, {"__name__": "megatron.core.fusions.fused_layer_norm"})
+
+
+class Noisy(Actor):
+    """Emits megatron-like noise and a warning of ours."""
+
+    @endpoint
+    def warn(self, ours: str):
+        megatron_noise()
+        warnings.warn(ours)

@@ -2,10 +2,25 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 
-from ppo.config import global_batch_size, needs_ref, offload_train, uses_critic, validate
-from ppo.recipes import DEFAULT_RECIPE, RECIPES, describe_recipes, qwen3_4b_ppo, tiny_ppo
+import launch
+from ppo.cli import parse_args
+from ppo.config import (
+    derived_values,
+    global_batch_size,
+    needs_ref,
+    offload_rollout,
+    offload_train,
+    override,
+    train_offload_tags,
+    uses_critic,
+    validate,
+)
+from ppo.recipes import DEFAULT_RECIPE, RECIPES, describe_recipes, qwen3_4b_ppo, qwen3_4b_ppo_1gpu, tiny_ppo
 
 
 @pytest.mark.parametrize("name", sorted(RECIPES))
@@ -66,3 +81,65 @@ def test_describe_recipes_gives_name_and_first_doc_line():
     for line, (name, fn) in zip(lines, RECIPES.items()):
         assert line.split()[0] == name
         assert line.endswith(fn.__doc__.strip().splitlines()[0])
+
+
+# What bench/qwen3_4b_one_gpu.sh passed before qwen3_4b_ppo_1gpu existed (its COMMON flags, then
+# its plans by response length), and what it passes now on top of the recipe.
+SCRIPT_COMMON_BEFORE = (
+    "--recipe", "qwen3_4b_ppo", "--load", "none", "--save", "none", "--save-interval", "none",
+    "--num-gpus-per-node", "1", "--actor-num-gpus-per-node", "1",
+    "--pipeline-model-parallel-size", "1", "--context-parallel-size", "1", "--rollout-backend", "torch",
+    "--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1",
+    "--log-format", "plain")
+SCRIPT_COMMON_NOW = ("--recipe", "qwen3_4b_ppo_1gpu", "--load", "none", "--save", "none",
+                     "--save-interval", "none", "--log-format", "plain")
+SCRIPT_PLANS = {  # name: (flags before, flags now); both pass FULL's length and warm-up
+    "ppo 2048": (("--offload-train-level", "optimizer", "--no-offload-rollout",
+                  "--sglang-mem-fraction-static", "0.22"), ()),
+    "grpo 2048": (("--advantage-estimator", "grpo", "--no-offload-train", "--no-offload-rollout",
+                   "--sglang-mem-fraction-static", "0.22"), ("--advantage-estimator", "grpo", "--no-offload-train",
+                                                            "--offload-train-level", "all")),
+    "ppo 8192": (("--offload-train-level", "optimizer", "--offload-rollout-level", "kv_cache",
+                  "--sglang-mem-fraction-static", "0.62"),
+                 ("--offload-rollout", "--offload-rollout-level", "kv_cache", "--sglang-mem-fraction-static", "0.62")),
+}
+SCRIPT_PLANS["grpo 8192"] = tuple(("--advantage-estimator", "grpo", *flags) for flags in SCRIPT_PLANS["ppo 8192"])
+
+
+@pytest.mark.parametrize("plan", sorted(SCRIPT_PLANS))
+def test_qwen3_4b_ppo_1gpu_is_what_the_one_gpu_bench_passed_as_flags(plan):
+    before, now = SCRIPT_PLANS[plan]
+    length = ("--rollout-max-response-len", plan.split()[1], "--num-critic-only-steps", "0", "--run-dir", "r")
+    old = parse_args([*SCRIPT_COMMON_BEFORE, *before, *length])
+    new = parse_args([*SCRIPT_COMMON_NOW, *now, *length])
+    # Before, the 8192 plan left --offload-rollout unset, which colocation turns on.
+    assert override(new, offload_rollout=old.placement.offload_rollout) == old
+    assert derived_values(new) == derived_values(old)
+
+
+def test_qwen3_4b_ppo_1gpu_is_qwen3_4b_ppo_on_one_gpu():
+    cfg, base = qwen3_4b_ppo_1gpu(), qwen3_4b_ppo()
+    assert validate(cfg) == []
+    assert (cfg.ppo, cfg.optimizer, cfg.reward) == (base.ppo, base.optimizer, base.reward)
+    assert cfg.rollout == override(base, rollout_max_response_len=2048).rollout
+    assert (cfg.placement.num_gpus_per_node, cfg.placement.actor_num_gpus_per_node) == (1, 1)
+    assert cfg.placement.colocate and cfg.engine.rollout_backend == "torch"
+    # both trainers keep their weights on the GPU; the engine keeps everything
+    assert train_offload_tags(cfg) == ("grads", "optimizer")
+    assert not offload_rollout(cfg)
+    assert cfg.checkpoint.save.startswith("runs/qwen3_4b_ppo_1gpu/")
+
+
+def test_dry_run_places_qwen3_4b_ppo_1gpu_on_gpu_0(capsys):
+    launch.main(["--recipe", "qwen3_4b_ppo_1gpu", "--dry-run"])
+    out = capsys.readouterr().out
+    placement = out[out.rindex("}") + 1:].split("\n")
+    assert any(line.split()[:2] == ["actor", "0"] and line.endswith("tp 1 x pp 1 x cp 1 x dp 1")
+               for line in placement)
+    assert [line.split()[:3] for line in placement if line.startswith("engine")] == [["engine", "0", "0"]]
+
+
+def test_config_imports_neither_the_recipes_nor_the_command_line_built_on_it():
+    code = "import sys, ppo.config; print(sorted({'ppo.recipes', 'ppo.cli'} & set(sys.modules)))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert out.stdout.strip() == "[]"

@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from ppo.config import ConfigError, parse_args
+from ppo.cli import parse_args
+from ppo.config import ConfigError
 from ppo.config.serialize import override
 from ppo.console import RunConsole, ready_seconds
 from ppo.logger import RunLogger

@@ -3,7 +3,8 @@ import threading
 import pytest
 
 from runtime.fakegpu import LeaseViolation, create_fake_devices
-from runtime.memory import Grant, LeaseError, LeaseTable, format_bytes
+from runtime.memory import Grant, LeaseError, LeaseTable
+from runtime.units import format_bytes
 
 GiB = 1 << 30
 

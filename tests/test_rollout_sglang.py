@@ -380,7 +380,8 @@ def test_driver_starts_sglang_engines_with_the_recipes_settings():
 
 
 def test_weight_check_is_refused_with_sglang_at_config_time():
-    from ppo.config import ConfigError, parse_args
+    from ppo.cli import parse_args
+    from ppo.config import ConfigError
 
     with pytest.raises(ConfigError, match="check-weight-update-equal.*no exact read-back"):
         parse_args(["--recipe", "qwen3_4b_ppo", "--check-weight-update-equal"])

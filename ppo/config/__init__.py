@@ -1,13 +1,15 @@
-"""Typed PPO configuration: groups, validation, derived values, (de)serialisation and the CLI.
+"""Typed PPO configuration: groups, validation, derived values and (de)serialisation.
 
-    from ppo.config import parse_args, needs_ref
-    cfg = parse_args(["--recipe", "qwen3_4b_ppo", "--hf-checkpoint", "/models/Qwen3-4B"])
+    from ppo.config import needs_ref, override, validate
+    from ppo.recipes import qwen3_4b_ppo
+    cfg = override(qwen3_4b_ppo(), hf_checkpoint="/models/Qwen3-4B")
+    assert validate(cfg) == [] and not needs_ref(cfg)
 
+Recipes (ppo.recipes) build on this package, and the command line (ppo.cli) on both.
 Configs are frozen and validated once; derived values (critic fallbacks, offloading, the
 global batch size) are computed by the functions re-exported here, never written back.
 """
 
-from ppo.config.cli import build_parser, parse_args, parse_cli
 from ppo.config.derived import (
     OptimizerSettings,
     actor_gpus_per_node,
@@ -56,10 +58,10 @@ __all__ = [
     "CheckpointConfig", "ConfigError", "EngineConfig", "LoggingConfig", "OptimizerConfig",
     "OptimizerSettings", "ParallelismConfig", "PlacementConfig", "PPOAlgoConfig", "PPOConfig",
     "RewardConfig", "RolloutConfig", "TrainingConfig",
-    "actor_gpus_per_node", "actor_num_gpus", "actor_optimizer", "build_parser", "critic_load", "critic_optimizer",
+    "actor_gpus_per_node", "actor_num_gpus", "actor_optimizer", "critic_load", "critic_optimizer",
     "critic_save", "data_parallel_size", "derived_values", "ensure_valid", "eps_clip_high",
     "from_dict", "global_batch_size", "model_parallel_size", "needs_ref", "num_engines",
-    "offload_rollout", "offload_train", "override", "parse_args", "parse_cli",
+    "offload_rollout", "offload_train", "override",
     "rollout_num_gpus", "rollout_offload_tags", "samples_per_rollout", "to_dict", "train_offload_tags",
     "uses_critic", "validate",
 ]

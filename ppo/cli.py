@@ -5,6 +5,9 @@ settings — comes back in one ConfigError.
 Flags are derived from the dataclass fields: bools take `--x` / `--no-x`; optional fields
 take `none` to unset; tuples of ints take one or more values. The help text never repeats
 defaults: they live in the dataclasses and the recipes.
+
+    from ppo.cli import parse_args
+    cfg = parse_args(["--recipe", "qwen3_4b_ppo", "--hf-checkpoint", "/models/Qwen3-4B"])
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from typing import Any
 from ppo.config.schema import FIELDS, RM_TYPES, ConfigError, FieldSpec, PPOConfig
 from ppo.config.serialize import override
 from ppo.config.validate import allowed, validate
+from ppo.recipes import DEFAULT_RECIPE, RECIPES, describe_recipes
 
 
 class _ListRecipes(argparse.Action):
@@ -27,16 +31,12 @@ class _ListRecipes(argparse.Action):
         super().__init__(option_strings, dest, nargs=0, default=default, help=help)
 
     def __call__(self, parser, namespace, values, option_string=None):
-        from ppo.recipes import describe_recipes  # recipes build on this package
-
         print(describe_recipes())
         parser.exit(0)
 
 
 def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     """All config flags plus --recipe and --list-recipes; callers may add their own flags."""
-    from ppo.recipes import DEFAULT_RECIPE  # recipes build on this package
-
     parser = argparse.ArgumentParser(
         prog=prog, description="Tandem PPO post-training.", allow_abbrev=False,
         exit_on_error=False, argument_default=argparse.SUPPRESS)
@@ -57,8 +57,6 @@ def parse_cli(parser: argparse.ArgumentParser,
               argv: Sequence[str] | None = None, *,
               rm_types: Sequence[str] = RM_TYPES) -> tuple[PPOConfig, argparse.Namespace]:
     """The validated config and the namespace (for flags the caller added to `parser`)."""
-    from ppo.recipes import DEFAULT_RECIPE, RECIPES  # recipes build on this package
-
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
         ns, extras = parser.parse_known_args(argv)

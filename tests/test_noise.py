@@ -1,0 +1,79 @@
+"""Library noise goes to RUN_DIR/logs/warnings.log; our own warnings still reach the console."""
+
+from __future__ import annotations
+
+import logging
+import warnings
+
+import pytest
+
+from runtime import Supervisor
+from runtime.noise import LOG_NAME, route_library_noise
+from tests.actors import Noisy, megatron_noise
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def test_a_role_logs_library_noise_and_shows_its_own_warnings(tmp_path, capfd):
+    with Supervisor(tmp_path / "run") as sup:
+        sup.spawn("noisy", Noisy).warn("tandem: reward file has no label column")
+    err = capfd.readouterr().err  # the role writes to the console's stderr, which it inherits
+    assert "tandem: reward file has no label column" in err
+    assert "Apex" not in err and "deprecated" not in err
+    log = (tmp_path / "run" / LOG_NAME).read_text()
+    assert "noisy (pid " in log
+    assert "UserWarning: Apex is not installed. Falling back to Torch Norm" in log
+    assert "DeprecationWarning: the old layer spec is deprecated" in log
+    assert "no label column" not in log
+
+
+def test_the_driver_logs_library_noise_until_closed(tmp_path):
+    megatron_log = logging.getLogger("megatron.core.utils")
+    with warnings.catch_warnings(record=True) as console:  # what the console would show
+        warnings.simplefilter("default")
+        route = route_library_noise(tmp_path, source="supervisor")
+        megatron_noise()
+        megatron_log.warning("Transformer Engine is not installed")
+        warnings.warn("a deprecation, from anyone", FutureWarning)
+        warnings.warn("tandem: a warning of ours")
+        route.close()
+        warnings.warn("tandem: after close", FutureWarning)
+    assert [str(w.message) for w in console] == ["tandem: a warning of ours", "tandem: after close"]
+    log = (tmp_path / LOG_NAME).read_text()
+    for text in ("supervisor (pid ", "Apex is not installed", "the old layer spec is deprecated",
+                 "megatron.core.utils WARNING: Transformer Engine is not installed", "a deprecation, from anyone"):
+        assert text in log
+    assert "tandem:" not in log
+    assert logging.getLogger("megatron").propagate  # the logger is as it was
+
+
+
+def test_routes_nest_and_close_in_any_order(tmp_path):
+    before = warnings.showwarning
+    first = route_library_noise(tmp_path / "a", source="first")
+    second = route_library_noise(tmp_path / "b", source="second")
+    megatron_noise()  # the newest open route gets it
+    first.close()
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        megatron_noise()
+    second.close()
+    assert not (tmp_path / "a" / LOG_NAME).exists()
+    assert (tmp_path / "b" / LOG_NAME).read_text().count("Apex is not installed") == 2
+    assert warnings.showwarning is before
+    assert logging.getLogger("megatron").propagate and not logging.getLogger("megatron").handlers
+
+
+def test_a_library_console_handler_added_while_routed_is_left_off(tmp_path):
+    # transformers adds its own stderr handler to its logger when first imported
+    import sys
+
+    library = logging.getLogger("transformers")
+    route = route_library_noise(tmp_path, source="noisy")
+    console = logging.StreamHandler(sys.stderr)
+    library.addHandler(console)
+    logging.getLogger("transformers.modeling_utils").warning("Some weights were not initialized")
+    route.close()
+    assert console not in library.handlers
+    assert "transformers.modeling_utils WARNING: Some weights were not initialized" in (
+        tmp_path / LOG_NAME).read_text()
