@@ -9,6 +9,7 @@ Colocated, every GPU is held by one role at a time (docs/architecture.md):
     5. critic trains, offloads
     6. actor trains unless in critic-only warm-up; keeps its weights for the sync
     7. engines take their weights back; the actor streams new weights bucket by bucket
+       (sglang engines lose their weights at the release: they get them after every step)
     8. engines take the KV cache back; next iteration
 """
 

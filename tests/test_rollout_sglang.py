@@ -469,3 +469,32 @@ def test_weight_check_is_refused_with_sglang_at_config_time():
 
     with pytest.raises(ConfigError, match="check-weight-update-equal.*no exact read-back"):
         parse_args(["--recipe", "qwen3_4b_ppo", "--check-weight-update-equal"])
+
+
+# -- tiny_ppo on the fake sglang: colocated, offloading, a critic-only step ---------------------------
+
+@pytest.mark.timeout(600)
+def test_tiny_ppo_on_fake_sglang_rolls_out_the_actors_policy_after_a_critic_only_step(tmp_path, monkeypatch):
+    """The engines release their weights after each rollout and sglang throws them away; the
+    rollouts after the critic-only step must still come from the actor's weights: the engines'
+    log-probs of their own samples equal the actor's (rollout/log_probs_diff), which they cannot
+    from noise."""
+    import ppo.job
+    from ppo.config.serialize import override
+    from ppo.loop import train
+    from ppo.recipes import tiny_ppo
+
+    # role processes import the fake as `sglang` (spawned children inherit sys.path)
+    monkeypatch.syspath_prepend(str(sglang_engine.write_package(tmp_path / "site")))
+    # validation keeps sglang off fake GPUs and the job wants CUDA for it: the fake needs neither
+    monkeypatch.setattr(ppo.job, "rollout_backend_problem", lambda cfg: None)
+    cfg = override(tiny_ppo(), run_dir=str(tmp_path / "run"), num_rollout=3, num_critic_only_steps=1,
+                   rollout_batch_size=8, n_samples_per_prompt=4, global_batch_size=32, micro_batch_size=32,
+                   rollout_backend="sglang")
+    assert cfg.placement.colocate and ppo.config.engines_discard_weights(cfg)
+    history = train(cfg)
+    # step 0 trains the critic only, so step 1 rolls out from weights released and resumed unchanged
+    assert [h["rollout/weight_version"] for h in history] == [0, 1, 2]
+    assert "train/pg_loss" not in history[0] and "train/pg_loss" in history[1]
+    diffs = [h["rollout/log_probs_diff"] for h in history]
+    assert all(d < 1e-4 for d in diffs), diffs  # from discarded weights it is ~1 nat per token
