@@ -314,6 +314,21 @@ def test_launch_with_sglang_and_no_gpu_exits_2_with_one_message(tmp_path):
     assert not (tmp_path / "run").exists()  # nothing started, nothing written
 
 
+@pytest.mark.timeout(120)
+def test_launch_refuses_sglang_dp_size_before_anything_starts(tmp_path):
+    """sglang would take --sglang-dp-size 2 and assert on the first weight bucket, with the
+    update session open: the launcher's validation refuses it, one problem naming the flag."""
+    proc = subprocess.run(
+        [sys.executable, "launch.py", "--recipe", "qwen3_4b_ppo", "--sglang-dp-size", "2",
+         "--run-dir", str(tmp_path / "run")],
+        cwd=REPO, capture_output=True, text=True, timeout=110)
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert lines[0] == "invalid configuration (1 problem):" and len(lines) == 2, proc.stderr
+    assert lines[1].startswith("  - --sglang-dp-size 2 (engine.sglang_dp_size): must be 1"), proc.stderr
+    assert "Traceback" not in proc.stderr and proc.stdout == "" and not (tmp_path / "run").exists()
+
+
 # -- GPU: the real weight payload path, trainer -> engine -> sglang ranks, one GPU ------------------
 
 def _real_sglang() -> SimpleNamespace:
