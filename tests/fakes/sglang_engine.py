@@ -27,7 +27,9 @@ one process (TP ranks are loop iterations; no scheduler or detokenizer children)
 batching, KV or radix cache (each token re-runs the whole sequence; `flush_cache` only counts),
 no CUDA graphs, no top-p/top-k kernels' numerics (torch on the CPU), HF parameter names
 (sglang fuses q/k/v and gate/up; the loaders' narrowing is not modelled), a release while
-requests run cannot happen (generate is synchronous), and no memory is reported.
+requests run cannot happen (generate is synchronous), no memory is reported, and one payload
+given to two TP ranks is a RuntimeError here (in sglang it breaks torch's CUDA-IPC ref counts
+later, with no error at the call).
 
 `sglang.srt.weight_sync.tensor_bucket` imports with torch alone; when sglang is installed
 (the GPU run installs it without deps) `install` uses that real module, otherwise the copy
@@ -361,14 +363,21 @@ class FakeEngine:
         if self.session is None:  # weight_updater.py:234-239
             return False, ("update_weights_from_tensor must run between begin_weight_update() "
                            "and end_weight_update()")
-        if len(payloads) != self.tp_size:  # tp_worker.py:194-201 indexes payloads[tp_rank]
-            raise IndexError(f"{len(payloads)} payloads for tp_size={self.tp_size}")
+        # weight_updater.py:240-243 -> tp_worker.py:194-201: each rank deserializes only
+        # payloads[tp_rank], in its scheduler, outside any try: a missing payload, or one that
+        # does not unpickle or that sglang's SafeUnpickler blocks, kills the scheduler
+        if len(payloads) < self.tp_size:
+            scheduler_dies(IndexError("list index out of range"))
         params = self.model.state_dict()
-        for rank, data in enumerate(payloads):  # each rank deserializes only its own payload
+        for rank in range(self.tp_size):
+            data = payloads[rank]
             if data in self.read_payloads:  # one share read twice: torch's IPC refcount breaks
                 raise RuntimeError(f"fake sglang: TP rank {rank} got a payload that was already read")
             self.read_payloads.add(data)
-            bucket = MultiprocessingSerializer.deserialize(data)
+            try:
+                bucket = MultiprocessingSerializer.deserialize(data)
+            except Exception as exc:
+                scheduler_dies(exc)
             tb = _tensor_bucket()
             # model_runner_components/weight_updater.py:383-412
             meta = [tb.FlattenedTensorMetadata(name=m.name, shape=m.shape, dtype=m.dtype, start_idx=m.start_idx,
