@@ -1,8 +1,10 @@
 """The production rollout backend: an adapter over sglang's in-process `sglang.Engine`.
 
 Pinned to SGLANG_VERSIONS (pyproject's `sglang` extra). Each call below was read in the
-source of 0.5.21 and 0.5.23, which agree on all of them; tests/fakes/sglang_engine.py
-models them with the file and line each behaviour copies.
+source of 0.5.21 and 0.5.23 (line numbers are 0.5.23's), which agree on all of them but one:
+0.5.21 lets `update_weights_from_tensor` through with dp_size > 1 under dp attention, 0.5.23
+does not, so both are refused here. tests/fakes/sglang_engine.py models each call, failures
+included, with the file and line each behaviour copies.
 
 - start: `Engine(**kwargs)`; kwargs are `ServerArgs` fields (sglang rejects others).
   `skip_tokenizer_init=True`: we speak token ids only.
@@ -24,7 +26,7 @@ models them with the file and line each behaviour copies.
   "weights" throws their contents away unless the engine runs with
   `enable_weights_cpu_backup` (load_model_utils.py:307-326 makes the weights' memory-saver
   region with that backup flag; torch_memory_saver discards a region without backup): after
-  such a resume the engine refuses to generate until a whole weight update has landed. The
+  such a resume the engine refuses to generate until every checkpoint tensor is loaded again. The
   driver pushes the actor's weights after every resume instead of keeping a CPU copy
   (docs/architecture.md, "sglang weights across a release"). Resuming a tag that is not
   released, or releasing while requests run, kills sglang's scheduler and this process
@@ -39,6 +41,14 @@ models them with the file and line each behaviour copies.
   `end_weight_update()` (sglang >= 0.5.21 rejects updates outside that session), the order
   miles uses. Each TP rank gets its own serialized payload (sglang's tp_worker deserializes
   only `payloads[tp_rank]`; a payload read twice breaks torch's CUDA-IPC refcounts).
+  Failures: `flush_cache` refused (requests still running: success False) is a RuntimeError
+  before the session opens; a refused bucket (success False: outside a session, or the model
+  runner's weight-cache error, model_runner_components/weight_updater.py:348-350) is a
+  RuntimeError with the session left open, so the next bucket of a retried sync continues it;
+  a payload the scheduler cannot read (too few for the TP ranks, not a pickle, a global its
+  SafeUnpickler blocks) or a tensor name the model lacks (models/qwen3.py:744) kills the
+  scheduler and this process, so names, shapes and dtypes are checked against the checkpoint
+  before anything is sent.
 - pause/continue generation: not needed. Updates reach this actor only between `generate`
   calls (one message at a time), so sglang is idle when its weights change.
 - shutdown: sglang's Engine children (scheduler, detokenizer) die with the role: they stay
