@@ -9,6 +9,7 @@ Colocated, every GPU is held by one role at a time (docs/architecture.md):
     5. critic trains, offloads
     6. actor trains unless in critic-only warm-up; keeps its weights for the sync
     7. engines take their weights back; the actor streams new weights bucket by bucket
+       (sglang engines lose their weights at the release: they get them after every step)
     8. engines take the KV cache back; next iteration
 """
 
@@ -117,17 +118,14 @@ def run(job: Job) -> list[dict]:
                 skipped = check_skipped(cfg, skipped + actor_metrics["skipped_nonfinite"])
                 colo.vacate([job.actor_tenant], ["grads", "optimizer"], keep="params")
 
-                # 7. weight sync: engines take their memory back, the actor streams buckets
-                # (a restarted engine needs no sync of its own here: the weight sync follows)
-                engine_handoff(job, lambda: colo.occupy(job.engine_tenants, ["weights"]), 0)
                 version += 1
-                with colo.sending_weights(job.actor_tenant, job.engine_tenants), perf.phase("weight_sync"):
-                    actor.sync_weights(engines, cfg.engine.update_weight_buffer_size, version,
-                                       engine_gpus=job.placement.engines)
-                if cfg.engine.check_weight_update_equal:
-                    check_weights_equal(job)
-                colo.drop_residual(job.actor_tenant, ["params"])
-                engine_handoff(job, lambda: colo.occupy(job.engine_tenants, ["kv_cache"]), version)
+                sync_engines(job, version, perf)  # 7. weight sync
+            elif C.engines_discard_weights(cfg):
+                # 7'. weights unchanged, but sglang threw the engines' copy away at the release
+                # (no CPU backup: docs/architecture.md): the actor pushes them again, same version
+                colo.occupy([job.actor_tenant], ["params"])
+                colo.vacate([job.actor_tenant], ["params"], keep="params")
+                sync_engines(job, version, perf)
             else:
                 # 8. weights unchanged: engines take back everything they released
                 engine_handoff(job, lambda: colo.occupy(job.engine_tenants, ["weights", "kv_cache"]), version)
@@ -163,6 +161,21 @@ def run(job: Job) -> list[dict]:
     finally:
         log.close()
     return log.history
+
+
+def sync_engines(job: Job, version: int, perf) -> None:
+    """The weight sync: engines take their weights back, the actor (holding its weights, not
+    its lease) streams buckets, the actor frees its weights, engines take the KV cache back.
+    A restarted engine needs no sync of its own while its weights come back: this one follows."""
+    colo = job.colocation
+    engine_handoff(job, lambda: colo.occupy(job.engine_tenants, ["weights"]), 0)
+    with colo.sending_weights(job.actor_tenant, job.engine_tenants), perf.phase("weight_sync"):
+        job.actor.sync_weights(job.engines, job.cfg.engine.update_weight_buffer_size, version,
+                               engine_gpus=job.placement.engines)
+    if job.cfg.engine.check_weight_update_equal:
+        check_weights_equal(job)
+    colo.drop_residual(job.actor_tenant, ["params"])
+    engine_handoff(job, lambda: colo.occupy(job.engine_tenants, ["kv_cache"]), version)
 
 
 def engine_handoff(job: Job, handoff, version: int) -> None:

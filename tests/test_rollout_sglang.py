@@ -6,6 +6,7 @@ GPU test runs sglang's real serializer and FlattenedTensorBucket between a train
 the engine process and two sglang "TP rank" processes on one GPU, as a colocated sync does.
 """
 
+import json
 import multiprocessing as mp
 import os
 import queue
@@ -60,12 +61,25 @@ def test_engine_arguments_are_server_args(ckpt, fake_sglang):
         RolloutEngine(ckpt, backend="sglang", kv_cache_bytes=1 << 20)
 
 
+def _greedy(ckpt, prompt, n, dtype="float32"):
+    """The checkpoint's greedy tokens and their log-probs, computed here from its weights."""
+    model = load_causal_lm(ckpt, dtype)
+    seq, tokens, logprobs = list(prompt), [], []
+    with torch.no_grad():
+        for _ in range(n):
+            logp = torch.log_softmax(model(torch.tensor([seq])).logits[0, -1].float(), -1)
+            tokens.append(int(logp.argmax()))
+            logprobs.append(float(logp[tokens[-1]]))
+            seq.append(tokens[-1])
+    return tokens, logprobs
+
+
 def test_generate_translates_requests_and_results(ckpt, fake_sglang):
-    eng, fake = _engine(ckpt, fake_sglang)
+    eng, fake = _engine(ckpt, fake_sglang, dtype="float32")
     requests = [
         {"id": 4, "prompt_ids": [5, 6], "sampling": {"temperature": 0.5, "top_p": 0.9, "top_k": 5,
                                                      "max_new_tokens": 6, "stop_token_ids": [9], "seed": 3}},
-        {"id": 9, "prompt_ids": [2, 3, 4], "sampling": {"max_new_tokens": 5, "ignore_eos": True}},
+        {"id": 9, "prompt_ids": [2, 3, 4], "sampling": {"temperature": 0.0, "max_new_tokens": 5, "ignore_eos": True}},
     ]
     eng.set_weight_version(7)
     results = eng.generate(requests)
@@ -73,26 +87,34 @@ def test_generate_translates_requests_and_results(ckpt, fake_sglang):
     assert sent[0] == {"temperature": 0.5, "top_p": 0.9, "top_k": 5, "max_new_tokens": 6,
                        "stop_token_ids": [9], "ignore_eos": False}  # no sampling_seed: sglang would ignore it
     assert sent[1]["ignore_eos"] is True and sent[1]["top_k"] == -1
-    expected = [fake._one(ids, sp, True) for ids, sp in zip([[5, 6], [2, 3, 4]], sent)]
-    for req, result, out in zip(requests, results, expected):
-        assert result["id"] == req["id"] and result["weight_version"] == 7
-        assert result["token_ids"] == out["output_ids"]
-        assert result["logprobs"] == [lp for lp, _, _ in out["meta_info"]["output_token_logprobs"]]
-        assert result["finish_reason"] == out["meta_info"]["finish_reason"]["type"]
-    assert results[1]["finish_reason"] == "length" and len(results[1]["token_ids"]) == 5
-    # (sum*7 + 3i) % 47 for prompt [1] with random_seed 0: 7, 10, 13 -> 13 is a stop token
-    out = _gen(eng, [1], max_new_tokens=8, stop_token_ids=[13])
-    assert (out["token_ids"], out["finish_reason"]) == ([7, 10, 13], "stop")
+    assert all(r["weight_version"] == 7 for r in results) and [r["id"] for r in results] == [4, 9]
+    assert results[0]["finish_reason"] in ("stop", "length") and len(results[0]["logprobs"]) == len(results[0]["token_ids"])
+    # the greedy request is the checkpoint's own greedy continuation, log-probs at T = 1
+    tokens, logprobs = _greedy(ckpt, [2, 3, 4], 5)
+    assert results[1]["token_ids"] == tokens and results[1]["finish_reason"] == "length"
+    assert results[1]["logprobs"] == pytest.approx(logprobs, abs=1e-5)
+    # a stop token ends the request and is kept, as sglang's finish_reason "stop" with `matched`
+    out = _gen(eng, [2, 3, 4], temperature=0.0, max_new_tokens=8, stop_token_ids=[tokens[1]])
+    assert (out["token_ids"], out["finish_reason"]) == (tokens[:2], "stop")
 
 
-def test_seeds_hold_only_in_deterministic_mode(ckpt, fake_sglang):
-    """sglang samples with a request's sampling_seed only under enable_deterministic_inference."""
+def test_seeds_hold_only_in_deterministic_mode_and_greedy_ignores_them(ckpt, fake_sglang):
+    """sglang samples with a request's sampling_seed only under enable_deterministic_inference;
+    otherwise the scheduler's generator (seeded once with random_seed) samples every request.
+    Greedy decoding draws nothing: no seed changes it."""
     eng, fake = _engine(ckpt, fake_sglang, options={"enable_deterministic_inference": True})
-    a, b = _gen(eng, [1], seed=3), _gen(eng, [1], seed=4)
-    assert fake.calls[-1][1][0]["sampling_seed"] == 4 and a["token_ids"] != b["token_ids"]
-    eng2, fake2 = _engine(ckpt, fake_sglang)
-    a, b = _gen(eng2, [1], seed=3), _gen(eng2, [1], seed=4)
-    assert "sampling_seed" not in fake2.calls[-1][1][0] and a["token_ids"] == b["token_ids"]
+    a, b, a2 = _gen(eng, [1], seed=3, max_new_tokens=6), _gen(eng, [1], seed=4, max_new_tokens=6), \
+        _gen(eng, [1], seed=3, max_new_tokens=6)
+    assert fake.calls[-1][1][0]["sampling_seed"] == 3
+    assert a["token_ids"] == a2["token_ids"] != b["token_ids"]
+    engines = [_engine(ckpt, fake_sglang, seed=11)[0] for _ in range(2)]
+    a, b = _gen(engines[0], [1], seed=3, max_new_tokens=6), _gen(engines[1], [1], seed=4, max_new_tokens=6)
+    assert "sampling_seed" not in fake_sglang.instances[-1].calls[-1][1][0]
+    assert a["token_ids"] == b["token_ids"]  # the request's seed is ignored: the engine's generator drew
+    assert _gen(engines[0], [1], seed=5, max_new_tokens=6)["token_ids"] != a["token_ids"]  # ... and moved on
+    greedy = {tuple(_gen(e, [1], seed=s, temperature=0.0, max_new_tokens=6)["token_ids"])
+              for e in (eng, *engines) for s in (3, 4)}
+    assert len(greedy) == 1
 
 
 def test_abort_is_an_error_naming_the_request(ckpt, fake_sglang):
@@ -106,14 +128,13 @@ def test_abort_is_an_error_naming_the_request(ckpt, fake_sglang):
 
 
 def test_release_resume_tags_and_memory_saver(ckpt, fake_sglang):
-    eng, fake = _engine(ckpt, fake_sglang, options=SAVER)
+    eng, fake = _engine(ckpt, fake_sglang, options={**SAVER, "enable_weights_cpu_backup": True})
     assert eng.release(["weights", "kv_cache"])["state"] == "released"
     assert fake.calls[-2:] == [("release", ["weights", "kv_cache", "cuda_graph"]), ("flush_cache",)]
     eng.resume(["weights"])
     assert fake.calls[-1] == ("resume", ["weights"]) and fake.offload_tags == {"kv_cache", "cuda_graph"}
-    eng.resume(["weights"])  # RolloutEngine skips what is resident: sglang would raise KeyError
-    with pytest.raises(KeyError):
-        fake.resume_memory_occupation(tags=["weights"])
+    eng.resume(["weights"])  # RolloutEngine skips what is resident: sglang's scheduler would die
+    assert fake.calls[-1] == ("resume", ["weights"]) and len([c for c in fake.calls if c[0] == "resume"]) == 1
     eng.resume(["kv_cache"])
     assert fake.calls[-1] == ("resume", ["kv_cache", "cuda_graph"]) and not fake.offload_tags
     plain, _ = _engine(ckpt, fake_sglang)  # without the memory saver sglang would free nothing
@@ -121,25 +142,93 @@ def test_release_resume_tags_and_memory_saver(ckpt, fake_sglang):
         plain.release(["kv_cache"])
 
 
-def test_weight_sync_is_a_session_with_one_payload_per_tp_rank(ckpt, fake_sglang):
-    eng, fake = _engine(ckpt, fake_sglang, dtype="bfloat16", options={"tp_size": 2, **SAVER})
-    eng.release(["weights", "kv_cache"])
-    eng.resume(["weights"])  # miles' order: weights back, sync, then the KV cache
-    source = load_causal_lm(ckpt, "bfloat16").state_dict()
-    for version in (1, 2):
-        del fake.calls[:]
-        push_weights(source.items(), eng.update_weights, buffer_bytes=8 * 1024)
-        eng.set_weight_version(version)
-        kinds = [c[0] for c in fake.calls]
-        assert kinds[:2] == ["flush_cache", "begin_weight_update"] and kinds[-1] == "end_weight_update"
-        assert set(kinds[2:-1]) == {"update_weights"} and len(kinds) > 5
-        assert all(c == ("update_weights", "flattened_bucket", False) for c in fake.calls[2:-1])
-        assert fake.session is None
-    assert set(fake.weights) == set(source)
-    for name, tensor in source.items():
-        assert fake.weights[name].dtype == torch.bfloat16 and torch.equal(fake.weights[name], tensor), name
-    eng.resume(["kv_cache"])
-    assert _gen(eng, [1])["weight_version"] == 2
+def test_release_without_cpu_backup_discards_the_weights_until_a_push(ckpt, fake_sglang):
+    """torch_memory_saver throws released weights away unless sglang backs them up on the CPU:
+    the engine refuses to generate from them, and a whole weight push brings them back."""
+    want = _greedy(ckpt, [2, 3], 4)
+    for backup in (False, True):
+        eng, fake = _engine(ckpt, fake_sglang, dtype="float32",
+                            options={**SAVER, "enable_weights_cpu_backup": backup})
+        out = _gen(eng, [2, 3], temperature=0.0, max_new_tokens=4, ignore_eos=True)
+        assert (out["token_ids"], pytest.approx(want[1], abs=1e-5)) == (want[0], out["logprobs"])
+        eng.release(["weights", "kv_cache"])
+        eng.resume(["weights", "kv_cache"])
+        if backup:  # kept: the same output without a push
+            assert _gen(eng, [2, 3], temperature=0.0, max_new_tokens=4, ignore_eos=True)["token_ids"] == want[0]
+            continue
+        with pytest.raises(RuntimeError, match="threw their contents away.*push the weights"):
+            _gen(eng, [2, 3])
+        # what sglang itself would generate now: noise, not the checkpoint's policy
+        noise = fake.generate(input_ids=[[2, 3]], sampling_params=[{"temperature": 0.0, "max_new_tokens": 4,
+                                                                   "ignore_eos": True}], return_logprob=True)[0]
+        assert [lp for lp, _, _ in noise["meta_info"]["output_token_logprobs"]] != pytest.approx(want[1], abs=1e-3)
+        source = load_causal_lm(ckpt, "float32").state_dict()
+        named = list(source.items())
+        push_weights(named[:2], eng.update_weights, buffer_bytes=8 * 1024)
+        eng.set_weight_version(1)  # a push that missed tensors leaves them noise: still refused
+        with pytest.raises(RuntimeError, match=f" {len(named) - 2} tensors"):
+            _gen(eng, [2, 3])
+        push_weights(named, eng.update_weights, buffer_bytes=8 * 1024)
+        eng.set_weight_version(1)  # the whole push brings the policy back
+        out = _gen(eng, [2, 3], temperature=0.0, max_new_tokens=4, ignore_eos=True)
+        assert out["token_ids"] == want[0] and out["logprobs"] == pytest.approx(want[1], abs=1e-5)
+
+
+def _die_in_a_child(ckpt: str, call: str) -> subprocess.CompletedProcess:
+    script = (f"from tests.fakes.sglang_engine import FakeEngine, MultiprocessingSerializer\n"
+              f"e = FakeEngine(model_path={ckpt!r}, enable_memory_saver=True, tp_size=2)\n"
+              f"try:\n    {call}\nexcept BaseException as exc:\n    print('caught', type(exc).__name__)\n"
+              f"print('alive')\n")
+    return subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=120)
+
+
+@pytest.mark.timeout(300)
+def test_where_sglangs_scheduler_dies_the_fakes_process_dies(ckpt):
+    """A scheduler exception SIGQUITs the Engine's process, whose handler SIGKILLs itself: no
+    caller can catch it (scheduler.py:6369-6373, engine.py:1976-1982)."""
+    for call in ("e.resume_memory_occupation(tags=['weights'])",  # never released: KeyError in the scheduler
+                 "e.release_memory_occupation(tags=['weights']); e.generate(input_ids=[[1]], "
+                 "sampling_params=[{'max_new_tokens': 1}])",  # a forward over unmapped memory
+                 "e.begin_weight_update(); e.update_weights_from_tensor(['eA=='], "
+                 "load_format='flattened_bucket')",  # one payload for two TP ranks
+                 "e.begin_weight_update(); e.update_weights_from_tensor("
+                 "[MultiprocessingSerializer.serialize(object(), output_str=True)] * 2, "
+                 "load_format='flattened_bucket')"):  # sglang's SafeUnpickler blocks it
+        proc = _die_in_a_child(ckpt, call)
+        assert proc.returncode == -9, (proc.returncode, proc.stdout, proc.stderr)
+        assert "caught" not in proc.stdout and "alive" not in proc.stdout
+        assert "Scheduler hit an exception" in proc.stderr
+
+
+def test_options_sglang_cannot_update_with_are_refused_before_it_starts(ckpt, fake_sglang):
+    for options, match in (({"dp_size": 2}, "'dp_size': 2.*data-parallel"),
+                           ({"weight_cache_mode": "shared"}, "'weight_cache_mode'.*scheduler dies")):
+        with pytest.raises(ValueError, match=match):
+            RolloutEngine(ckpt, backend="sglang", options=options)
+    assert fake_sglang.instances == []
+    # the fake would fail where sglang does: mid-sync, after the session opened
+    fake = fake_sglang(model_path=ckpt, dp_size=2)
+    with pytest.raises(AssertionError, match="data-parallel replicas"):
+        fake.update_weights_from_tensor([], load_format="flattened_bucket")
+
+
+def test_fake_accepts_exactly_the_wheels_server_args():
+    """sglang_server_args.json is generated from both pinned wheels (gen_server_args.py); every
+    Engine keyword we pass is a field of both."""
+    from ppo.job import engine_settings
+    from ppo.recipes import qwen3_4b_ppo
+
+    data = json.loads((REPO / "tests/fakes/sglang_server_args.json").read_text())
+    assert set(data["versions"]) == {"0.5.21", "0.5.23"} and sglang_engine.VERSION in data["versions"]
+    for fields in (set(v["fields"]) for v in data["versions"].values()):
+        kwargs = sglang_backend.engine_kwargs("ckpt", dtype="bfloat16", seed=0, max_batch_size=8, mem_fraction=0.5,
+                                              options=engine_settings(qwen3_4b_ppo())["options"])
+        used = {*kwargs, "disable_cuda_graph", "enable_deterministic_inference", "enable_weights_cpu_backup",
+                *sglang_backend.REFUSED_OPTIONS}
+        assert used <= fields and len(fields) > 500
+    assert sglang_engine.SERVER_ARGS_FIELDS == set(data["versions"][sglang_engine.VERSION]["fields"])
+    with pytest.raises(TypeError, match="Unexpected keyword argument 'cuda_graph'"):
+        sglang_engine.FakeEngine(model_path="unused", cuda_graph=False)
 
 
 def test_fake_rejects_what_sglang_rejects(ckpt, fake_sglang):
@@ -153,14 +242,9 @@ def test_fake_rejects_what_sglang_rejects(ckpt, fake_sglang):
     assert fake.begin_weight_update()[0] is False  # one session at a time
     with pytest.raises(RuntimeError, match="already read"):  # one payload for every rank
         fake.update_weights_from_tensor([payloads[0]] * 2, load_format="flattened_bucket")
-    with pytest.raises(IndexError):
-        fake.update_weights_from_tensor(payloads[1:], load_format="flattened_bucket")
     with pytest.raises(TypeError, match="Unexpected keyword argument 'seed'"):
         fake.generate(input_ids=[[1]], sampling_params=[{"max_new_tokens": 1, "seed": 1}])
-    with pytest.raises(RuntimeError, match="Blocked unsafe global"):
-        fake.update_weights_from_tensor(
-            [sglang_engine.MultiprocessingSerializer.serialize(SimpleNamespace(), output_str=True)] * 2,
-            load_format="flattened_bucket")
+    # a missing or blocked payload kills the scheduler: test_where_sglangs_scheduler_dies_...
 
 
 def test_payload_is_a_flattened_tensor_bucket(fake_sglang):
@@ -187,7 +271,8 @@ def test_weight_bucket_checks_and_no_checksum(ckpt, fake_sglang):
     for named, match in cases:
         with pytest.raises(ValueError, match=match):
             eng.update_weights(next(pack_buckets(named, 1 << 20)))
-    assert fake.weights == {} and fake.session is None
+    initial = load_causal_lm(ckpt, "bfloat16").state_dict()
+    assert all(torch.equal(fake.weights[k], v) for k, v in initial.items()) and fake.session is None
     with pytest.raises(RuntimeError, match="needs backend 'torch'"):
         eng.weights_checksum()
 
@@ -227,6 +312,21 @@ def test_launch_with_sglang_and_no_gpu_exits_2_with_one_message(tmp_path):
     assert "Traceback" not in proc.stderr and "rollout backend 'sglang'" in proc.stderr, proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
     assert not (tmp_path / "run").exists()  # nothing started, nothing written
+
+
+@pytest.mark.timeout(120)
+def test_launch_refuses_sglang_dp_size_before_anything_starts(tmp_path):
+    """sglang would take --sglang-dp-size 2 and assert on the first weight bucket, with the
+    update session open: the launcher's validation refuses it, one problem naming the flag."""
+    proc = subprocess.run(
+        [sys.executable, "launch.py", "--recipe", "qwen3_4b_ppo", "--sglang-dp-size", "2",
+         "--run-dir", str(tmp_path / "run")],
+        cwd=REPO, capture_output=True, text=True, timeout=110)
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert lines[0] == "invalid configuration (1 problem):" and len(lines) == 2, proc.stderr
+    assert lines[1].startswith("  - --sglang-dp-size 2 (engine.sglang_dp_size): must be 1"), proc.stderr
+    assert "Traceback" not in proc.stderr and proc.stdout == "" and not (tmp_path / "run").exists()
 
 
 # -- GPU: the real weight payload path, trainer -> engine -> sglang ranks, one GPU ------------------
@@ -385,3 +485,32 @@ def test_weight_check_is_refused_with_sglang_at_config_time():
 
     with pytest.raises(ConfigError, match="check-weight-update-equal.*no exact read-back"):
         parse_args(["--recipe", "qwen3_4b_ppo", "--check-weight-update-equal"])
+
+
+# -- tiny_ppo on the fake sglang: colocated, offloading, a critic-only step ---------------------------
+
+@pytest.mark.timeout(600)
+def test_tiny_ppo_on_fake_sglang_rolls_out_the_actors_policy_after_a_critic_only_step(tmp_path, monkeypatch):
+    """The engines release their weights after each rollout and sglang throws them away; the
+    rollouts after the critic-only step must still come from the actor's weights: the engines'
+    log-probs of their own samples equal the actor's (rollout/log_probs_diff), which they cannot
+    from noise."""
+    import ppo.job
+    from ppo.config.serialize import override
+    from ppo.loop import train
+    from ppo.recipes import tiny_ppo
+
+    # role processes import the fake as `sglang` (spawned children inherit sys.path)
+    monkeypatch.syspath_prepend(str(sglang_engine.write_package(tmp_path / "site")))
+    # validation keeps sglang off fake GPUs and the job wants CUDA for it: the fake needs neither
+    monkeypatch.setattr(ppo.job, "rollout_backend_problem", lambda cfg: None)
+    cfg = override(tiny_ppo(), run_dir=str(tmp_path / "run"), num_rollout=3, num_critic_only_steps=1,
+                   rollout_batch_size=8, n_samples_per_prompt=4, global_batch_size=32, micro_batch_size=32,
+                   rollout_backend="sglang")
+    assert cfg.placement.colocate and ppo.config.engines_discard_weights(cfg)
+    history = train(cfg)
+    # step 0 trains the critic only, so step 1 rolls out from weights released and resumed unchanged
+    assert [h["rollout/weight_version"] for h in history] == [0, 1, 2]
+    assert "train/pg_loss" not in history[0] and "train/pg_loss" in history[1]
+    diffs = [h["rollout/log_probs_diff"] for h in history]
+    assert all(d < 1e-4 for d in diffs), diffs  # from discarded weights it is ~1 nat per token

@@ -111,6 +111,14 @@ def rollout_offload_tags(cfg: PPOConfig) -> tuple[str, ...]:
     return {"all": ("weights", "kv_cache"), "kv_cache": ("kv_cache",)}[cfg.placement.offload_rollout_level]
 
 
+def engines_discard_weights(cfg: PPOConfig) -> bool:
+    """Whether the engines' weights come back from a release as garbage, so that the driver
+    must push the actor's weights after every resume: sglang releases them through
+    torch_memory_saver without a CPU backup (docs/architecture.md, "sglang weights across a
+    release", says why we push rather than back up). The torch engine keeps a host copy."""
+    return cfg.engine.rollout_backend == "sglang" and "weights" in rollout_offload_tags(cfg)
+
+
 def actor_gpus_per_node(cfg: PPOConfig) -> int:
     """--actor-num-gpus-per-node, or every GPU of the node when unset (so --num-gpus-per-node
     8 gives a recipe written for 4 GPUs two data-parallel ranks)."""
@@ -162,6 +170,7 @@ def derived_values(cfg: PPOConfig) -> dict:
         "offload_rollout": offload_rollout(cfg),
         "train_offload_tags": list(train_offload_tags(cfg)),
         "rollout_offload_tags": list(rollout_offload_tags(cfg)),
+        "engines_discard_weights": engines_discard_weights(cfg),
         "actor_num_gpus": actor_num_gpus(cfg),
         "rollout_num_gpus": rollout_num_gpus(cfg),
         "num_engines": num_engines(cfg),

@@ -197,6 +197,8 @@ class EngineConfig:
                                                     gt=0.0, lt=1.0)
     sglang_max_running_requests: int | None = knob(
         None, "requests an engine decodes at once; unset: the samples of one rollout", ge=1)
+    sglang_dp_size: int = knob(1, "sglang's data-parallel replicas per engine; only 1 works with "
+                               "weight updates from tensors (use more engines instead)", ge=1)
     sglang_disable_cuda_graph: bool = knob(False, "run sglang's decode without CUDA graphs")
     sglang_enable_deterministic_inference: bool = knob(
         False, "sglang samples with each request's seed only in this mode (batch-invariant "

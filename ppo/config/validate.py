@@ -222,6 +222,11 @@ def _backends(cfg: PPOConfig) -> list[str]:
         out.append(_set_but("check_weight_update_equal", True, "--rollout-backend is 'sglang', "
                             "which has no exact read-back of its weights. Please add "
                             "--rollout-backend torch or --no-check-weight-update-equal"))
+    if cfg.engine.sglang_dp_size != 1:  # roles/rollout/sglang_backend.py REFUSED_OPTIONS says why
+        out.append(_bad("sglang_dp_size", cfg.engine.sglang_dp_size,
+                        "must be 1: sglang refuses update_weights_from_tensor with more than one "
+                        "data-parallel replica (it asserts mid-sync). Please add --sglang-dp-size 1 "
+                        "and more engines (--rollout-num-gpus) instead"))
     if cfg.placement.fake_gpus:
         for name, value in (("train_backend", t.train_backend),
                             ("rollout_backend", cfg.engine.rollout_backend)):

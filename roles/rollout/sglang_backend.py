@@ -1,8 +1,10 @@
 """The production rollout backend: an adapter over sglang's in-process `sglang.Engine`.
 
 Pinned to SGLANG_VERSIONS (pyproject's `sglang` extra). Each call below was read in the
-source of 0.5.21 and 0.5.23, which agree on all of them; tests/fakes/sglang_engine.py
-models them with the file and line each behaviour copies.
+source of 0.5.21 and 0.5.23 (line numbers are 0.5.23's), which agree on all of them but one:
+0.5.21 lets `update_weights_from_tensor` through with dp_size > 1 under dp attention, 0.5.23
+does not, so both are refused here. tests/fakes/sglang_engine.py models each call, failures
+included, with the file and line each behaviour copies.
 
 - start: `Engine(**kwargs)`; kwargs are `ServerArgs` fields (sglang rejects others).
   `skip_tokenizer_init=True`: we speak token ids only.
@@ -20,12 +22,33 @@ models them with the file and line each behaviour copies.
 - release/resume: `release_memory_occupation(tags)` / `resume_memory_occupation(tags)`;
   they need `enable_memory_saver=True` (else sglang's memory-saver adapter is a no-op and
   they free nothing: utils/torch_memory_saver_adapter.py:139-165). Our "kv_cache" also
-  covers sglang's "cuda_graph" buffers, as miles' offload and onload_kv do.
+  covers sglang's "cuda_graph" buffers, as miles' offload and onload_kv do. Releasing
+  "weights" throws their contents away unless the engine runs with
+  `enable_weights_cpu_backup` (load_model_utils.py:307-326 makes the weights' memory-saver
+  region with that backup flag; torch_memory_saver discards a region without backup): after
+  such a resume the engine refuses to generate until every checkpoint tensor is loaded again. The
+  driver pushes the actor's weights after every resume instead of keeping a CPU copy
+  (docs/architecture.md, "sglang weights across a release"). Resuming a tag that is not
+  released, or releasing while requests run, kills sglang's scheduler and this process
+  (weight_updater.py:339, :390; scheduler.py:6369-6373): RolloutEngine tracks what is
+  released and calls both only between `generate` calls.
+- refused options: `dp_size` > 1 (update_weights_from_tensor asserts one DP replica in the
+  caller's process, tokenizer_control_mixin.py:569, after the session is open) and a
+  `weight_cache_mode` other than "off" (a release of the weights raises in the scheduler,
+  weight_updater.py:289-303, which kills it). Both are ValueErrors before the Engine starts.
 - weights: one update is `flush_cache()`, `begin_weight_update()`, one
   `update_weights_from_tensor(load_format="flattened_bucket")` per bucket, then
   `end_weight_update()` (sglang >= 0.5.21 rejects updates outside that session), the order
   miles uses. Each TP rank gets its own serialized payload (sglang's tp_worker deserializes
   only `payloads[tp_rank]`; a payload read twice breaks torch's CUDA-IPC refcounts).
+  Failures: `flush_cache` refused (requests still running: success False) is a RuntimeError
+  before the session opens; a refused bucket (success False: outside a session, or the model
+  runner's weight-cache error, model_runner_components/weight_updater.py:348-350) is a
+  RuntimeError with the session left open, so the next bucket of a retried sync continues it;
+  a payload the scheduler cannot read (too few for the TP ranks, not a pickle, a global its
+  SafeUnpickler blocks) or a tensor name the model lacks (models/qwen3.py:744) kills the
+  scheduler and this process, so names, shapes and dtypes are checked against the checkpoint
+  before anything is sent.
 - pause/continue generation: not needed. Updates reach this actor only between `generate`
   calls (one message at a time), so sglang is idle when its weights change.
 - shutdown: sglang's Engine children (scheduler, detokenizer) die with the role: they stay
@@ -56,6 +79,15 @@ RESERVED_OPTIONS = frozenset({
     "skip_tokenizer_init",
 })
 SGLANG_TAGS = {"weights": ["weights"], "kv_cache": ["kv_cache", "cuda_graph"]}
+# Engine options our weight updates cannot work with: name -> (accepted values, why not).
+# ppo/config/validate.py refuses the recipe flags that would set them (--sglang-dp-size).
+REFUSED_OPTIONS = {
+    "dp_size": ((1, None), "sglang refuses update_weights_from_tensor with more than one data-parallel "
+                "replica (an AssertionError after the update session opened, tokenizer_control_mixin.py:569)"),
+    "weight_cache_mode": (("off", None), "sglang's scheduler dies releasing weights shared with the weight "
+                          "cache daemon (scheduler_components/weight_updater.py:289-303), and a colocated "
+                          "engine releases them every step"),
+}
 
 
 def sglang_problem() -> str | None:
@@ -123,6 +155,10 @@ def engine_kwargs(hf_checkpoint: str, *, dtype: str, seed: int, max_batch_size: 
     if clash:
         raise ValueError(f"backend 'sglang': options {clash} are set by RolloutEngine's own "
                          "arguments (dtype, seed, mem_fraction, max_batch_size); remove them")
+    for name, (accepted, why) in REFUSED_OPTIONS.items():
+        if name in options and options[name] not in accepted:
+            raise ValueError(f"backend 'sglang': options {{'{name}': {options[name]!r}}} cannot work: {why}; "
+                             f"leave it at {accepted[0]!r}")
     kwargs = dict(model_path=hf_checkpoint, dtype=dtype, random_seed=seed,
                   max_running_requests=max_batch_size, skip_tokenizer_init=True, **options)
     if mem_fraction is not None:
@@ -234,14 +270,23 @@ class SglangBackend:
         self.tp_size = options.get("tp_size", 1)
         self.memory_saver = bool(options.get("enable_memory_saver", False))
         self.deterministic = bool(options.get("enable_deterministic_inference", False))
+        self.cpu_backup = bool(options.get("enable_weights_cpu_backup", False))
         self.specs = checkpoint_tensor_specs(hf_checkpoint)
+        with open(os.path.join(hf_checkpoint, "config.json")) as f:  # a tied lm_head is the embedding
+            tied = json.load(f).get("tie_word_embeddings", False)
+        self._aliases = {"lm_head.weight": "model.embed_tokens.weight"} if tied else {}
         self.engine = self.sgl.Engine(**kwargs)
         self._updating = False  # inside begin_weight_update() ... end_weight_update()
+        # Tensors whose contents sglang threw away at a release without a CPU backup, not
+        # loaded since; generate refuses until an update has loaded them all and ended.
+        self._discarded: set[str] = set()
 
     # -- memory -----------------------------------------------------------------------
     def release(self, tags: list[str]) -> None:
         self._check_memory_saver("release")
         self.engine.release_memory_occupation(tags=[t for tag in tags for t in SGLANG_TAGS[tag]])
+        if "weights" in tags and not self.cpu_backup:
+            self._discarded = {self._aliases.get(name, name) for name in self.specs}
 
     def resume(self, tags: list[str]) -> None:
         self._check_memory_saver("resume")
@@ -287,6 +332,7 @@ class SglangBackend:
             if not success:
                 raise RuntimeError(f"sglang rejected a weight bucket of {len(part)} tensors: {message}")
             del payloads, flat  # freed before `direct_groups` gathers the next part: one part at a time
+        self._discarded.difference_update(self._aliases.get(name, name) for name, _ in named)
         return len(named)
 
     def _begin_update(self) -> None:
@@ -313,6 +359,13 @@ class SglangBackend:
 
     # -- generation -------------------------------------------------------------------
     def generate(self, requests: list[GenerateRequest], seeds: list[int]) -> list[dict]:
+        if self._discarded:
+            missing = sorted(self._discarded)
+            raise RuntimeError(f"backend 'sglang': the engine's weights were released without a CPU backup, "
+                               f"so sglang threw their contents away, and {len(missing)} tensors (e.g. "
+                               f"{missing[:2]}) were not loaded since; push the weights (update_weights per "
+                               "bucket, then set_weight_version) before generating, or start the engine with "
+                               "options={'enable_weights_cpu_backup': True}")
         outputs = self.engine.generate(
             input_ids=[r.prompt_ids for r in requests],
             sampling_params=[_sampling_params(r, seed if self.deterministic else None)

@@ -1,11 +1,35 @@
-"""A contract fake of sglang's in-process Engine, rebuilt from the source of sglang 0.5.23.
+"""A contract fake of sglang's in-process Engine, rebuilt from the source of sglang 0.5.21 and 0.5.23.
 
 sglang cannot run on the test machines (it needs its CUDA kernels), so this module stands in
-for the parts of it that roles/rollout/sglang_backend.py calls. Every modelled behaviour
-names the file and line (sglang 0.5.23 wheel, `python/sglang/...`) it copies; 0.5.21 reads
-the same at each of them. What it does NOT model: the model itself (tokens come from a
-fixed formula, log-probs are made up), batching, CUDA graphs, memory (release/resume only
-track tags), TP ranks as processes (ranks are loop iterations in one process).
+for the parts of it that roles/rollout/sglang_backend.py calls, failures included. Every
+modelled behaviour names the file and line it copies (sglang 0.5.23 wheel, `sglang/...`;
+0.5.21's line where it differs). What it copies:
+
+- arguments: exactly the `ServerArgs` fields of the pinned wheels (sglang_server_args.json,
+  written from the wheels by gen_server_args.py); anything else is msgspec's TypeError.
+- the model: the engine runs the HF checkpoint at `model_path` (transformers, CPU), so its
+  tokens and log-probs come from its weights: a rollout from wrong weights is visibly wrong.
+- sampling: temperature 0 is greedy at T = 1 and ignores any seed; a request's
+  `sampling_seed` counts only under `enable_deterministic_inference`, otherwise one generator
+  seeded with `random_seed` samples every request (so a sample depends on the batch).
+- memory: release/resume track sglang's tags; with `enable_memory_saver`, releasing
+  "weights" without `enable_weights_cpu_backup` throws their contents away (torch_memory_saver
+  unmaps the memory; resume maps new, uninitialised memory): the parameters become noise.
+  Without the memory saver, release frees nothing and keeps everything.
+- death: where sglang's scheduler raises (resuming a tag that was not released, a weight name
+  the model lacks, releasing weights under the weight cache, a forward over released memory)
+  the scheduler dies and takes the engine's process with it: this fake SIGKILLs its own
+  process, as sglang's SIGQUIT handler does. Where sglang raises in the caller's process
+  (tokenizer manager, msgspec), the fake raises the same exception.
+
+Where it still differs from sglang (docs/architecture.md keeps this list for readers):
+one process (TP ranks are loop iterations; no scheduler or detokenizer children), no
+batching, KV or radix cache (each token re-runs the whole sequence; `flush_cache` only counts),
+no CUDA graphs, no top-p/top-k kernels' numerics (torch on the CPU), HF parameter names
+(sglang fuses q/k/v and gate/up; the loaders' narrowing is not modelled), a release while
+requests run cannot happen (generate is synchronous), no memory is reported, and one payload
+given to two TP ranks is a RuntimeError here (in sglang it breaks torch's CUDA-IPC ref counts
+later, with no error at the call).
 
 `sglang.srt.weight_sync.tensor_bucket` imports with torch alone; when sglang is installed
 (the GPU run installs it without deps) `install` uses that real module, otherwise the copy
@@ -18,35 +42,29 @@ from __future__ import annotations
 import base64
 import binascii
 import io
+import json
+import os
 import pickle
+import random
+import signal
+import sys
+import traceback
 import types
 from dataclasses import dataclass
 from multiprocessing.reduction import ForkingPickler
+from pathlib import Path
 from typing import List, Tuple
 
 import torch
 
 VERSION = "0.5.23"
-EOS_ID = None  # set by install(): the tiny model's eos id, which sglang reads from the HF config
+EOS_ID = None  # install(eos_id=...) overrides the checkpoint's eos id (sglang reads it from the HF config)
 
-# ServerArgs fields the adapter and the tests pass; sglang accepts ~600 more. ServerArgs is a
-# msgspec Struct (srt/server_args.py:551 `msgspec.defstruct`), built in Engine.__init__
-# (srt/entrypoints/engine.py:297), so an unknown keyword is a TypeError at construction.
-SERVER_ARGS_FIELDS = {
-    "model_path": "srt/arg_groups/fields/model.py:51",
-    "dtype": "srt/arg_groups/fields/model.py:160",
-    "random_seed": "srt/arg_groups/fields/device.py:47",
-    "base_gpu_id": "srt/arg_groups/fields/device.py:28",
-    "mem_fraction_static": "srt/arg_groups/fields/schedule.py:27",
-    "max_running_requests": "srt/arg_groups/fields/schedule.py:31",
-    "skip_tokenizer_init": "srt/arg_groups/fields/serving.py:58",
-    "enable_memory_saver": "srt/arg_groups/fields/exec_.py:58",
-    "disable_cuda_graph": "srt/arg_groups/fields/exec_.py:670",
-    "enable_deterministic_inference": "srt/arg_groups/fields/exec_.py:1153",
-    "tp_size": "srt/arg_groups/fields/parallel.py:45",
-    "log_level": "srt/arg_groups/fields/observability.py:31",
-    "attention_backend": "srt/arg_groups/fields/exec_.py:207",
-}
+# srt/server_args.py:551-563 (0.5.21: 461-473): ServerArgs is a msgspec Struct built from the
+# fields of the `_INPUT_NAMESPACES` classes (server_args.py:522-544; 0.5.21: 432-454), built in
+# Engine.__init__ (srt/entrypoints/engine.py:297): an unknown keyword is a TypeError.
+SERVER_ARGS = json.loads(Path(__file__).with_name("sglang_server_args.json").read_text())["versions"]
+SERVER_ARGS_FIELDS = frozenset(SERVER_ARGS[VERSION]["fields"])
 # srt/sampling/sampling_params.py:140-200: SamplingParams is a msgspec Struct (kw_only): an
 # unknown keyword is a TypeError. Its public fields:
 SAMPLING_KEYS = {
@@ -57,7 +75,7 @@ SAMPLING_KEYS = {
     "custom_params", "watermark",
 }
 GPU_MEMORY_ALL_TYPES = ["kv_cache", "weights", "cuda_graph"]  # srt/constants.py:2-10
-VOCAB = 47
+SAMPLING_EPS = 1e-6  # srt/sampling/sampling_params.py:42
 
 
 # -- srt/weight_sync/tensor_bucket.py:7-16, 19-84, 114-132 (copy; used when sglang is absent) ---
@@ -177,30 +195,64 @@ class FlushCacheReqOutput:  # srt/managers/io_struct.py:1859
     message: str = ""
 
 
+def scheduler_dies(exc: BaseException) -> None:
+    """sglang's scheduler dying of `exc`, and the engine's process with it.
+
+    srt/managers/scheduler.py:6369-6373 (0.5.21: 6089-6093): run_scheduler_process catches any
+    exception of the event loop, logs it and sends SIGQUIT to its parent, the process that
+    built the Engine. srt/entrypoints/engine.py:1976-1982 (0.5.21: 1871-1877) handles SIGQUIT
+    with kill_process_tree(os.getpid()), which kills the children and then the process itself
+    with SIGKILL (srt/utils/common.py:2548-2552). Nothing in the caller can catch it.
+    """
+    msg = "".join(traceback.format_exception(exc))
+    print(f"[fake sglang] Scheduler hit an exception: {msg}"
+          "Received sigquit from a child process. It usually means the child failed.", file=sys.stderr)
+    sys.stderr.flush()
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
 class FakeEngine:
     """`sglang.Engine` as the adapter uses it; `calls` records each call in order."""
 
     def __init__(self, **kwargs):
-        unknown = sorted(set(kwargs) - set(SERVER_ARGS_FIELDS))
+        unknown = sorted(set(kwargs) - SERVER_ARGS_FIELDS)
         if unknown:  # msgspec's error for a defstruct built without the field
             raise TypeError(f"Unexpected keyword argument '{unknown[0]}'")
+        from transformers import AutoModelForCausalLM
+
         self.server_args = kwargs
         self.tp_size = kwargs.get("tp_size", 1)
+        self.memory_saver = kwargs.get("enable_memory_saver", False)
+        self.weights_cpu_backup = kwargs.get("enable_weights_cpu_backup", False)
+        dtype = kwargs.get("dtype", "auto")
+        self.model = AutoModelForCausalLM.from_pretrained(
+            kwargs["model_path"], dtype=getattr(torch, dtype) if dtype != "auto" else "auto").eval()
+        self.eos_id = EOS_ID if EOS_ID is not None else self.model.config.eos_token_id
+        # arg_groups/serving_hook.py:660-665: an unset random_seed is drawn at random;
+        # scheduler.py:1261 seeds the sampler's generator with it once
+        seed = kwargs.get("random_seed")
+        self.generator = torch.Generator().manual_seed(seed if seed is not None else random.randint(0, 1 << 30))
         self.offload_tags: set[str] = set()
         self.session: str | None = None  # scheduler_components/weight_updater.py:81-99
-        self.weights: dict[str, torch.Tensor] = {}
         self.calls: list[tuple] = []
         self.abort_prompts: dict[int, dict] = {}  # sum(prompt) -> finish_reason of an abort
         self.read_payloads: set[bytes] = set()
         self.cache_entries = 0  # requests served since the last flush (radix cache stand-in)
+
+    @property
+    def weights(self) -> dict[str, torch.Tensor]:
+        """The model's tensors by HF name (tied ones under both names, as in the checkpoint)."""
+        return self.model.state_dict()
 
     # -- srt/entrypoints/engine.py:433 generate --------------------------------------------
     def generate(self, prompt=None, sampling_params=None, input_ids=None, return_logprob=False,
                  logprob_start_len=None, top_logprobs_num=None, stream=False, rid=None):
         assert prompt is None and isinstance(input_ids[0], list) and not stream
         self.calls.append(("generate", sampling_params))
-        if self.offload_tags:  # generating into released memory is a CUDA fault, not an error
-            raise RuntimeError(f"fake sglang: generate with released memory {sorted(self.offload_tags)}")
+        if self.memory_saver and self.offload_tags:
+            # a forward over unmapped memory is a CUDA fault inside the scheduler
+            scheduler_dies(RuntimeError(f"CUDA error: an illegal memory access was encountered "
+                                        f"(memory {sorted(self.offload_tags)} released)"))
         outs = [self._one(ids, _verify(sp), return_logprob) for ids, sp in zip(input_ids, sampling_params)]
         for out in outs:
             # tokenizer_manager.py:1900-1921: an abort with a 400 status raises ValueError for a
@@ -211,39 +263,70 @@ class FakeEngine:
         self.cache_entries += len(outs)
         return outs
 
+    @torch.no_grad()
     def _one(self, ids, sp, return_logprob):
+        temperature, top_k, top_p = sp.get("temperature", 1.0), sp.get("top_k", -1), sp.get("top_p", 1.0)
+        if 0 <= temperature < SAMPLING_EPS:  # sampling_params.py:245-248: greedy is top_k 1 at T = 1
+            temperature, top_k = 1.0, 1
         deterministic = self.server_args.get("enable_deterministic_inference", False)
         # sampling_batch_info.py:157-172: the per-request seed reaches the sampler only in
         # deterministic mode; otherwise the scheduler's generator (random_seed) samples.
-        seed = sp.get("sampling_seed") if deterministic else self.server_args.get("random_seed")
-        out, finish = [], None
-        for i in range(sp["max_new_tokens"]):
-            out.append((sum(ids) * 7 + 3 * i + (seed or 0)) % VOCAB)
+        generator = self.generator
+        if deterministic and sp.get("sampling_seed") is not None:
+            generator = torch.Generator().manual_seed(sp["sampling_seed"])
+        stops = set() if sp.get("ignore_eos") else set(sp.get("stop_token_ids") or []) | {self.eos_id}
+        seq, out, logprobs, finish = list(ids), [], [], None
+        for _ in range(sp["max_new_tokens"]):
+            logits = self.model(torch.tensor([seq])).logits[0, -1].float() / temperature
+            logp = torch.log_softmax(logits, -1)  # layers/sampler.py:192-198: of the scaled distribution
+            if top_k == 1:  # sampler.py: argmax, no random draw
+                token = int(logits.argmax())
+            else:
+                token = int(torch.multinomial(_filtered(logp.exp(), top_k, top_p), 1, generator=generator))
+            seq.append(token), out.append(token), logprobs.append(float(logp[token]))
             if len(out) >= sp["max_new_tokens"]:  # Req.update_finish_state (schedule_batch.py:2038-2046): length first
                 finish = {"type": "length", "length": sp["max_new_tokens"]}  # schedule_batch.py:320-329
-            elif not sp.get("ignore_eos") and out[-1] in set(sp.get("stop_token_ids") or []) | {EOS_ID}:
-                finish = {"type": "stop", "matched": out[-1]}  # schedule_batch.py:284-293
+            elif token in stops:
+                finish = {"type": "stop", "matched": token}  # schedule_batch.py:284-293
             if finish:
                 break
         if sum(ids) in self.abort_prompts:  # schedule_batch.py:332-345
             finish = {"type": "abort", "status_code": None, "err_type": None, **self.abort_prompts[sum(ids)]}
         meta = {"id": "rid", "finish_reason": finish, "prompt_tokens": len(ids), "completion_tokens": len(out)}
         if return_logprob:  # tokenizer_manager.py:3104-3108: (logprob, token_id, None) without text
-            meta["output_token_logprobs"] = [(-(i + 1) / 10, t, None) for i, t in enumerate(out)]
+            meta["output_token_logprobs"] = [(lp, t, None) for lp, t in zip(logprobs, out)]
         return {"output_ids": out, "meta_info": meta}  # tokenizer_manager.py:2647 (skip_tokenizer_init)
 
-    # -- scheduler_components/weight_updater.py:337-420 release / resume -------------------
+    # -- scheduler_components/weight_updater.py:337-420 (0.5.21: 318-401) release / resume -------
     def release_memory_occupation(self, tags=None):
         self.calls.append(("release", tags))
-        tags = tags or GPU_MEMORY_ALL_TYPES
+        tags = tags or GPU_MEMORY_ALL_TYPES  # :345-346
         self.offload_tags.update(tags)
         if "kv_cache" in tags:
             self.flush_cache()  # :365, the pool is gone
+        if "weights" in tags:
+            if self.server_args.get("weight_cache_mode", "off") != "off":  # :368 -> :289-303
+                scheduler_dies(RuntimeError("[weight_cache] release_memory_occupation of model weights "
+                                            "is not supported while the weight cache is active"))
+            if self.memory_saver and not self.weights_cpu_backup:
+                # :373 pauses the "weights" region; load_model_utils.py:307-326 (0.5.21: 300-319)
+                # made it with enable_cpu_backup=enable_weights_cpu_backup, and torch_memory_saver
+                # throws the contents away without a backup (its README, "CPU Backup"). Without
+                # the memory saver, pause is a no-op (utils/torch_memory_saver_adapter.py:139-165).
+                self._discard_weights()
 
     def resume_memory_occupation(self, tags=None):
         self.calls.append(("resume", tags))
         for tag in tags or GPU_MEMORY_ALL_TYPES:
-            self.offload_tags.remove(tag)  # :390: KeyError for a tag that was not released
+            if tag not in self.offload_tags:  # :390 set.remove: KeyError inside the scheduler
+                scheduler_dies(KeyError(tag))
+            self.offload_tags.remove(tag)
+
+    @torch.no_grad()
+    def _discard_weights(self) -> None:
+        g = torch.Generator().manual_seed(len(self.calls))
+        for p in self.model.parameters():  # buffers are not weights: :369-371 stashes the static state
+            p.copy_(torch.randn(p.shape, generator=g, dtype=torch.float32).to(p.dtype))
 
     # -- srt/entrypoints/engine.py:1506 flush_cache; scheduler.py:5518 ----------------------
     def flush_cache(self):
@@ -266,33 +349,59 @@ class FakeEngine:
         self.session = None
         return True, "Success"
 
-    # -- engine.py:1679-1760 update_weights_from_tensor ----------------------------------------
+    # -- engine.py:1679-1700 update_weights_from_tensor ----------------------------------------
+    @torch.no_grad()
     def update_weights_from_tensor(self, named_tensors, load_format=None, flush_cache=True):
         self.calls.append(("update_weights", load_format, flush_cache))
         assert load_format == "flattened_bucket", load_format  # the only format the adapter sends
+        # tokenizer_control_mixin.py:568-570 (0.5.21: 565-567, which lets dp attention through):
+        # raised in the caller's process (the Engine's event loop), before anything is sent
+        assert self.server_args.get("dp_size", 1) == 1, \
+            "data-parallel replicas are not supported for update weights from tensor"
         # engine.py:1750-1753: flattened_bucket payloads are pre-serialized, one per TP rank
         payloads = [normalize_serialized_named_tensor_payload(p) for p in named_tensors]
         if self.session is None:  # weight_updater.py:234-239
             return False, ("update_weights_from_tensor must run between begin_weight_update() "
                            "and end_weight_update()")
-        if len(payloads) != self.tp_size:  # tp_worker.py:194-201 indexes payloads[tp_rank]
-            raise IndexError(f"{len(payloads)} payloads for tp_size={self.tp_size}")
-        for rank, data in enumerate(payloads):  # each rank deserializes only its own payload
+        # weight_updater.py:240-243 -> tp_worker.py:194-201: each rank deserializes only
+        # payloads[tp_rank], in its scheduler, outside any try: a missing payload, or one that
+        # does not unpickle or that sglang's SafeUnpickler blocks, kills the scheduler
+        if len(payloads) < self.tp_size:
+            scheduler_dies(IndexError("list index out of range"))
+        params = self.model.state_dict()
+        for rank in range(self.tp_size):
+            data = payloads[rank]
             if data in self.read_payloads:  # one share read twice: torch's IPC refcount breaks
                 raise RuntimeError(f"fake sglang: TP rank {rank} got a payload that was already read")
             self.read_payloads.add(data)
-            bucket = MultiprocessingSerializer.deserialize(data)
+            try:
+                bucket = MultiprocessingSerializer.deserialize(data)
+            except Exception as exc:
+                scheduler_dies(exc)
             tb = _tensor_bucket()
             # model_runner_components/weight_updater.py:383-412
             meta = [tb.FlattenedTensorMetadata(name=m.name, shape=m.shape, dtype=m.dtype, start_idx=m.start_idx,
                                                end_idx=m.end_idx, numel=m.numel) for m in bucket["metadata"]]
             for name, tensor in tb.FlattenedTensorBucket(flattened_tensor=bucket["flattened_tensor"],
                                                          metadata=meta).reconstruct_tensors():
+                if name not in params:  # models/qwen3.py:744 params_dict[name], in the scheduler
+                    scheduler_dies(KeyError(name))
                 if rank == 0:  # model.load_weights copies into the parameters
-                    self.weights[name] = tensor.clone()
+                    params[name].copy_(tensor)
         if flush_cache:  # weight_updater.py:120-133
             self.flush_cache()
         return True, "Success"
+
+
+def _filtered(probs: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
+    """The probabilities top-k then top-p keep (sampler.py's top_k_top_p renormalisation)."""
+    if 0 < top_k < probs.numel():
+        probs = torch.where(probs >= probs.topk(top_k).values[-1], probs, torch.zeros_like(probs))
+    if top_p < 1.0:
+        sorted_p, order = probs.sort(descending=True)
+        keep = sorted_p.cumsum(0) - sorted_p < top_p * sorted_p.sum()
+        probs = torch.zeros_like(probs).scatter(0, order, sorted_p * keep)
+    return probs / probs.sum()
 
 
 def _verify(sp: dict) -> dict:
@@ -319,7 +428,7 @@ _COPY = types.SimpleNamespace(FlattenedTensorMetadata=FlattenedTensorMetadata,
                               FlattenedTensorBucket=FlattenedTensorBucket)
 
 
-def install(monkeypatch, eos_id: int) -> type[FakeEngine]:
+def install(monkeypatch, eos_id: int | None = None) -> type[FakeEngine]:
     """Put the fake in sys.modules as `sglang` (and report VERSION as its installed version)."""
     global EOS_ID
     EOS_ID = eos_id
@@ -346,6 +455,26 @@ def install(monkeypatch, eos_id: int) -> type[FakeEngine]:
     real_version = metadata.version
     monkeypatch.setattr(metadata, "version", lambda d: VERSION if d == "sglang" else real_version(d))
     return Engine
+
+
+def write_package(root: Path) -> Path:
+    """An importable `sglang` under `root` that is this fake, with the dist-info of VERSION, for
+    role processes (the supervisor's children inherit the driver's sys.path): put `root` first
+    on sys.path. Returns `root`."""
+    files = {
+        "sglang/__init__.py": "from tests.fakes.sglang_engine import FakeEngine as Engine, VERSION as __version__\n",
+        "sglang/srt/__init__.py": "",
+        "sglang/srt/utils/__init__.py": "from tests.fakes.sglang_engine import MultiprocessingSerializer\n",
+        "sglang/srt/utils/patch_torch.py": "from tests.fakes.sglang_engine import monkey_patch_torch_reductions\n",
+        "sglang/srt/weight_sync/__init__.py": "",
+        "sglang/srt/weight_sync/tensor_bucket.py":
+            "from tests.fakes.sglang_engine import FlattenedTensorBucket, FlattenedTensorMetadata\n",
+        f"sglang-{VERSION}.dist-info/METADATA": f"Metadata-Version: 2.1\nName: sglang\nVersion: {VERSION}\n",
+    }
+    for name, text in files.items():
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_text(text)
+    return root
 
 
 # The copy lives under the real module's name: pickles of its metadata must name the module
