@@ -175,8 +175,10 @@ def trainer_layout_problem(cfg: PPOConfig) -> str | None:
 
 def setup_problems(cfg: PPOConfig) -> list[str]:
     """Everything on this machine that would stop the run, each naming the flag and the fix,
-    all at once: the trainers' layout, the rollout and training backends, the HF checkpoint."""
-    problems = [trainer_layout_problem(cfg), rollout_backend_problem(cfg), hf_checkpoint_problem(cfg)]
+    all at once: the trainers' layout, the rollout and training backends, the HF checkpoint and
+    whether the prompt and response lengths fit its context."""
+    problems = [trainer_layout_problem(cfg), rollout_backend_problem(cfg), hf_checkpoint_problem(cfg),
+                context_problem(cfg, cfg.checkpoint.hf_checkpoint)]
     try:
         trainer_classes(cfg.training.train_backend)
     except BackendUnavailable as e:  # megatron without megatron-core or CUDA
@@ -195,6 +197,34 @@ def hf_checkpoint_problem(cfg: PPOConfig) -> str | None:
         return f"--hf-checkpoint {path}: no such directory (models are not downloaded). {fix}"
     if not (Path(path) / "config.json").is_file():
         return f"--hf-checkpoint {path}: not an HF checkpoint (no config.json). {fix}"
+    return None
+
+
+def model_context(hf_checkpoint: str) -> int | None:
+    """The model's context in tokens (config.json's max_position_embeddings), or None when
+    --hf-checkpoint is not (yet) a local HF checkpoint."""
+    path = Path(hf_checkpoint) / "config.json"
+    if hf_checkpoint.startswith(GENERATED_PREFIX) or not path.is_file():
+        return None
+    try:
+        return json.loads(path.read_text()).get("max_position_embeddings")
+    except (json.JSONDecodeError, OSError, AttributeError):
+        return None  # hf_checkpoint_problem and the roles say what is wrong with it
+
+
+def context_problem(cfg: PPOConfig, hf_checkpoint: str) -> str | None:
+    """Why --rollout-max-prompt-len plus --rollout-max-response-len cannot fit the model's context, or None."""
+    context, r = model_context(hf_checkpoint), cfg.rollout
+    if context is None:
+        return None
+    response = r.rollout_max_response_len or 0
+    if response >= context:
+        return (f"--rollout-max-response-len {response} leaves no room for a prompt in the model's context of "
+                f"{context} tokens (max_position_embeddings of {hf_checkpoint}); lower it")
+    if r.rollout_max_prompt_len is not None and r.rollout_max_prompt_len + response > context:
+        return (f"--rollout-max-prompt-len {r.rollout_max_prompt_len} + --rollout-max-response-len {response} = "
+                f"{r.rollout_max_prompt_len + response} tokens, more than the model's context of {context} "
+                f"(max_position_embeddings of {hf_checkpoint}); lower one so that they sum to at most {context}")
     return None
 
 
@@ -218,9 +248,12 @@ def start_job(cfg: PPOConfig, console: RunConsole | None = None) -> Job:
     console.begin("loading the tokenizer and data")
     tok = AutoTokenizer.from_pretrained(hf_checkpoint)
     try:
+        if problem := context_problem(cfg, hf_checkpoint):  # a generated model's context is known only now
+            raise ValueError(problem)
         data = PromptDataset(prompt_data, input_key=cfg.rollout.input_key, label_key=cfg.rollout.label_key,
                              tokenizer=tok, apply_chat_template=cfg.rollout.apply_chat_template,
-                             max_prompt_len=cfg.rollout.rollout_max_prompt_len, seed=cfg.rollout.rollout_seed,
+                             max_prompt_len=cfg.rollout.rollout_max_prompt_len, context_len=model_context(hf_checkpoint),
+                             response_len=cfg.rollout.rollout_max_response_len or 0, seed=cfg.rollout.rollout_seed,
                              shuffle=cfg.rollout.rollout_shuffle, skip_bad_samples=cfg.rollout.skip_bad_samples)
         if cfg.checkpoint.load is not None:
             from ppo.checkpoint import locate  # it builds on this module

@@ -139,3 +139,51 @@ def test_config_problems_of_every_kind_come_in_one_message_exit_2_and_start_noth
     assert "--rollout-num-gpus 3 (placement.rollout_num_gpus): with --colocate the engines run on the actor's 2 GPUs" in message
     assert "Traceback" not in proc.stderr and proc.stdout == ""
     assert not run_dir.exists() and not (tmp_path / "runs").exists()
+
+
+# --- prompts against the model's context ----------------------------------------------------
+
+LONG = json.dumps({"prompt": "1+" * 40 + "1=", "label": "41"})  # 82 tokens; the tiny model's context is 64
+
+
+def context_args(ckpt: str, prompts: Path, run_dir: Path) -> list[str]:
+    return ["--hf-checkpoint", ckpt, "--prompt-data", str(prompts), "--run-dir", str(run_dir),
+            "--num-rollout", "2", "--num-critic-only-steps", "0", "--rollout-batch-size", "8",
+            "--global-batch-size", "64", "--micro-batch-size", "32", "--no-rollout-shuffle"]
+
+
+@pytest.mark.timeout(120)
+def test_prompt_longer_than_the_context_is_refused_at_load_naming_file_line_and_lengths(tmp_path, tiny_checkpoint):
+    prompts = write_prompts(tmp_path / "LONG.jsonl", [LONG])
+    proc = launch(context_args(tiny_checkpoint, prompts, tmp_path / "run"), tmp_path, timeout=100)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    lines = proc.stderr.strip().splitlines()
+    assert "Traceback" not in proc.stderr
+    assert lines[-1].startswith(f"tandem: {prompts}:{len(GOOD) + 1}: prompt has 82 tokens; with 4 response tokens "
+                                "that is 86, more than the model's context of 64"), proc.stderr[-3000:]
+    assert "--skip-bad-samples" in lines[-1]
+    assert not (tmp_path / "run" / "events.jsonl").exists()  # no role started
+
+
+def test_skip_bad_samples_skips_and_counts_prompts_longer_than_the_context(tmp_path, tiny_checkpoint):
+    """The same check, skipping (what the launcher builds with --skip-bad-samples; no processes)."""
+    from ppo.data import PromptDataset
+    from ppo.tiny_model import load_tokenizer
+    prompts = write_prompts(tmp_path / "LONG.jsonl", [LONG])
+    data = PromptDataset(prompts, input_key="prompt", label_key="label", tokenizer=load_tokenizer(tiny_checkpoint),
+                         context_len=64, response_len=4, skip_bad_samples=True)
+    assert len(data) == len(GOOD) and data.num_skipped == 1
+    assert data.skipped[0][0] == len(GOOD) + 1 and "context of 64" in data.skipped[0][1]
+
+
+@pytest.mark.timeout(60)
+def test_prompt_and_response_flags_beyond_the_context_are_refused_before_anything_is_written(tmp_path,
+                                                                                           tiny_checkpoint):
+    prompts = write_prompts(tmp_path / "ok.jsonl", [])
+    run_dir = tmp_path / "run"
+    proc = launch(context_args(tiny_checkpoint, prompts, run_dir)
+                  + ["--rollout-max-prompt-len", "40", "--rollout-max-response-len", "30"], tmp_path, timeout=50)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert ("--rollout-max-prompt-len 40 + --rollout-max-response-len 30 = 70 tokens, more than the model's "
+            "context of 64") in proc.stderr
+    assert "Traceback" not in proc.stderr and not run_dir.exists()
