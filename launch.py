@@ -7,6 +7,7 @@ others. Configuration errors are all printed at once and exit with status 2.
 from __future__ import annotations
 
 import json
+import shlex
 import sys
 
 from ppo.config import ConfigError, build_parser, derived_values, parse_cli, to_dict
@@ -30,9 +31,14 @@ def main(argv: list[str] | None = None) -> None:
         print(json.dumps({"config": to_dict(cfg), "derived": derived_values(cfg)}, indent=2))
         print(format_placement(plan_placement(cfg)))
         return
-    from ppo.job import JobSetupError  # imported late: they pull in torch and the roles
-    from ppo.loop import TrainerDied, train
-    from runtime import SupervisionFailed
+    try:
+        from ppo.job import JobSetupError  # imported late: they pull in torch and the roles
+        from ppo.loop import TrainerDied, train
+        from ppo.signals import RunStopped
+        from runtime import SupervisionFailed
+    except KeyboardInterrupt:  # Ctrl-C before the run installed its handlers
+        print("tandem: interrupted before the run started; nothing was written", file=sys.stderr)
+        sys.exit(130)
 
     try:
         train(cfg)
@@ -42,6 +48,21 @@ def main(argv: list[str] | None = None) -> None:
     except (TrainerDied, SupervisionFailed) as err:  # the message says what died and what to do
         print(f"tandem: {err}", file=sys.stderr)
         sys.exit(1)
+    except RunStopped as stop:  # Ctrl-C, SIGTERM, SIGUSR1: the roles are stopped (ppo.signals)
+        resume = f"; resume with: {resume_command(argv, cfg)}" if stop.checkpoint else ""
+        print(f"tandem: {stop}{resume}", file=sys.stderr)
+        sys.exit(stop.exit_code)
+
+
+def resume_command(argv: list[str] | None, cfg) -> str:
+    """This command line with --load SAVE (and the run's --run-dir, which a resume appends to)."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    for flag in ("--load", "--run-dir"):  # drop the old values (both "--flag value" and "--flag=value")
+        while any(a == flag or a.startswith(flag + "=") for a in args):
+            i = next(i for i, a in enumerate(args) if a == flag or a.startswith(flag + "="))
+            del args[i:i + (1 if "=" in args[i] else 2)]
+    args += ["--load", cfg.checkpoint.save, "--run-dir", cfg.logging.run_dir]
+    return shlex.join(["python", "launch.py", *args])
 
 
 if __name__ == "__main__":

@@ -120,19 +120,26 @@ def is_due(cfg: PPOConfig, step: int) -> bool:
 
 
 def save_if_due(job: Job, step: int, *, data: PromptDataset, version: int,
-                counters: RunCounters | None = None) -> None:
-    """The loop's save step: a run checkpoint under --save, an HF export under --save-hf."""
+                counters: RunCounters | None = None, force: bool = False) -> str | None:
+    """The loop's save step: a run checkpoint under --save, an HF export under --save-hf;
+    `force` (a signal asked for a save) writes the run checkpoint between intervals too.
+    Returns the name of the run checkpoint written, if any."""
     cfg = job.cfg
-    if not is_due(cfg, step):
-        return
+    due = is_due(cfg, step)
+    force = force and cfg.checkpoint.save is not None
+    if not (due or force):
+        return None
+    name = None
     if cfg.checkpoint.save is not None:
         state = driver_state(cfg, step, data=data, version=version, hf_checkpoint=job.hf_checkpoint,
                              counters=counters)
-        save_checkpoint(cfg.checkpoint.save, step, actor=job.actor, state=state, critic=job.critic,
-                        critic_dir=C.critic_save(cfg), keep_last=cfg.checkpoint.save_keep_last)
-    if cfg.checkpoint.save_hf is not None:
+        name = save_checkpoint(cfg.checkpoint.save, step, actor=job.actor, state=state, critic=job.critic,
+                               critic_dir=C.critic_save(cfg), keep_last=cfg.checkpoint.save_keep_last).name
+    if due and cfg.checkpoint.save_hf is not None:
         job.actor.save_hf(cfg.checkpoint.save_hf.replace("{rollout_id}", str(step)))
-    job.sup.publish("checkpoint", step=step, save=cfg.checkpoint.save, save_hf=cfg.checkpoint.save_hf)
+    job.sup.publish("checkpoint", step=step, save=cfg.checkpoint.save,
+                    save_hf=cfg.checkpoint.save_hf if due else None)
+    return name
 
 
 def driver_state(cfg: PPOConfig, step: int, *, data: PromptDataset, version: int, hf_checkpoint: str,

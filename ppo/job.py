@@ -25,6 +25,7 @@ from ppo.console import RunConsole, ready_seconds
 from ppo.data import PromptDataset
 from ppo.generated import resolve_paths
 from ppo.placement import Placement, plan_placement
+from ppo.rundir import RunDirError, RunDirLock, claim
 from roles.reward.actor import RewardScorer
 from roles.rollout.engine import RolloutEngine
 from roles.trainer import BackendUnavailable, TrainerGroup, trainer_classes
@@ -60,9 +61,13 @@ class Job:
     scorers: list[ActorHandle]
     colocation: Colocation
     console: RunConsole  # what the run prints (ppo.console)
+    run_dir_lock: RunDirLock  # held until the job is closed (ppo.rundir)
 
     def close(self) -> None:
-        self.sup.shutdown()
+        try:
+            self.sup.shutdown()
+        finally:
+            self.run_dir_lock.release()
 
 
 def trainer_config(cfg: PPOConfig, hf_checkpoint: str, *, critic: bool, dtype: str) -> dict:
@@ -238,8 +243,19 @@ def start_job(cfg: PPOConfig, console: RunConsole | None = None) -> Job:
                             f"{len(problems)} problems stop this run (nothing was started):\n"
                             + "\n".join(f"  - {p}" for p in problems))
     actor_cls, critic_cls = trainer_classes(cfg.training.train_backend)
-    run_dir = Path(cfg.logging.run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        lock = claim(cfg)  # before anything is written: a live run's folder is refused untouched
+    except RunDirError as e:
+        raise JobSetupError(str(e)) from None
+    try:
+        return _start(cfg, console, lock, actor_cls, critic_cls)
+    except BaseException:
+        lock.release()
+        raise
+
+
+def _start(cfg: PPOConfig, console: RunConsole, lock: RunDirLock, actor_cls, critic_cls) -> Job:
+    run_dir = lock.run_dir
     (run_dir / "config.json").write_text(json.dumps(to_dict(cfg), indent=2))
     transformers.logging.set_verbosity_error()  # the driver loads tokenizers and builds tiny models too
     transformers.logging.disable_progress_bar()
@@ -310,6 +326,7 @@ def start_job(cfg: PPOConfig, console: RunConsole | None = None) -> Job:
         sup.shutdown()
         raise
     return Job(cfg=cfg, run_dir=run_dir, hf_checkpoint=hf_checkpoint, tok=tok, data=data, sup=sup, console=console,
+               run_dir_lock=lock,
                placement=plan, engines=engines, engine_tenants=engine_tenants, actor=actor,
                actor_tenant=trainer_tenant(actor, tuple(plan.actor_gpus), frees=C.train_offload_tags(cfg)),
                critic=critic,

@@ -187,3 +187,54 @@ def test_prompt_and_response_flags_beyond_the_context_are_refused_before_anythin
     assert ("--rollout-max-prompt-len 40 + --rollout-max-response-len 30 = 70 tokens, more than the model's "
             "context of 64") in proc.stderr
     assert "Traceback" not in proc.stderr and not run_dir.exists()
+
+
+# --- the run directory ---------------------------------------------------------------------
+
+@pytest.mark.timeout(60)
+def test_second_run_on_a_live_run_dir_is_refused_in_one_line_and_touches_nothing(tmp_path, tiny_checkpoint):
+    from ppo.config import ensure_valid, override
+    from ppo.recipes import tiny_ppo
+    from ppo.rundir import claim
+    run_dir = tmp_path / "run"
+    live = claim(ensure_valid(override(tiny_ppo(), run_dir=str(run_dir))))  # "the live run"
+    try:
+        (run_dir / "config.json").write_text("the live run's")
+        prompts = write_prompts(tmp_path / "ok.jsonl", [])
+        proc = launch(context_args(tiny_checkpoint, prompts, run_dir), tmp_path, timeout=50)
+        assert proc.returncode == 2, proc.stderr[-3000:]
+        assert proc.stderr.splitlines() == [f"tandem: --run-dir {run_dir} is in use by a live run (pid {os.getpid()}); "
+                                            "wait for it to end, or pass another --run-dir"]
+        assert (run_dir / "config.json").read_text() == "the live run's"
+        assert sorted(p.name for p in run_dir.iterdir()) == [".lock", "config.json"]
+    finally:
+        live.release()
+
+
+@pytest.mark.timeout(60)
+def test_an_ended_runs_dir_is_not_appended_to_without_load(tmp_path, tiny_checkpoint):
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "metrics.jsonl").write_text('{"step": 0}\n')
+    prompts = write_prompts(tmp_path / "ok.jsonl", [])
+    proc = launch(context_args(tiny_checkpoint, prompts, run_dir) + ["--save", str(tmp_path / "ck")],
+                  tmp_path, timeout=50)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert proc.stderr.splitlines() == [f"tandem: --run-dir {run_dir} holds an earlier run (metrics.jsonl); resume "
+                                        f"it with --load {tmp_path / 'ck'}, or pass a new --run-dir to start another run"]
+    assert (run_dir / "metrics.jsonl").read_text() == '{"step": 0}\n' and not (run_dir / "config.json").exists()
+
+
+def test_the_run_dir_lock_goes_with_its_release(tmp_path):
+    from ppo.config import ensure_valid, override
+    from ppo.recipes import tiny_ppo
+    from ppo.rundir import RunDirError, claim
+    cfg = ensure_valid(override(tiny_ppo(), run_dir=str(tmp_path / "run")))
+    first = claim(cfg)
+    with pytest.raises(RunDirError, match="in use by a live run"):
+        claim(cfg)
+    first.release()
+    claim(cfg).release()
+    with pytest.raises(RunDirError, match="cannot be used"):  # a folder under a regular file
+        (tmp_path / "file").write_text("")
+        claim(override(cfg, run_dir=str(tmp_path / "file" / "run")))
