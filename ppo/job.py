@@ -17,6 +17,7 @@ import transformers
 from transformers import AutoTokenizer
 
 from ppo import config as C
+from ppo.checkpoint import Checkpoint, locate
 from ppo.colocation import Colocation, Tenant, engine_tenant, trainer_tenant
 from ppo.config import PPOConfig
 from ppo.config.schema import GENERATED_PREFIX
@@ -62,6 +63,7 @@ class Job:
     colocation: Colocation
     console: RunConsole  # what the run prints (ppo.console)
     run_dir_lock: RunDirLock  # held until the job is closed (ppo.rundir)
+    resume_from: Checkpoint | None  # the intact --load checkpoint to resume, if any (ppo.checkpoint.locate)
 
     def close(self) -> None:
         try:
@@ -271,11 +273,10 @@ def _start(cfg: PPOConfig, console: RunConsole, lock: RunDirLock, actor_cls, cri
                              max_prompt_len=cfg.rollout.rollout_max_prompt_len, context_len=model_context(hf_checkpoint),
                              response_len=cfg.rollout.rollout_max_response_len or 0, seed=cfg.rollout.rollout_seed,
                              shuffle=cfg.rollout.rollout_shuffle, skip_bad_samples=cfg.rollout.skip_bad_samples)
-        if cfg.checkpoint.load is not None:
-            from ppo.checkpoint import locate  # it builds on this module
-
-            locate(cfg.checkpoint.load, critic_load=C.critic_load(cfg), uses_critic=C.uses_critic(cfg),
-                   hf_checkpoint=hf_checkpoint)
+        resume_from = None
+        if cfg.checkpoint.load is not None:  # checked against its manifest (ppo.manifest)
+            resume_from = locate(cfg.checkpoint.load, critic_load=C.critic_load(cfg), uses_critic=C.uses_critic(cfg),
+                                 hf_checkpoint=hf_checkpoint)
     except (ValueError, FileNotFoundError) as e:  # BadSample and CheckpointError are ValueErrors
         raise JobSetupError(str(e)) from e
     plan = plan_placement(cfg)
@@ -326,7 +327,7 @@ def _start(cfg: PPOConfig, console: RunConsole, lock: RunDirLock, actor_cls, cri
         sup.shutdown()
         raise
     return Job(cfg=cfg, run_dir=run_dir, hf_checkpoint=hf_checkpoint, tok=tok, data=data, sup=sup, console=console,
-               run_dir_lock=lock,
+               run_dir_lock=lock, resume_from=resume_from,
                placement=plan, engines=engines, engine_tenants=engine_tenants, actor=actor,
                actor_tenant=trainer_tenant(actor, tuple(plan.actor_gpus), frees=C.train_offload_tags(cfg)),
                critic=critic,

@@ -21,9 +21,8 @@ import sys
 import threading
 from pathlib import Path
 
+from ppo.checkpoint import TRACKER
 from ppo.config import PPOConfig
-
-TRACKER = "latest"  # the checkpoint tracker's name (ppo.checkpoint.TRACKER)
 
 
 class RunStopped(BaseException):

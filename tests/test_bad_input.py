@@ -238,3 +238,32 @@ def test_the_run_dir_lock_goes_with_its_release(tmp_path):
     with pytest.raises(RunDirError, match="cannot be used"):  # a folder under a regular file
         (tmp_path / "file").write_text("")
         claim(override(cfg, run_dir=str(tmp_path / "file" / "run")))
+
+
+# --- a damaged --load checkpoint -------------------------------------------------------------
+
+class FileSaver:
+    """Writes a trainer's three files (their contents do not matter before the roles start)."""
+
+    def save(self, path):
+        from roles.trainer.checkpoint import TRAINER_FILES
+        os.makedirs(path, exist_ok=True)
+        for name in TRAINER_FILES:
+            Path(path, name).write_bytes(os.urandom(4096))
+
+
+@pytest.mark.timeout(120)
+def test_load_with_no_intact_checkpoint_is_refused_in_one_line_before_any_role_starts(tmp_path, tiny_checkpoint):
+    from ppo import checkpoint as ck
+    save = tmp_path / "ck"
+    state = {"format": ck.FORMAT, "rollout_step": 0, "model": ck.model_signature(tiny_checkpoint)}
+    ck.save_checkpoint(str(save), 0, actor=FileSaver(), state=state, critic=FileSaver(),
+                       critic_dir=str(tmp_path / "ck_critic"))
+    with open(save / "rollout_00000" / "optimizer.pt", "r+b") as f:
+        f.truncate(1000)
+    prompts = write_prompts(tmp_path / "ok.jsonl", [])
+    proc = launch(context_args(tiny_checkpoint, prompts, tmp_path / "run") + ["--load", str(save)], tmp_path, timeout=50)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert proc.stderr.splitlines() == [f"tandem: --load {save}: {save}/rollout_00000/optimizer.pt has 1000 bytes, "
+                                        "4096 were written (truncated?); nothing to resume from"]
+    assert not (tmp_path / "run" / "events.jsonl").exists()
