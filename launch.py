@@ -32,6 +32,7 @@ def main(argv: list[str] | None = None) -> None:
         print(format_placement(plan_placement(cfg)))
         return
     try:
+        from ppo.checkpoint import SaveFailed
         from ppo.job import JobSetupError  # imported late: they pull in torch and the roles
         from ppo.loop import TrainerDied, train
         from ppo.signals import RunStopped
@@ -45,8 +46,12 @@ def main(argv: list[str] | None = None) -> None:
     except JobSetupError as err:  # bad --prompt-data or --load: nothing was started
         print(f"tandem: {err}", file=sys.stderr)
         sys.exit(2)
-    except (TrainerDied, SupervisionFailed) as err:  # the message says what died and what to do
+    except (TrainerDied, SupervisionFailed, SaveFailed) as err:  # the message says what failed and what to do
         print(f"tandem: {err}", file=sys.stderr)
+        sys.exit(1)
+    except OSError as err:  # the driver's own files (metrics, events, config.json): disk full, removed folder
+        where = f" ({err.filename})" if err.filename else ""
+        print(f"tandem: the run stopped: {err.strerror or err}{where}", file=sys.stderr)
         sys.exit(1)
     except RunStopped as stop:  # Ctrl-C, SIGTERM, SIGUSR1: the roles are stopped (ppo.signals)
         resume = f"; resume with: {resume_command(argv, cfg)}" if stop.checkpoint else ""

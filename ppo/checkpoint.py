@@ -32,6 +32,8 @@ names is never removed.
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
 import logging
 import os
@@ -48,6 +50,7 @@ from ppo.data import PromptDataset
 from ppo.manifest import damage, write_manifest
 from roles.trainer.checkpoint import TRAINER_FILES, replace_dir, sync_dir
 from roles.trainer.rng import capture_rng, restore_rng
+from runtime import RemoteError
 
 logger = logging.getLogger(__name__)
 
@@ -64,6 +67,11 @@ MODEL_KEYS = ("model_type", "architectures", "vocab_size", "hidden_size", "inter
 
 class CheckpointError(ValueError):
     """A --load checkpoint that cannot be resumed; the message says what is wrong."""
+
+
+class SaveFailed(RuntimeError):
+    """A checkpoint or HF export could not be written (disk full, unwritable folder); the
+    message is one line naming the folder, the cause and the last complete checkpoint."""
 
 
 class Saver(Protocol):
@@ -148,13 +156,52 @@ def save_if_due(job: RunJob, step: int, *, data: PromptDataset, version: int,
     if cfg.checkpoint.save is not None:
         state = driver_state(cfg, step, data=data, version=version, hf_checkpoint=job.hf_checkpoint,
                              counters=counters)
-        name = save_checkpoint(cfg.checkpoint.save, step, actor=job.actor, state=state, critic=job.critic,
-                               critic_dir=C.critic_save(cfg), keep_last=cfg.checkpoint.save_keep_last).name
+        with save_errors(cfg.checkpoint.save, f"checkpoint {rollout_dir_name(step)}"):
+            name = save_checkpoint(cfg.checkpoint.save, step, actor=job.actor, state=state, critic=job.critic,
+                                   critic_dir=C.critic_save(cfg), keep_last=cfg.checkpoint.save_keep_last).name
     if due and cfg.checkpoint.save_hf is not None:
-        job.actor.save_hf(cfg.checkpoint.save_hf.replace("{rollout_id}", str(step)))
+        path = cfg.checkpoint.save_hf.replace("{rollout_id}", str(step))
+        with save_errors(path, "the HF export"):
+            job.actor.save_hf(path)
     job.sup.publish("checkpoint", step=step, save=cfg.checkpoint.save,
                     save_hf=cfg.checkpoint.save_hf if due else None)
     return name
+
+
+@contextlib.contextmanager
+def save_errors(path: str, what: str):
+    """Turn a failed write (the driver's OSError, or a trainer's RemoteError from torch or
+    safetensors, which may not say why: torch's "unexpected pos") into SaveFailed, one line
+    naming `path` and the cause, with the free space of its filesystem when it is full.
+    The save itself has cleaned up: `latest` still names the last complete checkpoint."""
+    try:
+        yield
+    except (OSError, RemoteError) as e:
+        if isinstance(e, OSError):
+            cause = f"{e.strerror or e}" + (f" ({e.filename})" if e.filename else "")
+        else:
+            cause = f"{e.exc_type}: {e.remote_message.strip().splitlines()[-1][:200] if e.remote_message else ''}"
+        free = _free_bytes(path)
+        if (isinstance(e, OSError) and e.errno == errno.ENOSPC) or (free is not None and free < LOW_SPACE):
+            cause = f"no space left on device ({free if free is not None else '?'} bytes free; the writer said: {cause})"
+        tracker = Path(path) / TRACKER
+        last = (f"; the last complete checkpoint is {tracker.read_text().strip()}: make room, then resume with "
+                f"--load {path}" if tracker.is_file() else "")
+        raise SaveFailed(f"{what} could not be written to {path}: {cause}{last}") from None
+
+
+LOW_SPACE = 64 << 20  # less free than this after a failed write: the disk is full
+
+
+def _free_bytes(path: str) -> int | None:
+    p = Path(path).absolute()
+    while not p.exists() and p != p.parent:
+        p = p.parent
+    try:
+        st = os.statvfs(p)
+    except OSError:
+        return None
+    return st.f_bavail * st.f_frsize
 
 
 def driver_state(cfg: PPOConfig, step: int, *, data: PromptDataset, version: int, hf_checkpoint: str,

@@ -9,6 +9,8 @@ first).
 from __future__ import annotations
 
 import json
+import os
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -180,12 +182,27 @@ def trainer_layout_problem(cfg: PPOConfig) -> str | None:
     return None
 
 
+def output_problem(flag: str, path: str | None) -> str | None:
+    """Why the folder a run writes to (`--save`, `--critic-save`) cannot be written, or None;
+    makes the folder when it is missing, as the first save would."""
+    if path is None:
+        return None
+    try:
+        os.makedirs(path, exist_ok=True)
+        with tempfile.TemporaryFile(dir=path):
+            pass
+    except OSError as e:
+        return f"{flag} {path}: cannot be written ({e.strerror or e}); pass a folder this user can write"
+    return None
+
+
 def setup_problems(cfg: PPOConfig) -> list[str]:
     """Everything on this machine that would stop the run, each naming the flag and the fix,
     all at once: the trainers' layout, the rollout and training backends, the HF checkpoint and
-    whether the prompt and response lengths fit its context."""
+    whether the prompt and response lengths fit its context, the checkpoint folders."""
     problems = [trainer_layout_problem(cfg), rollout_backend_problem(cfg), hf_checkpoint_problem(cfg),
-                context_problem(cfg, cfg.checkpoint.hf_checkpoint)]
+                context_problem(cfg, cfg.checkpoint.hf_checkpoint), output_problem("--save", cfg.checkpoint.save),
+                output_problem("--critic-save", C.critic_save(cfg) if C.uses_critic(cfg) else None)]
     try:
         trainer_classes(cfg.training.train_backend)
     except BackendUnavailable as e:  # megatron without megatron-core or CUDA

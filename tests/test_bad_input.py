@@ -267,3 +267,46 @@ def test_load_with_no_intact_checkpoint_is_refused_in_one_line_before_any_role_s
     assert proc.stderr.splitlines() == [f"tandem: --load {save}: {save}/rollout_00000/optimizer.pt has 1000 bytes, "
                                         "4096 were written (truncated?); nothing to resume from"]
     assert not (tmp_path / "run" / "events.jsonl").exists()
+
+
+# --- folders that cannot be written ------------------------------------------------------------
+
+@pytest.mark.timeout(60)
+def test_unwritable_save_and_run_dirs_are_refused_in_one_line_naming_the_path(tmp_path, tiny_checkpoint):
+    (tmp_path / "file").write_text("")  # a path under a regular file: unwritable even for root
+    prompts = write_prompts(tmp_path / "ok.jsonl", [])
+    proc = launch(context_args(tiny_checkpoint, prompts, tmp_path / "file" / "run"), tmp_path, timeout=50)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert proc.stderr.splitlines() == [f"tandem: --run-dir {tmp_path}/file/run: cannot be used (Not a directory); "
+                                        "pass a folder this user can write"]
+    proc = launch(context_args(tiny_checkpoint, prompts, tmp_path / "run") + ["--save", str(tmp_path / "file" / "ck")],
+                  tmp_path, timeout=50)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert f"--save {tmp_path}/file/ck: cannot be written (Not a directory)" in proc.stderr
+    assert "Traceback" not in proc.stderr and not (tmp_path / "run").exists()
+
+
+@pytest.fixture
+def tiny_disk(tmp_path):
+    """A 1 MiB tmpfs (root only): too small for a checkpoint of the tiny model."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(disk)], capture_output=True).returncode:
+        pytest.skip("cannot mount a tmpfs here (needs root)")
+    yield disk
+    subprocess.run(["umount", "-l", str(disk)], check=False)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_full_disk_at_the_save_stops_the_run_in_one_line_and_leaves_no_partial_checkpoint(
+        tmp_path, tiny_checkpoint, tiny_disk):
+    prompts = write_prompts(tmp_path / "ok.jsonl", [])
+    save = tiny_disk / "ck"
+    proc = launch(context_args(tiny_checkpoint, prompts, tmp_path / "run")
+                  + ["--save", str(save), "--save-interval", "1"], tmp_path, timeout=280)
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr and len(proc.stderr.splitlines()) == 1, proc.stderr[-3000:]
+    assert proc.stderr.startswith(f"tandem: checkpoint rollout_00000 could not be written to ")
+    assert "no space left on device" in proc.stderr.lower()
+    assert sorted(os.listdir(save)) == [] and not (save / "latest").exists()  # nothing half-written is left

@@ -1,6 +1,7 @@
 """PPO run checkpoints (ppo/checkpoint.py): atomic saves, refusals that say what is wrong,
 trainer RNG and HF exports, and a resumed run that repeats the uninterrupted one."""
 
+import errno
 import json
 import re
 import os
@@ -428,3 +429,46 @@ def test_manifest_checks_large_files_piece_by_piece(tmp_path, monkeypatch):
         f.seek(2400)
         f.write(bytes([f.read(1)[0] ^ 1]))
     assert manifest.damage(tmp_path) == f"{tmp_path / 'big'} does not match its checksum (overwritten or corrupted)"
+
+
+# ---- a save that cannot be written ------------------------------------------------------------
+
+
+class FullDiskActor:
+    """A trainer whose save fails as on a full disk: the driver's OSError, or a role's RemoteError
+    from torch that does not say why ("unexpected pos")."""
+
+    def __init__(self, remote: bool):
+        self.remote = remote
+
+    def save(self, path):
+        os.makedirs(path)
+        (open(os.path.join(path, "model.safetensors"), "wb")).write(b"\0" * 100)
+        if self.remote:
+            from runtime import RemoteError
+            raise RemoteError("actor.0", "save", "RuntimeError", "[enforce fail at inline_container.cc:783] . "
+                              "PytorchStreamWriter failed writing file data/3: file write failed\nunexpected pos 1",
+                              "Traceback ...")
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), os.path.join(path, "optimizer.pt"))
+
+
+@pytest.mark.parametrize("remote", [False, True])
+def test_a_full_disk_stops_the_save_in_one_line_and_keeps_the_last_checkpoint(tmp_path, trainers, data, hf,
+                                                                                monkeypatch, remote):
+    save(tmp_path, trainers, data, 1, hf)
+    cfg = override(tiny_ppo(), save=str(tmp_path / "save"), save_interval=1, num_rollout=4)
+    job = SimpleNamespace(cfg=cfg, actor=FullDiskActor(remote), critic=None, hf_checkpoint=hf,
+                          sup=SimpleNamespace(publish=lambda *a, **k: None))
+    if remote:  # the role said nothing of space: the free space of the folder's filesystem does
+        monkeypatch.setattr(ck, "_free_bytes", lambda path: 4096)
+    with pytest.raises(ck.SaveFailed) as failed:
+        ck.save_if_due(job, 2, data=data, version=2)
+    message = str(failed.value)
+    assert "\n" not in message
+    assert message.startswith(f"checkpoint rollout_00002 could not be written to {tmp_path / 'save'}: ")
+    assert ("no space left on device (4096 bytes free; the writer said: RuntimeError: unexpected pos 1)" if remote
+            else "No space left on device") in message
+    assert message.endswith(f"the last complete checkpoint is rollout_00001: make room, then resume with "
+                            f"--load {tmp_path / 'save'}")
+    assert sorted(os.listdir(tmp_path / "save")) == ["latest", "rollout_00001"]
+    assert locate(tmp_path, hf).step == 1
