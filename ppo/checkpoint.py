@@ -9,6 +9,7 @@ resumed with --load.
         trainer_state.json         optimizer step (= LR schedule), actor RNG  } checkpoint.py)
         driver_state.json          rollout step, weight version, data position, driver RNG,
                                    the run's counters, the run's config and the model's shape
+        MANIFEST.json              every file's size and CRC-32 (ppo.manifest), checked by --load
     CRITIC/                        critic_save(cfg), by default SAVE + "_critic"
       latest, rollout_00003/       the critic's three trainer files (a resume takes the
                                    critic's folder of the actor's step; this `latest` is for tools)
