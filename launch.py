@@ -7,7 +7,6 @@ others. Configuration errors are all printed at once and exit with status 2.
 from __future__ import annotations
 
 import json
-import shlex
 import sys
 
 from ppo.config import ConfigError, build_parser, derived_values, parse_cli, to_dict
@@ -35,7 +34,7 @@ def main(argv: list[str] | None = None) -> None:
         from ppo.checkpoint import SaveFailed
         from ppo.job import JobSetupError  # imported late: they pull in torch and the roles
         from ppo.loop import TrainerDied, train
-        from ppo.signals import RunStopped
+        from ppo.signals import RunStopped, resume_command
         from runtime import SupervisionFailed
     except KeyboardInterrupt:  # Ctrl-C before the run installed its handlers
         print("tandem: interrupted before the run started; nothing was written", file=sys.stderr)
@@ -43,7 +42,7 @@ def main(argv: list[str] | None = None) -> None:
 
     try:
         train(cfg)
-    except JobSetupError as err:  # bad --prompt-data or --load: nothing was started
+    except JobSetupError as err:  # bad --prompt-data, --load, --run-dir or --save: nothing was started
         print(f"tandem: {err}", file=sys.stderr)
         sys.exit(2)
     except (TrainerDied, SupervisionFailed, SaveFailed) as err:  # the message says what failed and what to do
@@ -54,20 +53,10 @@ def main(argv: list[str] | None = None) -> None:
         print(f"tandem: the run stopped: {err.strerror or err}{where}", file=sys.stderr)
         sys.exit(1)
     except RunStopped as stop:  # Ctrl-C, SIGTERM, SIGUSR1: the roles are stopped (ppo.signals)
-        resume = f"; resume with: {resume_command(argv, cfg)}" if stop.checkpoint else ""
+        resume = f"; resume with: {resume_command(sys.argv[1:] if argv is None else argv, cfg)}" \
+            if stop.checkpoint else ""
         print(f"tandem: {stop}{resume}", file=sys.stderr)
         sys.exit(stop.exit_code)
-
-
-def resume_command(argv: list[str] | None, cfg) -> str:
-    """This command line with --load SAVE (and the run's --run-dir, which a resume appends to)."""
-    args = list(sys.argv[1:] if argv is None else argv)
-    for flag in ("--load", "--run-dir"):  # drop the old values (both "--flag value" and "--flag=value")
-        while any(a == flag or a.startswith(flag + "=") for a in args):
-            i = next(i for i, a in enumerate(args) if a == flag or a.startswith(flag + "="))
-            del args[i:i + (1 if "=" in args[i] else 2)]
-    args += ["--load", cfg.checkpoint.save, "--run-dir", cfg.logging.run_dir]
-    return shlex.join(["python", "launch.py", *args])
 
 
 if __name__ == "__main__":

@@ -16,6 +16,7 @@ shutdown is bounded by the supervisor's grace period.
 
 from __future__ import annotations
 
+import shlex
 import signal
 import sys
 import threading
@@ -106,3 +107,13 @@ class SignalStops:
             return
         self._stopping = True
         raise RunStopped(self.requested, step=step, save=self.save, saved=saved)
+
+
+def resume_command(argv: list[str], cfg: PPOConfig) -> str:
+    """The launch.py command line `argv` with --load SAVE and the run's --run-dir (which a run
+    that resumes may log to again) in place of any it had."""
+    args = list(argv)
+    for flag in ("--load", "--run-dir"):  # drop the old values ("--flag value" and "--flag=value")
+        while (i := next((i for i, a in enumerate(args) if a == flag or a.startswith(flag + "=")), None)) is not None:
+            del args[i:i + (1 if "=" in args[i] else 2)]
+    return shlex.join(["python", "launch.py", *args, "--load", cfg.checkpoint.save, "--run-dir", cfg.logging.run_dir])

@@ -115,3 +115,12 @@ def test_a_run_stopped_by_sigusr1_and_resumed_repeats_the_uninterrupted_one(tmp_
         return [{k: v for k, v in json.loads(line).items() if not k.startswith("perf/")}
                 for line in (d / "metrics.jsonl").read_text().splitlines()]
     assert metrics(run_dir) == metrics(tmp_path / "straight")  # every step, bit for bit
+
+
+def test_the_resume_command_is_the_run_s_own_with_load_and_run_dir_in_place():
+    from ppo.config import override
+    from ppo.recipes import tiny_ppo
+    from ppo.signals import resume_command
+    cfg = override(tiny_ppo(), save="ck dir", run_dir="runs/a")
+    assert resume_command(["--num-rollout", "3", "--load=old", "--run-dir", "runs/a", "--save", "ck dir"], cfg) == \
+        "python launch.py --num-rollout 3 --save 'ck dir' --load 'ck dir' --run-dir runs/a"
