@@ -48,7 +48,7 @@ from ppo import config as C
 from ppo.config import PPOConfig
 from ppo.config.serialize import to_dict
 from ppo.data import PromptDataset
-from ppo.manifest import damage, write_manifest
+from ppo.manifest import MANIFEST_FILE, damage, write_manifest
 from roles.trainer.checkpoint import TRAINER_FILES, replace_dir, sync_dir
 from roles.trainer.rng import capture_rng, restore_rng
 from runtime import RemoteError
@@ -367,7 +367,14 @@ def _damage(load_dir: str, actor_dir: Path, *, critic_load: str | None, uses_cri
             return (f"the actor's checkpoint is {name} but the critic's {critic_dir} "
                     f"{'does not exist' if not critic_dir.is_dir() else f'is incomplete, missing {missing}'} "
                     "(the critic saves to --critic-save, by default --save + '_critic'; point --critic-load at it)")
-    return damage(actor_dir) or (damage(Path(critic_load) / name) if uses_critic else None)
+    folders = [actor_dir, *([Path(critic_load) / name] if uses_critic else [])]
+    for folder in folders:
+        if not (folder / MANIFEST_FILE).exists():  # written by a Tandem before manifests: take it as it is
+            logger.warning("--load %s: %s has no %s (an older checkpoint): its files are not verified",
+                           load_dir, folder, MANIFEST_FILE)
+        elif problem := damage(folder):
+            return problem
+    return None
 
 
 def resume(job: RunJob, data: PromptDataset) -> ResumePoint:

@@ -472,3 +472,12 @@ def test_a_full_disk_stops_the_save_in_one_line_and_keeps_the_last_checkpoint(tm
                             f"--load {tmp_path / 'save'}")
     assert sorted(os.listdir(tmp_path / "save")) == ["latest", "rollout_00001"]
     assert locate(tmp_path, hf).step == 1
+
+
+def test_a_checkpoint_from_before_manifests_is_taken_unverified_with_a_warning(tmp_path, trainers, data, hf, caplog):
+    save(tmp_path, trainers, data, 1, hf)
+    for folder in ("save", "save_critic"):
+        (tmp_path / folder / "rollout_00001" / "MANIFEST.json").unlink()
+    assert locate(tmp_path, hf).step == 1
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warnings) == 2 and all("has no MANIFEST.json (an older checkpoint)" in w for w in warnings)
