@@ -184,7 +184,8 @@ def save_errors(path: str, what: str):
             cause = f"{e.exc_type}: {e.remote_message.strip().splitlines()[-1][:200] if e.remote_message else ''}"
         free = _free_bytes(path)
         if (isinstance(e, OSError) and e.errno == errno.ENOSPC) or (free is not None and free < LOW_SPACE):
-            cause = f"no space left on device ({free if free is not None else '?'} bytes free; the writer said: {cause})"
+            free_text = "?" if free is None else free
+            cause = f"no space left on device ({free_text} bytes free; the writer said: {cause})"
         tracker = Path(path) / TRACKER
         last = (f"; the last complete checkpoint is {tracker.read_text().strip()}: make room, then resume with "
                 f"--load {path}" if tracker.is_file() else "")

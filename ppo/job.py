@@ -287,7 +287,8 @@ def _start(cfg: PPOConfig, console: RunConsole, lock: RunDirLock, actor_cls, cri
             raise ValueError(problem)
         data = PromptDataset(prompt_data, input_key=cfg.rollout.input_key, label_key=cfg.rollout.label_key,
                              tokenizer=tok, apply_chat_template=cfg.rollout.apply_chat_template,
-                             max_prompt_len=cfg.rollout.rollout_max_prompt_len, context_len=model_context(hf_checkpoint),
+                             max_prompt_len=cfg.rollout.rollout_max_prompt_len,
+                             context_len=model_context(hf_checkpoint),
                              response_len=cfg.rollout.rollout_max_response_len or 0, seed=cfg.rollout.rollout_seed,
                              shuffle=cfg.rollout.rollout_shuffle, skip_bad_samples=cfg.rollout.skip_bad_samples)
         resume_from = None

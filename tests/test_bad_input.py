@@ -220,8 +220,9 @@ def test_an_ended_runs_dir_is_not_appended_to_without_load(tmp_path, tiny_checkp
     proc = launch(context_args(tiny_checkpoint, prompts, run_dir) + ["--save", str(tmp_path / "ck")],
                   tmp_path, timeout=50)
     assert proc.returncode == 2, proc.stderr[-3000:]
-    assert proc.stderr.splitlines() == [f"tandem: --run-dir {run_dir} holds an earlier run (metrics.jsonl); resume "
-                                        f"it with --load {tmp_path / 'ck'}, or pass a new --run-dir to start another run"]
+    assert proc.stderr.splitlines() == [
+        f"tandem: --run-dir {run_dir} holds an earlier run (metrics.jsonl); resume it with --load {tmp_path / 'ck'}, "
+        "or pass a new --run-dir to start another run"]
     assert (run_dir / "metrics.jsonl").read_text() == '{"step": 0}\n' and not (run_dir / "config.json").exists()
 
 
@@ -262,7 +263,8 @@ def test_load_with_no_intact_checkpoint_is_refused_in_one_line_before_any_role_s
     with open(save / "rollout_00000" / "optimizer.pt", "r+b") as f:
         f.truncate(1000)
     prompts = write_prompts(tmp_path / "ok.jsonl", [])
-    proc = launch(context_args(tiny_checkpoint, prompts, tmp_path / "run") + ["--load", str(save)], tmp_path, timeout=50)
+    proc = launch(context_args(tiny_checkpoint, prompts, tmp_path / "run") + ["--load", str(save)], tmp_path,
+                  timeout=50)
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert proc.stderr.splitlines() == [f"tandem: --load {save}: {save}/rollout_00000/optimizer.pt has 1000 bytes, "
                                         "4096 were written (truncated?); nothing to resume from"]
