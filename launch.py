@@ -31,18 +31,33 @@ def main(argv: list[str] | None = None) -> None:
         print(json.dumps({"config": to_dict(cfg), "derived": derived_values(cfg)}, indent=2))
         print(format_placement(plan_placement(cfg)))
         return
-    from ppo.job import JobSetupError  # imported late: they pull in torch and the roles
-    from ppo.loop import TrainerDied, train
-    from runtime import SupervisionFailed
+    try:
+        from ppo.checkpoint import SaveFailed
+        from ppo.job import JobSetupError  # imported late: they pull in torch and the roles
+        from ppo.loop import TrainerDied, train
+        from ppo.signals import RunStopped, resume_command
+        from runtime import SupervisionFailed
+    except KeyboardInterrupt:  # Ctrl-C before the run installed its handlers
+        print("tandem: interrupted before the run started; nothing was written", file=sys.stderr)
+        sys.exit(130)
 
     try:
         train(cfg)
-    except JobSetupError as err:  # bad --prompt-data or --load: nothing was started
+    except JobSetupError as err:  # bad --prompt-data, --load, --run-dir or --save: nothing was started
         print(f"tandem: {err}", file=sys.stderr)
         sys.exit(2)
-    except (TrainerDied, SupervisionFailed) as err:  # the message says what died and what to do
+    except (TrainerDied, SupervisionFailed, SaveFailed) as err:  # the message says what failed and what to do
         print(f"tandem: {err}", file=sys.stderr)
         sys.exit(1)
+    except OSError as err:  # the driver's own files (metrics, events, config.json): disk full, removed folder
+        where = f" ({err.filename})" if err.filename else ""
+        print(f"tandem: the run stopped: {err.strerror or err}{where}", file=sys.stderr)
+        sys.exit(1)
+    except RunStopped as stop:  # Ctrl-C, SIGTERM, SIGUSR1: the roles are stopped (ppo.signals)
+        resume = f"; resume with: {resume_command(sys.argv[1:] if argv is None else argv, cfg)}" \
+            if stop.checkpoint else ""
+        print(f"tandem: {stop}{resume}", file=sys.stderr)
+        sys.exit(stop.exit_code)
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ resumed with --load.
         trainer_state.json         optimizer step (= LR schedule), actor RNG  } checkpoint.py)
         driver_state.json          rollout step, weight version, data position, driver RNG,
                                    the run's counters, the run's config and the model's shape
+        MANIFEST.json              every file's size and CRC-32 (ppo.manifest), checked by --load
     CRITIC/                        critic_save(cfg), by default SAVE + "_critic"
       latest, rollout_00003/       the critic's three trainer files (a resume takes the
                                    critic's folder of the actor's step; this `latest` is for tools)
@@ -32,6 +33,8 @@ names is never removed.
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
 import logging
 import os
@@ -45,9 +48,10 @@ from ppo import config as C
 from ppo.config import PPOConfig
 from ppo.config.serialize import to_dict
 from ppo.data import PromptDataset
-from ppo.job import Job
+from ppo.manifest import MANIFEST_FILE, damage, write_manifest
 from roles.trainer.checkpoint import TRAINER_FILES, replace_dir, sync_dir
 from roles.trainer.rng import capture_rng, restore_rng
+from runtime import RemoteError
 
 logger = logging.getLogger(__name__)
 
@@ -66,10 +70,30 @@ class CheckpointError(ValueError):
     """A --load checkpoint that cannot be resumed; the message says what is wrong."""
 
 
+class SaveFailed(RuntimeError):
+    """A checkpoint or HF export could not be written (disk full, unwritable folder); the
+    message is one line naming the folder, the cause and the last complete checkpoint."""
+
+
 class Saver(Protocol):
     """A trainer role handle, or an in-process trainer."""
 
     def save(self, path: str) -> dict: ...
+
+
+class RunJob(Protocol):
+    """What saving and resuming use of a started job (ppo.job.Job; this module is below it:
+    ppo.job checks --load with `locate` before any role starts)."""
+
+    cfg: PPOConfig
+    hf_checkpoint: str
+    run_dir: Path
+    actor: object  # a TrainerGroup
+    critic: object | None
+    engines: list
+    placement: object
+    sup: object
+    resume_from: Checkpoint | None  # what `locate` found under --load at start-up
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -119,20 +143,67 @@ def is_due(cfg: PPOConfig, step: int) -> bool:
     return step == cfg.rollout.num_rollout - 1 or (c.save_interval is not None and (step + 1) % c.save_interval == 0)
 
 
-def save_if_due(job: Job, step: int, *, data: PromptDataset, version: int,
-                counters: RunCounters | None = None) -> None:
-    """The loop's save step: a run checkpoint under --save, an HF export under --save-hf."""
+def save_if_due(job: RunJob, step: int, *, data: PromptDataset, version: int,
+                counters: RunCounters | None = None, force: bool = False) -> str | None:
+    """The loop's save step: a run checkpoint under --save, an HF export under --save-hf;
+    `force` (a signal asked for a save) writes the run checkpoint between intervals too.
+    Returns the name of the run checkpoint written, if any."""
     cfg = job.cfg
-    if not is_due(cfg, step):
-        return
+    due = is_due(cfg, step)
+    force = force and cfg.checkpoint.save is not None
+    if not (due or force):
+        return None
+    name = None
     if cfg.checkpoint.save is not None:
         state = driver_state(cfg, step, data=data, version=version, hf_checkpoint=job.hf_checkpoint,
                              counters=counters)
-        save_checkpoint(cfg.checkpoint.save, step, actor=job.actor, state=state, critic=job.critic,
-                        critic_dir=C.critic_save(cfg), keep_last=cfg.checkpoint.save_keep_last)
-    if cfg.checkpoint.save_hf is not None:
-        job.actor.save_hf(cfg.checkpoint.save_hf.replace("{rollout_id}", str(step)))
-    job.sup.publish("checkpoint", step=step, save=cfg.checkpoint.save, save_hf=cfg.checkpoint.save_hf)
+        with save_errors(cfg.checkpoint.save, f"checkpoint {rollout_dir_name(step)}"):
+            name = save_checkpoint(cfg.checkpoint.save, step, actor=job.actor, state=state, critic=job.critic,
+                                   critic_dir=C.critic_save(cfg), keep_last=cfg.checkpoint.save_keep_last).name
+    if due and cfg.checkpoint.save_hf is not None:
+        path = cfg.checkpoint.save_hf.replace("{rollout_id}", str(step))
+        with save_errors(path, "the HF export"):
+            job.actor.save_hf(path)
+    job.sup.publish("checkpoint", step=step, save=cfg.checkpoint.save,
+                    save_hf=cfg.checkpoint.save_hf if due else None)
+    return name
+
+
+@contextlib.contextmanager
+def save_errors(path: str, what: str):
+    """Turn a failed write (the driver's OSError, or a trainer's RemoteError from torch or
+    safetensors, which may not say why: torch's "unexpected pos") into SaveFailed, one line
+    naming `path` and the cause, with the free space of its filesystem when it is full.
+    The save itself has cleaned up: `latest` still names the last complete checkpoint."""
+    try:
+        yield
+    except (OSError, RemoteError) as e:
+        if isinstance(e, OSError):
+            cause = f"{e.strerror or e}" + (f" ({e.filename})" if e.filename else "")
+        else:
+            cause = f"{e.exc_type}: {e.remote_message.strip().splitlines()[-1][:200] if e.remote_message else ''}"
+        free = _free_bytes(path)
+        if (isinstance(e, OSError) and e.errno == errno.ENOSPC) or (free is not None and free < LOW_SPACE):
+            free_text = "?" if free is None else free
+            cause = f"no space left on device ({free_text} bytes free; the writer said: {cause})"
+        tracker = Path(path) / TRACKER
+        last = (f"; the last complete checkpoint is {tracker.read_text().strip()}: make room, then resume with "
+                f"--load {path}" if tracker.is_file() else "")
+        raise SaveFailed(f"{what} could not be written to {path}: {cause}{last}") from None
+
+
+LOW_SPACE = 64 << 20  # less free than this after a failed write: the disk is full
+
+
+def _free_bytes(path: str) -> int | None:
+    p = Path(path).absolute()
+    while not p.exists() and p != p.parent:
+        p = p.parent
+    try:
+        st = os.statvfs(p)
+    except OSError:
+        return None
+    return st.f_bavail * st.f_frsize
 
 
 def driver_state(cfg: PPOConfig, step: int, *, data: PromptDataset, version: int, hf_checkpoint: str,
@@ -151,6 +222,8 @@ def save_checkpoint(save_dir: str, step: int, *, actor: Saver, state: dict, crit
     if critic is not None:
         assert critic_dir is not None, "a critic needs its own folder (critic_save(cfg))"
         critic.save(os.path.join(critic_dir, name))  # the role fsyncs it (replace_dir)
+        write_manifest(os.path.join(critic_dir, name))  # before its tracker and the actor's move
+        sync_dir(os.path.join(critic_dir, name))
         write_tracker(critic_dir, name)
     os.makedirs(save_dir, exist_ok=True)
     partial = os.path.join(save_dir, f".{name}.partial")
@@ -160,6 +233,7 @@ def save_checkpoint(save_dir: str, step: int, *, actor: Saver, state: dict, crit
         actor.save(partial)
         with open(os.path.join(partial, DRIVER_STATE_FILE), "w") as f:
             json.dump(state, f)
+        write_manifest(partial)  # every file's size and checksum: --load checks them (ppo.manifest)
         replace_dir(partial, final)  # fsyncs every file, the folder, then the rename
     except BaseException:
         shutil.rmtree(partial, ignore_errors=True)
@@ -210,37 +284,68 @@ def model_signature(hf_checkpoint: str) -> dict:
 
 
 def locate(load_dir: str, *, critic_load: str | None, uses_critic: bool, hf_checkpoint: str) -> Checkpoint | None:
-    """The checkpoint that LOAD/latest names, checked to be complete and of this model.
+    """The checkpoint that LOAD/latest names, checked to be complete, intact (every file
+    against its manifest) and of this model; when it is damaged (or the tracker is), the
+    newest older one that is intact, with one warning naming the damaged file.
 
     None when `load_dir` holds no checkpoint at all (a fresh run with --load and --save on
-    one folder, as in miles); CheckpointError for anything incomplete or mismatched.
+    one folder, as in miles); CheckpointError when no checkpoint is intact, or for one of
+    another model or format (an older one would not be either).
     """
     load = Path(load_dir)
     tracker = load / TRACKER
+    found = sorted((p.name for p in load.glob("rollout_*") if _ROLLOUT_DIR.fullmatch(p.name)),
+                   key=lambda n: -int(n.split("_")[1])) if load.is_dir() else []
     if not tracker.is_file():
-        found = sorted(p.name for p in load.glob("rollout_*")) if load.is_dir() else []
         if not found:
             return None
         raise CheckpointError(
-            f"--load {load_dir}: holds {found} but no '{TRACKER}' file naming the complete one (a crash during "
-            f"the first save leaves this). Write the name of the one to resume into {tracker} "
-            f"(e.g. `echo {found[-1]} > {tracker}`), or remove the folder to start over")
-    name = tracker.read_text().strip()
+            f"--load {load_dir}: holds {sorted(found)} but no '{TRACKER}' file naming the complete one (a crash "
+            f"during the first save leaves this). Write the name of the one to resume into {tracker} "
+            f"(e.g. `echo {found[0]} > {tracker}`), or remove the folder to start over")
+    name = tracker.read_bytes().decode("utf-8", "replace").strip()
     if not _ROLLOUT_DIR.fullmatch(name):
-        raise CheckpointError(f"--load {load_dir}: {tracker} should name a rollout_NNNNN folder but holds {name!r}")
-    actor_dir = load / name
-    if not actor_dir.is_dir():
-        raise CheckpointError(f"--load {load_dir}: {tracker} names {name}, but {actor_dir} does not exist")
+        first = f"{tracker} should name a rollout_NNNNN folder but holds {name[:40]!r}"
+        candidates = found
+    else:
+        older = [n for n in found if int(n.split("_")[1]) < int(name.split("_")[1])]
+        if (load / name).is_dir():
+            first, candidates = None, [name, *older]
+        else:
+            first, candidates = f"{tracker} names {name}, but {load / name} does not exist", older
+    for candidate in candidates:
+        problem = _damage(load_dir, load / candidate, critic_load=critic_load, uses_critic=uses_critic,
+                          hf_checkpoint=hf_checkpoint)
+        if problem is None:
+            ckpt = Checkpoint(actor_dir=load / candidate,
+                              critic_dir=Path(critic_load) / candidate if uses_critic else None,
+                              state=json.loads((load / candidate / DRIVER_STATE_FILE).read_text()))
+            if first is not None:
+                logger.warning("--load %s: %s; resuming from %s instead, the newest intact checkpoint",
+                               load_dir, first, ckpt.actor_dir)
+            return ckpt
+        first = first or problem
+    older = "" if len(candidates) < 2 else f" and no older checkpoint is intact ({', '.join(candidates[1:])})"
+    raise CheckpointError(f"--load {load_dir}: {first}{older}; nothing to resume from")
+
+
+def _damage(load_dir: str, actor_dir: Path, *, critic_load: str | None, uses_critic: bool,
+            hf_checkpoint: str) -> str | None:
+    """What makes one checkpoint unusable but may spare an older one (missing, truncated or
+    corrupted files), or None; CheckpointError for what no older checkpoint mends (another
+    model, another format, a renamed folder, no critic folder known)."""
+    name = actor_dir.name
     missing = [f for f in (*TRAINER_FILES, DRIVER_STATE_FILE) if not (actor_dir / f).is_file()]
     if missing:
         hint = (" (this looks like a critic folder: pass the actor's --save folder to --load)"
                 if missing == [DRIVER_STATE_FILE] else "")
-        raise CheckpointError(f"--load {load_dir}: checkpoint {actor_dir} is incomplete, missing {missing}{hint}")
+        return f"checkpoint {actor_dir} is incomplete, missing {missing}{hint}"
     try:
-        state = json.loads((actor_dir / DRIVER_STATE_FILE).read_text())
-    except json.JSONDecodeError as e:
-        raise CheckpointError(f"--load {load_dir}: {actor_dir / DRIVER_STATE_FILE} is not valid JSON "
-                              f"(truncated?): {e}") from None
+        state = json.loads((actor_dir / DRIVER_STATE_FILE).read_bytes())
+        if not isinstance(state, dict):
+            raise ValueError("not an object")
+    except ValueError as e:  # JSONDecodeError, UnicodeDecodeError
+        return f"{actor_dir / DRIVER_STATE_FILE} is not valid JSON (truncated?): {e}"
     if state.get("format") != FORMAT:
         raise CheckpointError(f"--load {load_dir}: {actor_dir / DRIVER_STATE_FILE} has format "
                               f"{state.get('format')!r}; this version of Tandem reads format {FORMAT}")
@@ -253,7 +358,6 @@ def locate(load_dir: str, *, critic_load: str | None, uses_critic: bool, hf_chec
     if diff:
         raise CheckpointError(f"--load {load_dir}: the checkpoint is of another model than --hf-checkpoint "
                               f"{hf_checkpoint}: {'; '.join(diff)}")
-    critic_dir = None
     if uses_critic:
         if critic_load is None:
             raise CheckpointError(f"--load {load_dir}: this run trains a critic but no critic checkpoint folder is "
@@ -261,22 +365,27 @@ def locate(load_dir: str, *, critic_load: str | None, uses_critic: bool, hf_chec
         critic_dir = Path(critic_load) / name
         missing = [f for f in TRAINER_FILES if not (critic_dir / f).is_file()]
         if missing:
-            raise CheckpointError(
-                f"--load {load_dir}: the actor's checkpoint is {name} but the critic's {critic_dir} "
-                f"{'does not exist' if not critic_dir.is_dir() else f'is incomplete, missing {missing}'} "
-                "(the critic saves to --critic-save, by default --save + '_critic'; point --critic-load at it)")
-    return Checkpoint(actor_dir=actor_dir, critic_dir=critic_dir, state=state)
+            return (f"the actor's checkpoint is {name} but the critic's {critic_dir} "
+                    f"{'does not exist' if not critic_dir.is_dir() else f'is incomplete, missing {missing}'} "
+                    "(the critic saves to --critic-save, by default --save + '_critic'; point --critic-load at it)")
+    folders = [actor_dir, *([Path(critic_load) / name] if uses_critic else [])]
+    for folder in folders:
+        if not (folder / MANIFEST_FILE).exists():  # written by a Tandem before manifests: take it as it is
+            logger.warning("--load %s: %s has no %s (an older checkpoint): its files are not verified",
+                           load_dir, folder, MANIFEST_FILE)
+        elif problem := damage(folder):
+            return problem
+    return None
 
 
-def resume(job: Job, data: PromptDataset) -> ResumePoint:
+def resume(job: RunJob, data: PromptDataset) -> ResumePoint:
     """Bring a fresh job to the state of the --load checkpoint: trainers, data position,
     driver RNG, and the engines (a weight sync, so they sample from the saved policy).
 
     A --load folder with no checkpoint starts the run from the beginning, with a warning.
     """
     cfg = job.cfg
-    ckpt = locate(cfg.checkpoint.load, critic_load=C.critic_load(cfg), uses_critic=job.critic is not None,
-                  hf_checkpoint=job.hf_checkpoint)
+    ckpt = job.resume_from  # found and verified by start_job, before any role started
     if ckpt is None:
         logger.warning("--load %s holds no checkpoint: starting from --hf-checkpoint %s",
                        cfg.checkpoint.load, job.hf_checkpoint)

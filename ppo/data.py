@@ -25,8 +25,10 @@ class PromptDataset:
     """All usable samples of one jsonl file, tokenized once at load time.
 
     Every problem with a line — malformed JSON, a missing key, an empty prompt, a prompt
-    longer than ``max_prompt_len`` tokens — raises ``ValueError("FILE:LINE: ...")``, or with
-    ``skip_bad_samples`` drops the line and records it in ``skipped`` as ``(line, reason)``.
+    longer than ``max_prompt_len`` tokens, or one whose tokens plus ``response_len`` exceed
+    the model's ``context_len`` (its max_position_embeddings) — raises
+    ``ValueError("FILE:LINE: ...")``, or with ``skip_bad_samples`` drops the line and records
+    it in ``skipped`` as ``(line, reason)``.
 
     ``tokenizer`` needs ``encode(text, add_special_tokens=False) -> list[int]`` and, for
     ``apply_chat_template``, an HF-style ``apply_chat_template(messages, tokenize=False,
@@ -44,6 +46,8 @@ class PromptDataset:
         tokenizer=None,
         apply_chat_template: bool = False,
         max_prompt_len: int | None = None,
+        context_len: int | None = None,
+        response_len: int = 0,
         skip_bad_samples: bool = False,
         seed: int = 0,
         shuffle: bool = True,
@@ -54,6 +58,8 @@ class PromptDataset:
             raise ValueError(f"max_prompt_len={max_prompt_len} needs a tokenizer to count prompt tokens")
         if max_prompt_len is not None and max_prompt_len < 1:
             raise ValueError(f"max_prompt_len={max_prompt_len} must be >= 1 (tokens) or None")
+        if context_len is not None and tokenizer is None:
+            raise ValueError(f"context_len={context_len} needs a tokenizer to count prompt tokens")
         if seed < 0:
             raise ValueError(f"seed={seed} must be >= 0")
         self.path = Path(path)
@@ -65,6 +71,7 @@ class PromptDataset:
         self._tokenizer = tokenizer
         self._apply_chat_template = apply_chat_template
         self._max_prompt_len = max_prompt_len
+        self._context_len, self._response_len = context_len, response_len
         self._seed = seed
         self._shuffle = shuffle
         self.skipped: list[tuple[int, str]] = []
@@ -181,6 +188,10 @@ class PromptDataset:
             prompt_ids = [int(t) for t in self._tokenizer.encode(prompt, add_special_tokens=False)]
             if self._max_prompt_len is not None and len(prompt_ids) > self._max_prompt_len:
                 raise BadSample(f"prompt has {len(prompt_ids)} tokens, more than max_prompt_len={self._max_prompt_len}")
+            if self._context_len is not None and len(prompt_ids) + self._response_len > self._context_len:
+                raise BadSample(f"prompt has {len(prompt_ids)} tokens; with {self._response_len} response tokens "
+                                f"that is {len(prompt_ids) + self._response_len}, more than the model's context "
+                                f"of {self._context_len} (max_position_embeddings)")
         label, metadata = self._label(record), self._metadata(record)
         return {"prompt": prompt, "prompt_ids": prompt_ids, "label": label, "metadata": metadata}
 

@@ -9,6 +9,8 @@ first).
 from __future__ import annotations
 
 import json
+import os
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,6 +19,7 @@ import transformers
 from transformers import AutoTokenizer
 
 from ppo import config as C
+from ppo.checkpoint import Checkpoint, locate
 from ppo.colocation import Colocation, Tenant, engine_tenant, trainer_tenant
 from ppo.config import PPOConfig
 from ppo.config.schema import GENERATED_PREFIX
@@ -25,6 +28,7 @@ from ppo.console import RunConsole, ready_seconds
 from ppo.data import PromptDataset
 from ppo.generated import resolve_paths
 from ppo.placement import Placement, plan_placement
+from ppo.rundir import RunDirError, RunDirLock, claim
 from roles.reward.actor import RewardScorer
 from roles.rollout.engine import RolloutEngine
 from roles.trainer import BackendUnavailable, TrainerGroup, trainer_classes
@@ -60,9 +64,14 @@ class Job:
     scorers: list[ActorHandle]
     colocation: Colocation
     console: RunConsole  # what the run prints (ppo.console)
+    run_dir_lock: RunDirLock  # held until the job is closed (ppo.rundir)
+    resume_from: Checkpoint | None  # the intact --load checkpoint to resume, if any (ppo.checkpoint.locate)
 
     def close(self) -> None:
-        self.sup.shutdown()
+        try:
+            self.sup.shutdown()
+        finally:
+            self.run_dir_lock.release()
 
 
 def trainer_config(cfg: PPOConfig, hf_checkpoint: str, *, critic: bool, dtype: str) -> dict:
@@ -173,10 +182,27 @@ def trainer_layout_problem(cfg: PPOConfig) -> str | None:
     return None
 
 
+def output_problem(flag: str, path: str | None) -> str | None:
+    """Why the folder a run writes to (`--save`, `--critic-save`) cannot be written, or None;
+    makes the folder when it is missing, as the first save would."""
+    if path is None:
+        return None
+    try:
+        os.makedirs(path, exist_ok=True)
+        with tempfile.TemporaryFile(dir=path):
+            pass
+    except OSError as e:
+        return f"{flag} {path}: cannot be written ({e.strerror or e}); pass a folder this user can write"
+    return None
+
+
 def setup_problems(cfg: PPOConfig) -> list[str]:
     """Everything on this machine that would stop the run, each naming the flag and the fix,
-    all at once: the trainers' layout, the rollout and training backends, the HF checkpoint."""
-    problems = [trainer_layout_problem(cfg), rollout_backend_problem(cfg), hf_checkpoint_problem(cfg)]
+    all at once: the trainers' layout, the rollout and training backends, the HF checkpoint and
+    whether the prompt and response lengths fit its context, the checkpoint folders."""
+    problems = [trainer_layout_problem(cfg), rollout_backend_problem(cfg), hf_checkpoint_problem(cfg),
+                context_problem(cfg, cfg.checkpoint.hf_checkpoint), output_problem("--save", cfg.checkpoint.save),
+                output_problem("--critic-save", C.critic_save(cfg) if C.uses_critic(cfg) else None)]
     try:
         trainer_classes(cfg.training.train_backend)
     except BackendUnavailable as e:  # megatron without megatron-core or CUDA
@@ -198,6 +224,34 @@ def hf_checkpoint_problem(cfg: PPOConfig) -> str | None:
     return None
 
 
+def model_context(hf_checkpoint: str) -> int | None:
+    """The model's context in tokens (config.json's max_position_embeddings), or None when
+    --hf-checkpoint is not (yet) a local HF checkpoint."""
+    path = Path(hf_checkpoint) / "config.json"
+    if hf_checkpoint.startswith(GENERATED_PREFIX) or not path.is_file():
+        return None
+    try:
+        return json.loads(path.read_text()).get("max_position_embeddings")
+    except (json.JSONDecodeError, OSError, AttributeError):
+        return None  # hf_checkpoint_problem and the roles say what is wrong with it
+
+
+def context_problem(cfg: PPOConfig, hf_checkpoint: str) -> str | None:
+    """Why --rollout-max-prompt-len plus --rollout-max-response-len cannot fit the model's context, or None."""
+    context, r = model_context(hf_checkpoint), cfg.rollout
+    if context is None:
+        return None
+    response = r.rollout_max_response_len or 0
+    if response >= context:
+        return (f"--rollout-max-response-len {response} leaves no room for a prompt in the model's context of "
+                f"{context} tokens (max_position_embeddings of {hf_checkpoint}); lower it")
+    if r.rollout_max_prompt_len is not None and r.rollout_max_prompt_len + response > context:
+        return (f"--rollout-max-prompt-len {r.rollout_max_prompt_len} + --rollout-max-response-len {response} = "
+                f"{r.rollout_max_prompt_len + response} tokens, more than the model's context of {context} "
+                f"(max_position_embeddings of {hf_checkpoint}); lower one so that they sum to at most {context}")
+    return None
+
+
 def start_job(cfg: PPOConfig, console: RunConsole | None = None) -> Job:
     """Build the run dir and start the roles; `console` (default: as cfg.logging asks) prints
     each start-up stage and its time."""
@@ -208,8 +262,19 @@ def start_job(cfg: PPOConfig, console: RunConsole | None = None) -> Job:
                             f"{len(problems)} problems stop this run (nothing was started):\n"
                             + "\n".join(f"  - {p}" for p in problems))
     actor_cls, critic_cls = trainer_classes(cfg.training.train_backend)
-    run_dir = Path(cfg.logging.run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        lock = claim(cfg)  # before anything is written: a live run's folder is refused untouched
+    except RunDirError as e:
+        raise JobSetupError(str(e)) from None
+    try:
+        return _start(cfg, console, lock, actor_cls, critic_cls)
+    except BaseException:
+        lock.release()
+        raise
+
+
+def _start(cfg: PPOConfig, console: RunConsole, lock: RunDirLock, actor_cls, critic_cls) -> Job:
+    run_dir = lock.run_dir
     (run_dir / "config.json").write_text(json.dumps(to_dict(cfg), indent=2))
     transformers.logging.set_verbosity_error()  # the driver loads tokenizers and builds tiny models too
     transformers.logging.disable_progress_bar()
@@ -218,15 +283,18 @@ def start_job(cfg: PPOConfig, console: RunConsole | None = None) -> Job:
     console.begin("loading the tokenizer and data")
     tok = AutoTokenizer.from_pretrained(hf_checkpoint)
     try:
+        if problem := context_problem(cfg, hf_checkpoint):  # a generated model's context is known only now
+            raise ValueError(problem)
         data = PromptDataset(prompt_data, input_key=cfg.rollout.input_key, label_key=cfg.rollout.label_key,
                              tokenizer=tok, apply_chat_template=cfg.rollout.apply_chat_template,
-                             max_prompt_len=cfg.rollout.rollout_max_prompt_len, seed=cfg.rollout.rollout_seed,
+                             max_prompt_len=cfg.rollout.rollout_max_prompt_len,
+                             context_len=model_context(hf_checkpoint),
+                             response_len=cfg.rollout.rollout_max_response_len or 0, seed=cfg.rollout.rollout_seed,
                              shuffle=cfg.rollout.rollout_shuffle, skip_bad_samples=cfg.rollout.skip_bad_samples)
-        if cfg.checkpoint.load is not None:
-            from ppo.checkpoint import locate  # it builds on this module
-
-            locate(cfg.checkpoint.load, critic_load=C.critic_load(cfg), uses_critic=C.uses_critic(cfg),
-                   hf_checkpoint=hf_checkpoint)
+        resume_from = None
+        if cfg.checkpoint.load is not None:  # checked against its manifest (ppo.manifest)
+            resume_from = locate(cfg.checkpoint.load, critic_load=C.critic_load(cfg), uses_critic=C.uses_critic(cfg),
+                                 hf_checkpoint=hf_checkpoint)
     except (ValueError, FileNotFoundError) as e:  # BadSample and CheckpointError are ValueErrors
         raise JobSetupError(str(e)) from e
     plan = plan_placement(cfg)
@@ -277,6 +345,7 @@ def start_job(cfg: PPOConfig, console: RunConsole | None = None) -> Job:
         sup.shutdown()
         raise
     return Job(cfg=cfg, run_dir=run_dir, hf_checkpoint=hf_checkpoint, tok=tok, data=data, sup=sup, console=console,
+               run_dir_lock=lock, resume_from=resume_from,
                placement=plan, engines=engines, engine_tenants=engine_tenants, actor=actor,
                actor_tenant=trainer_tenant(actor, tuple(plan.actor_gpus), frees=C.train_offload_tags(cfg)),
                critic=critic,

@@ -30,6 +30,7 @@ from ppo.job import Job, start_job
 from ppo.console import RunConsole
 from ppo.logger import RunLogger
 from ppo.rollout import SamplingParams, generate_and_score
+from ppo.signals import SignalStops
 from ppo.trace import TraceWriter
 from runtime import ActorDied, gather
 
@@ -41,16 +42,18 @@ class TrainerDied(RuntimeError):
 def train(cfg: PPOConfig, console: RunConsole | None = None) -> list[dict]:
     """Run the job the config describes; returns the per-rollout metrics. `console` prints
     (default: as cfg.logging asks); RUN_DIR/trace.json follows the run's events."""
-    job = start_job(cfg, console)
-    trace = TraceWriter(job.run_dir)
-    try:
-        return run(job)
-    finally:
-        job.close()
-        trace.close()
+    with SignalStops(cfg) as stops:  # Ctrl-C, SIGTERM, SIGUSR1: ppo.signals
+        job = start_job(cfg, console)
+        trace = TraceWriter(job.run_dir)
+        try:
+            return run(job, stops)
+        finally:
+            stops.closing()  # a signal now would cut the shutdown short
+            job.close()
+            trace.close()
 
 
-def run(job: Job) -> list[dict]:
+def run(job: Job, stops: SignalStops | None = None) -> list[dict]:
     cfg, colo = job.cfg, job.colocation
     actor, critic, engines = job.actor, job.critic, job.engines
     tok, data = job.tok, job.data
@@ -70,6 +73,8 @@ def run(job: Job) -> list[dict]:
     skipped = counters.skipped_updates  # optimizer steps skipped for a non-finite loss or gradient
     try:
         for step in range(start.step, cfg.rollout.num_rollout):
+            if stops is not None:
+                stops.step = step
             t_step = time.monotonic()
             perf = log.step_phases(step)  # perf/*_time; each phase is a span in RUN_DIR/trace.json
             restarts_before = job.sup.restart_counts()
@@ -147,7 +152,10 @@ def run(job: Job) -> list[dict]:
                            **{f"train/critic-{k}": v for k, v in critic_metrics.items()},
                            "rollout/weight_version": version, **perf})
             counters.skipped_updates, counters.skipped_samples = skipped, skipped_samples
-            checkpoint.save_if_due(job, step, data=data, version=version, counters=counters)
+            saved = checkpoint.save_if_due(job, step, data=data, version=version, counters=counters,
+                                           force=stops is not None and stops.save_requested)
+            if stops is not None:  # SIGUSR1 (or SIGTERM with --save-on-signal): saved, now stop
+                stops.after_step(step, saved=saved, last=step == cfg.rollout.num_rollout - 1)
     except ActorDied as e:
         group = next((g for g in (actor, critic) if g is not None and g.rank_of(e.role) is not None), None)
         if group is None:

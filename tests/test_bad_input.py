@@ -139,3 +139,176 @@ def test_config_problems_of_every_kind_come_in_one_message_exit_2_and_start_noth
     assert "--rollout-num-gpus 3 (placement.rollout_num_gpus): with --colocate the engines run on the actor's 2 GPUs" in message
     assert "Traceback" not in proc.stderr and proc.stdout == ""
     assert not run_dir.exists() and not (tmp_path / "runs").exists()
+
+
+# --- prompts against the model's context ----------------------------------------------------
+
+LONG = json.dumps({"prompt": "1+" * 40 + "1=", "label": "41"})  # 82 tokens; the tiny model's context is 64
+
+
+def context_args(ckpt: str, prompts: Path, run_dir: Path) -> list[str]:
+    return ["--hf-checkpoint", ckpt, "--prompt-data", str(prompts), "--run-dir", str(run_dir),
+            "--num-rollout", "2", "--num-critic-only-steps", "0", "--rollout-batch-size", "8",
+            "--global-batch-size", "64", "--micro-batch-size", "32", "--no-rollout-shuffle"]
+
+
+@pytest.mark.timeout(120)
+def test_prompt_longer_than_the_context_is_refused_at_load_naming_file_line_and_lengths(tmp_path, tiny_checkpoint):
+    prompts = write_prompts(tmp_path / "LONG.jsonl", [LONG])
+    proc = launch(context_args(tiny_checkpoint, prompts, tmp_path / "run"), tmp_path, timeout=100)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    lines = proc.stderr.strip().splitlines()
+    assert "Traceback" not in proc.stderr
+    assert lines[-1].startswith(f"tandem: {prompts}:{len(GOOD) + 1}: prompt has 82 tokens; with 4 response tokens "
+                                "that is 86, more than the model's context of 64"), proc.stderr[-3000:]
+    assert "--skip-bad-samples" in lines[-1]
+    assert not (tmp_path / "run" / "events.jsonl").exists()  # no role started
+
+
+def test_skip_bad_samples_skips_and_counts_prompts_longer_than_the_context(tmp_path, tiny_checkpoint):
+    """The same check, skipping (what the launcher builds with --skip-bad-samples; no processes)."""
+    from ppo.data import PromptDataset
+    from ppo.tiny_model import load_tokenizer
+    prompts = write_prompts(tmp_path / "LONG.jsonl", [LONG])
+    data = PromptDataset(prompts, input_key="prompt", label_key="label", tokenizer=load_tokenizer(tiny_checkpoint),
+                         context_len=64, response_len=4, skip_bad_samples=True)
+    assert len(data) == len(GOOD) and data.num_skipped == 1
+    assert data.skipped[0][0] == len(GOOD) + 1 and "context of 64" in data.skipped[0][1]
+
+
+@pytest.mark.timeout(60)
+def test_prompt_and_response_flags_beyond_the_context_are_refused_before_anything_is_written(tmp_path,
+                                                                                           tiny_checkpoint):
+    prompts = write_prompts(tmp_path / "ok.jsonl", [])
+    run_dir = tmp_path / "run"
+    proc = launch(context_args(tiny_checkpoint, prompts, run_dir)
+                  + ["--rollout-max-prompt-len", "40", "--rollout-max-response-len", "30"], tmp_path, timeout=50)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert ("--rollout-max-prompt-len 40 + --rollout-max-response-len 30 = 70 tokens, more than the model's "
+            "context of 64") in proc.stderr
+    assert "Traceback" not in proc.stderr and not run_dir.exists()
+
+
+# --- the run directory ---------------------------------------------------------------------
+
+@pytest.mark.timeout(60)
+def test_second_run_on_a_live_run_dir_is_refused_in_one_line_and_touches_nothing(tmp_path, tiny_checkpoint):
+    from ppo.config import ensure_valid, override
+    from ppo.recipes import tiny_ppo
+    from ppo.rundir import claim
+    run_dir = tmp_path / "run"
+    live = claim(ensure_valid(override(tiny_ppo(), run_dir=str(run_dir))))  # "the live run"
+    try:
+        (run_dir / "config.json").write_text("the live run's")
+        prompts = write_prompts(tmp_path / "ok.jsonl", [])
+        proc = launch(context_args(tiny_checkpoint, prompts, run_dir), tmp_path, timeout=50)
+        assert proc.returncode == 2, proc.stderr[-3000:]
+        assert proc.stderr.splitlines() == [f"tandem: --run-dir {run_dir} is in use by a live run (pid {os.getpid()}); "
+                                            "wait for it to end, or pass another --run-dir"]
+        assert (run_dir / "config.json").read_text() == "the live run's"
+        assert sorted(p.name for p in run_dir.iterdir()) == [".lock", "config.json"]
+    finally:
+        live.release()
+
+
+@pytest.mark.timeout(60)
+def test_an_ended_runs_dir_is_not_appended_to_without_load(tmp_path, tiny_checkpoint):
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "metrics.jsonl").write_text('{"step": 0}\n')
+    prompts = write_prompts(tmp_path / "ok.jsonl", [])
+    proc = launch(context_args(tiny_checkpoint, prompts, run_dir) + ["--save", str(tmp_path / "ck")],
+                  tmp_path, timeout=50)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert proc.stderr.splitlines() == [
+        f"tandem: --run-dir {run_dir} holds an earlier run (metrics.jsonl); resume it with --load {tmp_path / 'ck'}, "
+        "or pass a new --run-dir to start another run"]
+    assert (run_dir / "metrics.jsonl").read_text() == '{"step": 0}\n' and not (run_dir / "config.json").exists()
+
+
+def test_the_run_dir_lock_goes_with_its_release(tmp_path):
+    from ppo.config import ensure_valid, override
+    from ppo.recipes import tiny_ppo
+    from ppo.rundir import RunDirError, claim
+    cfg = ensure_valid(override(tiny_ppo(), run_dir=str(tmp_path / "run")))
+    first = claim(cfg)
+    with pytest.raises(RunDirError, match="in use by a live run"):
+        claim(cfg)
+    first.release()
+    claim(cfg).release()
+    with pytest.raises(RunDirError, match="cannot be used"):  # a folder under a regular file
+        (tmp_path / "file").write_text("")
+        claim(override(cfg, run_dir=str(tmp_path / "file" / "run")))
+
+
+# --- a damaged --load checkpoint -------------------------------------------------------------
+
+class FileSaver:
+    """Writes a trainer's three files (their contents do not matter before the roles start)."""
+
+    def save(self, path):
+        from roles.trainer.checkpoint import TRAINER_FILES
+        os.makedirs(path, exist_ok=True)
+        for name in TRAINER_FILES:
+            Path(path, name).write_bytes(os.urandom(4096))
+
+
+@pytest.mark.timeout(120)
+def test_load_with_no_intact_checkpoint_is_refused_in_one_line_before_any_role_starts(tmp_path, tiny_checkpoint):
+    from ppo import checkpoint as ck
+    save = tmp_path / "ck"
+    state = {"format": ck.FORMAT, "rollout_step": 0, "model": ck.model_signature(tiny_checkpoint)}
+    ck.save_checkpoint(str(save), 0, actor=FileSaver(), state=state, critic=FileSaver(),
+                       critic_dir=str(tmp_path / "ck_critic"))
+    with open(save / "rollout_00000" / "optimizer.pt", "r+b") as f:
+        f.truncate(1000)
+    prompts = write_prompts(tmp_path / "ok.jsonl", [])
+    proc = launch(context_args(tiny_checkpoint, prompts, tmp_path / "run") + ["--load", str(save)], tmp_path,
+                  timeout=50)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert proc.stderr.splitlines() == [f"tandem: --load {save}: {save}/rollout_00000/optimizer.pt has 1000 bytes, "
+                                        "4096 were written (truncated?); nothing to resume from"]
+    assert not (tmp_path / "run" / "events.jsonl").exists()
+
+
+# --- folders that cannot be written ------------------------------------------------------------
+
+@pytest.mark.timeout(60)
+def test_unwritable_save_and_run_dirs_are_refused_in_one_line_naming_the_path(tmp_path, tiny_checkpoint):
+    (tmp_path / "file").write_text("")  # a path under a regular file: unwritable even for root
+    prompts = write_prompts(tmp_path / "ok.jsonl", [])
+    proc = launch(context_args(tiny_checkpoint, prompts, tmp_path / "file" / "run"), tmp_path, timeout=50)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert proc.stderr.splitlines() == [f"tandem: --run-dir {tmp_path}/file/run: cannot be used (Not a directory); "
+                                        "pass a folder this user can write"]
+    proc = launch(context_args(tiny_checkpoint, prompts, tmp_path / "run") + ["--save", str(tmp_path / "file" / "ck")],
+                  tmp_path, timeout=50)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert f"--save {tmp_path}/file/ck: cannot be written (Not a directory)" in proc.stderr
+    assert "Traceback" not in proc.stderr and not (tmp_path / "run").exists()
+
+
+@pytest.fixture
+def tiny_disk(tmp_path):
+    """A 1 MiB tmpfs (root only): too small for a checkpoint of the tiny model."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(disk)], capture_output=True).returncode:
+        pytest.skip("cannot mount a tmpfs here (needs root)")
+    yield disk
+    subprocess.run(["umount", "-l", str(disk)], check=False)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_full_disk_at_the_save_stops_the_run_in_one_line_and_leaves_no_partial_checkpoint(
+        tmp_path, tiny_checkpoint, tiny_disk):
+    prompts = write_prompts(tmp_path / "ok.jsonl", [])
+    save = tiny_disk / "ck"
+    proc = launch(context_args(tiny_checkpoint, prompts, tmp_path / "run")
+                  + ["--save", str(save), "--save-interval", "1"], tmp_path, timeout=280)
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr and len(proc.stderr.splitlines()) == 1, proc.stderr[-3000:]
+    assert proc.stderr.startswith(f"tandem: checkpoint rollout_00000 could not be written to ")
+    assert "no space left on device" in proc.stderr.lower()
+    assert sorted(os.listdir(save)) == [] and not (save / "latest").exists()  # nothing half-written is left

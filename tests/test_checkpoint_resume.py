@@ -1,7 +1,9 @@
 """PPO run checkpoints (ppo/checkpoint.py): atomic saves, refusals that say what is wrong,
 trainer RNG and HF exports, and a resumed run that repeats the uninterrupted one."""
 
+import errno
 import json
+import re
 import os
 import random
 import shutil
@@ -17,6 +19,7 @@ from ppo import checkpoint as ck
 from ppo.config import override, validate
 from ppo.config.validate import ensure_valid
 from ppo.data import PromptDataset
+from ppo.manifest import write_manifest
 from ppo.recipes import tiny_ppo
 from ppo.tiny_model import build_tiny_checkpoint
 from roles.trainer.rng import capture_rng, restore_rng
@@ -148,12 +151,17 @@ def test_files_and_folders_reach_the_disk_before_the_tracker_moves(tmp_path, tra
         moved = next(i for i, op in enumerate(ops) if op[0] == "rename" and op[2] == folder)
         tmp = ops[moved][1]
         files = sorted(os.listdir(folder))
-        assert set(ck.TRAINER_FILES) <= set(files)
-        for f in files:  # each file, then its folder, fsynced before the rename...
-            assert index(("fsync", os.path.join(tmp, f))) < index(("fsync", tmp)) < moved
+        assert set(ck.TRAINER_FILES) <= set(files) and "MANIFEST.json" in files
+        tracker = index(("rename", os.path.join(parent, ".latest.tmp"), os.path.join(parent, "latest")))
+        if folder == final:
+            for f in files:  # each file, then its folder, fsynced before the rename...
+                assert index(("fsync", os.path.join(tmp, f))) < index(("fsync", tmp)) < moved
+        else:  # the critic's role renames its folder; the driver adds the manifest, before the tracker moves
+            for f in set(files) - {"MANIFEST.json"}:
+                assert index(("fsync", os.path.join(tmp, f))) < index(("fsync", tmp)) < moved
+            assert moved < index(("fsync", os.path.join(folder, "MANIFEST.json"))) < index(("fsync", folder)) < tracker
         # ...and the parent, which records the rename, after it
         assert any(op == ("fsync", parent) for op in ops[moved + 1:])
-        tracker = index(("rename", os.path.join(parent, ".latest.tmp"), os.path.join(parent, "latest")))
         assert moved < index(("fsync", os.path.join(parent, ".latest.tmp"))) < tracker
         assert ("fsync", parent) in ops[tracker + 1:]  # the tracker's rename is durable too
     assert "driver_state.json" in os.listdir(final)
@@ -219,9 +227,14 @@ def test_load_dir_without_any_checkpoint_starts_fresh(tmp_path, hf):
 
 
 @pytest.mark.parametrize("damage, message", [
-    (lambda d: (d / "save" / "latest").write_text("rollout_00009\n"),
-     r"latest names rollout_00009, but .*rollout_00009 does not exist"),
-    (lambda d: (d / "save" / "latest").write_text("iter_0000009\n"), r"should name a rollout_NNNNN folder"),
+    (lambda d: ((d / "save" / "latest").write_text("rollout_00009\n"), shutil.rmtree(d / "save" / "rollout_00001")),
+     r"latest names rollout_00009, but .*rollout_00009 does not exist; nothing to resume from"),
+    (lambda d: ((d / "save" / "latest").write_bytes(os.urandom(64)), shutil.rmtree(d / "save" / "rollout_00001")),
+     r"save/latest should name a rollout_NNNNN folder but holds"),
+    (lambda d: (d / "save" / "rollout_00001" / "optimizer.pt").write_bytes(b"x"),
+     r"save/rollout_00001/optimizer.pt has 1 bytes, \d+ were written \(truncated\?\); nothing to resume from"),
+    (lambda d: (d / "save_critic" / "rollout_00001" / "model.safetensors").open("r+b").write(b"\0" * 8),
+     r"save_critic/rollout_00001/model.safetensors does not match its checksum"),
     (lambda d: (d / "save" / "latest").unlink(), r"holds \['rollout_00001'\] but no 'latest' file.*echo rollout_00001"),
     (lambda d: (d / "save" / "rollout_00001" / "optimizer.pt").unlink(), r"incomplete, missing \['optimizer.pt'\]"),
     (lambda d: (d / "save" / "rollout_00001" / "driver_state.json").write_text('{"format": 1, "roll'),
@@ -258,7 +271,7 @@ def test_resume_refuses_a_finished_run(tmp_path, trainers, data, hf):
     save(tmp_path, trainers, data, 3, hf)
     cfg = override(tiny_ppo(), num_rollout=4, load=str(tmp_path / "save"),
                    critic_load=str(tmp_path / "save_critic"))
-    job = SimpleNamespace(cfg=cfg, critic=object(), hf_checkpoint=hf)
+    job = SimpleNamespace(cfg=cfg, critic=object(), hf_checkpoint=hf, resume_from=locate(tmp_path, hf))
     with pytest.raises(ck.CheckpointError, match=r"after rollout 3, and --num-rollout 4 leaves nothing to run"):
         ck.resume(job, data)
 
@@ -340,6 +353,7 @@ def test_resumed_run_repeats_the_uninterrupted_one(tmp_path):
                                  "skipped_samples": 0}
     state["counters"].update(skipped_updates=1, engine_restarts=3, scorer_restarts=2)
     state_file.write_text(json.dumps(state))
+    write_manifest(state_file.parent)  # the edited file's new size and checksum
     resumed = train(override(cfg, load=str(tmp_path / "b"), save=str(tmp_path / "b"),
                              save_hf=str(tmp_path / "hf_{rollout_id}"), save_keep_last=1,
                              check_weight_update_equal=True))  # the engines run the checkpoint's policy
@@ -366,3 +380,104 @@ def test_resumed_run_repeats_the_uninterrupted_one(tmp_path):
     exported = AutoModelForCausalLM.from_pretrained(tmp_path / "hf_3", dtype=torch.float32)
     saved = load_file(tmp_path / "b" / "rollout_00003" / "model.safetensors")
     assert all(torch.equal(p, saved[name]) for name, p in exported.named_parameters())
+
+
+@pytest.mark.parametrize("damage, message, used", [
+    (lambda d: (d / "save" / "rollout_00003" / "optimizer.pt").open("r+b").truncate(100),
+     r"save/rollout_00003/optimizer.pt has 100 bytes, \d+ were written \(truncated\?\)", 1),
+    (lambda d: (d / "save" / "rollout_00003" / "model.safetensors").open("r+b").truncate(10),
+     r"save/rollout_00003/model.safetensors has 10 bytes", 1),
+    (lambda d: (d / "save_critic" / "rollout_00003" / "optimizer.pt").unlink(),
+     r"the critic's .*save_critic/rollout_00003 is incomplete, missing \['optimizer.pt'\]", 1),
+    (lambda d: (d / "save" / "latest").write_bytes(os.urandom(64)),  # then the newest intact of all
+     r"save/latest should name a rollout_NNNNN folder but holds", 3),
+    (lambda d: (d / "save" / "latest").write_text("rollout_00005\n"),
+     r"save/latest names rollout_00005, but .*rollout_00005 does not exist", 3),
+])
+def test_a_damaged_newest_checkpoint_falls_back_to_the_newest_intact_one_with_one_warning(
+        tmp_path, trainers, data, hf, damage, message, used, caplog):
+    save(tmp_path, trainers, data, 1, hf)
+    save(tmp_path, trainers, data, 3, hf)
+    damage(tmp_path)
+    found = locate(tmp_path, hf)
+    name = ck.rollout_dir_name(used)
+    assert (found.step, found.critic_dir.name) == (used, name)
+    [warning] = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert re.search(message, warning), warning
+    assert warning.endswith(f"resuming from {tmp_path / 'save' / name} instead, the newest intact checkpoint")
+
+
+def test_manifest_lists_every_file_with_size_and_checksum(tmp_path, trainers, data, hf):
+    folder = save(tmp_path, trainers, data, 1, hf)
+    listed = json.loads((folder / "MANIFEST.json").read_text())["files"]
+    assert sorted(listed) == sorted([*ck.TRAINER_FILES, ck.DRIVER_STATE_FILE])
+    assert all(v["size"] == (folder / k).stat().st_size for k, v in listed.items())
+    assert sorted(json.loads((tmp_path / "save_critic" / "rollout_00001" / "MANIFEST.json").read_text())["files"]) \
+        == sorted(ck.TRAINER_FILES)
+
+
+def test_manifest_checks_large_files_piece_by_piece(tmp_path, monkeypatch):
+    from ppo import manifest
+    monkeypatch.setattr(manifest, "PIECE", 1000)
+    (tmp_path / "big").write_bytes(os.urandom(2500))
+    (tmp_path / "empty").write_bytes(b"")
+    manifest.write_manifest(tmp_path)
+    listed = json.loads((tmp_path / "MANIFEST.json").read_text())["files"]
+    assert len(listed["big"]["crc32"]) == 3 and listed["empty"] == {"size": 0, "crc32": [0]}
+    assert manifest.damage(tmp_path) is None
+    with open(tmp_path / "big", "r+b") as f:  # one byte of the last piece
+        f.seek(2400)
+        f.write(bytes([f.read(1)[0] ^ 1]))
+    assert manifest.damage(tmp_path) == f"{tmp_path / 'big'} does not match its checksum (overwritten or corrupted)"
+
+
+# ---- a save that cannot be written ------------------------------------------------------------
+
+
+class FullDiskActor:
+    """A trainer whose save fails as on a full disk: the driver's OSError, or a role's RemoteError
+    from torch that does not say why ("unexpected pos")."""
+
+    def __init__(self, remote: bool):
+        self.remote = remote
+
+    def save(self, path):
+        os.makedirs(path)
+        (open(os.path.join(path, "model.safetensors"), "wb")).write(b"\0" * 100)
+        if self.remote:
+            from runtime import RemoteError
+            raise RemoteError("actor.0", "save", "RuntimeError", "[enforce fail at inline_container.cc:783] . "
+                              "PytorchStreamWriter failed writing file data/3: file write failed\nunexpected pos 1",
+                              "Traceback ...")
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), os.path.join(path, "optimizer.pt"))
+
+
+@pytest.mark.parametrize("remote", [False, True])
+def test_a_full_disk_stops_the_save_in_one_line_and_keeps_the_last_checkpoint(tmp_path, trainers, data, hf,
+                                                                                monkeypatch, remote):
+    save(tmp_path, trainers, data, 1, hf)
+    cfg = override(tiny_ppo(), save=str(tmp_path / "save"), save_interval=1, num_rollout=4)
+    job = SimpleNamespace(cfg=cfg, actor=FullDiskActor(remote), critic=None, hf_checkpoint=hf,
+                          sup=SimpleNamespace(publish=lambda *a, **k: None))
+    if remote:  # the role said nothing of space: the free space of the folder's filesystem does
+        monkeypatch.setattr(ck, "_free_bytes", lambda path: 4096)
+    with pytest.raises(ck.SaveFailed) as failed:
+        ck.save_if_due(job, 2, data=data, version=2)
+    message = str(failed.value)
+    assert "\n" not in message
+    assert message.startswith(f"checkpoint rollout_00002 could not be written to {tmp_path / 'save'}: ")
+    assert ("no space left on device (4096 bytes free; the writer said: RuntimeError: unexpected pos 1)" if remote
+            else "No space left on device") in message
+    assert message.endswith(f"the last complete checkpoint is rollout_00001: make room, then resume with "
+                            f"--load {tmp_path / 'save'}")
+    assert sorted(os.listdir(tmp_path / "save")) == ["latest", "rollout_00001"]
+    assert locate(tmp_path, hf).step == 1
+
+
+def test_a_checkpoint_from_before_manifests_is_taken_unverified_with_a_warning(tmp_path, trainers, data, hf, caplog):
+    save(tmp_path, trainers, data, 1, hf)
+    for folder in ("save", "save_critic"):
+        (tmp_path / folder / "rollout_00001" / "MANIFEST.json").unlink()
+    assert locate(tmp_path, hf).step == 1
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warnings) == 2 and all("has no MANIFEST.json (an older checkpoint)" in w for w in warnings)

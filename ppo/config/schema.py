@@ -77,6 +77,9 @@ class CheckpointConfig:
     save_interval: int | None = knob(None, "save every N rollouts", ge=1)
     save_keep_last: int | None = knob(None, "keep only the newest N checkpoints under --save (and the "
                                       "critic's); unset keeps all (miles has no such flag)", ge=1)
+    save_on_signal: bool = knob(False, "SIGTERM saves a checkpoint at the end of the rollout under way and then "
+                                "stops, as SIGUSR1 always does with --save (schedulers send SIGTERM before "
+                                "they kill); without it SIGTERM stops at once")
     save_hf: str | None = knob(None, "also save HF weights to this path "
                                "('{rollout_id}' is filled in)")
     critic_load: str | None = knob(None, "critic checkpoint dir to resume from; falls back to --load + '_critic'")

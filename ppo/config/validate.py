@@ -357,6 +357,9 @@ def _outputs(cfg: PPOConfig) -> list[str]:
                    "Please add --save PATH")
     if c.save_keep_last is not None and c.save is None:
         out.append("--save-keep-last is set but --save (checkpoint.save) is not. Please add --save PATH")
+    if c.save_on_signal and c.save is None:
+        out.append("--save-on-signal is set but --save (checkpoint.save) is not: there is nowhere to save. "
+                   "Please add --save PATH")
     # One folder for both trainers would have each overwrite (or load) the other's weights.
     for flag, actor_dir, critic_dir in (("save", c.save, d.critic_save(cfg)), ("load", c.load, d.critic_load(cfg))):
         if (d.uses_critic(cfg) and actor_dir is not None and critic_dir is not None
