@@ -87,7 +87,7 @@ class ActorTrainer(TrainerRole):
         pg_loss, pg_clipfrac, ppo_kl, entropy_loss (when entropy_coef != 0 or log_entropy),
         kl_loss (when use_kl_loss), grad_norm, lr (of the last step), skipped_nonfinite.
         `mini_batches`: a rank's share of each mini-batch (roles.trainer.group)."""
-        required = ACTOR_TRAIN_KEYS + (("ref_log_probs",) if self.config.use_kl_loss else ())
+        required = ACTOR_TRAIN_KEYS + (("ref_log_probs",) if self.config.use_kl_loss else ()) + optional_train_keys(batch)
         return self._train(batch, required, self._micro_loss, mini_batches)
 
     def _micro_loss(self, mb: MicroBatch, counts: dict) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -163,11 +163,18 @@ class ActorTrainer(TrainerRole):
         return {"path": path, "seconds": time.monotonic() - start}
 
 
+def optional_train_keys(batch: dict) -> tuple[str, ...]:
+    """Response-aligned inputs the policy objective reads when the driver sends them:
+    tis_weights [N, R], per-token importance weights (--use-tis)."""
+    return tuple(k for k in ("tis_weights",) if k in batch)
+
+
 def policy_objective(cfg: TrainerConfig, log_probs: torch.Tensor, entropy: torch.Tensor | None, mb, counts: dict
                      ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The PPO policy objective of one micro-batch, both backends: clipped policy loss, minus
     entropy_coef * entropy, plus kl_loss_coef * KL to the reference, each aggregated by
-    loss_agg_mode with the whole mini-batch's `counts`.
+    loss_agg_mode with the whole mini-batch's `counts`. The ratio is per token or, for GSPO,
+    per sequence (cfg.ratio_level); tis_weights, when sent, weight each token's policy loss.
 
     log_probs, entropy: [n, Rm] of `mb` (roles.trainer.batching.MicroBatch or
     roles.trainer.megatron.packing.PackedMicroBatch: `.response`, `.valid`); metrics scaled
@@ -178,14 +185,11 @@ def policy_objective(cfg: TrainerConfig, log_probs: torch.Tensor, entropy: torch
     pg_loss, pg_metrics = policy_loss(
         log_probs, r["old_log_probs"], r["advantages"], valid,
         eps_clip=cfg.eps_clip, eps_clip_high=cfg.eps_clip_high, eps_clip_c=cfg.eps_clip_c,
-        agg=cfg.loss_agg_mode, **counts,
+        agg=cfg.loss_agg_mode, ratio_level=cfg.ratio_level, is_weights=r.get("tis_weights"), **counts,
     )
     share = token_share(mb, counts)
-    metrics = {
-        "pg_loss": pg_loss.detach(),
-        "pg_clipfrac": pg_metrics["pg_clipfrac"] * share,
-        "ppo_kl": pg_metrics["ppo_kl"] * share,
-    }
+    metrics = {k: pg_metrics[k] * share for k in ("pg_clipfrac", "ppo_kl", "ois") if k in pg_metrics}
+    metrics["pg_loss"] = pg_loss.detach()
     loss = pg_loss
     if entropy is not None:
         entropy_loss = aggregate(entropy, valid, cfg.loss_agg_mode, **counts)

@@ -18,7 +18,7 @@ from typing import Any, Iterator, Mapping
 
 import torch
 
-from roles.trainer.actor import ActorTrainer, policy_objective
+from roles.trainer.actor import ActorTrainer, optional_train_keys, policy_objective
 from roles.trainer.batching import ACTOR_TRAIN_KEYS, CRITIC_TRAIN_KEYS
 from roles.trainer.critic import value_objective
 from roles.trainer.distributed import is_rank_zero
@@ -134,7 +134,7 @@ class MegatronActorTrainer(_MegatronRole):
     @endpoint
     def train(self, batch: dict, mini_batches: list[dict] | None = None) -> dict:
         """One PPO pass over the batch; metrics as ActorTrainer.train."""
-        required = ACTOR_TRAIN_KEYS + (("ref_log_probs",) if self.config.use_kl_loss else ())
+        required = ACTOR_TRAIN_KEYS + (("ref_log_probs",) if self.config.use_kl_loss else ()) + optional_train_keys(batch)
         return self._train(batch, required, self, mini_batches)
 
     def processor(self, mb: PackedMicroBatch):
