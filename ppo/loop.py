@@ -45,6 +45,7 @@ class TrainerDied(RuntimeError):
 def train(cfg: PPOConfig, console: RunConsole | None = None) -> list[dict]:
     """Run the job the config describes; returns the per-rollout metrics. `console` prints
     (default: as cfg.logging asks); RUN_DIR/trace.json follows the run's events."""
+    user_functions(cfg)  # a bad --dynamic-sampling-filter-path or --custom-tis-function-path fails before any role starts
     job = start_job(cfg, console)
     trace = TraceWriter(job.run_dir)
     try:
@@ -60,10 +61,7 @@ def run(job: Job) -> list[dict]:
     tok, data = job.tok, job.data
     skipped_samples = data.num_skipped  # lines of --prompt-data left out; logged as rollout/skipped_samples
     sampling = sampling_params(cfg, tok.eos_token_id)
-    # user functions load before the first step, so that a bad path fails at once
-    dynamic_sampling = DynamicSampling.from_config(cfg)
-    tis_function = (load_function(cfg.ppo.custom_tis_function_path, "custom_tis_function_path")
-                    if cfg.ppo.custom_tis_function_path else truncated_is)
+    dynamic_sampling, tis_function = user_functions(cfg)
     critic_only_steps = C.num_critic_only_steps(cfg)
     # --load: trainers, data position, driver RNG and the engines' weights as the checkpoint left them
     start = (checkpoint.resume(job, data) if cfg.checkpoint.load is not None
@@ -175,6 +173,13 @@ def run(job: Job) -> list[dict]:
     finally:
         log.close()
     return log.history
+
+
+def user_functions(cfg: PPOConfig) -> tuple[DynamicSampling, object]:
+    """Dynamic sampling (its filter loaded) and the TIS function, loaded as --custom-rm-path is."""
+    path = cfg.ppo.custom_tis_function_path
+    return (DynamicSampling.from_config(cfg),
+            load_function(path, "custom_tis_function_path") if path else truncated_is)
 
 
 def engine_handoff(job: Job, handoff, version: int) -> None:

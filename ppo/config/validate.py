@@ -188,8 +188,9 @@ def _algorithm(cfg: PPOConfig) -> list[str]:
                                 "no critic. Please add --advantage-estimator ppo or remove "
                                 "--num-critic-only-steps"))
         elif cfg.rollout.num_rollout is not None and warmup >= cfg.rollout.num_rollout:
-            out.append(_bad("num_critic_only_steps", p.num_critic_only_steps,
-                            f"must be < --num-rollout {cfg.rollout.num_rollout}, "
+            unset = "" if p.num_critic_only_steps is not None else " (unset: 1 with a critic)"
+            out.append(_bad("num_critic_only_steps", warmup,
+                            f"must be < --num-rollout {cfg.rollout.num_rollout}{unset}, "
                             "or the actor never trains"))
     return out + _mismatch(cfg) + _dynamic_sampling(cfg)
 
