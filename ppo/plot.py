@@ -14,8 +14,8 @@ PANELS = (
     ("train/ppo_kl", "PPO KL (old vs new policy)"),
     ("train/critic-value_loss", "critic value loss"),
     ("perf/step_time", "step time (s)"),
-    ("train/mis_k3_kl", "train-inference mismatch: k3 KL (--get-mismatch-metrics)"),
-    ("train/tis_clipfrac", "TIS clip fraction (--use-tis)"),
+    ("train/mis_k3_kl", "mismatch k3 KL, trainer vs engine"),
+    ("train/tis_clipfrac", "TIS clip fraction"),
 )
 BAR_LABELS = {"train": "actor_train", "offload": "handoffs (offload/onload)"}  # perf/train_time is the actor's
 
