@@ -263,3 +263,14 @@ def test_gspo_equals_ppo_on_one_token_responses_and_rejects_unknown_levels():
         torch.testing.assert_close(a, b)
     with pytest.raises(ValueError, match="ratio_level"):
         policy_loss(logp, old, adv, mask, ratio_level="geometric")
+
+
+def test_mismatch_metrics_resolve_float32_sized_gaps():
+    """Engines that agree to ~1e-7 (the CPU run): k3 KL and chi2 stay >= 0 and of the right size
+    rather than rounding to 0 or below."""
+    rollout = torch.full((1, 4), -1.0, dtype=torch.float32)
+    train = rollout + torch.tensor([[2e-7, -2e-7, 3e-7, 1e-7]])
+    got = reduce_metrics(mismatch_metrics(train, rollout, torch.ones(1, 4)), torch.ones(1, 4))
+    logs = (train.double() - rollout.double())[0].tolist()
+    assert got["k3_kl"] == pytest.approx(sum(x * x / 2 for x in logs) / 4, rel=1e-4)
+    assert got["chi2_token"] == pytest.approx(sum(2 * x for x in logs) / 4, rel=1e-4)

@@ -106,7 +106,7 @@ def _metrics(ratio: torch.Tensor, weights: torch.Tensor, valid: torch.Tensor) ->
 def mismatch_metrics(train_log_probs: torch.Tensor, rollout_log_probs: torch.Tensor,
                      mask: torch.Tensor) -> dict[str, torch.Tensor]:
     """--get-mismatch-metrics: per-token [B, T] metrics of pi_train against pi_rollout, with
-    the names of miles' mis.py (add_ppl_metrics), to reduce with `reduce_metrics`:
+    the names of miles' mis.py (add_ppl_metrics), in float64, to reduce with `reduce_metrics`:
 
       training_log_ppl, rollout_log_ppl   -mean_t log p of the sequence (each engine)
       training_ppl, rollout_ppl           exp of those
@@ -121,24 +121,26 @@ def mismatch_metrics(train_log_probs: torch.Tensor, rollout_log_probs: torch.Ten
     the whole micro-batch; here it is per sequence, so the value does not depend on how the
     batch is split.
     """
+    # float64 whatever the input: gaps of ~1e-7 (engines that agree) square to ~1e-14
+    train_log_probs, rollout_log_probs = train_log_probs.double(), rollout_log_probs.double()
     log_ratio, valid = _log_ratio(train_log_probs, rollout_log_probs, mask)
     dtype = log_ratio.dtype
     n = valid.sum(-1, keepdim=True).clamp_min(1).to(dtype)
     train = masked(train_log_probs, valid, dtype).detach()
     rollout = masked(rollout_log_probs, valid, dtype).detach()
     mean_train, mean_rollout = train.sum(-1, keepdim=True) / n, rollout.sum(-1, keepdim=True) / n
-    r = torch.exp(log_ratio)
     log_ppl_diff = mean_rollout - mean_train
     seq = {
         "training_log_ppl": -mean_train, "training_ppl": torch.exp(-mean_train),
         "rollout_log_ppl": -mean_rollout, "rollout_ppl": torch.exp(-mean_rollout),
         "log_ppl_diff": log_ppl_diff, "log_ppl_abs_diff": log_ppl_diff.abs(), "ppl_ratio": torch.exp(log_ppl_diff),
-        "chi2_token": torch.where(valid, r.square(), 0.0).sum(-1, keepdim=True) / n - 1,
-        "chi2_seq": torch.exp(2 * log_ratio.sum(-1, keepdim=True).clamp(-SAFETY_BOUND, SAFETY_BOUND)) - 1,
+        # expm1: x ~1e-7 is below the resolution of 1 + x, even in float64 for x ~1e-17
+        "chi2_token": torch.where(valid, torch.expm1(2 * log_ratio), 0.0).sum(-1, keepdim=True) / n,
+        "chi2_seq": torch.expm1(2 * log_ratio.sum(-1, keepdim=True).clamp(-SAFETY_BOUND, SAFETY_BOUND)),
     }
     out = {k: v.expand_as(log_ratio) for k, v in seq.items()}
     out["kl"] = -log_ratio
-    out["k3_kl"] = r - log_ratio - 1
+    out["k3_kl"] = torch.expm1(log_ratio) - log_ratio
     return out
 
 
