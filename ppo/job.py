@@ -90,6 +90,7 @@ def trainer_config(cfg: PPOConfig, hf_checkpoint: str, *, critic: bool, dtype: s
         "micro_batch_size": None if dynamic else t.micro_batch_size,
         "max_tokens_per_gpu": t.max_tokens_per_gpu if dynamic else None,
         "eps_clip": p.eps_clip, "eps_clip_high": p.eps_clip_high, "eps_clip_c": p.eps_clip_c,
+        "ratio_level": C.ratio_level(cfg),
         "value_clip": p.value_clip, "loss_agg_mode": p.loss_agg_mode,
         # a KL loss at weight 0 changes nothing: skip the reference model entirely then
         "use_kl_loss": p.use_kl_loss and p.kl_loss_coef != 0, "kl_loss_coef": p.kl_loss_coef,

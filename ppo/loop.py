@@ -2,9 +2,11 @@
 
 Colocated, every GPU is held by one role at a time (docs/architecture.md):
 
-    1. engines generate; reward scorers score as each engine finishes
+    1. engines generate; reward scorers score as each engine finishes (with dynamic
+       sampling, rounds of prompts until enough groups pass the filter: ppo.dynamic_sampling)
     2. engines release weights and KV cache
-    3. actor: old log-probs (and reference log-probs only when a KL term is on)
+    3. actor: old log-probs (and reference log-probs only when a KL term is on); the driver
+       compares them with the engine's (TIS weights, mismatch metrics)
     4. critic: values; the driver computes rewards (reward-level KL possible here), GAE
     5. critic trains, offloads
     6. actor trains unless in critic-only warm-up; keeps its weights for the sync
@@ -22,16 +24,19 @@ import torch
 
 from ppo import checkpoint
 from ppo import config as C
-from ppo.algorithms import compute_advantages, kl_estimate, masked_whiten, token_level_rewards
+from ppo.algorithms import (compute_advantages, kl_estimate, masked_whiten, mismatch_metrics, reduce_metrics,
+                            token_level_rewards, truncated_is)
 from ppo.batch import build_batch, select
 from ppo.config import PPOConfig
 from ppo.config.serialize import to_dict
 from ppo.job import Job, start_job
 from ppo.console import RunConsole
+from ppo.dynamic_sampling import DynamicSampling, sample_batch
 from ppo.logger import RunLogger
 from ppo.rollout import SamplingParams, generate_and_score
 from ppo.signals import SignalStops
 from ppo.trace import TraceWriter
+from roles.reward.custom import load_function
 from runtime import ActorDied, gather
 
 
@@ -42,6 +47,7 @@ class TrainerDied(RuntimeError):
 def train(cfg: PPOConfig, console: RunConsole | None = None) -> list[dict]:
     """Run the job the config describes; returns the per-rollout metrics. `console` prints
     (default: as cfg.logging asks); RUN_DIR/trace.json follows the run's events."""
+    user_functions(cfg)  # a bad --dynamic-sampling-filter-path or --custom-tis-function-path fails before any role starts
     with SignalStops(cfg) as stops:  # Ctrl-C, SIGTERM, SIGUSR1: ppo.signals
         job = start_job(cfg, console)
         trace = TraceWriter(job.run_dir)
@@ -59,6 +65,8 @@ def run(job: Job, stops: SignalStops | None = None) -> list[dict]:
     tok, data = job.tok, job.data
     skipped_samples = data.num_skipped  # lines of --prompt-data left out; logged as rollout/skipped_samples
     sampling = sampling_params(cfg, tok.eos_token_id)
+    dynamic_sampling, tis_function = user_functions(cfg)
+    critic_only_steps = C.num_critic_only_steps(cfg)
     # --load: trainers, data position, driver RNG and the engines' weights as the checkpoint left them
     start = (checkpoint.resume(job, data) if cfg.checkpoint.load is not None
              else checkpoint.ResumePoint(step=0, version=0))
@@ -79,12 +87,14 @@ def run(job: Job, stops: SignalStops | None = None) -> list[dict]:
             perf = log.step_phases(step)  # perf/*_time; each phase is a span in RUN_DIR/trace.json
             restarts_before = job.sup.restart_counts()
 
-            # 1. generate and score (a role that dies here is replaced and its work re-issued)
+            # 1. generate and score (a role that dies here is replaced and its work re-issued),
+            # in rounds while dynamic sampling's filter drops groups
             with perf.phase("rollout"):
-                samples = generate_and_score(
-                    engines, job.scorers, data.next_batch(cfg.rollout.rollout_batch_size), sampling, step,
-                    decode=tok.decode, eos_id=tok.eos_token_id,
-                    recover=lambda role, dead: recover(job, role, dead, version))
+                samples, sampling_metrics = sample_batch(
+                    lambda prompts, sampling_round: generate_and_score(
+                        engines, job.scorers, prompts, sampling, step, decode=tok.decode, eos_id=tok.eos_token_id,
+                        recover=lambda role, dead: recover(job, role, dead, version), sampling_round=sampling_round),
+                    data.next_batch, dynamic_sampling)
             batch = build_batch(samples, pad_id=tok.pad_token_id)
 
             # 2-3. engines hand the GPUs to the actor: old and reference log-probs
@@ -95,6 +105,7 @@ def run(job: Job, stops: SignalStops | None = None) -> list[dict]:
                 if C.needs_ref(cfg):
                     batch["ref_log_probs"] = actor.compute_ref_log_probs(select(batch))["log_probs"]
             colo.vacate([job.actor_tenant], ["params"])
+            mismatch = mismatch_correction(cfg, batch, tis_function)  # may add batch["tis_weights"]
 
             # 4. critic values, then advantages in the driver
             critic_metrics = {}
@@ -115,11 +126,10 @@ def run(job: Job, stops: SignalStops | None = None) -> list[dict]:
 
             # 6. actor update, unless the critic is still warming up
             actor_metrics = {}
-            if step >= cfg.ppo.num_critic_only_steps:
+            if step >= critic_only_steps:
                 colo.occupy([job.actor_tenant], ["params", "optimizer", "grads"])
                 with perf.phase("actor_train", metric="perf/train_time"):
-                    keys = ("old_log_probs", "advantages") + (("ref_log_probs",) if "ref_log_probs" in batch else ())
-                    actor_metrics = actor.train(select(batch, *keys))
+                    actor_metrics = actor.train(actor_batch(cfg, batch))
                 skipped = check_skipped(cfg, skipped + actor_metrics["skipped_nonfinite"])
                 colo.vacate([job.actor_tenant], ["grads", "optimizer"], keep="params")
 
@@ -141,7 +151,7 @@ def run(job: Job, stops: SignalStops | None = None) -> list[dict]:
             perf["perf/offload_time"] = colo.take_time()
             perf["perf/step_time"] = time.monotonic() - t_step
             log.dump_samples(step, samples)
-            log.log(step, {**rollout_metrics(batch, samples),
+            log.log(step, {**rollout_metrics(batch, samples), **sampling_metrics, **mismatch,
                            "rollout/engine_restarts": engine_restarts,
                            "rollout/skipped_samples": skipped_samples,
                            "rollout/scorer_restarts": scorer_restarts,
@@ -184,6 +194,13 @@ def sync_engines(job: Job, version: int, perf) -> None:
         check_weights_equal(job)
     colo.drop_residual(job.actor_tenant, ["params"])
     engine_handoff(job, lambda: colo.occupy(job.engine_tenants, ["kv_cache"]), version)
+
+
+def user_functions(cfg: PPOConfig) -> tuple[DynamicSampling, object]:
+    """Dynamic sampling (its filter loaded) and the TIS function, loaded as --custom-rm-path is."""
+    path = cfg.ppo.custom_tis_function_path
+    return (DynamicSampling.from_config(cfg),
+            load_function(path, "custom_tis_function_path") if path else truncated_is)
 
 
 def engine_handoff(job: Job, handoff, version: int) -> None:
@@ -255,6 +272,34 @@ def advantages(cfg: PPOConfig, batch: dict) -> tuple[torch.Tensor, torch.Tensor]
     if p.normalize_advantages:
         adv = masked_whiten(adv, mask)
     return adv, returns
+
+
+def mismatch_correction(cfg: PPOConfig, batch: dict, tis_function) -> dict[str, float]:
+    """Trainer (old_log_probs) against engine (rollout_log_probs) log-probs of the same tokens:
+    with --use-tis, batch["tis_weights"] [N, R] from `tis_function` (ppo.algorithms.mismatch
+    states its contract) and their metrics; with --get-mismatch-metrics, train/mis_* (miles'
+    names). Computed once here: both log-probs are fixed for the whole rollout."""
+    p, mask, out = cfg.ppo, batch["loss_mask"], {}
+    train, engine = batch["old_log_probs"], batch["rollout_log_probs"]
+    if p.use_tis:
+        weights, metrics = tis_function(train_log_probs=train, rollout_log_probs=engine, mask=mask,
+                                        tis_clip=p.tis_clip, tis_clip_low=p.tis_clip_low)
+        if not isinstance(weights, torch.Tensor) or weights.shape != mask.shape:
+            raise ValueError(f"the TIS function {p.custom_tis_function_path or 'truncated_is'} returned weights of "
+                             f"shape {getattr(weights, 'shape', type(weights))}, expected {tuple(mask.shape)}")
+        batch["tis_weights"] = torch.where(mask != 0, weights.detach().float(), 0.0)
+        out.update({f"train/{k}": v for k, v in reduce_metrics(metrics, mask).items()})
+    if p.get_mismatch_metrics:
+        out.update({f"train/mis_{k}": v for k, v in reduce_metrics(mismatch_metrics(train, engine, mask), mask).items()})
+    return out
+
+
+def actor_batch(cfg: PPOConfig, batch: dict) -> dict:
+    """What the actor trains on; with --use-rollout-logprobs the ratio's old log-probs are the engine's."""
+    keys = ("advantages",) + tuple(k for k in ("ref_log_probs", "tis_weights") if k in batch)
+    out = select(batch, *keys)
+    out["old_log_probs"] = batch["rollout_log_probs" if cfg.ppo.use_rollout_logprobs else "old_log_probs"]
+    return out
 
 
 def rollout_metrics(batch: dict, samples: list[dict]) -> dict[str, float]:

@@ -1,5 +1,6 @@
-"""`python -m ppo.plot RUN_DIR [--out FILE]`: reward, KL, value loss and step time of a run, and a
-stacked bar of each step's time by phase (the `perf/*_time` metrics), as a PNG."""
+"""`python -m ppo.plot RUN_DIR [--out FILE]`: reward, KL, value loss, step time, train-inference
+mismatch and TIS clipping of a run, and a stacked bar of each step's time by phase (the
+`perf/*_time` metrics), as a PNG."""
 
 from __future__ import annotations
 
@@ -13,6 +14,8 @@ PANELS = (
     ("train/ppo_kl", "PPO KL (old vs new policy)"),
     ("train/critic-value_loss", "critic value loss"),
     ("perf/step_time", "step time (s)"),
+    ("train/mis_k3_kl", "mismatch k3 KL, trainer vs engine"),
+    ("train/tis_clipfrac", "TIS clip fraction"),
 )
 BAR_LABELS = {"train": "actor_train", "offload": "handoffs (offload/onload)"}  # perf/train_time is the actor's
 
@@ -42,10 +45,11 @@ def plot(rows: list[dict], out: Path, title: str) -> Path:
     matplotlib.use("Agg")  # files only; no display needed
     import matplotlib.pyplot as plt
 
-    fig = plt.figure(figsize=(10, 9.5), constrained_layout=True)
-    grid = fig.add_gridspec(3, 2)
+    panel_rows = (len(PANELS) + 1) // 2
+    fig = plt.figure(figsize=(10, 3.2 * (panel_rows + 1)), constrained_layout=True)
+    grid = fig.add_gridspec(panel_rows + 1, 2)
     axes = [fig.add_subplot(grid[i // 2, i % 2]) for i in range(len(PANELS))]
-    _phase_bars(fig.add_subplot(grid[2, :]), rows)
+    _phase_bars(fig.add_subplot(grid[panel_rows, :]), rows)
     for ax, (key, label) in zip(axes, PANELS):
         pts = [(r["step"], r[key]) for r in rows if key in r]
         if pts:

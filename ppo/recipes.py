@@ -26,12 +26,12 @@ from ppo.config import (
 
 
 def ppo_algorithm() -> PPOAlgoConfig:
-    """The miles PPO example's algorithm: GAE with a critic that warms up for one rollout,
+    """The miles PPO example's algorithm: GAE with a critic that warms up for one rollout
+    (--num-critic-only-steps unset: 1 with the critic, 0 when another estimator drops it),
     whitened advantages, clip 0.2, and the KL loss wired in at weight 0 (so no reference
     forward is scheduled until --kl-loss-coef is raised)."""
     return PPOAlgoConfig(
         advantage_estimator="ppo",
-        num_critic_only_steps=1,
         normalize_advantages=True,
         use_kl_loss=True,
         kl_loss_coef=0.0,

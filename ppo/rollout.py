@@ -3,7 +3,8 @@
 Requests are spread evenly over the engines; each engine's results go to a reward scorer
 (round robin) as soon as that engine returns, so scoring overlaps the slower engines'
 generation. Every request carries its own seed, derived from (rollout seed, step, sample
-index): a sample does not depend on which engine produced it or what it was batched with.
+index, and the dynamic-sampling round after the first): a sample does not depend on which engine
+produced it or what it was batched with.
 """
 
 from __future__ import annotations
@@ -26,18 +27,19 @@ class SamplingParams:
     seed: int
 
 
-def sample_seed(base: int, step: int, index: int) -> int:
-    digest = hashlib.blake2b(f"{base}:{step}:{index}".encode(), digest_size=8).digest()
+def sample_seed(base: int, step: int, index: int, sampling_round: int = 0) -> int:
+    key = f"{base}:{step}:{index}" + (f":r{sampling_round}" if sampling_round else "")
+    digest = hashlib.blake2b(key.encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little") & ((1 << 63) - 1)
 
 
-def make_requests(prompts: list[dict], params: SamplingParams, step: int) -> list[dict]:
+def make_requests(prompts: list[dict], params: SamplingParams, step: int, sampling_round: int = 0) -> list[dict]:
     """n requests per prompt; request id = sample index = group * n + k."""
     n = params.n_samples_per_prompt
     sampling = {"temperature": params.temperature, "top_p": params.top_p, "top_k": params.top_k,
                 "max_new_tokens": params.max_new_tokens, "stop_token_ids": list(params.stop_token_ids)}
     return [{"id": g * n + k, "prompt_ids": list(p["prompt_ids"]),
-             "sampling": dict(sampling, seed=sample_seed(params.seed, step, g * n + k))}
+             "sampling": dict(sampling, seed=sample_seed(params.seed, step, g * n + k, sampling_round))}
             for g, p in enumerate(prompts) for k in range(n)]
 
 
@@ -53,7 +55,7 @@ def split_evenly(items: list, num_parts: int) -> list[list]:
 
 def generate_and_score(engines: list[ActorHandle], scorers: list[ActorHandle], prompts: list[dict],
                        params: SamplingParams, step: int, decode, eos_id: int,
-                       recover: Callable[[ActorHandle, int], None]) -> list[dict]:
+                       recover: Callable[[ActorHandle, int], None], sampling_round: int = 0) -> list[dict]:
     """Samples in request order: prompt, response ids/text/log-probs, reward and status.
 
     An engine or scorer that dies mid-call is replaced (`recover(handle, dead_incarnation)`
@@ -62,7 +64,7 @@ def generate_and_score(engines: list[ActorHandle], scorers: list[ActorHandle], p
     yields the sample it would have yielded the first time; results are keyed by request
     id, so nothing is counted twice. (Restarts are counted by the supervisor, at each death.)
     """
-    requests = make_requests(prompts, params, step)
+    requests = make_requests(prompts, params, step, sampling_round)
     chunks = split_evenly(requests, len(engines))
     n = params.n_samples_per_prompt
 

@@ -123,10 +123,11 @@ def test_ppo_is_gae_with_zeros_at_masked_positions(gamma, lam):
 
 
 @pytest.mark.parametrize("norm_by_std", [True, False])
-def test_grpo_matches_reference(norm_by_std):
+@pytest.mark.parametrize("estimator", ["grpo", "gspo"])  # GSPO changes the ratio, not the advantage
+def test_grpo_matches_reference(norm_by_std, estimator):
     scores, _, _, mask = random_rollout(seed=3)
     advantages, returns = compute_advantages(
-        "grpo", mask=mask, scores=scores, group_size=GROUP, norm_by_std=norm_by_std
+        estimator, mask=mask, scores=scores, group_size=GROUP, norm_by_std=norm_by_std
     )
     close(advantages, broadcast(reference_group_centered(scores, norm_by_std), mask))
     assert torch.equal(advantages, returns)
@@ -215,7 +216,7 @@ def test_every_estimator_is_finite_and_zero_on_masked_positions(estimator):
 
 def test_estimator_input_errors_are_explicit():
     scores, token_rewards, values, mask = random_rollout(seed=11)
-    allowed = r"'ppo', 'grpo', 'reinforce_plus_plus', 'reinforce_plus_plus_baseline'\).*'gae'"
+    allowed = r"'ppo', 'grpo', 'gspo', 'reinforce_plus_plus', 'reinforce_plus_plus_baseline'\).*'gae'"
     with pytest.raises(ValueError, match=allowed):
         compute_advantages("gae", mask=mask, token_rewards=token_rewards, values=values)
     with pytest.raises(ValueError, match="ppo needs token_rewards and values"):

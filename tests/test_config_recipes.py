@@ -13,6 +13,7 @@ from ppo.config import (
     derived_values,
     global_batch_size,
     needs_ref,
+    num_critic_only_steps,
     offload_rollout,
     offload_train,
     override,
@@ -44,7 +45,7 @@ def test_qwen3_4b_ppo_follows_the_miles_example():
     assert (r.input_key, r.label_key, r.apply_chat_template) == ("prompt", "label", True)
     assert r.prompt_data.endswith("dapo-math-17k.jsonl")
     assert cfg.reward.rm_type == "deepscaler"
-    assert (p.advantage_estimator, p.num_critic_only_steps) == ("ppo", 1)
+    assert (p.advantage_estimator, num_critic_only_steps(cfg)) == ("ppo", 1)
     assert p.normalize_advantages
     assert (p.use_kl_loss, p.kl_loss_coef, p.kl_loss_type, p.kl_coef) == (True, 0.0, "k1", 0.0)
     assert (p.entropy_coef, p.eps_clip, p.eps_clip_high) == (0.0, 0.2, None)

@@ -6,7 +6,7 @@ import dataclasses
 
 import pytest
 
-from ppo.config import ConfigError, PPOConfig, ensure_valid, override, validate
+from ppo.config import ConfigError, PPOConfig, ensure_valid, num_critic_only_steps, override, uses_critic, validate
 from ppo.recipes import qwen3_4b_ppo, tiny_ppo
 
 QWEN = qwen3_4b_ppo
@@ -53,7 +53,9 @@ FIELD_RULES = [
     ({"kl_coef": -0.5}, ["--kl-coef -0.5", "ppo.kl_coef"]),
     ({"entropy_coef": -0.01}, ["--entropy-coef -0.01", "ppo.entropy_coef"]),
     ({"num_critic_only_steps": -1}, ["--num-critic-only-steps -1", ">= 0"]),
-    ({"advantage_estimator": "dpo"}, ["--advantage-estimator 'dpo'", "one of: ppo, grpo"]),
+    ({"advantage_estimator": "dpo"}, ["--advantage-estimator 'dpo'", "one of: ppo, grpo, gspo"]),
+    ({"tis_clip": 0.0}, ["--tis-clip 0.0", "ppo.tis_clip"]),
+    ({"dynamic_sampling_max_extra_rounds": -1}, ["--dynamic-sampling-max-extra-rounds -1", ">= 0"]),
     ({"kl_loss_type": "k9"}, ["--kl-loss-type 'k9'", "one of: k1, k2, k3, low_var_kl"]),
     ({"loss_agg_mode": "sum"}, ["--loss-agg-mode 'sum'", "ppo.loss_agg_mode"]),
     ({"train_backend": "jax"}, ["--train-backend 'jax'", "one of: torch, megatron"]),
@@ -118,9 +120,19 @@ CROSS_RULES = [
     (TINY, {"advantage_estimator": "grpo", "n_samples_per_prompt": 1, "num_critic_only_steps": 0,
             "global_batch_size": 32},
      ["--n-samples-per-prompt 1", "rollout.n_samples_per_prompt", ">= 2"]),
-    (TINY, {"advantage_estimator": "grpo"},
+    (TINY, {"advantage_estimator": "grpo", "num_critic_only_steps": 1},
      ["--num-critic-only-steps 1", "is set but --advantage-estimator is grpo",
       "Please add --advantage-estimator ppo"]),
+    (TINY, {"use_tis": True, "use_rollout_logprobs": True},
+     ["--use-rollout-logprobs (ppo.use_rollout_logprobs)", "Please remove one of --use-tis"]),
+    (TINY, {"use_tis": True, "tis_clip_low": 2.0}, ["--tis-clip-low 2.0", "must be < --tis-clip 2.0"]),
+    (TINY, {"custom_tis_function_path": "ppo.algorithms.mismatch:masked_is"},
+     ["--custom-tis-function-path 'ppo.algorithms.mismatch:masked_is'", "Please add --use-tis"]),
+    (TINY, {"over_sampling_batch_size": 128},
+     ["--over-sampling-batch-size 128", "--dynamic-sampling-filter-path", "Please add"]),
+    (TINY, {"over_sampling_batch_size": 1,
+            "dynamic_sampling_filter_path": "ppo.dynamic_sampling.check_reward_nonzero_std"},
+     ["--over-sampling-batch-size 1", "must be >= --rollout-batch-size"]),
     (TINY, {"num_critic_only_steps": 60},
      ["--num-critic-only-steps 60", "< --num-rollout 60", "never trains"]),
     (TINY, {"min_lr": 0.01}, ["--min-lr 0.01", "optimizer.min_lr", "<= --lr 0.001"]),
@@ -208,6 +220,20 @@ def test_reward_level_kl_is_allowed_with_ppo():
     # miles rejects --kl-coef with a critic; Tandem computes ref log-probs before the values.
     assert problems_of(TINY, kl_coef=0.05, kl_loss_coef=0.0) == []
     assert problems_of(QWEN, kl_coef=0.05, kl_loss_coef=0.0) == []
+
+
+def test_grpo_gspo_and_the_new_algorithms_run_on_the_recipe_with_no_other_flag():
+    """Issue 24: --advantage-estimator grpo alone is valid (no critic: no critic warm-up)."""
+    for estimator in ("grpo", "gspo"):
+        cfg = override(tiny_ppo(), advantage_estimator=estimator)
+        assert validate(cfg) == [] and num_critic_only_steps(cfg) == 0 and not uses_critic(cfg)
+    assert num_critic_only_steps(tiny_ppo()) == 1  # the miles PPO example's warm-up, with the critic
+    assert problems_of(TINY, num_critic_only_steps=0) == []
+    assert problems_of(TINY, use_tis=True, get_mismatch_metrics=True,
+                       custom_tis_function_path="ppo.algorithms.mismatch:masked_is") == []
+    assert problems_of(TINY, use_rollout_logprobs=True) == []
+    assert problems_of(TINY, advantage_estimator="grpo", over_sampling_batch_size=96,
+                       dynamic_sampling_filter_path="ppo.dynamic_sampling.check_reward_nonzero_std") == []
 
 
 def test_custom_reward_function_replaces_rm_type():

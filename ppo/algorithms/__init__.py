@@ -10,7 +10,8 @@ from ppo.algorithms.aggregate import AGG_MODES, aggregate, masked_mean
 from ppo.algorithms.entropy import entropy_from_logits
 from ppo.algorithms.gae import compute_gae
 from ppo.algorithms.kl import KL_KINDS, kl_estimate
-from ppo.algorithms.losses import policy_loss, value_loss
+from ppo.algorithms.losses import RATIO_LEVELS, policy_loss, value_loss
+from ppo.algorithms.mismatch import masked_is, mismatch_metrics, reduce_metrics, sequence_masked_is, truncated_is
 from ppo.algorithms.rewards import token_level_rewards
 from ppo.algorithms.scan import masked_discounted_cumsum
 from ppo.algorithms.whiten import masked_moments, masked_whiten, whiten_with_moments
@@ -19,17 +20,23 @@ __all__ = [
     "ADVANTAGE_ESTIMATORS",
     "AGG_MODES",
     "KL_KINDS",
+    "RATIO_LEVELS",
     "aggregate",
     "compute_advantages",
     "compute_gae",
     "entropy_from_logits",
     "kl_estimate",
     "masked_discounted_cumsum",
+    "masked_is",
     "masked_mean",
     "masked_moments",
     "masked_whiten",
+    "mismatch_metrics",
     "policy_loss",
+    "reduce_metrics",
+    "sequence_masked_is",
     "token_level_rewards",
+    "truncated_is",
     "value_loss",
     "whiten_with_moments",
 ]

@@ -15,7 +15,7 @@ from ppo.algorithms.rewards import token_level_rewards
 from ppo.algorithms.scan import masked_discounted_cumsum
 from ppo.algorithms.whiten import masked_whiten
 
-ADVANTAGE_ESTIMATORS = ("ppo", "grpo", "reinforce_plus_plus", "reinforce_plus_plus_baseline")
+ADVANTAGE_ESTIMATORS = ("ppo", "grpo", "gspo", "reinforce_plus_plus", "reinforce_plus_plus_baseline")
 
 
 def _outcome_scores(
@@ -72,6 +72,8 @@ def compute_advantages(
     grpo                          per-response score minus its group mean, divided by
                                   (group std + eps) when norm_by_std (Dr. GRPO: False);
                                   returns = advantages.
+    gspo                          GRPO's advantages (GSPO changes the ratio, not the
+                                  advantage: policy_loss(ratio_level="sequence")).
     reinforce_plus_plus           discounted reward-to-go (gamma) of token_rewards,
                                   whitened over the batch; returns = the reward-to-go.
     reinforce_plus_plus_baseline  score minus group mean, whitened over the batch;
@@ -106,7 +108,7 @@ def compute_advantages(
     centered = _group_centered(
         _outcome_scores(estimator, token_rewards, scores, valid),
         group_size,
-        norm_by_std=norm_by_std if estimator == "grpo" else False,
+        norm_by_std=norm_by_std if estimator in ("grpo", "gspo") else False,
         eps=eps,
     )
     advantages = torch.where(valid, centered.unsqueeze(-1), 0.0)

@@ -1,4 +1,4 @@
-"""PPO clipped policy loss and clipped value loss, per token then aggregated."""
+"""PPO clipped policy loss (token or sequence ratio, GSPO) and clipped value loss, per token then aggregated."""
 
 import torch
 
@@ -7,6 +7,8 @@ from ppo.algorithms.aggregate import Count, aggregate, masked_mean
 
 # exp(20) ~ 5e8: a ratio past this is a numerical accident, not a policy change.
 _LOG_RATIO_CLAMP = 20.0
+# token: PPO's per-token ratio; sequence: GSPO's length-normalised sequence ratio.
+RATIO_LEVELS = ("token", "sequence")
 
 
 def _metric(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -24,6 +26,8 @@ def policy_loss(
     agg: str = "sum-of-sample-mean",
     global_batch_size: Count | None = None,
     global_token_count: Count | None = None,
+    ratio_level: str = "token",
+    is_weights: torch.Tensor | None = None,  # [B, T]
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Clipped surrogate loss (to minimise) and detached float32 metrics.
 
@@ -33,10 +37,23 @@ def policy_loss(
     clip, must be > 1) tokens with A < 0 are further capped at -A * eps_clip_c, so a
     huge ratio on a bad token cannot blow up the loss. Reduced by aggregate(agg, ...).
 
+    ratio_level="sequence" is GSPO (Zheng et al. 2025, eq. 5-7): every token of a response
+    takes the response's ratio s = exp(mean over its valid tokens of (logp - old_logp)), the
+    length-normalised sequence likelihood ratio, clipped as above (the paper clips with far
+    smaller eps, 3e-4 / 4e-4). The gradient flows through the mean into every token. With
+    agg="sum-of-sample-mean" or "seq-mean-token-mean" the loss is the paper's mean over
+    responses; other modes weight the responses by length.
+
+    is_weights: per-token importance weights (e.g. TIS, ppo.algorithms.mismatch), treated as
+    constants and multiplied into each token's loss after clipping, as in miles; a 0 drops
+    the token from the numerator only, so the denominators stay those of `mask`.
+
     Metrics (token means over valid tokens):
       pg_clipfrac        tokens where the clipped term is the active one
       pg_clipfrac_lower  tokens where the dual clip is active (0 without eps_clip_c)
-      ppo_kl             mean of old_logp - logp (k1 estimate of KL(old || new))
+      ppo_kl             mean of old_logp - logp (k1 estimate of KL(old || new)); with
+                         ratio_level="sequence", of the sequence's mean (miles' GSPO KL)
+      ois                mean ratio (only with is_weights; miles' name)
     """
     eps_high = eps_clip if eps_clip_high is None else eps_clip_high
     if not 0.0 < eps_clip < 1.0:
@@ -45,9 +62,15 @@ def policy_loss(
         raise ValueError(f"eps_clip_high must be > 0, got {eps_clip_high}")
     if eps_clip_c is not None and not eps_clip_c > 1.0:
         raise ValueError(f"eps_clip_c (dual-clip lower bound on the ratio) must be > 1, got {eps_clip_c}")
-    valid = valid_tokens(mask, logp=logp, old_logp=old_logp, advantages=advantages)
+    if ratio_level not in RATIO_LEVELS:
+        raise ValueError(f"ratio_level must be one of {RATIO_LEVELS}, got {ratio_level!r}")
+    valid = valid_tokens(mask, logp=logp, old_logp=old_logp, advantages=advantages, is_weights=is_weights)
     dtype = compute_dtype(logp, old_logp, advantages)
-    log_ratio = (masked(logp, valid, dtype) - masked(old_logp, valid, dtype)).clamp(-_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP)
+    log_ratio = masked(logp, valid, dtype) - masked(old_logp, valid, dtype)
+    if ratio_level == "sequence":
+        n = valid.sum(-1, keepdim=True).clamp_min(1).to(dtype)
+        log_ratio = torch.where(valid, (log_ratio.sum(-1, keepdim=True) / n).expand_as(log_ratio), 0.0)
+    log_ratio = log_ratio.clamp(-_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP)
     ratio = torch.exp(log_ratio)
     adv = masked(advantages, valid, dtype)
 
@@ -61,6 +84,8 @@ def policy_loss(
         dual_cap = -adv * eps_clip_c
         dual_active = (adv < 0) & (per_token > dual_cap)
         per_token = torch.where(adv < 0, torch.minimum(per_token, dual_cap), per_token)
+    if is_weights is not None:
+        per_token = per_token * masked(is_weights, valid, dtype).detach()
 
     loss = aggregate(per_token, valid, agg, global_batch_size, global_token_count)
     metrics = {
@@ -68,6 +93,8 @@ def policy_loss(
         "pg_clipfrac_lower": _metric(dual_active, valid),
         "ppo_kl": _metric(-log_ratio, valid),
     }
+    if is_weights is not None:
+        metrics["ois"] = _metric(ratio, valid)
     return loss, metrics
 
 

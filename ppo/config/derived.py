@@ -22,6 +22,26 @@ def needs_ref(cfg: PPOConfig) -> bool:
     return kl_loss_on or cfg.ppo.kl_coef != 0
 
 
+def num_critic_only_steps(cfg: PPOConfig) -> int:
+    """Critic warm-up rollouts: the flag when set; unset, 1 with a critic (the miles PPO
+    example's value) and 0 without one, so `--advantage-estimator grpo` alone runs."""
+    steps = cfg.ppo.num_critic_only_steps
+    if steps is not None:
+        return steps
+    return 1 if uses_critic(cfg) else 0
+
+
+def over_sampling_batch_size(cfg: PPOConfig) -> int | None:
+    """Prompts per dynamic-sampling round (miles: --rollout-batch-size when unset)."""
+    r = cfg.rollout
+    return r.rollout_batch_size if r.over_sampling_batch_size is None else r.over_sampling_batch_size
+
+
+def ratio_level(cfg: PPOConfig) -> str:
+    """The policy ratio the actor's loss takes: GSPO's per sequence, otherwise per token."""
+    return "sequence" if cfg.ppo.advantage_estimator == "gspo" else "token"
+
+
 def eps_clip_high(cfg: PPOConfig) -> float:
     return cfg.ppo.eps_clip if cfg.ppo.eps_clip_high is None else cfg.ppo.eps_clip_high
 
@@ -166,6 +186,9 @@ def derived_values(cfg: PPOConfig) -> dict:
         "uses_critic": uses_critic(cfg),
         "needs_ref": needs_ref(cfg),
         "eps_clip_high": eps_clip_high(cfg),
+        "num_critic_only_steps": num_critic_only_steps(cfg),
+        "over_sampling_batch_size": over_sampling_batch_size(cfg),
+        "ratio_level": ratio_level(cfg),
         "offload_train": offload_train(cfg),
         "offload_rollout": offload_rollout(cfg),
         "train_offload_tags": list(train_offload_tags(cfg)),

@@ -15,7 +15,7 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any
 
-ADVANTAGE_ESTIMATORS = ("ppo", "grpo", "reinforce_plus_plus", "reinforce_plus_plus_baseline")
+ADVANTAGE_ESTIMATORS = ("ppo", "grpo", "gspo", "reinforce_plus_plus", "reinforce_plus_plus_baseline")
 KL_LOSS_TYPES = ("k1", "k2", "k3", "low_var_kl")
 # How per-token losses become one number (ppo.algorithms.aggregate): miles' default
 # sum-of-sample-mean (each sample's token mean, summed, over the global batch size), or
@@ -107,6 +107,17 @@ class RolloutConfig:
     num_rollout: int | None = knob(None, "number of PPO iterations. Required.", ge=1)
     rollout_seed: int = knob(42, "seed of prompt shuffling and sampling")
     rollout_shuffle: bool = knob(False, "shuffle prompts each epoch")
+    over_sampling_batch_size: int | None = knob(
+        None, "dynamic sampling: prompts per sampling round, >= --rollout-batch-size; rounds go on "
+        "until --rollout-batch-size groups pass the filter. Unset: --rollout-batch-size", ge=1)
+    dynamic_sampling_filter_path: str | None = knob(
+        None, "dynamic sampling (DAPO): function that keeps or drops each prompt's group of samples, "
+        "as --custom-rm-path names one; built in: ppo.dynamic_sampling.check_reward_nonzero_std "
+        "(drop groups whose rewards are all equal: no GRPO signal)")
+    dynamic_sampling_max_extra_rounds: int = knob(
+        8, "dynamic sampling: at most this many sampling rounds after the first; then the batch is "
+        "filled up with dropped groups (counted as rollout/dynamic_sampling_filled_groups) "
+        "(miles has no cap)", ge=0)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -134,8 +145,22 @@ class PPOAlgoConfig:
     kl_coef: float = knob(0.0, "reward-level KL penalty, applied before advantages", ge=0.0)
     entropy_coef: float = knob(0.0, "entropy bonus weight", ge=0.0)
     normalize_advantages: bool = knob(False, "whiten advantages over the batch")
-    num_critic_only_steps: int = knob(0, "first N rollouts train only the critic (value warm-up)",
-                                      ge=0)
+    num_critic_only_steps: int | None = knob(
+        None, "first N rollouts train only the critic (value warm-up); unset: 1 with a critic "
+        "(the miles PPO example), 0 without one", ge=0)
+    use_tis: bool = knob(False, "truncated importance sampling: weight each token's policy loss by "
+                         "clamp(p_train / p_rollout, --tis-clip-low, --tis-clip), correcting for the "
+                         "engine's log-probs differing from the trainer's")
+    tis_clip: float = knob(2.0, "TIS upper bound C on the importance weights", gt=0.0)
+    tis_clip_low: float = knob(0.0, "TIS lower bound on the importance weights", ge=0.0)
+    custom_tis_function_path: str | None = knob(
+        None, "TIS function in place of the truncated one, named as --custom-rm-path names one; "
+        "built in: ppo.algorithms.mismatch:masked_is (icepop: tokens outside the bounds get weight 0) "
+        "and ppo.algorithms.mismatch:sequence_masked_is (whole responses rejected)")
+    use_rollout_logprobs: bool = knob(False, "take the PPO ratio against the engine's log-probs "
+                                      "instead of the trainer's recomputed ones")
+    get_mismatch_metrics: bool = knob(False, "log training-inference mismatch metrics (train/mis_*: "
+                                      "kl, k3_kl, ppl, chi2) of trainer vs engine log-probs")
     loss_agg_mode: str = knob("sum-of-sample-mean", choices=LOSS_AGG_MODES)
     num_steps_per_rollout: int | None = knob(
         None, "optimizer steps per rollout; sets the global batch size when that is unset", ge=1)

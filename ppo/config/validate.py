@@ -175,22 +175,54 @@ def _algorithm(cfg: PPOConfig) -> list[str]:
     if p.advantage_estimator.startswith("reinforce_plus_plus") and not p.normalize_advantages:
         out.append(_bad("advantage_estimator", p.advantage_estimator,
                         "needs advantage normalization. Please add --normalize-advantages"))
-    if (p.advantage_estimator in ("grpo", "reinforce_plus_plus_baseline")
+    if (p.advantage_estimator in ("grpo", "gspo", "reinforce_plus_plus_baseline")
             and cfg.rollout.n_samples_per_prompt < 2):
         out.append(_bad("n_samples_per_prompt", cfg.rollout.n_samples_per_prompt,
                         f"--advantage-estimator {p.advantage_estimator} takes its baseline from "
                         "the other samples of a prompt. Please set --n-samples-per-prompt >= 2"))
-    if p.num_critic_only_steps > 0:
+    warmup = d.num_critic_only_steps(cfg)
+    if warmup > 0:
         if not d.uses_critic(cfg):
             out.append(_set_but("num_critic_only_steps", p.num_critic_only_steps,
                                 f"--advantage-estimator is {p.advantage_estimator}, which has "
-                                "no critic. Please add --advantage-estimator ppo or set "
-                                "--num-critic-only-steps 0"))
-        elif (cfg.rollout.num_rollout is not None
-              and p.num_critic_only_steps >= cfg.rollout.num_rollout):
-            out.append(_bad("num_critic_only_steps", p.num_critic_only_steps,
-                            f"must be < --num-rollout {cfg.rollout.num_rollout}, "
+                                "no critic. Please add --advantage-estimator ppo or remove "
+                                "--num-critic-only-steps"))
+        elif cfg.rollout.num_rollout is not None and warmup >= cfg.rollout.num_rollout:
+            unset = "" if p.num_critic_only_steps is not None else " (unset: 1 with a critic)"
+            out.append(_bad("num_critic_only_steps", warmup,
+                            f"must be < --num-rollout {cfg.rollout.num_rollout}{unset}, "
                             "or the actor never trains"))
+    return out + _mismatch(cfg) + _dynamic_sampling(cfg)
+
+
+def _mismatch(cfg: PPOConfig) -> list[str]:
+    """miles' rules for TIS and the rollout log-probs, less one: --get-mismatch-metrics needs
+    no --custom-tis-function-path here (Tandem computes the metrics itself)."""
+    p, out = cfg.ppo, []
+    if p.use_tis and p.use_rollout_logprobs:
+        out.append(_bad("use_rollout_logprobs", True, "--use-tis weights by p_train / p_rollout, which is 1 "
+                        "when the ratio is already taken against the engine's log-probs. Please remove "
+                        "one of --use-tis and --use-rollout-logprobs"))
+    if p.use_tis and not p.tis_clip_low < p.tis_clip:
+        out.append(_bad("tis_clip_low", p.tis_clip_low, f"must be < --tis-clip {p.tis_clip}"))
+    if p.custom_tis_function_path is not None and not p.use_tis:
+        out.append(_set_but("custom_tis_function_path", p.custom_tis_function_path,
+                            "--use-tis is not enabled. Please add --use-tis"))
+    return out
+
+
+def _dynamic_sampling(cfg: PPOConfig) -> list[str]:
+    r, out = cfg.rollout, []
+    if r.over_sampling_batch_size is None:
+        return out
+    if r.dynamic_sampling_filter_path is None:
+        out.append(_set_but("over_sampling_batch_size", r.over_sampling_batch_size,
+                            "--dynamic-sampling-filter-path (rollout.dynamic_sampling_filter_path) is not; "
+                            "without a filter the extra prompts would be sampled and thrown away. Please add "
+                            "--dynamic-sampling-filter-path ppo.dynamic_sampling.check_reward_nonzero_std"))
+    if r.rollout_batch_size is not None and r.over_sampling_batch_size < r.rollout_batch_size:
+        out.append(_bad("over_sampling_batch_size", r.over_sampling_batch_size,
+                        f"must be >= --rollout-batch-size {r.rollout_batch_size}"))
     return out
 
 

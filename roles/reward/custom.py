@@ -1,4 +1,5 @@
-"""Load a user's reward function named by ``custom_rm_path``.
+"""Load a user's reward function named by ``custom_rm_path`` (and any other function a flag
+names the same way: ``load_function``, e.g. for --dynamic-sampling-filter-path).
 
 Accepted forms:
 
@@ -24,31 +25,37 @@ _FORMS = "'package.module:function', 'path/to/file.py:function' or 'package.modu
 
 def load_reward_function(custom_rm_path: str) -> Callable:
     """Import and return the function that ``custom_rm_path`` names; ValueError if it cannot."""
-    if ":" in custom_rm_path:
-        location, _, name = custom_rm_path.rpartition(":")
+    return load_function(custom_rm_path, "custom_rm_path")
+
+
+def load_function(spec: str, setting: str) -> Callable:
+    """Import and return the function that ``spec`` names; ValueError naming ``setting`` (the
+    config field that holds ``spec``) if it cannot."""
+    if ":" in spec:
+        location, _, name = spec.rpartition(":")
     else:
-        location, _, name = custom_rm_path.rpartition(".")
+        location, _, name = spec.rpartition(".")
     if not location or not name:
-        raise ValueError(f"custom_rm_path={custom_rm_path!r} names no function; use {_FORMS}")
+        raise ValueError(f"{setting}={spec!r} names no function; use {_FORMS}")
     if location.endswith(".py") or "/" in location:
-        module = _load_file(custom_rm_path, Path(location))
+        module = _load_file(spec, Path(location), setting)
     else:
         try:
             module = importlib.import_module(location)
         except ModuleNotFoundError as e:
-            raise ValueError(f"custom_rm_path={custom_rm_path!r}: cannot import {location!r} ({e})") from e
+            raise ValueError(f"{setting}={spec!r}: cannot import {location!r} ({e})") from e
     function = getattr(module, name, None)
     if function is None:
-        raise ValueError(f"custom_rm_path={custom_rm_path!r}: {location!r} has no attribute {name!r}")
+        raise ValueError(f"{setting}={spec!r}: {location!r} has no attribute {name!r}")
     if not callable(function):
-        raise ValueError(f"custom_rm_path={custom_rm_path!r}: {name!r} is a {type(function).__name__}, not a function")
+        raise ValueError(f"{setting}={spec!r}: {name!r} is a {type(function).__name__}, not a function")
     return function
 
 
-def _load_file(custom_rm_path: str, path: Path):
+def _load_file(spec: str, path: Path, setting: str):
     path = path.expanduser().resolve()
     if not path.is_file():
-        raise ValueError(f"custom_rm_path={custom_rm_path!r}: no such file {str(path)!r}")
+        raise ValueError(f"{setting}={spec!r}: no such file {str(path)!r}")
     # A name unique per file, registered in sys.modules so that pickling and dataclasses
     # defined in the user's file work as they would in an imported module.
     digest = hashlib.sha1(str(path).encode()).hexdigest()[:12]

@@ -13,6 +13,7 @@ import torch
 from roles.trainer.batching import ACTOR_TRAIN_KEYS
 from roles.trainer.checkpoint import save_hf_checkpoint
 from roles.trainer.distributed import is_rank_zero
+from roles.trainer.objectives import optional_train_keys
 from roles.trainer.role import TrainerRole
 from roles.weight_checksum import checksum_named_tensors
 from roles.weight_sync import bucket_nbytes, is_direct, send_to_engines
@@ -88,7 +89,7 @@ class ActorRole(TrainerRole):
         pg_loss, pg_clipfrac, ppo_kl, entropy_loss (when entropy_coef != 0 or log_entropy),
         kl_loss (when use_kl_loss), grad_norm, lr (of the last step), skipped_nonfinite.
         `mini_batches`: a rank's share of each mini-batch (roles.trainer.group)."""
-        required = ACTOR_TRAIN_KEYS + (("ref_log_probs",) if self.config.use_kl_loss else ())
+        required = ACTOR_TRAIN_KEYS + (("ref_log_probs",) if self.config.use_kl_loss else ()) + optional_train_keys(batch)
         return self._train(batch, required, self._objective(), mini_batches)
 
     # ---- weights ------------------------------------------------------------------------

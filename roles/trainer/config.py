@@ -9,7 +9,7 @@ from typing import Any, Mapping
 
 import torch
 
-from ppo.algorithms import AGG_MODES, KL_KINDS
+from ppo.algorithms import AGG_MODES, KL_KINDS, RATIO_LEVELS
 from roles.trainer.schedule import LR_SCHEDULES, LRSchedule
 
 DTYPES = ("float32", "bfloat16", "float16")
@@ -50,6 +50,7 @@ class TrainerConfig:
     eps_clip: float
     eps_clip_high: float | None = None
     eps_clip_c: float | None = None
+    ratio_level: str = "token"  # "sequence": GSPO (ppo.algorithms.policy_loss)
     value_clip: float | None  # None: no clipping
     loss_agg_mode: str
     use_kl_loss: bool
@@ -106,6 +107,8 @@ class TrainerConfig:
             raise bad("value_clip", "> 0 or None (no clipping)")
         if self.loss_agg_mode not in AGG_MODES:
             raise bad("loss_agg_mode", f"one of {AGG_MODES}")
+        if self.ratio_level not in RATIO_LEVELS:
+            raise bad("ratio_level", f"one of {RATIO_LEVELS}")
         if self.kl_loss_type not in KL_KINDS:
             raise bad("kl_loss_type", f"one of {KL_KINDS}")
         if self.kl_loss_coef < 0:

@@ -23,10 +23,18 @@ def token_share(mb, counts: dict) -> float:
     return int(mb.valid.sum()) / max(counts["global_token_count"], 1)
 
 
+def optional_train_keys(batch: dict) -> tuple[str, ...]:
+    """Response-aligned inputs the policy objective reads when the driver sends them:
+    tis_weights [N, R], per-token importance weights (--use-tis)."""
+    return tuple(k for k in ("tis_weights",) if k in batch)
+
+
 def policy_objective(cfg: TrainerConfig, log_probs: torch.Tensor, entropy: torch.Tensor | None, mb, counts: dict
                      ) -> Objective:
     """The PPO policy objective: clipped policy loss, minus entropy_coef * entropy, plus
-    kl_loss_coef * KL to the reference, each aggregated by loss_agg_mode.
+    kl_loss_coef * KL to the reference, each aggregated by loss_agg_mode. The ratio is per
+    token or, for GSPO, per sequence (cfg.ratio_level); tis_weights, when the driver sends
+    them, weight each token's policy loss.
 
     log_probs, entropy: [n, Rm]; entropy None when neither entropy_coef nor log_entropy asks
     for it. Metrics: pg_loss, pg_clipfrac, ppo_kl, entropy_loss (with entropy), kl_loss
@@ -37,14 +45,11 @@ def policy_objective(cfg: TrainerConfig, log_probs: torch.Tensor, entropy: torch
     pg_loss, pg_metrics = policy_loss(
         log_probs, r["old_log_probs"], r["advantages"], valid,
         eps_clip=cfg.eps_clip, eps_clip_high=cfg.eps_clip_high, eps_clip_c=cfg.eps_clip_c,
-        agg=cfg.loss_agg_mode, **counts,
+        agg=cfg.loss_agg_mode, ratio_level=cfg.ratio_level, is_weights=r.get("tis_weights"), **counts,
     )
     share = token_share(mb, counts)
-    metrics = {
-        "pg_loss": pg_loss.detach(),
-        "pg_clipfrac": pg_metrics["pg_clipfrac"] * share,
-        "ppo_kl": pg_metrics["ppo_kl"] * share,
-    }
+    metrics = {k: pg_metrics[k] * share for k in ("pg_clipfrac", "ppo_kl", "ois") if k in pg_metrics}
+    metrics["pg_loss"] = pg_loss.detach()
     loss = pg_loss
     if entropy is not None:
         entropy_loss = aggregate(entropy, valid, cfg.loss_agg_mode, **counts)
