@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import transformers
@@ -23,7 +23,8 @@ from ppo.config.schema import GENERATED_PREFIX
 from ppo.config.serialize import to_dict
 from ppo.console import RunConsole, ready_seconds
 from ppo.data import PromptDataset
-from ppo.generated import resolve_paths
+from ppo.evaluation import EvalSet, load_eval_sets
+from ppo.generated import resolve_eval_paths, resolve_paths
 from ppo.placement import Placement, plan_placement
 from roles.reward.actor import RewardScorer
 from roles.rollout.engine import RolloutEngine
@@ -60,6 +61,7 @@ class Job:
     scorers: list[ActorHandle]
     colocation: Colocation
     console: RunConsole  # what the run prints (ppo.console)
+    eval_sets: list[EvalSet] = field(default_factory=list)  # --eval-prompt-data, loaded (ppo.evaluation)
 
     def close(self) -> None:
         self.sup.shutdown()
@@ -222,6 +224,7 @@ def start_job(cfg: PPOConfig, console: RunConsole | None = None) -> Job:
                              tokenizer=tok, apply_chat_template=cfg.rollout.apply_chat_template,
                              max_prompt_len=cfg.rollout.rollout_max_prompt_len, seed=cfg.rollout.rollout_seed,
                              shuffle=cfg.rollout.rollout_shuffle, skip_bad_samples=cfg.rollout.skip_bad_samples)
+        eval_sets = load_eval_sets(cfg, resolve_eval_paths(cfg, run_dir), tok)
         if cfg.checkpoint.load is not None:
             from ppo.checkpoint import locate  # it builds on this module
 
@@ -282,5 +285,5 @@ def start_job(cfg: PPOConfig, console: RunConsole | None = None) -> Job:
                critic=critic,
                critic_tenant=(trainer_tenant(critic, tuple(plan.critic_gpus), frees=C.train_offload_tags(cfg))
                               if critic else None),
-               scorers=scorers,
+               scorers=scorers, eval_sets=eval_sets,
                colocation=Colocation(sup.leases, holding=tuple(t.name for t in engine_tenants)))

@@ -13,6 +13,7 @@ from collections.abc import Callable
 from ppo.config import (
     CheckpointConfig,
     EngineConfig,
+    EvalConfig,
     OptimizerConfig,
     ParallelismConfig,
     PlacementConfig,
@@ -132,6 +133,8 @@ def tiny_ppo() -> PPOConfig:
         engine=EngineConfig(rollout_backend="torch", rollout_num_gpus_per_engine=1),
         placement=PlacementConfig(actor_num_nodes=1, actor_num_gpus_per_node=2,
                                   num_gpus_per_node=2, colocate=True, fake_gpus=True),
+        evaluation=EvalConfig(eval_prompt_data=("arithmetic_heldout", "generated:arithmetic_heldout"),
+                              eval_interval=5, n_samples_per_eval_prompt=16),
     )
 
 
