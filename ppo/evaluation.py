@@ -100,6 +100,8 @@ def evaluate(engines, scorers, sets: list[EvalSet], step: int, *, decode, eos_id
         samples[s.name] = generate_and_score(engines, scorers, s.prompts, s.sampling, step,
                                              decode=decode, eos_id=eos_id, recover=recover)
         metrics |= set_metrics(s.name, samples[s.name], s.sampling.n_samples_per_prompt)
+    # all sets' response tokens, EOS included: with perf/eval_time, the eval's throughput (bench.iteration)
+    metrics["eval/response_tokens"] = float(sum(len(x["response_ids"]) for v in samples.values() for x in v))
     return metrics, samples
 
 
