@@ -71,13 +71,7 @@ class RunLogger:
     def dump_samples(self, step: int, samples: list[dict], prefix: str = "rollout") -> None:
         if not self._dump:
             return
-        d = self.run_dir / "samples"
-        d.mkdir(exist_ok=True)
-        with open(d / f"{prefix}_{step:05d}.jsonl", "w") as f:
-            for s in samples:
-                f.write(json.dumps({k: s[k] for k in ("index", "group_index", "prompt", "response", "label",
-                                                      "reward", "reward_status", "finish_reason",
-                                                      "weight_version")}) + "\n")
+        write_samples(self.run_dir / "samples" / f"{prefix}_{step:05d}.jsonl", samples)
 
     def close(self) -> None:
         self._metrics.close()
@@ -86,3 +80,13 @@ class RunLogger:
         if self._wandb is not None:
             self._wandb.finish()
         self.console.close(self.history)
+
+
+def write_samples(path: Path, samples: list[dict]) -> None:
+    """Samples as jsonl: prompt, response, label, reward and how each ended."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w") as f:
+        for s in samples:
+            f.write(json.dumps({k: s[k] for k in ("index", "group_index", "prompt", "response", "label",
+                                                  "reward", "reward_status", "finish_reason",
+                                                  "weight_version")}) + "\n")

@@ -157,3 +157,29 @@ def test_a_run_with_eval_trains_bit_for_bit_as_one_without(tmp_path):
     assert dumped == [f"eval_arithmetic_heldout_{s:05d}.jsonl" for s in range(4)]
     rows = [json.loads(x) for x in (tmp_path / "eval" / "samples" / dumped[-1]).read_text().splitlines()]
     assert len(rows) == 80 and rows[0]["weight_version"] == 2 and rows[0]["prompt"] == "0+2="
+
+
+@pytest.mark.timeout(300)
+def test_ppo_evaluate_judges_a_checkpoint_alone_and_prints_a_table_and_json(tmp_path, capsys):
+    from ppo.evaluate import main
+    from ppo.tiny_model import build_tiny_checkpoint
+
+    ckpt = build_tiny_checkpoint(str(tmp_path / "ckpt"), seed=0)
+    run_dir = tmp_path / "run"
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "1+1=", "label": "2"}\n{"prompt": 1}\n')
+    assert main(["--hf-checkpoint", ckpt, "--eval-prompt-data", "sums", "generated:arithmetic_heldout",
+                 "bad", str(bad), "--run-dir", str(run_dir)]) == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1].startswith(f"tandem: {bad}:2: ")
+    assert main(["--hf-checkpoint", ckpt, "--run-dir", str(run_dir)]) == 2  # no set: says which flag
+    assert "--eval-prompt-data (evaluation.eval_prompt_data) is required" in capsys.readouterr().err
+
+    assert main(["--hf-checkpoint", ckpt, "--eval-prompt-data", "sums", "generated:arithmetic_heldout",
+                 "--n-samples-per-eval-prompt", "4", "--run-dir", str(run_dir)]) == 0
+    out = capsys.readouterr().out.strip().splitlines()
+    assert out[0].split() == ["set", "reward", "pass@1", "pass@2", "pass@4", "response_len", "truncated"]
+    assert out[1].split()[0] == "sums" and "tok/s" in out[2]
+    metrics = json.loads(out[-1])["metrics"]
+    assert metrics == json.loads((run_dir / "eval.json").read_text())["metrics"]
+    assert 0 <= metrics["eval/sums-pass@1"] <= metrics["eval/sums-pass@4"] <= 1
+    assert len((run_dir / "samples" / "eval_sums_00000.jsonl").read_text().splitlines()) == 5 * 4
