@@ -83,7 +83,8 @@ def evaluate_checkpoint(cfg: PPOConfig, log=lambda line: print(line, file=sys.st
                 seed=cfg.rollout.rollout_seed, dtype="float32" if cfg.placement.fake_gpus else "bfloat16",
                 gpus=gpus, restart="one_for_one", **engine_settings(cfg), env=ROLE_ENV))
         sup.wait_ready()
-        log(f"evaluating {sum(len(s.prompts) for s in sets)} prompts x {cfg.evaluation.n_samples_per_eval_prompt} samples")
+        num_prompts = sum(len(s.prompts) for s in sets)
+        log(f"evaluating {num_prompts} prompts x {cfg.evaluation.n_samples_per_eval_prompt} samples")
         t0 = time.monotonic()
         # a restarted engine loads the checkpoint again: nothing to sync
         metrics, samples = evaluate(engines, scorers, sets, 0, decode=tok.decode, eos_id=tok.eos_token_id,

@@ -24,7 +24,7 @@ ARITHMETIC_CHARSET = "0123456789+-*="
 _APPLY = {"+": lambda a, b: a + b, "-": lambda a, b: a - b, "*": lambda a, b: a * b}
 
 
-def held_out(a: int, b: int, max_operand: int) -> bool:
+def is_held_out(a: int, b: int, max_operand: int) -> bool:
     """Whether ``a <op> b`` is a held-out problem: ``b = a + 2`` modulo ``max_operand + 1``, one
     per row and per column of the operand table, so training sees every operand (and the
     swapped problem ``b <op> a``) but never these. None is held out when ``max_operand < 2``."""
@@ -40,7 +40,7 @@ def write_arithmetic_task(
     Operands are drawn uniformly from ``0..max_operand`` and operators from ``ops``, all
     from ``random.Random(seed)``: the same arguments write the same file. Prompts may
     repeat when ``num_prompts`` exceeds the number of distinct ones. ``exclude_held_out``
-    redraws the operand pairs ``held_out`` names (the eval set's).
+    redraws the operand pairs ``is_held_out`` names (the eval set's).
     """
     if num_prompts < 1:
         raise ValueError(f"num_prompts={num_prompts} must be >= 1")
@@ -52,19 +52,21 @@ def write_arithmetic_task(
     lines = []
     for _ in range(num_prompts):
         a, b = rng.randint(0, max_operand), rng.randint(0, max_operand)
-        while exclude_held_out and held_out(a, b, max_operand):
+        while exclude_held_out and is_held_out(a, b, max_operand):
             a, b = rng.randint(0, max_operand), rng.randint(0, max_operand)
         op = rng.choice(ops)
         lines.append(json.dumps({"prompt": f"{a}{op}{b}=", "label": str(_APPLY[op](a, b))}))
     return _write_lines(path, lines)
 
 
-def write_arithmetic_held_out(path: str | Path, *, max_operand: int = 9, ops: tuple[str, ...] = ("+",)) -> str:
-    """Write every held-out problem (``held_out``) once, in order: an eval set no training file
-    of ``write_arithmetic_task(..., exclude_held_out=True)`` holds a line of."""
+def write_arithmetic_table(path: str | Path, *, held_out: bool, max_operand: int = 9,
+                           ops: tuple[str, ...] = ("+",)) -> str:
+    """Write every problem of the operand table that is (``held_out=True``: an eval set no
+    training file of ``write_arithmetic_task(..., exclude_held_out=True)`` holds a line of) or
+    is not (the problems training sees) held out (``is_held_out``), once each, in table order."""
     lines = [json.dumps({"prompt": f"{a}{op}{b}=", "label": str(_APPLY[op](a, b))})
              for a in range(max_operand + 1) for b in range(max_operand + 1) for op in ops
-             if held_out(a, b, max_operand)]
+             if is_held_out(a, b, max_operand) == held_out]
     if not lines:
         raise ValueError(f"max_operand={max_operand} holds no problem out; it must be >= 2")
     return _write_lines(path, lines)
@@ -94,7 +96,9 @@ TASKS: dict[str, GeneratedTask] = {
     "arithmetic": GeneratedTask(write=functools.partial(write_arithmetic_task, max_operand=4, exclude_held_out=True),
                                 rm_type="tiny_exact", charset=ARITHMETIC_CHARSET),
 }
-# `generated:NAME` eval sets (--eval-prompt-data): write(path) -> path
+# `generated:NAME` eval sets (--eval-prompt-data): write(path) -> path. The held-out sums
+# measure generalisation; the seen ones, beside them, what training taught.
 EVAL_TASKS: dict[str, Callable[[str | Path], str]] = {
-    "arithmetic_heldout": functools.partial(write_arithmetic_held_out, max_operand=4),
+    "arithmetic_heldout": functools.partial(write_arithmetic_table, held_out=True, max_operand=4),
+    "arithmetic_seen": functools.partial(write_arithmetic_table, held_out=False, max_operand=4),
 }

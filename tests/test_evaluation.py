@@ -101,9 +101,11 @@ def test_eval_config_problems_name_the_flag_and_the_fix():
 def test_the_held_out_sums_are_never_trained_on(tmp_path):
     train = TASKS["arithmetic"].write(tmp_path / "train.jsonl", num_prompts=2000, seed=3)
     held = EVAL_TASKS["arithmetic_heldout"](tmp_path / "eval.jsonl")
+    seen = EVAL_TASKS["arithmetic_seen"](tmp_path / "seen.jsonl")
     trained = {json.loads(x)["prompt"] for x in open(train)}
     held_out = [json.loads(x) for x in open(held)]
     assert len(trained) == 20 and len(held_out) == 5
+    assert [json.loads(x)["prompt"] for x in open(seen)] == sorted(trained)  # the seen set: each once
     assert not trained & {h["prompt"] for h in held_out}
     for h in held_out:  # each held-out sum's swapped twin is trained: an operand is never unseen
         a, b = h["prompt"].rstrip("=").split("+")
@@ -152,10 +154,10 @@ def test_a_run_with_eval_trains_bit_for_bit_as_one_without(tmp_path):
     evals = [x for x in lines if "eval/weight_version" in x]
     assert [(x["step"], x["eval/weight_version"]) for x in evals] == [(0, 0), (1, 0), (2, 1), (3, 2)]
     assert all(0 <= x["eval/arithmetic_heldout-pass@1"] <= x["eval/arithmetic_heldout-pass@16"] <= 1 for x in evals)
-    assert all(x["eval/response_tokens"] >= 80 for x in evals)  # 5 sums x 16 samples
+    assert all(x["eval/response_tokens"] >= 80 + 320 for x in evals)  # 5 + 20 sums x 16 samples
     dumped = sorted(p.name for p in (tmp_path / "eval" / "samples").glob("eval_*.jsonl"))
-    assert dumped == [f"eval_arithmetic_heldout_{s:05d}.jsonl" for s in range(4)]
-    rows = [json.loads(x) for x in (tmp_path / "eval" / "samples" / dumped[-1]).read_text().splitlines()]
+    assert dumped == [f"eval_arithmetic_{name}_{s:05d}.jsonl" for name in ("heldout", "seen") for s in range(4)]
+    rows = [json.loads(x) for x in (tmp_path / "eval" / "samples" / dumped[3]).read_text().splitlines()]
     assert len(rows) == 80 and rows[0]["weight_version"] == 2 and rows[0]["prompt"] == "0+2="
 
 

@@ -40,8 +40,8 @@ RM_TYPES = ("deepscaler", "dapo", "math", "tiny_exact")
 GENERATED_PREFIX = "generated:"
 GENERATED_MODELS = ("tiny-qwen3",)
 GENERATED_DATASETS = ("arithmetic",)
-# Held-out sets for --eval-prompt-data (ppo.tasks.EVAL_TASKS): sums the training task leaves out.
-GENERATED_EVAL_DATASETS = ("arithmetic_heldout",)
+# Sets for --eval-prompt-data (ppo.tasks.EVAL_TASKS): the sums the training task leaves out, and the rest.
+GENERATED_EVAL_DATASETS = ("arithmetic_heldout", "arithmetic_seen")
 # What the run prints (ppo.console): "auto" is a progress bar on a terminal and one plain line
 # per rollout otherwise (a file, a pipe, nohup, Slurm); "json" is one JSON object per line.
 LOG_FORMATS = ("auto", "rich", "plain", "json")
