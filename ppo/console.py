@@ -4,10 +4,10 @@
     plain  (a file, a pipe, nohup, Slurm)  one line per start-up stage and per rollout, e.g.
            `[ppo] step=3/20 reward=0.1250 response_len=2.00 step_time=1.23s elapsed=4s eta=21s`,
            and a `[ppo] step=... running phase=...` line whenever `log_interval_s` passed
-           without one (long steps)
+           without one (long steps); an eval prints one `[eval] step=S NAME reward=...` per set
     json   one JSON object per line with a "type": startup (a stage and its seconds; the wait
            for the roles adds each role's spawn-to-ready seconds), rollout (step, all metrics,
-           eta_s), progress (the periodic line), done (the summary)
+           eta_s), eval (step, its metrics), progress (the periodic line), done (the summary)
     quiet  nothing; errors still reach stderr from whoever raises them
 
 Everything goes to stdout. `--log-format auto` (the default) picks rich when stdout is a
@@ -37,7 +37,7 @@ SUMMARY_KEYS = ("rollout/raw_reward", "rollout/response_len", "train/pg_loss", "
 class RunConsole:
     """The run's printed output. Start-up calls `begin(stage)` for each stage (the next
     `begin` or `end_stage` closes the one before and prints its time); training calls
-    `start_training`, `phase` and `rollout`; `close` prints the summary."""
+    `start_training`, `phase`, `rollout` and `eval`; `close` prints the summary."""
 
     def __init__(self, mode: str, *, out: TextIO | None = None, log_interval_s: float = 30.0):
         if mode not in ("rich", "plain", "json", "quiet"):
