@@ -18,8 +18,9 @@ metrics.jsonl, it prints per rollout:
 - rollout tokens/s (response tokens over the rollout phase) and training tokens/s (prompt
   and response tokens over each train phase); the trainers' own time in `train` (their
   `training` state) against the driver's phase, the difference being messaging;
+- eval tokens/s (response tokens of the step's evals over its `eval` phases), beside rollout's;
 - the share of the step outside compute: the step's time less its compute phases
-  (generation and scoring, log-probs, values, advantages, the two train calls), that is
+  (generation and scoring, log-probs, values, advantages, the two train calls, eval), that is
   the handoffs, the weight sync, messaging and waiting.
 
 Everything also goes to DIR/iteration.json.
@@ -40,7 +41,7 @@ import torch
 from bench.peers import pinned_copy_rates
 from runtime.units import format_bytes
 
-COMPUTE_PHASES = ("rollout", "log_probs", "values", "advantages", "critic_train", "actor_train")
+COMPUTE_PHASES = ("rollout", "log_probs", "values", "advantages", "critic_train", "actor_train", "eval")
 MOVES = ("offload", "onload", "release", "resume")
 GIB = 1 << 30
 
@@ -96,7 +97,9 @@ def prompt_tokens(run_dir: Path, hf_checkpoint: str) -> dict[int, int]:
 
 def analyse(run_dir: Path, samples, rates: dict[str, float], num_samples: int, prompts: dict[int, int]) -> list[dict]:
     events = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines() if line]
-    metrics = {m["step"]: m for m in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())}
+    lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    metrics = {m["step"]: m for m in lines if "eval/weight_version" not in m}  # eval lines share the steps
+    evals = {m["step"]: m for m in lines if "eval/weight_version" in m}
     phases: dict[int, list[dict]] = {}
     open_: dict[tuple[int, str], float] = {}
     for e in events:
@@ -139,6 +142,12 @@ def analyse(run_dir: Path, samples, rates: dict[str, float], num_samples: int, p
         for r in rows:
             if r["phase"] in ("critic_train", "actor_train") and prompts.get(step) is not None:
                 record[f"{r['phase']}_tokens_per_s"] = tokens / r["seconds"]
+        # an eval before the rollout is tagged with this step, one after it with the next (ppo.evaluation)
+        rollout_t0 = next((s["t0"] for s in inner if s["phase"] == "rollout"), outer["t0"])
+        eval_spans = [(s, evals.get(step if s["t0"] < rollout_t0 else step + 1)) for s in inner if s["phase"] == "eval"]
+        if eval_spans and all(m_ is not None for _, m_ in eval_spans):
+            record["eval_response_tokens"] = sum(m_["eval/response_tokens"] for _, m_ in eval_spans)
+            record["eval_tokens_per_s"] = record["eval_response_tokens"] / sum(s["t1"] - s["t0"] for s, _ in eval_spans)
         steps.append(record)
     return steps
 
@@ -184,6 +193,10 @@ def report(steps: list[dict], rates: dict[str, float]) -> str:
         rate = s["rollout_tokens_per_s"]
         lines.append(f"  rollout: {s['response_tokens']:.0f} response tokens, "
                      f"{rate:,.0f} tok/s" if rate else "  rollout: no tokens")
+        if s.get("eval_tokens_per_s"):
+            ratio = f" ({s['eval_tokens_per_s'] / rate:.2f}x rollout)" if rate else ""
+            lines.append(f"  eval: {s['eval_response_tokens']:.0f} response tokens, "
+                         f"{s['eval_tokens_per_s']:,.0f} tok/s{ratio}")
         for key in ("critic_train_tokens_per_s", "actor_train_tokens_per_s"):
             if key in s:
                 lines.append(f"  {key.removesuffix('_tokens_per_s')}: {s[key]:,.0f} tok/s "

@@ -1,8 +1,14 @@
 #!/usr/bin/env bash
 # qwen3_4b_ppo_1gpu (qwen3_4b_ppo scaled to one GPU), measured by bench.iteration (docs/benchmarks.md).
 #
-#   [PLANS="ppo grpo" PPO_ROLLOUTS=3 GRPO_ROLLOUTS=2 GRPO_S=130 RESPONSE_LEN=2048] \
+#   [PLANS="ppo grpo" PPO_ROLLOUTS=3 GRPO_ROLLOUTS=2 GRPO_S=130 RESPONSE_LEN=2048 EVAL=0] \
 #     bash bench/qwen3_4b_one_gpu.sh OUT_DIR [BUDGET_S]
+#
+# EVAL=1 adds the eval of ppo.evaluation: 256 prompts the run does not train on x 4 samples at
+# RESPONSE_LEN tokens, after every EVAL_INTERVAL-th rollout (default 2: the second rollout, whose
+# graphs are captured, so its rollout tokens/s is the steady one the eval's is compared with;
+# an eval takes ~230 s at 2048 tokens, one per 10-minute call), never before training; it skips
+# step 1 to leave the time to it. `EVAL=1 PLANS=grpo GRPO_ROLLOUTS=2` fits one device call.
 #
 # 1. A tiny random-init Qwen3 through the same path (megatron trainers, built-in engine, the
 #    same recipe and plan): one rollout with both updates and the weight sync, or the script
@@ -56,7 +62,7 @@ keep() {  # NAME: bring back the run's analysis and event log only (few files co
 }
 RUNS=/tmp/runs
 
-if [ "$BUDGET" -ge 520 ]; then  # below that the two full-size runs need all of it
+if [ "$BUDGET" -ge 520 ] && [ "${EVAL:-0}" != 1 ]; then  # below that the two full-size runs need all of it
 step tiny_checkpoint 45 python3 -m ppo.make_checkpoint --arch qwen3-4b --device cuda --num-prompts 256 \
   --override num_hidden_layers=2 --override hidden_size=256 --override intermediate_size=512 \
   --override num_attention_heads=4 --override num_key_value_heads=2 --override head_dim=64 "$TINY" || exit 1
@@ -66,9 +72,15 @@ step tiny 80 python3 -m bench.iteration --out "$RUNS/tiny" -- "${COMMON[@]}" "${
   --run-dir "$RUNS/tiny/run" || { keep tiny; exit 1; }
 fi
 
-step checkpoint 75 python3 -m ppo.make_checkpoint --arch qwen3-4b --device cuda --num-prompts 512 "$CK" || exit 1
-FULL=(--hf-checkpoint "$CK" --prompt-data "$CK/dapo_math_prompts.jsonl" --rollout-max-response-len "$LEN"
+step checkpoint 75 python3 -m ppo.make_checkpoint --arch qwen3-4b --device cuda --num-prompts 768 "$CK" || exit 1
+head -n 512 "$CK/dapo_math_prompts.jsonl" > "$CK/train_prompts.jsonl"
+FULL=(--hf-checkpoint "$CK" --prompt-data "$CK/train_prompts.jsonl" --rollout-max-response-len "$LEN"
       --num-critic-only-steps 0)
+if [ "${EVAL:-0}" = 1 ]; then  # the other 256 prompts are the eval set
+  tail -n 256 "$CK/dapo_math_prompts.jsonl" > "$CK/eval_prompts.jsonl"
+  FULL+=(--eval-prompt-data dapo_eval "$CK/eval_prompts.jsonl" --eval-interval "${EVAL_INTERVAL:-2}"
+         --skip-eval-before-train --n-samples-per-eval-prompt 4 --eval-max-response-len "$LEN")
+fi
 if [ "${PLANS:-ppo grpo}" != grpo ]; then
   step ppo $(( $(left) - ${GRPO_S:-130} )) python3 -m bench.iteration --out "$RUNS/ppo" -- "${COMMON[@]}" \
     "${PPO_PLAN[@]}" "${FULL[@]}" --num-rollout "${PPO_ROLLOUTS:-3}" --run-dir "$RUNS/ppo/run"

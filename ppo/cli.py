@@ -90,7 +90,7 @@ def parse_args(argv: Sequence[str] | None = None, *,
 def _add_flag(group: argparse._ArgumentGroup, spec: FieldSpec) -> None:
     words = [spec.meta.get("help", "")]
     if spec.kind is not bool:
-        words.append(f"[{spec.kind.__name__ if spec.kind is not tuple else 'int ...'}"
+        words.append(f"[{spec.kind.__name__ if spec.kind is not tuple else spec.item.__name__ + ' ...'}"
                      f"{' ' + allowed(spec) if allowed(spec) else ''}"
                      f"{'; none unsets' if spec.optional else ''}]")
     help_text = " ".join(w for w in words if w).replace("%", "%%")
@@ -100,7 +100,8 @@ def _add_flag(group: argparse._ArgumentGroup, spec: FieldSpec) -> None:
     else:
         # Values stay strings here and are converted by _parse_value, so that every bad
         # value is reported together instead of argparse stopping at the first one.
-        group.add_argument(spec.flag, dest=spec.name, metavar=_METAVARS[spec.kind],
+        metavar = _METAVARS[spec.item if spec.kind is tuple else spec.kind]
+        group.add_argument(spec.flag, dest=spec.name, metavar=metavar,
                            nargs="+" if spec.kind is tuple else None, help=help_text)
 
 
@@ -114,7 +115,7 @@ def _parse_value(spec: FieldSpec, raw: Any) -> Any:
     if spec.optional and len(words) == 1 and words[0].lower() == "none":
         return None
     if spec.kind is tuple:
-        return tuple(_convert(int, w) for w in words)
+        return tuple(_convert(spec.item, w) for w in words)
     return _convert(spec.kind, words[0])
 
 

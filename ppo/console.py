@@ -4,10 +4,10 @@
     plain  (a file, a pipe, nohup, Slurm)  one line per start-up stage and per rollout, e.g.
            `[ppo] step=3/20 reward=0.1250 response_len=2.00 step_time=1.23s elapsed=4s eta=21s`,
            and a `[ppo] step=... running phase=...` line whenever `log_interval_s` passed
-           without one (long steps)
+           without one (long steps); an eval prints one `[eval] step=S NAME reward=...` per set
     json   one JSON object per line with a "type": startup (a stage and its seconds; the wait
            for the roles adds each role's spawn-to-ready seconds), rollout (step, all metrics,
-           eta_s), progress (the periodic line), done (the summary)
+           eta_s), eval (step, its metrics), progress (the periodic line), done (the summary)
     quiet  nothing; errors still reach stderr from whoever raises them
 
 Everything goes to stdout. `--log-format auto` (the default) picks rich when stdout is a
@@ -37,7 +37,7 @@ SUMMARY_KEYS = ("rollout/raw_reward", "rollout/response_len", "train/pg_loss", "
 class RunConsole:
     """The run's printed output. Start-up calls `begin(stage)` for each stage (the next
     `begin` or `end_stage` closes the one before and prints its time); training calls
-    `start_training`, `phase` and `rollout`; `close` prints the summary."""
+    `start_training`, `phase`, `rollout` and `eval`; `close` prints the summary."""
 
     def __init__(self, mode: str, *, out: TextIO | None = None, log_interval_s: float = 30.0):
         if mode not in ("rich", "plain", "json", "quiet"):
@@ -140,6 +140,17 @@ class RunConsole:
             self._json({"type": "rollout", "step": step, "num_rollout": self._num_rollout,
                         "elapsed_s": round(self._elapsed(), 3), "eta_s": round(eta, 3), "metrics": metrics})
 
+    def eval(self, step: int, metrics: dict[str, float]) -> None:
+        """An eval tagged `step` (ppo.evaluation) is done: one line per set."""
+        if self.mode == "json":
+            self._json({"type": "eval", "step": step, "metrics": metrics})
+            return
+        for line in eval_lines(step, metrics):
+            if self.mode == "rich":
+                self._rich.print(line)
+            elif self.mode == "plain":
+                self._print(line)
+
     def close(self, history: list[dict]) -> None:
         """Stop the bar and the periodic line; print the summary of `history`."""
         self.end_stage()
@@ -193,6 +204,21 @@ class RunConsole:
 
     def _json(self, record: dict) -> None:
         self._print(json.dumps(record, default=float))
+
+
+def eval_lines(step: int, metrics: dict[str, float]) -> list[str]:
+    """'[eval] step=S NAME reward=... pass@1=... pass@K=... response_len=... truncated=...' per set."""
+    names = [k.removeprefix("eval/").removesuffix("-truncated_ratio") for k in metrics
+             if k.startswith("eval/") and k.endswith("-truncated_ratio")]
+    lines = []
+    for name in names:
+        pass_ks = sorted((int(k.rsplit("@", 1)[1]), v) for k, v in metrics.items()
+                         if k.startswith(f"eval/{name}-pass@"))
+        passes = " ".join(f"pass@{k}={v:.3f}" for k, v in pass_ks[:1] + pass_ks[1:][-1:])
+        lines.append(f"[eval] step={step} {name} reward={metrics[f'eval/{name}']:.4f} {passes} "
+                     f"response_len={metrics.get(f'eval/{name}/response_len/mean', math.nan):.2f} "
+                     f"truncated={metrics.get(f'eval/{name}-truncated_ratio', math.nan):.3f}")
+    return lines
 
 
 def summary_rows(history: list[dict], window: int = 5) -> list[tuple[str, float, float]]:

@@ -22,7 +22,7 @@ import torch
 
 from ppo.config import PPOConfig
 from ppo.config.schema import GENERATED_PREFIX
-from ppo.tasks import TASKS
+from ppo.tasks import EVAL_TASKS, TASKS
 
 NUM_TASK_PROMPTS = 512
 WARM_START_STEPS = 100  # enough for P(digit first) > 0.99 while each digit stays at ~0.1
@@ -51,6 +51,18 @@ def resolve_paths(cfg: PPOConfig, run_dir: Path,
             begin(f"building the tiny model ({WARM_START_STEPS} warm-start steps)")
             _build_tiny_model(ckpt, prompts, seed=cfg.training.seed)
     return ckpt, data
+
+
+def resolve_eval_paths(cfg: PPOConfig, run_dir: Path) -> list[tuple[str, str]]:
+    """(name, jsonl path) of each --eval-prompt-data set, writing `generated:NAME` ones."""
+    data = cfg.evaluation.eval_prompt_data or ()
+    out = []
+    for name, path in zip(data[0::2], data[1::2]):
+        if path.startswith(GENERATED_PREFIX):
+            task = path.removeprefix(GENERATED_PREFIX)
+            path = EVAL_TASKS[task](run_dir / "data" / f"eval_{task}.jsonl")
+        out.append((name, path))
+    return out
 
 
 def _build_tiny_model(path: str, prompts: list[str], *, seed: int) -> None:

@@ -12,7 +12,7 @@ import json
 import os
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import transformers
@@ -26,7 +26,8 @@ from ppo.config.schema import GENERATED_PREFIX
 from ppo.config.serialize import to_dict
 from ppo.console import RunConsole, ready_seconds
 from ppo.data import PromptDataset
-from ppo.generated import resolve_paths
+from ppo.evaluation import EvalSet, load_eval_sets
+from ppo.generated import resolve_eval_paths, resolve_paths
 from ppo.placement import Placement, plan_placement
 from ppo.rundir import RunDirError, RunDirLock, claim
 from roles.reward.actor import RewardScorer
@@ -66,6 +67,7 @@ class Job:
     console: RunConsole  # what the run prints (ppo.console)
     run_dir_lock: RunDirLock  # held until the job is closed (ppo.rundir)
     resume_from: Checkpoint | None  # the intact --load checkpoint to resume, if any (ppo.checkpoint.locate)
+    eval_sets: list[EvalSet] = field(default_factory=list)  # --eval-prompt-data, loaded (ppo.evaluation)
 
     def close(self) -> None:
         try:
@@ -292,6 +294,7 @@ def _start(cfg: PPOConfig, console: RunConsole, lock: RunDirLock, actor_cls, cri
                              context_len=model_context(hf_checkpoint),
                              response_len=cfg.rollout.rollout_max_response_len or 0, seed=cfg.rollout.rollout_seed,
                              shuffle=cfg.rollout.rollout_shuffle, skip_bad_samples=cfg.rollout.skip_bad_samples)
+        eval_sets = load_eval_sets(cfg, resolve_eval_paths(cfg, run_dir), tok)
         resume_from = None
         if cfg.checkpoint.load is not None:  # checked against its manifest (ppo.manifest)
             resume_from = locate(cfg.checkpoint.load, critic_load=C.critic_load(cfg), uses_critic=C.uses_critic(cfg),
@@ -352,5 +355,5 @@ def _start(cfg: PPOConfig, console: RunConsole, lock: RunDirLock, actor_cls, cri
                critic=critic,
                critic_tenant=(trainer_tenant(critic, tuple(plan.critic_gpus), frees=C.train_offload_tags(cfg))
                               if critic else None),
-               scorers=scorers,
+               scorers=scorers, eval_sets=eval_sets,
                colocation=Colocation(sup.leases, holding=tuple(t.name for t in engine_tenants)))

@@ -29,6 +29,7 @@ class RunLogger:
             self._wandb = wandb.init(project=wandb_project or "tandem", dir=str(run_dir), config=config)
         self.console = console
         self.history: list[dict] = []
+        self.eval_history: list[dict] = []  # one record per eval (log_eval)
         self._step_t0 = 0.0
         console.start_training(num_rollout, start_step)
 
@@ -40,29 +41,37 @@ class RunLogger:
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
         metrics = {k: float(v) for k, v in metrics.items()}
-        record = {"step": step, **metrics}
-        self.history.append(record)
-        self._metrics.write(json.dumps(record) + "\n")
+        self.history.append({"step": step, **metrics})
         self._publish("phase", phase="step", action="end", track="driver", step=step,
                       seconds=round(time.monotonic() - self._step_t0, 6))
         self._publish("metrics", step=step, metrics=metrics)
+        self._write(step, metrics)
+        self.console.rollout(step, metrics)
+
+    def log_eval(self, step: int, metrics: dict[str, float], samples: dict[str, list[dict]]) -> None:
+        """An eval's metrics (ppo.evaluation): their own line of metrics.jsonl, tagged with `step`,
+        tensorboard/wandb and the console; each set's samples go to samples/eval_NAME_STEP.jsonl.
+        Eval lines stay out of `history` (one record per rollout)."""
+        metrics = {k: float(v) for k, v in metrics.items()}
+        self.eval_history.append({"step": step, **metrics})
+        self._write(step, metrics)
+        self.console.eval(step, metrics)
+        for name, set_samples in samples.items():
+            self.dump_samples(step, set_samples, prefix=f"eval_{name}")
+
+    def _write(self, step: int, metrics: dict[str, float]) -> None:
+        """One line of metrics.jsonl, and tensorboard / wandb."""
+        self._metrics.write(json.dumps({"step": step, **metrics}) + "\n")
         if self._tb is not None:
             for k, v in metrics.items():
                 self._tb.add_scalar(k, v, step)
         if self._wandb is not None:
             self._wandb.log(metrics, step=step)
-        self.console.rollout(step, metrics)
 
-    def dump_samples(self, step: int, samples: list[dict]) -> None:
+    def dump_samples(self, step: int, samples: list[dict], prefix: str = "rollout") -> None:
         if not self._dump:
             return
-        d = self.run_dir / "samples"
-        d.mkdir(exist_ok=True)
-        with open(d / f"rollout_{step:05d}.jsonl", "w") as f:
-            for s in samples:
-                f.write(json.dumps({k: s[k] for k in ("index", "group_index", "prompt", "response", "label",
-                                                      "reward", "reward_status", "finish_reason",
-                                                      "weight_version")}) + "\n")
+        write_samples(self.run_dir / "samples" / f"{prefix}_{step:05d}.jsonl", samples)
 
     def close(self) -> None:
         self._metrics.close()
@@ -71,3 +80,13 @@ class RunLogger:
         if self._wandb is not None:
             self._wandb.finish()
         self.console.close(self.history)
+
+
+def write_samples(path: Path, samples: list[dict]) -> None:
+    """Samples as jsonl: prompt, response, label, reward and how each ended."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w") as f:
+        for s in samples:
+            f.write(json.dumps({k: s[k] for k in ("index", "group_index", "prompt", "response", "label",
+                                                  "reward", "reward_status", "finish_reason",
+                                                  "weight_version")}) + "\n")

@@ -12,7 +12,9 @@ Colocated, every GPU is held by one role at a time (docs/architecture.md):
     6. actor trains unless in critic-only warm-up; keeps its weights for the sync
     7. engines take their weights back; the actor streams new weights bucket by bucket
        (sglang engines lose their weights at the release: they get them after every step)
-    8. engines take the KV cache back; next iteration
+    8. engines take the KV cache back
+    9. every --eval-interval rollouts, the engines evaluate the new weights (ppo.evaluation);
+       next iteration
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import time
 
 import torch
 
-from ppo import checkpoint
+from ppo import checkpoint, evaluation
 from ppo import config as C
 from ppo.algorithms import (compute_advantages, kl_estimate, masked_whiten, mismatch_metrics, reduce_metrics,
                             token_level_rewards, truncated_is)
@@ -86,6 +88,8 @@ def run(job: Job, stops: SignalStops | None = None) -> list[dict]:
             t_step = time.monotonic()
             perf = log.step_phases(step)  # perf/*_time; each phase is a span in RUN_DIR/trace.json
             restarts_before = job.sup.restart_counts()
+            if evaluation.due_before_training(cfg, step, start.step):  # the starting weights
+                run_eval(job, log, perf, step, version)
 
             # 1. generate and score (a role that dies here is replaced and its work re-issued),
             # in rounds while dynamic sampling's filter drops groups
@@ -145,6 +149,10 @@ def run(job: Job, stops: SignalStops | None = None) -> list[dict]:
                 # 8. weights unchanged: engines take back everything they released
                 engine_handoff(job, lambda: colo.occupy(job.engine_tenants, ["weights", "kv_cache"]), version)
 
+            # 9. eval on the engines, which hold the new weights and their KV cache again
+            if evaluation.due_after(cfg, step):
+                run_eval(job, log, perf, step + 1, version)
+
             engine_restarts, scorer_restarts = restarts_since(job, restarts_before)
             counters.engine_restarts += engine_restarts
             counters.scorer_restarts += scorer_restarts
@@ -201,6 +209,16 @@ def user_functions(cfg: PPOConfig) -> tuple[DynamicSampling, object]:
     path = cfg.ppo.custom_tis_function_path
     return (DynamicSampling.from_config(cfg),
             load_function(path, "custom_tis_function_path") if path else truncated_is)
+
+
+def run_eval(job: Job, log: RunLogger, perf, tag: int, version: int) -> None:
+    """Evaluate the engines' weights (policy `version`) on the eval sets, timed as phase `eval`
+    (perf/eval_time of the step); logged and dumped under step `tag` (ppo.evaluation)."""
+    with perf.phase("eval"):
+        metrics, samples = evaluation.evaluate(
+            job.engines, job.scorers, job.eval_sets, tag, decode=job.tok.decode, eos_id=job.tok.eos_token_id,
+            recover=lambda role, dead: recover(job, role, dead, version))
+    log.log_eval(tag, {**metrics, "eval/weight_version": version}, samples)
 
 
 def engine_handoff(job: Job, handoff, version: int) -> None:

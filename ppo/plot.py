@@ -1,6 +1,6 @@
-"""`python -m ppo.plot RUN_DIR [--out FILE]`: reward, KL, value loss, step time, train-inference
-mismatch and TIS clipping of a run, and a stacked bar of each step's time by phase (the
-`perf/*_time` metrics), as a PNG."""
+"""`python -m ppo.plot RUN_DIR [--out FILE]`: reward (with each eval set's pass@1 beside it), KL,
+value loss, step time, train-inference mismatch and TIS clipping of a run, and a stacked bar
+of each step's time by phase (the `perf/*_time` metrics, eval's included), as a PNG."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 PANELS = (
-    ("rollout/raw_reward", "reward (mean over rollout)"),
+    ("rollout/raw_reward", "reward (rollout) and eval pass@1"),
     ("train/ppo_kl", "PPO KL (old vs new policy)"),
     ("train/critic-value_loss", "critic value loss"),
     ("perf/step_time", "step time (s)"),
@@ -53,7 +53,9 @@ def plot(rows: list[dict], out: Path, title: str) -> Path:
     for ax, (key, label) in zip(axes, PANELS):
         pts = [(r["step"], r[key]) for r in rows if key in r]
         if pts:
-            ax.plot(*zip(*pts), marker=".", linewidth=1)
+            ax.plot(*zip(*pts), marker=".", linewidth=1, label="rollout reward")
+            if key == "rollout/raw_reward":
+                _eval_curves(ax, rows)
         else:
             ax.text(0.5, 0.5, "not logged", ha="center", va="center", transform=ax.transAxes)
         ax.set_title(label)
@@ -63,6 +65,24 @@ def plot(rows: list[dict], out: Path, title: str) -> Path:
     fig.savefig(out, dpi=110)
     plt.close(fig)
     return out
+
+
+def eval_curves(rows: list[dict]) -> dict[str, list[tuple[int, float]]]:
+    """{eval set name: [(step, pass@1)]} from the eval lines of metrics.jsonl (ppo.evaluation)."""
+    curves: dict[str, list[tuple[int, float]]] = {}
+    for r in rows:
+        for k, v in r.items():
+            if k.startswith("eval/") and k.endswith("-pass@1"):
+                curves.setdefault(k.removeprefix("eval/").removesuffix("-pass@1"), []).append((r["step"], v))
+    return curves
+
+
+def _eval_curves(ax, rows: list[dict]) -> None:
+    curves = eval_curves(rows)
+    for name, pts in curves.items():
+        ax.plot(*zip(*pts), marker="o", linewidth=1.5, label=f"eval {name} pass@1")
+    if curves:
+        ax.legend(fontsize="small")
 
 
 def _phase_bars(ax, rows: list[dict]) -> None:
@@ -87,7 +107,8 @@ def main(argv: list[str] | None = None) -> int:
     except FileNotFoundError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    out = plot(rows, args.out or args.run_dir / "curves.png", f"{args.run_dir.name}: {len(rows)} rollouts")
+    num_rollouts = sum("perf/step_time" in r for r in rows)
+    out = plot(rows, args.out or args.run_dir / "curves.png", f"{args.run_dir.name}: {num_rollouts} rollouts")
     print(out)
     return 0
 

@@ -17,7 +17,7 @@ RATES = {"d2h": 50.0, "h2d": 50.0}
 def test_iteration_table_covers_each_step_and_finds_the_moves(tmp_path):
     run_dir = tmp_path / "run"
     cfg = ensure_valid(override(tiny_ppo(), run_dir=str(run_dir), num_rollout=2, num_critic_only_steps=0,
-                                rollout_batch_size=16))
+                                rollout_batch_size=16, eval_interval=1))  # step 0 evaluates twice, step 1 once
     history = train(cfg)
     ts = [e["ts"] for e in read_events(run_dir)]
     samples = [(t, i << 20, 2 << 30) for i, t in enumerate(ts)]  # GPU memory rising: the peak is the last sample
@@ -33,7 +33,9 @@ def test_iteration_table_covers_each_step_and_finds_the_moves(tmp_path):
         assert s["response_tokens"] == pytest.approx(h["rollout/response_len"] * 128)
         assert s["prompt_tokens"] > 0 and s["actor_train_tokens_per_s"] > 0 and s["critic_train_tokens_per_s"] > 0
         assert sorted(k for k in s if k.endswith("_tokens_per_s")) == [
-            "actor_train_tokens_per_s", "critic_train_tokens_per_s", "rollout_tokens_per_s"]
+            "actor_train_tokens_per_s", "critic_train_tokens_per_s", "eval_tokens_per_s", "rollout_tokens_per_s"]
+        assert [r["phase"] for r in s["phases"] if r["phase"] == "eval"] == ["eval"] * (2 if s["step"] == 0 else 1)
+        assert s["eval_response_tokens"] >= 80 * (2 if s["step"] == 0 else 1)  # 5 sums x 16 samples, EOS at least
         moved = {(m["move"], tuple(m["tags"])) for m in s["moves"]}
         assert ("onload", ("params",)) in moved and any(m == "release" for m, _ in moved)
         assert all(m["vs_pinned"] == pytest.approx(m["gb_per_s"] / 50.0) for m in s["moves"])
@@ -41,7 +43,7 @@ def test_iteration_table_covers_each_step_and_finds_the_moves(tmp_path):
         peaks = [r["gpu_peak_gib"] for r in s["phases"]]
         assert peaks == sorted(peaks)  # each phase's peak is its latest sample, as the memory only rises
     text = report(steps, RATES)
-    assert "outside compute" in text and "actor_train:" in text and "x pinned" in text
+    assert "outside compute" in text and "actor_train:" in text and "x pinned" in text and "x rollout)" in text
 
 
 @pytest.mark.timeout(300)

@@ -131,3 +131,21 @@ def test_quiet_run_prints_only_the_error(tmp_path):
     assert proc.returncode == 2, proc.stderr
     assert proc.stdout == ""
     assert proc.stderr.startswith("tandem: ") and "prompts.jsonl" in proc.stderr
+
+
+def test_an_eval_prints_one_line_per_set_and_a_json_record():
+    import io
+
+    from ppo.console import RunConsole
+    metrics = {"eval/aime-2024": 0.25, "eval/aime-2024-pass@1": 0.25, "eval/aime-2024-pass@2": 0.4,
+               "eval/aime-2024-pass@4": 0.5, "eval/aime-2024/response_len/mean": 7.0,
+               "eval/aime-2024-truncated_ratio": 0.125, "eval/sums": 1.0, "eval/sums-pass@1": 1.0,
+               "eval/sums/response_len/mean": 2.0, "eval/sums-truncated_ratio": 0.0, "eval/weight_version": 3.0}
+    out = io.StringIO()
+    RunConsole("plain", out=out).eval(4, metrics)
+    assert out.getvalue().splitlines() == [
+        "[eval] step=4 aime-2024 reward=0.2500 pass@1=0.250 pass@4=0.500 response_len=7.00 truncated=0.125",
+        "[eval] step=4 sums reward=1.0000 pass@1=1.000 response_len=2.00 truncated=0.000"]
+    out = io.StringIO()
+    RunConsole("json", out=out).eval(4, metrics)
+    assert json.loads(out.getvalue()) == {"type": "eval", "step": 4, "metrics": metrics}

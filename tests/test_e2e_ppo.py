@@ -38,8 +38,10 @@ def test_colocated_iterations_never_overlap_and_weights_match_after_every_sync(t
                  ("critic.1", "training"), ("actor.1", "offloaded"), ("rollout-0", "released"),
                  ("rollout-1", "ready")]:
         assert move in moves  # lifecycles are published as events
-    lines = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
-    assert len(lines) == 3 and "rollout/raw_reward" in json.loads(lines[0])
+    lines = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    rollouts = [r for r in lines if "eval/weight_version" not in r]  # tiny_ppo evaluates before step 0
+    assert len(rollouts) == 3 and "rollout/raw_reward" in rollouts[0]
+    assert [r["step"] for r in lines if "eval/weight_version" in r] == [0]
     sample = json.loads((tmp_path / "run" / "samples" / "rollout_00002.jsonl").read_text().splitlines()[0])
     assert sample["weight_version"] == 1 and {"prompt", "response", "reward", "label"} <= set(sample)
     # --save-interval 2: the actor and the critic save into separate folders

@@ -15,6 +15,7 @@ import pytest
 
 from ppo.plot import main as plot_main
 from ppo.plot import read_metrics, step_phases
+from ppo.recipes import tiny_ppo
 from ppo.trace import TraceBuilder, TraceWriter, build_trace, read_trace
 from runtime.events import EventBus, read_events
 
@@ -91,7 +92,9 @@ def test_trace_has_a_track_per_role_and_gpu_with_phases_bytes_buckets_and_leases
         assert counters and max(sum(e["args"].values()) for e in counters) > 0
         assert set(counters[-1]["args"]) == {"actor", "critic", f"rollout-{gpu}"}  # by lease holder (a rank counts as its group)
     states = by_track("rollout-0", "B")
-    assert states["generating"] == NUM_ROLLOUT and states["starting"] == 1
+    # tiny_ppo evaluates before step 0: one generate call per eval set (ppo.evaluation)
+    num_eval_calls = len(tiny_ppo().evaluation.eval_prompt_data) // 2
+    assert states["generating"] == NUM_ROLLOUT + num_eval_calls and states["starting"] == 1
     assert by_track("reward-0", "B")["scoring"] >= NUM_ROLLOUT
 
 
@@ -110,7 +113,7 @@ def test_trace_rebuilt_from_the_event_log_matches_the_live_one(piped_run, tmp_pa
 @pytest.mark.timeout(420)
 def test_plot_adds_a_stacked_bar_of_step_time_by_phase(piped_run, tmp_path, capsys):
     run_dir, _ = piped_run
-    rows = read_metrics(run_dir)
+    rows = [r for r in read_metrics(run_dir) if "perf/step_time" in r]  # the rollouts' lines, not eval's
     phases, steps, seconds = step_phases(rows)
     assert steps == list(range(NUM_ROLLOUT))
     assert {"rollout", "log_probs", "values", "critic_train", "train", "weight_sync", "offload", "other"} <= set(phases)

@@ -44,6 +44,7 @@ from ppo.config.schema import (
     CheckpointConfig,
     ConfigError,
     EngineConfig,
+    EvalConfig,
     LoggingConfig,
     OptimizerConfig,
     ParallelismConfig,
@@ -59,7 +60,7 @@ from ppo.config.validate import ensure_valid, validate
 
 __all__ = [
     "FIELDS", "GENERATED_PREFIX", "RM_TYPES",
-    "CheckpointConfig", "ConfigError", "EngineConfig", "LoggingConfig", "OptimizerConfig",
+    "CheckpointConfig", "ConfigError", "EngineConfig", "EvalConfig", "LoggingConfig", "OptimizerConfig",
     "OptimizerSettings", "ParallelismConfig", "PlacementConfig", "PPOAlgoConfig", "PPOConfig",
     "RewardConfig", "RolloutConfig", "TrainingConfig",
     "actor_gpus_per_node", "actor_num_gpus", "actor_optimizer", "critic_load", "critic_optimizer",

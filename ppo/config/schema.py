@@ -40,6 +40,8 @@ RM_TYPES = ("deepscaler", "dapo", "math", "tiny_exact")
 GENERATED_PREFIX = "generated:"
 GENERATED_MODELS = ("tiny-qwen3",)
 GENERATED_DATASETS = ("arithmetic",)
+# Sets for --eval-prompt-data (ppo.tasks.EVAL_TASKS): the sums the training task leaves out, and the rest.
+GENERATED_EVAL_DATASETS = ("arithmetic_heldout", "arithmetic_seen")
 # What the run prints (ppo.console): "auto" is a progress bar on a terminal and one plain line
 # per rollout otherwise (a file, a pipe, nohup, Slurm); "json" is one JSON object per line.
 LOG_FORMATS = ("auto", "rich", "plain", "json")
@@ -279,6 +281,30 @@ class LoggingConfig:
 
 
 @dataclass(frozen=True, kw_only=True)
+class EvalConfig:
+    """Evaluation during training on held-out prompt sets (miles' eval flags; ppo.evaluation).
+    An unset key or sampling setting falls back to the rollout's, as in miles."""
+
+    eval_prompt_data: tuple[str, ...] | None = knob(
+        None, "held-out prompt sets as NAME PATH pairs, e.g. aime /data/aime.jsonl "
+        "('generated:arithmetic_heldout' builds the sums tiny_ppo does not train on)")
+    eval_interval: int | None = knob(None, "evaluate after every N rollouts, and before the first "
+                                     "unless --skip-eval-before-train; unset: never", ge=1)
+    skip_eval_before_train: bool = knob(False, "do not evaluate the initial weights before the first rollout")
+    eval_input_key: str | None = knob(None, "jsonl key of the eval prompt; falls back to --input-key")
+    eval_label_key: str | None = knob(None, "jsonl key of the eval label; falls back to --label-key")
+    n_samples_per_eval_prompt: int = knob(1, "responses sampled per eval prompt (pass@k for k = 1, 2, "
+                                          "4, ... up to it)", ge=1)
+    eval_temperature: float | None = knob(None, "falls back to --rollout-temperature", ge=0.0)
+    eval_top_p: float | None = knob(None, "falls back to --rollout-top-p", gt=0.0, le=1.0)
+    eval_top_k: int | None = knob(None, "falls back to --rollout-top-k; -1 disables top-k")
+    eval_max_response_len: int | None = knob(None, "falls back to --rollout-max-response-len", ge=1)
+    eval_rm_type: tuple[str, ...] | None = knob(
+        None, "reward rule of the eval sets: one for all, or one per set in --eval-prompt-data order "
+        "(miles' per-dataset rm_type); unset: --rm-type")
+
+
+@dataclass(frozen=True, kw_only=True)
 class PPOConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
@@ -290,6 +316,7 @@ class PPOConfig:
     engine: EngineConfig = field(default_factory=EngineConfig)
     placement: PlacementConfig = field(default_factory=PlacementConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
+    evaluation: EvalConfig = field(default_factory=EvalConfig)
 
 
 @dataclass(frozen=True)
@@ -298,9 +325,10 @@ class FieldSpec:
 
     group: str
     name: str
-    kind: type  # bool, int, float, str, or tuple (a tuple of ints)
+    kind: type  # bool, int, float, str, or tuple (of `item`s)
     optional: bool
     meta: typing.Mapping[str, Any]
+    item: type = int  # what a tuple holds: int or str
 
     @property
     def flag(self) -> str:
@@ -311,17 +339,17 @@ class FieldSpec:
         return f"{self.group}.{self.name}"
 
 
-def _split_type(tp: Any) -> tuple[type, bool]:
-    optional = False
+def _split_type(tp: Any) -> tuple[type, bool, type]:
+    optional, item = False, int
     if isinstance(tp, types.UnionType):
         args = [a for a in tp.__args__ if a is not type(None)]
         assert len(args) == 1, f"unsupported config type {tp}"
         tp, optional = args[0], True
     if typing.get_origin(tp) is tuple:
-        assert typing.get_args(tp) == (int, ...), f"unsupported config type {tp}"
-        tp = tuple
+        assert typing.get_args(tp) in ((int, ...), (str, ...)), f"unsupported config type {tp}"
+        tp, item = tuple, typing.get_args(tp)[0]
     assert tp in (bool, int, float, str, tuple), f"unsupported config type {tp}"
-    return tp, optional
+    return tp, optional, item
 
 
 def _index_fields() -> dict[str, FieldSpec]:
@@ -331,8 +359,8 @@ def _index_fields() -> dict[str, FieldSpec]:
         hints = typing.get_type_hints(group_cls)
         for f in dataclasses.fields(group_cls):
             assert f.name not in index, f"config field {f.name} is defined twice"
-            kind, optional = _split_type(hints[f.name])
-            index[f.name] = FieldSpec(group.name, f.name, kind, optional, f.metadata)
+            kind, optional, item = _split_type(hints[f.name])
+            index[f.name] = FieldSpec(group.name, f.name, kind, optional, f.metadata, item)
     return index
 
 

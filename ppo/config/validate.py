@@ -18,6 +18,7 @@ from ppo.config import derived as d
 from ppo.config.schema import (
     FIELDS,
     GENERATED_DATASETS,
+    GENERATED_EVAL_DATASETS,
     GENERATED_MODELS,
     GENERATED_PREFIX,
     RM_TYPES,
@@ -34,10 +35,10 @@ def validate(cfg: PPOConfig, *, rm_types: Sequence[str] = RM_TYPES) -> list[str]
         if problem := _check_field(spec, _value(cfg, spec)):
             problems.append(problem)
             broken.add(spec.name)
-    if any(not _type_ok(FIELDS[n].kind, _value(cfg, FIELDS[n])) for n in broken):
+    if any(not _type_ok(FIELDS[n].kind, _value(cfg, FIELDS[n]), FIELDS[n].item) for n in broken):
         return problems  # the rules below would compare a string with a number
     problems += (_required(cfg, rm_types) + _sampling(cfg) + _algorithm(cfg) + _optimizer(cfg)
-                 + _backends(cfg) + _outputs(cfg))
+                 + _backends(cfg) + _outputs(cfg) + _evaluation(cfg, rm_types))
     if not broken & _DIVISORS:  # these rules divide by those fields
         problems += _placement(cfg) + _batches(cfg)
     return problems
@@ -88,13 +89,13 @@ def _value(cfg: PPOConfig, spec: FieldSpec) -> Any:
     return getattr(getattr(cfg, spec.group), spec.name)
 
 
-def _type_ok(kind: type, value: Any) -> bool:
+def _type_ok(kind: type, value: Any, item: type = int) -> bool:
     if kind is float:
         return isinstance(value, (int, float)) and not isinstance(value, bool)
     if kind is int:
         return isinstance(value, int) and not isinstance(value, bool)
     if kind is tuple:
-        return isinstance(value, tuple) and all(_type_ok(int, v) for v in value)
+        return isinstance(value, tuple) and all(_type_ok(item, v) for v in value)
     return isinstance(value, kind)
 
 
@@ -109,8 +110,8 @@ def _in_range(spec: FieldSpec, x: Any) -> bool:
 def _check_field(spec: FieldSpec, value: Any) -> str | None:
     if value is None:
         return None if spec.optional else f"{spec.flag} (field {spec.path}) must not be None"
-    if not _type_ok(spec.kind, value):
-        kind = "a tuple of ints" if spec.kind is tuple else spec.kind.__name__
+    if not _type_ok(spec.kind, value, spec.item):
+        kind = f"a tuple of {spec.item.__name__}s" if spec.kind is tuple else spec.kind.__name__
         return f"{describe(spec, value)}: expected {kind}, got {type(value).__name__}"
     items = value if spec.kind is tuple else (value,)
     if not all(_in_range(spec, x) for x in items):
@@ -405,4 +406,37 @@ def _outputs(cfg: PPOConfig) -> list[str]:
     if cfg.logging.quiet and cfg.logging.log_format != "auto":
         out.append(f"--quiet is set and so is --log-format {cfg.logging.log_format} (logging.log_format); "
                    "quiet prints nothing but errors. Please remove one of them")
+    return out
+
+
+def _evaluation(cfg: PPOConfig, rm_types: Sequence[str]) -> list[str]:
+    """miles' eval rules: NAME PATH pairs, and an interval only with sets to evaluate."""
+    e, out = cfg.evaluation, []
+    data = e.eval_prompt_data
+    if data is not None:
+        names = data[0::2]
+        if len(data) % 2:
+            out.append(_bad("eval_prompt_data", data, "must be NAME PATH pairs (an even number of "
+                            "words), e.g. --eval-prompt-data aime /data/aime.jsonl"))
+        elif dup := sorted({n for n in names if names.count(n) > 1}):
+            out.append(_bad("eval_prompt_data", data, f"names a set twice ({', '.join(dup)}); "
+                            "each set needs a name of its own (its metrics are eval/NAME...)"))
+        for path in data[1::2]:
+            out += _generated("eval_prompt_data", path, GENERATED_EVAL_DATASETS)
+        if e.eval_interval is None:
+            out.append(_set_but("eval_prompt_data", data, "--eval-interval (evaluation.eval_interval) is "
+                                "not, so no eval would run. Please add --eval-interval N"))
+    elif e.eval_interval is not None:
+        out.append(_set_but("eval_interval", e.eval_interval, "--eval-prompt-data (evaluation.eval_prompt_data) "
+                            "is not. Please add --eval-prompt-data NAME PATH"))
+    if e.eval_rm_type is not None:
+        num_sets = len(data) // 2 if data else 0
+        if len(e.eval_rm_type) not in (1, num_sets):
+            out.append(_bad("eval_rm_type", e.eval_rm_type, f"must name one rule for all eval sets or one "
+                            f"per set ({num_sets} in --eval-prompt-data)"))
+        if cfg.reward.custom_rm_path is None:
+            out += [_bad("eval_rm_type", e.eval_rm_type, f"{t!r} must be one of: {', '.join(rm_types)}")
+                    for t in e.eval_rm_type if t not in rm_types]
+    if e.eval_top_k is not None and not (e.eval_top_k == -1 or e.eval_top_k >= 1):
+        out.append(_bad("eval_top_k", e.eval_top_k, "must be -1 (off) or >= 1"))
     return out
