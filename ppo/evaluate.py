@@ -16,7 +16,8 @@ import sys
 import time
 from pathlib import Path
 
-from ppo.config import ConfigError, PPOConfig, build_parser, parse_cli
+from ppo.cli import build_parser, parse_cli
+from ppo.config import ConfigError, PPOConfig
 
 USAGE_FIX = "Please add --eval-prompt-data NAME PATH [NAME PATH ...]"
 

@@ -310,7 +310,7 @@ def test_a_full_disk_at_the_save_stops_the_run_in_one_line_and_leaves_no_partial
                   + ["--save", str(save), "--save-interval", "1"], tmp_path, timeout=280)
     assert proc.returncode == 1, proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr and len(proc.stderr.splitlines()) == 1, proc.stderr[-3000:]
-    assert proc.stderr.startswith(f"tandem: checkpoint rollout_00000 could not be written to ")
+    assert proc.stderr.startswith("tandem: checkpoint rollout_00000 could not be written to ")
     assert "no space left on device" in proc.stderr.lower()
     assert sorted(os.listdir(save)) == [] and not (save / "latest").exists()  # nothing half-written is left
 

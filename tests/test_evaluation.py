@@ -7,7 +7,8 @@ import json
 import pytest
 
 from ppo import evaluation as ev
-from ppo.config import ConfigError, parse_args
+from ppo.cli import parse_args
+from ppo.config import ConfigError
 from ppo.config.serialize import override
 from ppo.config.validate import ensure_valid
 from ppo.recipes import tiny_ppo
