@@ -66,7 +66,7 @@ if [ "$BUDGET" -ge 520 ] && [ "${EVAL:-0}" != 1 ]; then  # below that the two fu
 step tiny_checkpoint 45 python3 -m ppo.make_checkpoint --arch qwen3-4b --device cuda --num-prompts 256 \
   --override num_hidden_layers=2 --override hidden_size=256 --override intermediate_size=512 \
   --override num_attention_heads=4 --override num_key_value_heads=2 --override head_dim=64 "$TINY" || exit 1
-step tiny 80 python3 -m bench.iteration --out "$RUNS/tiny" -- "${COMMON[@]}" "${PPO_PLAN[@]}" \
+step tiny 120 python3 -m bench.iteration --out "$RUNS/tiny" -- "${COMMON[@]}" "${PPO_PLAN[@]}" \
   --hf-checkpoint "$TINY" --prompt-data "$TINY/dapo_math_prompts.jsonl" --num-rollout 1 \
   --num-critic-only-steps 0 --rollout-max-response-len 32 --sglang-mem-fraction-static 0.1 \
   --run-dir "$RUNS/tiny/run" || { keep tiny; exit 1; }
