@@ -9,7 +9,10 @@ the process they came from; every other warning still reaches the console as bef
 Noise is:
 - a warning of one of CATEGORIES, from anywhere;
 - any warning that code of one of LIBRARIES emits (the module that called `warnings.warn`,
-  whatever `stacklevel` blames), and any record of those libraries' loggers.
+  whatever `stacklevel` blames), and any record of those libraries' loggers;
+- any warning about a file inside one of LIBRARIES: the compiler's SyntaxWarnings, raised
+  while a library module is imported (megatron-core 0.19's "invalid escape sequence"), name
+  that file and come from the importer's frame.
 
 The supervisor routes its own process for as long as it runs, and every role process from
 its start, before the role's class is imported. A console handler that a library attaches
@@ -70,9 +73,11 @@ class NoiseRoute:
                     _uninstall()
 
 
-def is_noise(category: type[Warning], emitter: str) -> bool:
-    """Whether a warning of `category` that module `emitter` emitted goes to the log file."""
-    return issubclass(category, CATEGORIES) or emitter.split(".")[0] in LIBRARIES
+def is_noise(category: type[Warning], emitter: str, filename: str = "") -> bool:
+    """Whether a warning of `category` that module `emitter` emitted, about `filename`, goes
+    to the log file."""
+    return (issubclass(category, CATEGORIES) or emitter.split(".")[0] in LIBRARIES
+            or any(part in LIBRARIES for part in Path(filename).parts[:-1]))
 
 
 def route_library_noise(run_dir: str | os.PathLike, *, source: str) -> NoiseRoute:
@@ -91,7 +96,7 @@ def _write(text: str) -> None:
 def _show(message, category, filename, lineno, file=None, line=None) -> None:
     # an explicit file is a caller's choice of where; with no route open (ours was wrapped by a
     # later hook that outlived us) everything passes through
-    if file is None and _routes and is_noise(category, _emitter()):
+    if file is None and _routes and is_noise(category, _emitter(), str(filename)):
         _write(warnings.formatwarning(message, category, filename, lineno, line))
     else:
         _before["showwarning"](message, category, filename, lineno, file, line)

@@ -48,6 +48,20 @@ def test_the_driver_logs_library_noise_until_closed(tmp_path):
 
 
 
+def test_a_syntax_warning_compiling_a_library_module_is_logged(tmp_path):
+    """Compiling a library module warns from the importer's frame, naming the library's file
+    (megatron-core 0.19.2's kv_block_allocator.py on the H200): the file decides."""
+    with warnings.catch_warnings(record=True) as console:
+        warnings.simplefilter("default")
+        route = route_library_noise(tmp_path, source="supervisor")
+        # as the compiler warns (Python 3.12 on the H200): SyntaxWarning, the module's file
+        for path in ("/site/megatron/core/kv_block_allocator.py", "/work/ppo/ours.py"):
+            warnings.warn_explicit("invalid escape sequence '\\-'", SyntaxWarning, path, 426)
+        route.close()
+    assert [w.filename for w in console] == ["/work/ppo/ours.py"]
+    assert "megatron/core/kv_block_allocator.py:426: SyntaxWarning" in (tmp_path / LOG_NAME).read_text()
+
+
 def test_routes_nest_and_close_in_any_order(tmp_path):
     before = warnings.showwarning
     first = route_library_noise(tmp_path / "a", source="first")
