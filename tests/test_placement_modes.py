@@ -10,6 +10,7 @@ mode must learn the generated arithmetic a little within a short run.
 
 import pytest
 
+from ppo.config import num_critic_only_steps
 from ppo.config.serialize import override
 from ppo.config.validate import ensure_valid
 from ppo.loop import train
@@ -41,7 +42,7 @@ def run_mode(tmp_path, mode: str) -> tuple[list[dict], dict[int, list[dict]], in
                                 check_weight_update_equal=True, rollout_batch_size=64, **MODES[mode]))
     history = train(cfg)
     devices = {g: FakeDevice(tmp_path / "run" / "fakegpu", g).history() for g in (0, 1)}
-    return history, devices, cfg.ppo.num_critic_only_steps
+    return history, devices, num_critic_only_steps(cfg)
 
 
 def usage_by_holder(history: list[dict]) -> list[dict[str, int]]:

@@ -66,7 +66,8 @@ class Launch:
 
 def steps_logged(run_dir: Path) -> list[int]:
     path = run_dir / "metrics.jsonl"
-    return [json.loads(line)["step"] for line in path.read_text().splitlines()] if path.exists() else []
+    lines = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+    return [m["step"] for m in lines if not any(k.startswith("eval/") for k in m)]  # rollouts, not evals
 
 
 @pytest.mark.slow
