@@ -82,3 +82,18 @@ def test_max_trainer_restarts_needs_save_and_a_count():
     with pytest.raises(ConfigError, match=r"--max-trainer-restarts -1 \(checkpoint.max_trainer_restarts\): "
                                           r"must be >= 0"):
         ensure_valid(override(tiny_ppo(), max_trainer_restarts=-1, save="/tmp/x"))
+
+
+@pytest.mark.gpu
+def test_a_killed_megatron_actor_is_recovered_on_a_gpu(tmp_path):
+    """The megatron backend, once on a GPU (`bash .ci/gpu -k recovered`): the same recovery, one
+    rank on one real GPU. Bit-for-bit equality is not asked of CUDA kernels; the engines are
+    checked to hold the actor's weights after the recovery's sync and every later one."""
+    pytest.importorskip("megatron.core")
+    cfg = tiny(tmp_path, "killed", max_trainer_restarts=1, train_backend="megatron", fake_gpus=False,
+               actor_num_gpus_per_node=1, num_gpus_per_node=1, check_weight_update_equal=True)
+    history, inj = run_job(cfg, victim="actor.0")
+    assert inj.fired_at, "the fault was never injected"
+    assert [h["step"] for h in history] == [0, 1, 2, 3]
+    assert history[-1]["train/trainer_restarts_total"] == 1
+    assert [e["role"] for e in read_events(tmp_path / "killed") if e["event"] == "rewind"] == ["actor.0"]
