@@ -5,8 +5,9 @@
 Each scenario starts a small tiny_ppo job (2 fake GPUs, real role processes), injects a
 fault when the run's event log shows the moment it waits for, and reads what happened
 from the same log and the sample dumps: whether the job recovered, how many samples were
-lost (must be 0), the time from the fault to the supervisor seeing it, and the time until
-the replacement was ready.
+lost (must be 0), how many finished rollouts a trainer recovery ran again (redone: those
+after the checkpoint it went back to), the time from the fault to the supervisor seeing
+it, and the time until the replacement was ready.
 
 The chaos row kills engines and scorers several times each at seeded random moments of a
 longer run (`Chaos`) and checks that the run still completes every rollout and reaches the
@@ -223,6 +224,9 @@ SCENARIOS = {
     "scorer killed mid-scoring": ("reward-0", signal.SIGKILL, ("reward-0", "scoring"), 1, {}),
     "scorer hung (SIGSTOP) mid-scoring": ("reward-0", signal.SIGSTOP, ("reward-0", "scoring"), 1, {}),
     "trainer killed mid-training": ("actor.1", signal.SIGKILL, ("actor.1", "training"), 1, {}),
+    # ppo.recovery: both trainers come back from the newest checkpoint ({workdir}: the scenario's folder)
+    "trainer killed, recovered from checkpoint": ("actor.1", signal.SIGKILL, ("actor.1", "training"), 1, {
+        "save": "{workdir}/ckpt", "save_interval": 1, "max_trainer_restarts": 1}),
     "restart storm (engine killed 5 times)": ("rollout-1", signal.SIGKILL, ("rollout-1", "generating"), 5, {}),
 }
 
@@ -230,6 +234,7 @@ SCENARIOS = {
 def run_scenario(name: str, workdir: Path) -> dict:
     victim, sig, (role, state), times, values = SCENARIOS[name]
     num_rollout, batch = 4, 32
+    values = {k: v.format(workdir=workdir) if isinstance(v, str) else v for k, v in values.items()}
     cfg = tiny_job_config(workdir / "run", num_rollout=num_rollout, rollout_batch_size=batch, **values)
     job = start_job(cfg)
     inj = Injector(job, victim, after_first_rollout(role, state), sig=sig, times=times)
@@ -250,7 +255,9 @@ def run_scenario(name: str, workdir: Path) -> dict:
     first = inj.fired_at[0] if inj.fired_at else None
     detect = (deaths[0]["ts"] - first) if first and deaths else None
     recovered_ready = [e for e in readies if first and e["ts"] > first]
-    return {"fault": name, "injected": len(inj.fired_at), "outcome": outcome,
+    # finished rollouts that a trainer recovery ran again (from the step after the checkpoint)
+    redone = sum(e["from_step"] - e["to_step"] for e in events if e["event"] == "rewind")
+    return {"fault": name, "injected": len(inj.fired_at), "outcome": outcome, "steps_redone": redone,
             "recovered": len(recovered_ready) if outcome == "completed" else 0, "samples_lost": lost,
             "detect_s": detect, "recover_s": (recovered_ready[0]["ts"] - first) if recovered_ready and first else None}
 
@@ -282,12 +289,13 @@ def main(argv=None) -> list[dict]:
             else:
                 rows.append(run_scenario(name, Path(d)))
         print(f"done: {name}", flush=True)
-    print(f"\n{'fault':<40}{'injected':>9}{'recovered':>10}{'lost':>6}{'detect s':>10}{'recover s':>10}  outcome")
+    print(f"\n{'fault':<42}{'injected':>9}{'recovered':>10}{'redone':>7}{'lost':>6}{'detect s':>10}{'recover s':>10}"
+          "  outcome")
     for r in rows:
-        print(f"{r['fault']:<40}{r['injected']:>9}{r['recovered']:>10}{r['samples_lost']:>6}"
-              f"{fmt(r['detect_s']):>10}{fmt(r['recover_s']):>10}  {r['outcome']}")
+        print(f"{r['fault']:<42}{r['injected']:>9}{r['recovered']:>10}{r.get('steps_redone', 0):>7}"
+              f"{r['samples_lost']:>6}{fmt(r['detect_s']):>10}{fmt(r['recover_s']):>10}  {r['outcome']}")
         if "kills_by_role" in r:
-            print(f"{'':<40}kills by role {r['kills_by_role']}, by moment {r['kills_by_moment']}; "
+            print(f"{'':<42}kills by role {r['kills_by_role']}, by moment {r['kills_by_moment']}; "
                   f"slowest detection {fmt(r['detect_max_s'])} s, "
                   f"slowest recovery {fmt(r['recover_max_s'])} s (times: medians over the kills)")
     if args.json:

@@ -119,6 +119,8 @@ class RunCounters:
     engine_restarts: int = 0
     scorer_restarts: int = 0
     skipped_samples: int = 0
+    trainer_restarts: int = 0  # recoveries of a dead trainer (--max-trainer-restarts, ppo.recovery)
+    rewound_steps: int = 0  # rollout steps those recoveries ran again (finished after the checkpoint they reloaded)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -393,6 +395,17 @@ def resume(job: RunJob, data: PromptDataset) -> ResumePoint:
     if ckpt.step + 1 >= cfg.rollout.num_rollout:
         raise CheckpointError(f"--load {cfg.checkpoint.load}: the checkpoint is after rollout {ckpt.step}, and "
                               f"--num-rollout {cfg.rollout.num_rollout} leaves nothing to run; raise --num-rollout")
+    trim_metrics(job.run_dir, ckpt.step)
+    point = restore(job, data, ckpt)
+    job.sup.publish("resumed", path=str(ckpt.actor_dir), step=ckpt.step, weight_version=point.version,
+                    counters=asdict(point.counters))
+    return point
+
+
+def restore(job: RunJob, data: PromptDataset, ckpt: Checkpoint) -> ResumePoint:
+    """Bring the job's trainers (offloaded), data position, driver RNG and engines (holding
+    their GPUs) to the state that `ckpt` saved; returns where the run goes on."""
+    cfg = job.cfg
     data.load_state_dict(ckpt.state["data"])
     job.actor.load(str(ckpt.actor_dir))
     if job.critic is not None:
@@ -402,10 +415,7 @@ def resume(job: RunJob, data: PromptDataset) -> ResumePoint:
     job.actor.sync_weights(job.engines, cfg.engine.update_weight_buffer_size, version,
                            engine_gpus=job.placement.engines)
     restore_rng(ckpt.state["rng"])
-    trim_metrics(job.run_dir, ckpt.step)
     counters = RunCounters(**ckpt.state.get("counters", {}))  # absent in checkpoints of older versions
-    job.sup.publish("resumed", path=str(ckpt.actor_dir), step=ckpt.step, weight_version=version,
-                    counters=asdict(counters))
     return ResumePoint(step=ckpt.step + 1, version=version, counters=counters)
 
 

@@ -166,6 +166,12 @@ class Colocation:
             self.leases.report(g, tenant.name, per_gpu(tenant, rep)[g])
         self.seconds += time.monotonic() - t0
 
+    def evict(self, tenant: Tenant) -> None:
+        """A tenant whose processes died (a trainer group, before ppo.recovery starts it
+        again): it holds no lease and keeps no memory from now on."""
+        self.leases.forget(list(tenant.gpus), tenant.name)
+        self.holding.discard(tenant.name)
+
     def take_time(self) -> float:
         s, self.seconds = self.seconds, 0.0
         return s

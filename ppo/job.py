@@ -311,7 +311,8 @@ def _start(cfg: PPOConfig, console: RunConsole, lock: RunDirLock, actor_cls, cri
         # Restart policy: engines and scorers hold no state a restart loses (the driver
         # re-syncs a restarted engine's weights and re-issues its work), so they restart
         # alone. A trainer holds the run's state: its death stops the job, to be resumed
-        # from the last checkpoint with --load.
+        # from the last checkpoint with --load, unless --max-trainer-restarts lets the driver
+        # bring it back from that checkpoint itself (ppo.recovery).
         scorers = [sup.spawn(f"reward-{i}", RewardScorer, cfg.reward.rm_type, cfg.reward.custom_rm_path,
                              cfg.reward.reward_timeout, restart="one_for_one", env=ROLE_ENV)
                    for i in range(plan.num_reward_workers)]

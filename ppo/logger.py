@@ -8,6 +8,7 @@ import json
 import time
 from pathlib import Path
 
+from ppo.checkpoint import trim_metrics
 from ppo.console import RunConsole
 from ppo.trace import StepPhases
 
@@ -30,12 +31,13 @@ class RunLogger:
         self.console = console
         self.history: list[dict] = []
         self.eval_history: list[dict] = []  # one record per eval (log_eval)
+        self.step = start_step  # the rollout step under way
         self._step_t0 = 0.0
         console.start_training(num_rollout, start_step)
 
     def step_phases(self, step: int) -> StepPhases:
         """Rollout `step` begins: its perf/*_time seconds, filled by `with perf.phase(name):`."""
-        self._step_t0 = time.monotonic()
+        self.step, self._step_t0 = step, time.monotonic()
         self._publish("phase", phase="step", action="begin", track="driver", step=step)
         return StepPhases(step, self._publish, self.console.phase)
 
@@ -67,6 +69,15 @@ class RunLogger:
                 self._tb.add_scalar(k, v, step)
         if self._wandb is not None:
             self._wandb.log(metrics, step=step)
+
+    def rewind(self, last_step: int) -> None:
+        """The run goes back to after `last_step` (ppo.recovery): metrics of later steps are
+        dropped from metrics.jsonl and the history, and will be logged again."""
+        self._metrics.close()
+        trim_metrics(self.run_dir, last_step)
+        self._metrics = open(self.run_dir / "metrics.jsonl", "a", buffering=1)
+        self.history = [h for h in self.history if h["step"] <= last_step]
+        self.eval_history = [h for h in self.eval_history if h["step"] <= last_step]
 
     def dump_samples(self, step: int, samples: list[dict], prefix: str = "rollout") -> None:
         if not self._dump:

@@ -24,7 +24,7 @@ import time
 
 import torch
 
-from ppo import checkpoint, evaluation
+from ppo import checkpoint, evaluation, recovery
 from ppo import config as C
 from ppo.algorithms import (compute_advantages, kl_estimate, masked_whiten, mismatch_metrics, reduce_metrics,
                             token_level_rewards, truncated_is)
@@ -62,15 +62,9 @@ def train(cfg: PPOConfig, console: RunConsole | None = None) -> list[dict]:
 
 
 def run(job: Job, stops: SignalStops | None = None) -> list[dict]:
-    cfg, colo = job.cfg, job.colocation
-    actor, critic, engines = job.actor, job.critic, job.engines
-    tok, data = job.tok, job.data
-    skipped_samples = data.num_skipped  # lines of --prompt-data left out; logged as rollout/skipped_samples
-    sampling = sampling_params(cfg, tok.eos_token_id)
-    dynamic_sampling, tis_function = user_functions(cfg)
-    critic_only_steps = C.num_critic_only_steps(cfg)
+    cfg = job.cfg
     # --load: trainers, data position, driver RNG and the engines' weights as the checkpoint left them
-    start = (checkpoint.resume(job, data) if cfg.checkpoint.load is not None
+    start = (checkpoint.resume(job, job.data) if cfg.checkpoint.load is not None
              else checkpoint.ResumePoint(step=0, version=0))
     if start.step and cfg.engine.check_weight_update_equal:
         check_weights_equal(job)
@@ -78,115 +72,150 @@ def run(job: Job, stops: SignalStops | None = None) -> list[dict]:
                     use_tensorboard=cfg.logging.use_tensorboard, use_wandb=cfg.logging.use_wandb,
                     wandb_project=cfg.logging.wandb_project, dump_samples=cfg.logging.dump_samples,
                     config=to_dict(cfg), start_step=start.step, console=job.console)
-    version = start.version
-    counters = start.counters  # counts over the run, a resumed run's earlier part included
-    skipped = counters.skipped_updates  # optimizer steps skipped for a non-finite loss or gradient
+    recoveries = 0
     try:
-        for step in range(start.step, cfg.rollout.num_rollout):
-            if stops is not None:
-                stops.step = step
-            t_step = time.monotonic()
-            perf = log.step_phases(step)  # perf/*_time; each phase is a span in RUN_DIR/trace.json
-            restarts_before = job.sup.restart_counts()
-            if evaluation.due_before_training(cfg, step, start.step):  # the starting weights
-                run_eval(job, log, perf, step, version)
-
-            # 1. generate and score (a role that dies here is replaced and its work re-issued),
-            # in rounds while dynamic sampling's filter drops groups
-            with perf.phase("rollout"):
-                samples, sampling_metrics = sample_batch(
-                    lambda prompts, sampling_round: generate_and_score(
-                        engines, job.scorers, prompts, sampling, step, decode=tok.decode, eos_id=tok.eos_token_id,
-                        recover=lambda role, dead: recover(job, role, dead, version), sampling_round=sampling_round),
-                    data.next_batch, dynamic_sampling)
-            batch = build_batch(samples, pad_id=tok.pad_token_id)
-
-            # 2-3. engines hand the GPUs to the actor: old and reference log-probs
-            engine_handoff(job, lambda: colo.vacate(job.engine_tenants, ["kv_cache", "weights"]), version)
-            colo.occupy([job.actor_tenant], ["params"])
-            with perf.phase("log_probs"):
-                batch["old_log_probs"] = actor.compute_log_probs(select(batch))["log_probs"]
-                if C.needs_ref(cfg):
-                    batch["ref_log_probs"] = actor.compute_ref_log_probs(select(batch))["log_probs"]
-            colo.vacate([job.actor_tenant], ["params"])
-            mismatch = mismatch_correction(cfg, batch, tis_function)  # may add batch["tis_weights"]
-
-            # 4. critic values, then advantages in the driver
-            critic_metrics = {}
-            if critic is not None:
-                colo.occupy([job.critic_tenant], ["params"])
-                with perf.phase("values"):
-                    batch["values"] = critic.compute_values(select(batch))["values"]
-            with perf.phase("advantages"):
-                batch["advantages"], batch["returns"] = advantages(cfg, batch)
-
-            # 5. critic update
-            if critic is not None:
-                colo.occupy([job.critic_tenant], ["optimizer", "grads"])
-                with perf.phase("critic_train"):
-                    critic_metrics = critic.train(dict(select(batch, "returns"), old_values=batch["values"]))
-                colo.vacate([job.critic_tenant], ["params", "grads", "optimizer"])
-                skipped = check_skipped(cfg, skipped + critic_metrics["skipped_nonfinite"])
-
-            # 6. actor update, unless the critic is still warming up
-            actor_metrics = {}
-            if step >= critic_only_steps:
-                colo.occupy([job.actor_tenant], ["params", "optimizer", "grads"])
-                with perf.phase("actor_train", metric="perf/train_time"):
-                    actor_metrics = actor.train(actor_batch(cfg, batch))
-                skipped = check_skipped(cfg, skipped + actor_metrics["skipped_nonfinite"])
-                colo.vacate([job.actor_tenant], ["grads", "optimizer"], keep="params")
-
-                version += 1
-                sync_engines(job, version, perf)  # 7. weight sync
-            elif C.engines_discard_weights(cfg):
-                # 7'. weights unchanged, but sglang threw the engines' copy away at the release
-                # (no CPU backup: docs/architecture.md): the actor pushes them again, same version
-                colo.occupy([job.actor_tenant], ["params"])
-                colo.vacate([job.actor_tenant], ["params"], keep="params")
-                sync_engines(job, version, perf)
-            else:
-                # 8. weights unchanged: engines take back everything they released
-                engine_handoff(job, lambda: colo.occupy(job.engine_tenants, ["weights", "kv_cache"]), version)
-
-            # 9. eval on the engines, which hold the new weights and their KV cache again
-            if evaluation.due_after(cfg, step):
-                run_eval(job, log, perf, step + 1, version)
-
-            engine_restarts, scorer_restarts = restarts_since(job, restarts_before)
-            counters.engine_restarts += engine_restarts
-            counters.scorer_restarts += scorer_restarts
-            perf["perf/offload_time"] = colo.take_time()
-            perf["perf/step_time"] = time.monotonic() - t_step
-            log.dump_samples(step, samples)
-            log.log(step, {**rollout_metrics(batch, samples), **sampling_metrics, **mismatch,
-                           "rollout/engine_restarts": engine_restarts,
-                           "rollout/skipped_samples": skipped_samples,
-                           "rollout/scorer_restarts": scorer_restarts,
-                           "train/skipped_updates_total": skipped,
-                           "rollout/engine_restarts_total": counters.engine_restarts,
-                           "rollout/scorer_restarts_total": counters.scorer_restarts,
-                           **{f"train/{k}": v for k, v in actor_metrics.items()},
-                           **{f"train/critic-{k}": v for k, v in critic_metrics.items()},
-                           "rollout/weight_version": version, **perf})
-            counters.skipped_updates, counters.skipped_samples = skipped, skipped_samples
-            saved = checkpoint.save_if_due(job, step, data=data, version=version, counters=counters,
-                                           force=stops is not None and stops.save_requested)
-            if stops is not None:  # SIGUSR1 (or SIGTERM with --save-on-signal): saved, now stop
-                stops.after_step(step, saved=saved, last=step == cfg.rollout.num_rollout - 1)
-    except ActorDied as e:
-        group = next((g for g in (actor, critic) if g is not None and g.rank_of(e.role) is not None), None)
-        if group is None:
-            raise
-        save = cfg.checkpoint.save
-        resume = (f"resume from the last checkpoint with --load {save}" if save
-                  else "no checkpoint was being written (--save unset): the run must start over")
-        raise TrainerDied(f"the {group.name} trainer died: its rank {group.rank_of(e.role)} ({e.role}) died "
-                          f"({e.reason}); the run stopped. "
-                          f"Error file: {e.error_file or 'none (killed without a traceback)'}; {resume}") from e
+        while True:
+            try:
+                steps(job, log, start, stops)
+                break
+            except ActorDied as e:
+                group = recovery.dead_trainer(job, e)
+                if group is None:
+                    raise
+                # --max-trainer-restarts: back to the newest checkpoint (ppo.recovery), or stop
+                ckpt = recovery.newest_checkpoint(job) if recoveries < cfg.checkpoint.max_trainer_restarts else None
+                if ckpt is None:
+                    raise trainer_died(cfg, group, e, recoveries) from e
+                recoveries += 1
+                counters = start.counters  # as the loop left them
+                start = recovery.recover(job, log, e, ckpt, step=log.step,
+                                         trainer_restarts=counters.trainer_restarts + 1,
+                                         rewound_steps=counters.rewound_steps)
+                if cfg.engine.check_weight_update_equal:
+                    check_weights_equal(job)
     finally:
         log.close()
     return log.history
+
+
+def steps(job: Job, log: RunLogger, start: checkpoint.ResumePoint, stops: SignalStops | None) -> None:
+    """The PPO iterations from `start` to --num-rollout; `start.counters` counts on."""
+    cfg, colo = job.cfg, job.colocation
+    actor, critic, engines = job.actor, job.critic, job.engines
+    tok, data = job.tok, job.data
+    skipped_samples = data.num_skipped  # lines of --prompt-data left out; logged as rollout/skipped_samples
+    sampling = sampling_params(cfg, tok.eos_token_id)
+    dynamic_sampling, tis_function = user_functions(cfg)
+    critic_only_steps = C.num_critic_only_steps(cfg)
+    version = start.version
+    counters = start.counters  # counts over the run, a resumed run's earlier part included
+    skipped = counters.skipped_updates  # optimizer steps skipped for a non-finite loss or gradient
+    for step in range(start.step, cfg.rollout.num_rollout):
+        if stops is not None:
+            stops.step = step
+        t_step = time.monotonic()
+        perf = log.step_phases(step)  # perf/*_time; each phase is a span in RUN_DIR/trace.json
+        restarts_before = job.sup.restart_counts()
+        if evaluation.due_before_training(cfg, step, start.step):  # the starting weights
+            run_eval(job, log, perf, step, version)
+
+        # 1. generate and score (a role that dies here is replaced and its work re-issued),
+        # in rounds while dynamic sampling's filter drops groups
+        with perf.phase("rollout"):
+            samples, sampling_metrics = sample_batch(
+                lambda prompts, sampling_round: generate_and_score(
+                    engines, job.scorers, prompts, sampling, step, decode=tok.decode, eos_id=tok.eos_token_id,
+                    recover=lambda role, dead: recover(job, role, dead, version), sampling_round=sampling_round),
+                data.next_batch, dynamic_sampling)
+        batch = build_batch(samples, pad_id=tok.pad_token_id)
+
+        # 2-3. engines hand the GPUs to the actor: old and reference log-probs
+        engine_handoff(job, lambda: colo.vacate(job.engine_tenants, ["kv_cache", "weights"]), version)
+        colo.occupy([job.actor_tenant], ["params"])
+        with perf.phase("log_probs"):
+            batch["old_log_probs"] = actor.compute_log_probs(select(batch))["log_probs"]
+            if C.needs_ref(cfg):
+                batch["ref_log_probs"] = actor.compute_ref_log_probs(select(batch))["log_probs"]
+        colo.vacate([job.actor_tenant], ["params"])
+        mismatch = mismatch_correction(cfg, batch, tis_function)  # may add batch["tis_weights"]
+
+        # 4. critic values, then advantages in the driver
+        critic_metrics = {}
+        if critic is not None:
+            colo.occupy([job.critic_tenant], ["params"])
+            with perf.phase("values"):
+                batch["values"] = critic.compute_values(select(batch))["values"]
+        with perf.phase("advantages"):
+            batch["advantages"], batch["returns"] = advantages(cfg, batch)
+
+        # 5. critic update
+        if critic is not None:
+            colo.occupy([job.critic_tenant], ["optimizer", "grads"])
+            with perf.phase("critic_train"):
+                critic_metrics = critic.train(dict(select(batch, "returns"), old_values=batch["values"]))
+            colo.vacate([job.critic_tenant], ["params", "grads", "optimizer"])
+            skipped = check_skipped(cfg, skipped + critic_metrics["skipped_nonfinite"])
+
+        # 6. actor update, unless the critic is still warming up
+        actor_metrics = {}
+        if step >= critic_only_steps:
+            colo.occupy([job.actor_tenant], ["params", "optimizer", "grads"])
+            with perf.phase("actor_train", metric="perf/train_time"):
+                actor_metrics = actor.train(actor_batch(cfg, batch))
+            skipped = check_skipped(cfg, skipped + actor_metrics["skipped_nonfinite"])
+            colo.vacate([job.actor_tenant], ["grads", "optimizer"], keep="params")
+
+            version += 1
+            sync_engines(job, version, perf)  # 7. weight sync
+        elif C.engines_discard_weights(cfg):
+            # 7'. weights unchanged, but sglang threw the engines' copy away at the release
+            # (no CPU backup: docs/architecture.md): the actor pushes them again, same version
+            colo.occupy([job.actor_tenant], ["params"])
+            colo.vacate([job.actor_tenant], ["params"], keep="params")
+            sync_engines(job, version, perf)
+        else:
+            # 8. weights unchanged: engines take back everything they released
+            engine_handoff(job, lambda: colo.occupy(job.engine_tenants, ["weights", "kv_cache"]), version)
+
+        # 9. eval on the engines, which hold the new weights and their KV cache again
+        if evaluation.due_after(cfg, step):
+            run_eval(job, log, perf, step + 1, version)
+
+        engine_restarts, scorer_restarts = restarts_since(job, restarts_before)
+        counters.engine_restarts += engine_restarts
+        counters.scorer_restarts += scorer_restarts
+        perf["perf/offload_time"] = colo.take_time()
+        perf["perf/step_time"] = time.monotonic() - t_step
+        log.dump_samples(step, samples)
+        log.log(step, {**rollout_metrics(batch, samples), **sampling_metrics, **mismatch,
+                       "rollout/engine_restarts": engine_restarts,
+                       "rollout/skipped_samples": skipped_samples,
+                       "rollout/scorer_restarts": scorer_restarts,
+                       "train/skipped_updates_total": skipped,
+                       "rollout/engine_restarts_total": counters.engine_restarts,
+                       "rollout/scorer_restarts_total": counters.scorer_restarts,
+                       "train/trainer_restarts_total": counters.trainer_restarts,  # ppo.recovery
+                       "train/rewound_steps_total": counters.rewound_steps,
+                       **{f"train/{k}": v for k, v in actor_metrics.items()},
+                       **{f"train/critic-{k}": v for k, v in critic_metrics.items()},
+                       "rollout/weight_version": version, **perf})
+        counters.skipped_updates, counters.skipped_samples = skipped, skipped_samples
+        saved = checkpoint.save_if_due(job, step, data=data, version=version, counters=counters,
+                                       force=stops is not None and stops.save_requested)
+        if stops is not None:  # SIGUSR1 (or SIGTERM with --save-on-signal): saved, now stop
+            stops.after_step(step, saved=saved, last=step == cfg.rollout.num_rollout - 1)
+
+
+def trainer_died(cfg: PPOConfig, group, e: ActorDied, recoveries: int) -> TrainerDied:
+    save = cfg.checkpoint.save
+    resume = (f"resume from the last checkpoint with --load {save}" if save
+              else "no checkpoint was being written (--save unset): the run must start over")
+    limit = cfg.checkpoint.max_trainer_restarts
+    recovered = ("" if not limit else f" (after {recoveries} of --max-trainer-restarts {limit} recoveries)"
+                 if recoveries == limit else " (before its first checkpoint: nothing to recover from)")
+    return TrainerDied(f"the {group.name} trainer died: its rank {group.rank_of(e.role)} ({e.role}) died "
+                       f"({e.reason}); the run stopped{recovered}. "
+                       f"Error file: {e.error_file or 'none (killed without a traceback)'}; {resume}")
 
 
 def sync_engines(job: Job, version: int, perf) -> None:

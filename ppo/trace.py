@@ -1,7 +1,8 @@
 """The phase trace: RUN_DIR/trace.json in the Chrome trace format (open it in Perfetto,
 ui.perfetto.dev, or chrome://tracing), built from the run's event log.
 
-Tracks: `driver` (the steps and phases of each PPO iteration), one per role (`state`: the
+Tracks: `driver` (the steps and phases of each PPO iteration; a `rewind` instant where a
+trainer recovery abandons the step under way, ppo.recovery), one per role (`state`: the
 lifecycle from its `state` events, with spawns, deaths, restarts and hangs as instants;
 `phases`: what the role did, e.g. offload/onload with bytes, weight-sync buckets) and one
 per GPU (`lease`: who holds it, released with the bytes left; a `bytes in use` counter by
@@ -214,6 +215,13 @@ class TraceBuilder:
         where, out = self._driver()
         return out + [self._instant(where, f"checkpoint {e.get('step')}", e["ts"], save=e.get("save"),
                                     save_hf=e.get("save_hf"))]
+
+    def _on_rewind(self, e: dict) -> list[dict]:  # ppo.recovery: the step under way is abandoned
+        where, out = self._driver()
+        while self._open.get(where):
+            out += self._end(where, e["ts"], abandoned=True)
+        return out + [self._instant(where, f"rewind to step {e.get('to_step')}", e["ts"], **{
+            k: e.get(k) for k in ("from_step", "to_step", "checkpoint", "role", "reason", "trainer_restarts")})]
 
     def _on_metrics(self, e: dict) -> list[dict]:
         (pid, _), out = self._driver()

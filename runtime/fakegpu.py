@@ -131,6 +131,15 @@ class FakeDevice:
             self._append(state, {"kind": "usage", "holder": holder, "tag": tag, "nbytes": nbytes,
                                  "total": total})
 
+    def forget(self, holder: str) -> None:
+        """Free everything `holder` keeps here: its processes died, and their memory with them
+        (a real GPU frees a dead process's allocations; a fake one is told)."""
+        with self._transaction() as state:
+            tags = state["usage"].pop(holder, {})
+            for tag in sorted(tags):
+                self._append(state, {"kind": "usage", "holder": holder, "tag": tag, "nbytes": 0,
+                                     "total": _total(state)})
+
     def set_lease_holder(self, holder: str | None) -> None:
         """Record who may grow memory here from now on (called by runtime.memory.LeaseTable)."""
         with self._transaction() as state:

@@ -149,6 +149,24 @@ class LeaseTable:
             for gpu in gpus:
                 self._end(gpu, holder, bytes_left_by_gpu[gpu])
 
+    def forget(self, gpus: list[int], holder: str) -> None:
+        """`holder`'s processes on `gpus` are gone, and their memory with them: end its leases
+        there and drop its residuals (on a fake GPU, its ledger entries too), so that the next
+        holder, or `holder` started again, begins from an empty device."""
+        with self._lock:
+            self._check_group(gpus)
+            for gpu in gpus:
+                if gpu in self._fake_devices:
+                    self._fake_devices[gpu].forget(holder)
+                held = self._holders[gpu] == holder
+                if not held and holder not in self._residuals[gpu]:
+                    continue
+                self._residuals[gpu].pop(holder, None)
+                if held:
+                    self._end(gpu, holder, 0)
+                else:
+                    self._emit(gpu, holder, "report", 0)
+
     def _check_gpu(self, gpu: int) -> None:
         if gpu not in self._holders:
             raise ValueError(f"gpu={gpu} has no lease; leased gpus: {sorted(self._holders)}")

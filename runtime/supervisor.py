@@ -7,7 +7,8 @@ the strategy and the restart limit, as in Erlang/OTP:
 - ``one_for_all``: restart every member of the child's named group (a colocated GPU
   group whose members share IPC handles and NCCL state).
 - ``temporary``: never restart; callers get ActorDied. Temporary children of one group
-  (a rank group, ``spawn_group``) die together: the first death stops the others.
+  (a rank group, ``spawn_group``) die together: the first death stops the others. The
+  caller may start a rank group again (``respawn_group``): the driver's trainer recovery.
 
 Death is seen from the process sentinel; hangs from missed heartbeats. Past the
 restart intensity (``max_restarts`` within ``restart_window_s``), or when a child dies
@@ -30,7 +31,7 @@ import tempfile
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -140,6 +141,7 @@ class Supervisor:
                                  on_event=self._on_lease_event, fake_devices=fake_devices)
         self._deferred: dict[str, str] = {}  # children whose restart waits for their leases: reason
         self._stores: dict[str, object] = {}  # rank group name: its rendezvous store (a TCPStore server)
+        self._respawning: set[str] = set()  # rank groups that respawn_group stops: their deaths are its own
 
         self._children: dict[str, _Child] = {}
         self._lock = threading.RLock()          # guards _children and restart bookkeeping
@@ -214,7 +216,8 @@ class Supervisor:
 
         The group lives and dies as one (``restart="temporary"``, ``group=name``): when a rank
         dies the others are stopped, and calls to any of them raise the ActorDied of the rank
-        that died. It is never restarted: its ranks would need a new rendezvous.
+        that died. The supervisor never restarts it by itself (its state is the run's, which
+        only the driver can reload); the driver may, with `respawn_group`.
         """
         if not gpus:
             raise ValueError(f"{name}: a rank group needs gpus (one rank per GPU)")
@@ -230,6 +233,45 @@ class Supervisor:
                                 "RANK": str(rank), "WORLD_SIZE": str(len(gpus)), "LOCAL_RANK": str(rank)},
                            **kwargs)
                 for rank, gpu in enumerate(gpus)]
+
+    def respawn_group(self, name: str, reason: str, timeout: float = 60.0) -> list[ActorHandle]:
+        """Start rank group `name` again: its live ranks are stopped, then every rank starts as
+        a new incarnation with a new rendezvous store (a new MASTER_PORT). The driver's call
+        (ppo.recovery: the driver knows what to reload; a supervisor restart would bring back
+        freshly initialised trainers). Counts once toward the restart intensity, past which
+        the supervisor gives up and this raises SupervisionFailed. Returns at once; the
+        handles (the same names) reach the new incarnations."""
+        self.check()
+        with self._lock:
+            members = [c for c in self._children.values() if c.spec.group == name and c.spec.restart == "temporary"]
+        if not members:
+            raise ValueError(f"no rank group named {name!r}")
+        members.sort(key=lambda c: int(c.spec.env["RANK"]))
+        # A rank's death stops its peers in the watch thread, which then drops the store:
+        # wait for that, so that no stop of an old incarnation lands on a new one.
+        until = time.monotonic() + timeout
+        while any(c.state == "dead" for c in members) and name in self._stores:
+            if time.monotonic() > until:
+                raise TimeoutError(f"group {name!r}: its ranks were not stopped within {timeout} s")
+            time.sleep(0.01)
+        with self._lock:
+            self._respawning.add(name)  # the watch thread leaves the stop of its live ranks to us
+        try:
+            self._stop_children([c for c in members if c.state != "dead"],
+                                reason=f"restarting group {name!r}: {reason}", event="stopped")
+            err_file = self._error_file(members[0])
+            if not self._count_restart(name, reason, err_file, read_text(err_file)):
+                self.check()  # raises the SupervisionFailed of _give_up
+            with self._lock:
+                self._stores[name] = store = host_store("127.0.0.1", len(members))
+                for c in members:
+                    c.spec = replace(c.spec, env={**c.spec.env, "MASTER_PORT": str(store.port)})
+        finally:
+            with self._lock:
+                self._respawning.discard(name)
+        for c in members:
+            self._restart(c, reason)
+        return [self.handle(c.spec.name) for c in members]
 
     def handle(self, name: str) -> ActorHandle:
         child = self._children[name]
@@ -400,7 +442,7 @@ class Supervisor:
             poller.register(self._wake_fd, zmq.POLLIN)
             with self._lock:
                 live = {c.process.sentinel: c for c in self._children.values()
-                        if c.state != "dead" and c.process is not None}
+                        if c.state != "dead" and c.process is not None and c.spec.group not in self._respawning}
             for fd in live:
                 poller.register(fd, zmq.POLLIN)
             for sock, _ in poller.poll(100):
@@ -453,7 +495,8 @@ class Supervisor:
     def _check_heartbeats(self) -> None:
         now = time.monotonic()
         with self._lock:
-            children = [c for c in self._children.values() if c.state != "dead"]
+            children = [c for c in self._children.values()
+                        if c.state != "dead" and c.spec.group not in self._respawning]
         for c in children:
             if c.last_beat is not None and now - c.last_beat > self.heartbeat_timeout:
                 self.bus.publish("hung", role=c.spec.name, incarnation=c.incarnation, pid=c.process.pid,
@@ -487,7 +530,7 @@ class Supervisor:
     # -- death and restarts ---------------------------------------------------------------
     def _on_death(self, child: _Child, reason: str) -> None:
         with self._lock:
-            if child.state == "dead":
+            if child.state == "dead" or child.spec.group in self._respawning:  # respawn_group stops it
                 return
             child.state = "dead"
         spec = child.spec

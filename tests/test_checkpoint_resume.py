@@ -350,8 +350,8 @@ def test_resumed_run_repeats_the_uninterrupted_one(tmp_path):
     state_file = tmp_path / "b" / "rollout_00001" / ck.DRIVER_STATE_FILE
     state = json.loads(state_file.read_text())
     assert state["counters"] == {"skipped_updates": 0, "engine_restarts": 0, "scorer_restarts": 0,
-                                 "skipped_samples": 0}
-    state["counters"].update(skipped_updates=1, engine_restarts=3, scorer_restarts=2)
+                                 "skipped_samples": 0, "trainer_restarts": 0, "rewound_steps": 0}
+    state["counters"].update(skipped_updates=1, engine_restarts=3, scorer_restarts=2, trainer_restarts=1)
     state_file.write_text(json.dumps(state))
     write_manifest(state_file.parent)  # the edited file's new size and checksum
     resumed = train(override(cfg, load=str(tmp_path / "b"), save=str(tmp_path / "b"),
@@ -367,7 +367,7 @@ def test_resumed_run_repeats_the_uninterrupted_one(tmp_path):
                   if not k.startswith("perf/") and not k.endswith("_total") and want[k] != got[k]}
         assert differ == {}, f"step {want['step']}: {differ}"
         assert (got["train/skipped_updates_total"], got["rollout/engine_restarts_total"],
-                got["rollout/scorer_restarts_total"]) == (1, 3, 2)
+                got["rollout/scorer_restarts_total"], got["train/trainer_restarts_total"]) == (1, 3, 2, 1)
     logged = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     logged = [h for h in logged if "eval/weight_version" not in h]  # tiny_ppo's eval lines (ppo.evaluation)
     assert [h["step"] for h in logged] == [0, 1, 2, 3]  # the resume replaced the straight run's 2 and 3
@@ -375,7 +375,8 @@ def test_resumed_run_repeats_the_uninterrupted_one(tmp_path):
     assert sorted(os.listdir(tmp_path / "b")) == ["latest", "rollout_00003"]  # --save-keep-last 1
     assert sorted(os.listdir(tmp_path / "b_critic")) == ["latest", "rollout_00003"]
     saved = json.loads((tmp_path / "b" / "rollout_00003" / ck.DRIVER_STATE_FILE).read_text())["counters"]
-    assert (saved["skipped_updates"], saved["engine_restarts"], saved["scorer_restarts"]) == (1, 3, 2)
+    assert (saved["skipped_updates"], saved["engine_restarts"], saved["scorer_restarts"],
+            saved["trainer_restarts"]) == (1, 3, 2, 1)
     assert (tmp_path / "b_critic" / "rollout_00003" / "model.safetensors").exists()
     # --save-hf: the policy of the last rollout (fp32 on fake GPUs), readable by transformers
     from transformers import AutoModelForCausalLM

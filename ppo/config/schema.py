@@ -79,6 +79,9 @@ class CheckpointConfig:
     save_interval: int | None = knob(None, "save every N rollouts", ge=1)
     save_keep_last: int | None = knob(None, "keep only the newest N checkpoints under --save (and the "
                                       "critic's); unset keeps all (miles has no such flag)", ge=1)
+    max_trainer_restarts: int = knob(0, "a dead trainer rank brings the trainers back from the newest checkpoint "
+                                     "under --save, and the run goes on from there, at most N times (0: the run "
+                                     "stops, to be resumed with --load)", ge=0)
     save_on_signal: bool = knob(False, "SIGTERM saves a checkpoint at the end of the rollout under way and then "
                                 "stops, as SIGUSR1 always does with --save (schedulers send SIGTERM before "
                                 "they kill); without it SIGTERM stops at once")

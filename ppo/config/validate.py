@@ -390,6 +390,10 @@ def _outputs(cfg: PPOConfig) -> list[str]:
                    "Please add --save PATH")
     if c.save_keep_last is not None and c.save is None:
         out.append("--save-keep-last is set but --save (checkpoint.save) is not. Please add --save PATH")
+    if isinstance(c.max_trainer_restarts, int) and c.max_trainer_restarts > 0 and c.save is None:
+        out.append(f"--max-trainer-restarts {c.max_trainer_restarts} is set but --save (checkpoint.save) is not: "
+                   "a trainer comes back from the newest checkpoint. Please add --save PATH, or remove "
+                   "--max-trainer-restarts")
     if c.save_on_signal and c.save is None:
         out.append("--save-on-signal is set but --save (checkpoint.save) is not: there is nowhere to save. "
                    "Please add --save PATH")

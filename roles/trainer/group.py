@@ -18,7 +18,10 @@ Processes
     the role; each rank accounts its own GPU only.
     A rank's death is the group's death: the supervisor stops the other ranks, and every
     pending or later call to any rank raises the ActorDied of the rank that died (its
-    name, reason and error file). The group is never restarted (restart="temporary").
+    name, reason and error file). The supervisor never restarts the group by itself
+    (restart="temporary"); the driver may start it again from a checkpoint
+    (`Supervisor.respawn_group`, ppo.recovery): every rank a new incarnation, with a new
+    MASTER_PORT, built offloaded as at the job's start, then `load(path)`.
 
 Endpoints every rank implements (names and arguments of the single-process trainer)
     rank_layout() -> {"dp_rank": int, "dp_size": int, "is_output": bool}
@@ -77,6 +80,8 @@ Changes to the contract
     (runtime.rendezvous), and every rank connects to it as a client; rank 0 no longer
     listens. A port probed free and closed could be taken before rank 0 listened on it
     (EADDRINUSE in CI).
+    2026-12-04: a group may be started again by the driver (--max-trainer-restarts): same
+    rank names and GPUs, new incarnations and a new MASTER_PORT; nothing else changes.
 """
 
 from __future__ import annotations

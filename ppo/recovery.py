@@ -1,0 +1,68 @@
+"""Trainer recovery (--max-trainer-restarts N): a dead trainer rank brings the trainers back
+from the newest checkpoint under --save, and the run goes on from the step after it.
+
+The supervisor spawns, the driver decides (docs/reliability.md): the supervisor never
+restarts a rank group by itself, because only the driver knows what its state must become.
+Here the driver, within its budget of N recoveries:
+
+1. stops and starts again every trainer group (all ranks new incarnations, a new rendezvous
+   store: runtime.Supervisor.respawn_group), the live one too: both must go back to the
+   checkpoint, and a fresh group loaded from it is exactly what `--load` resumes from;
+2. forgets the leases and memory the old trainers held (ppo.colocation.Colocation.evict);
+3. waits for the new trainers (the engines' memory released, as at the job's start), then
+   gives the engines their GPUs back, weights and KV cache, as at the start of a step;
+4. reloads the trainers, data position and driver RNG from the checkpoint and syncs the
+   engines' weights (ppo.checkpoint.restore, the machinery of --load), drops the metrics
+   of the steps after it (RunLogger.rewind), and publishes a `rewind` event for the trace.
+
+A run resumed this way repeats an uninterrupted run's metrics, as a --load resume does; its
+counters go back to the checkpoint's, but for `trainer_restarts`, which counts on.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from ppo import checkpoint
+from ppo import config as C
+from ppo.job import Job
+from ppo.logger import RunLogger
+from roles.trainer import TrainerGroup
+from runtime import ActorDied
+
+
+def dead_trainer(job: Job, died: ActorDied) -> TrainerGroup | None:
+    """The trainer group whose rank `died` names, or None (not a trainer)."""
+    return next((g for g in (job.actor, job.critic) if g is not None and g.rank_of(died.role) is not None), None)
+
+
+def newest_checkpoint(job: Job) -> checkpoint.Checkpoint | None:
+    """The newest intact checkpoint this run wrote under --save, or None before its first."""
+    cfg = job.cfg
+    return checkpoint.locate(cfg.checkpoint.save, critic_load=C.critic_save(cfg), uses_critic=C.uses_critic(cfg),
+                             hf_checkpoint=job.hf_checkpoint)
+
+
+def recover(job: Job, log: RunLogger, died: ActorDied, ckpt: checkpoint.Checkpoint, *,
+            step: int, trainer_restarts: int, rewound_steps: int) -> checkpoint.ResumePoint:
+    """Bring the trainers back from `ckpt` after `died` (a trainer rank's death during rollout
+    `step`); returns where the run goes on, its counters those of `ckpt` but for the counts of
+    recoveries: `trainer_restarts` (this one included) and `rewound_steps` (before this one)
+    plus the finished steps this one runs again."""
+    colo, sup = job.colocation, job.sup
+    reason = f"{died.role} died ({died.reason})"
+    groups = [(g, t) for g, t in ((job.actor, job.actor_tenant), (job.critic, job.critic_tenant)) if g is not None]
+    for group, tenant in groups:
+        sup.respawn_group(group.name, reason)  # returns once the old ranks are gone
+        colo.evict(tenant)
+    # As at the job's start, the trainers build beside no engine memory (megatron builds on
+    # the GPU), then the engines hold their GPUs, weights and KV cache, as a --load resume finds them.
+    colo.vacate(job.engine_tenants, ["kv_cache", "weights"])
+    sup.wait_ready([rank.name for group, _ in groups for rank in group.ranks])
+    colo.occupy(job.engine_tenants, ["weights", "kv_cache"])
+    point = checkpoint.restore(job, job.data, ckpt)
+    log.rewind(ckpt.step)
+    sup.publish("rewind", from_step=step, to_step=point.step, checkpoint=str(ckpt.actor_dir), role=died.role,
+                reason=died.reason, trainer_restarts=trainer_restarts)
+    return replace(point, counters=replace(point.counters, trainer_restarts=trainer_restarts,
+                                           rewound_steps=rewound_steps + step - point.step))
