@@ -134,10 +134,12 @@ def pass_at_k(n: int, c: int, k: int) -> float:
     return 1.0 - math.comb(n - c, k) / math.comb(n, k)
 
 
-def due_before_training(cfg: PPOConfig, step: int, start_step: int) -> bool:
-    """miles: evaluate the weights the run starts from (also on a resume) unless told not to."""
+def due_before_training(cfg: PPOConfig, step: int) -> bool:
+    """miles' train.py: evaluate the initial weights before rollout 0 unless told not to. A
+    resumed (or recovered) run does not: its weights were evaluated, if due, before the stop,
+    so a resume logs the same lines as the run it continues."""
     e = cfg.evaluation
-    return e.eval_interval is not None and step == start_step and not e.skip_eval_before_train
+    return e.eval_interval is not None and step == 0 and not e.skip_eval_before_train
 
 
 def due_after(cfg: PPOConfig, step: int) -> bool:

@@ -116,7 +116,7 @@ def steps(job: Job, log: RunLogger, start: checkpoint.ResumePoint, stops: Signal
         t_step = time.monotonic()
         perf = log.step_phases(step)  # perf/*_time; each phase is a span in RUN_DIR/trace.json
         restarts_before = job.sup.restart_counts()
-        if evaluation.due_before_training(cfg, step, start.step):  # the starting weights
+        if evaluation.due_before_training(cfg, step):  # the initial weights
             run_eval(job, log, perf, step, version)
 
         # 1. generate and score (a role that dies here is replaced and its work re-issued),

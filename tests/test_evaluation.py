@@ -53,13 +53,13 @@ def test_set_metrics_use_miles_names():
 
 def test_schedule_is_miles_before_training_and_every_interval():
     cfg = tiny_ppo()  # --eval-interval 5
-    assert ev.due_before_training(cfg, 0, 0) and not ev.due_before_training(cfg, 1, 0)
-    assert ev.due_before_training(cfg, 7, 7)  # a resumed run evaluates the weights it resumed
+    assert ev.due_before_training(cfg, 0) and not ev.due_before_training(cfg, 1)
+    assert not ev.due_before_training(cfg, 7)  # a resumed run: its weights were evaluated before the stop
     assert [s for s in range(20) if ev.due_after(cfg, s)] == [4, 9, 14, 19]
     skip = override(cfg, skip_eval_before_train=True)
-    assert not ev.due_before_training(skip, 0, 0)
+    assert not ev.due_before_training(skip, 0)
     off = override(cfg, eval_prompt_data=None, eval_interval=None)
-    assert not ev.due_before_training(off, 0, 0) and not any(ev.due_after(off, s) for s in range(20))
+    assert not ev.due_before_training(off, 0) and not any(ev.due_after(off, s) for s in range(20))
 
 
 def test_eval_flags_fall_back_to_the_rollout_settings():
