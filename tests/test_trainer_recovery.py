@@ -85,6 +85,11 @@ def test_max_trainer_restarts_needs_save_and_a_count():
 
 
 @pytest.mark.gpu
+@pytest.mark.xfail(strict=True, raises=Exception, reason=(
+    "found on the H200 2026-12-04: the first checkpoint fails before any kill, "
+    "MegatronCore.save refuses a trainer whose params and optimizer are offloaded, as the loop "
+    "leaves them (SaveFailed: '... offloaded; call onload first'); in-loop --save with megatron "
+    "trainers was never run before. Remove this mark with the fix."))
 def test_a_killed_megatron_actor_is_recovered_on_a_gpu(tmp_path):
     """The megatron backend, once on a GPU (`bash .ci/gpu -k recovered`): the same recovery, one
     rank on one real GPU. Bit-for-bit equality is not asked of CUDA kernels; the engines are
