@@ -30,33 +30,34 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from roles.model_spec import ModelSpec
 
-def layer_activation_elements(config) -> int:
+
+def layer_activation_elements(spec: ModelSpec) -> int:
     """Elements saved per token by one decoder layer (see the module note)."""
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    q = config.num_attention_heads * head_dim
-    kv = config.num_key_value_heads * head_dim
-    return 4 * (config.hidden_size + q + kv + config.intermediate_size)
+    q = spec.num_heads * spec.head_dim
+    kv = spec.num_kv_heads * spec.head_dim
+    return 4 * (spec.hidden_size + q + kv + spec.intermediate_size)
 
 
-def micro_batch_bytes(config, *, num_tokens: int, num_logit_tokens: int, dtype: torch.dtype, training: bool,
+def micro_batch_bytes(spec: ModelSpec, *, num_tokens: int, num_logit_tokens: int, dtype: torch.dtype, training: bool,
                       gradient_checkpointing: bool = False, with_logits: bool = True) -> int:
     """Bytes one micro-batch holds on the device while it is computed.
 
     `num_tokens`: positions through the decoder (padded rows x padded width);
-    `num_logit_tokens`: positions through the LM head; `config`: the HF model config.
+    `num_logit_tokens`: positions through the LM head.
     """
     width = torch.empty((), dtype=dtype).element_size()
-    layer = layer_activation_elements(config)
+    layer = layer_activation_elements(spec)
     if not training:
-        per_token = layer + config.hidden_size
+        per_token = layer + spec.hidden_size
     elif gradient_checkpointing:
-        per_token = config.num_hidden_layers * config.hidden_size + layer
+        per_token = spec.num_layers * spec.hidden_size + layer
     else:
-        per_token = config.num_hidden_layers * layer
+        per_token = spec.num_layers * layer
     total = num_tokens * per_token * width
     if with_logits:
-        total += num_logit_tokens * config.vocab_size * (width + 4 + 4 + (4 if training else 0))
+        total += num_logit_tokens * spec.vocab_size * (width + 4 + 4 + (4 if training else 0))
     return total
 
 

@@ -6,6 +6,7 @@ import torch
 from transformers import Qwen3Config
 
 from roles.device import nbytes_of
+from roles.model_spec import ModelSpec
 from roles.phase_memory import layer_activation_elements, micro_batch_bytes
 from roles.trainer.torch import ActorTrainer
 from roles.weight_sync import SYNC_BUFFER_TAG
@@ -14,8 +15,9 @@ from tests.test_trainer import StubEngine, actor_train_batch, config, make_batch
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
-QWEN3_4B = Qwen3Config(hidden_size=2560, intermediate_size=9728, num_hidden_layers=36, num_attention_heads=32,
-                       num_key_value_heads=8, head_dim=128, vocab_size=151936)
+QWEN3_4B = ModelSpec.from_hf(Qwen3Config(hidden_size=2560, intermediate_size=9728, num_hidden_layers=36,
+                                         num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+                                         vocab_size=151936))
 
 
 def test_estimates_from_the_qwen3_4b_shape():
@@ -55,7 +57,7 @@ def test_a_plan_that_fits_is_charged_its_activations_per_micro_batch(ckpt, tmp_p
     assert charges and max(charges) > 0 and charges[-1] == 0  # charged while computing, then freed
     model_cfg = actor.model.config
     # the largest micro-batch of make_batch: 2 rows x the padded width, 6 response positions
-    biggest = micro_batch_bytes(model_cfg, num_tokens=2 * make_batch()["input_ids"].shape[1], num_logit_tokens=2 * 6,
+    biggest = micro_batch_bytes(ModelSpec.from_hf(model_cfg), num_tokens=2 * make_batch()["input_ids"].shape[1], num_logit_tokens=2 * 6,
                                 dtype=torch.float32, training=True)
     assert max(charges) <= biggest and max(charges) > nbytes_of(actor.model) // 100
     assert device.usage("actor", "activations") == 0

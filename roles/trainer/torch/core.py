@@ -34,6 +34,7 @@ import torch
 from torch import nn
 
 from roles.device import DeviceMemory
+from roles.model_spec import ModelSpec
 from roles.phase_memory import micro_batch_bytes, model_config
 from roles.trainer.batching import (
     MicroBatch,
@@ -64,6 +65,8 @@ class TrainCore:
     def __init__(self, config: TrainerConfig, model: nn.Module, memory: DeviceMemory):
         self.config = config
         self.model = model
+        config_hf, self._has_lm_head = model_config(model)
+        self.spec = ModelSpec.from_hf(config_hf)  # the refusals every backend shares (roles.model_spec)
         self.memory = memory
         self.optimizer = build_adamw(
             model, lr=config.lr, weight_decay=config.weight_decay, betas=config.betas, eps=config.adam_eps
@@ -177,11 +180,11 @@ class TrainCore:
 
     def _charged(self, mb: MicroBatch, *, training: bool):
         """The micro-batch's activations and logits, charged while it is computed."""
-        config, has_lm_head = model_config(self.model)
-        nbytes = micro_batch_bytes(config, num_tokens=mb.input_ids.numel(),
+        nbytes = micro_batch_bytes(self.spec, num_tokens=mb.input_ids.numel(),
                                    num_logit_tokens=len(mb.indices) * mb.response_width,
                                    dtype=self.config.torch_dtype, training=training,
-                                   gradient_checkpointing=self.config.gradient_checkpointing, with_logits=has_lm_head)
+                                   gradient_checkpointing=self.config.gradient_checkpointing,
+                                   with_logits=self._has_lm_head)
         return self.memory.transient("activations", nbytes, phase="train" if training else "forward")
 
     def _reduce_over_ranks(self, sums: dict[str, float]) -> dict[str, float]:
