@@ -83,14 +83,16 @@ def test_a_library_console_handler_added_while_routed_is_left_off(tmp_path):
     import sys
 
     library = logging.getLogger("transformers")
-    # a job started earlier in this process (ppo.job) turns transformers' verbosity down to errors
-    level, library.level = library.level, logging.WARNING
+    # earlier tests in this process may have turned transformers' verbosity down (ppo.job) or
+    # disabled the loggers that existed then (logging.config): a fresh child, its parent as new
+    saved = library.level, library.disabled
+    library.level, library.disabled = logging.WARNING, False
     route = route_library_noise(tmp_path, source="noisy")
     console = logging.StreamHandler(sys.stderr)
     library.addHandler(console)
-    logging.getLogger("transformers.modeling_utils").warning("Some weights were not initialized")
+    logging.getLogger("transformers.test_noise").warning("Some weights were not initialized")
     route.close()
-    library.level = level
+    library.level, library.disabled = saved
     assert console not in library.handlers
-    assert "transformers.modeling_utils WARNING: Some weights were not initialized" in (
+    assert "transformers.test_noise WARNING: Some weights were not initialized" in (
         tmp_path / LOG_NAME).read_text()
