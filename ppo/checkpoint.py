@@ -420,7 +420,9 @@ def restore(job: RunJob, data: PromptDataset, ckpt: Checkpoint) -> ResumePoint:
 
 
 def trim_metrics(run_dir: Path, last_step: int) -> None:
-    """Drop metrics.jsonl records after `last_step`: a resumed run logs those steps again."""
+    """Drop metrics.jsonl records after `last_step`: a resumed run logs those steps again. An
+    eval line is tagged with the rollout that samples from the weights it evaluated (s + 1 for
+    the eval after rollout s, ppo.evaluation): it belongs to checkpoint s and is kept."""
     path = Path(run_dir) / "metrics.jsonl"
     if not path.exists():
         return
@@ -431,7 +433,9 @@ def trim_metrics(run_dir: Path, last_step: int) -> None:
 
 
 def _step_of(line: str) -> float:
+    """The rollout a record belongs to: its step, less one for an eval line (see trim_metrics)."""
     try:
-        return json.loads(line)["step"]
+        record = json.loads(line)
+        return record["step"] - any(k.startswith("eval/") for k in record)
     except (json.JSONDecodeError, KeyError, TypeError):
         return float("inf")  # a line cut short by the crash: drop it

@@ -77,7 +77,7 @@ class RunLogger:
         trim_metrics(self.run_dir, last_step)
         self._metrics = open(self.run_dir / "metrics.jsonl", "a", buffering=1)
         self.history = [h for h in self.history if h["step"] <= last_step]
-        self.eval_history = [h for h in self.eval_history if h["step"] <= last_step]
+        self.eval_history = [h for h in self.eval_history if h["step"] <= last_step + 1]  # as trim_metrics
 
     def dump_samples(self, step: int, samples: list[dict], prefix: str = "rollout") -> None:
         if not self._dump:

@@ -217,6 +217,17 @@ def test_trim_metrics_drops_steps_after_the_checkpoint_and_a_torn_line(tmp_path)
     assert [json.loads(x)["step"] for x in (tmp_path / "metrics.jsonl").read_text().splitlines()] == [0, 1]
 
 
+def test_trim_metrics_keeps_the_eval_of_the_checkpointed_weights(tmp_path):
+    """The eval after rollout 1 is tagged 2 (the rollout that samples from those weights) and
+    written before checkpoint 1: a resume from 1 does not evaluate again, so the line stays."""
+    lines = [{"step": 0, "eval/sums": 0.1}, {"step": 0}, {"step": 1}, {"step": 2, "eval/sums": 0.2}, {"step": 2},
+             {"step": 3, "eval/sums": 0.3}]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+    ck.trim_metrics(tmp_path, 1)
+    kept = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert kept == lines[:4]
+
+
 # ---- refusals -------------------------------------------------------------------------------
 
 
