@@ -86,13 +86,15 @@ def test_a_library_console_handler_added_while_routed_is_left_off(tmp_path):
     # earlier tests in this process may have turned transformers' verbosity down (ppo.job) or
     # disabled the loggers that existed then (logging.config): a fresh child, its parent as new
     saved = library.level, library.disabled
-    library.level, library.disabled = logging.WARNING, False
+    library.setLevel(logging.WARNING)  # setLevel, not .level: it clears the loggers' cached decisions
+    library.disabled = False
     route = route_library_noise(tmp_path, source="noisy")
     console = logging.StreamHandler(sys.stderr)
     library.addHandler(console)
     logging.getLogger("transformers.test_noise").warning("Some weights were not initialized")
     route.close()
-    library.level, library.disabled = saved
+    library.setLevel(saved[0])
+    library.disabled = saved[1]
     assert console not in library.handlers
     assert "transformers.test_noise WARNING: Some weights were not initialized" in (
         tmp_path / LOG_NAME).read_text()
