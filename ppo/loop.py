@@ -72,7 +72,7 @@ def run(job: Job, stops: SignalStops | None = None) -> list[dict]:
                     use_tensorboard=cfg.logging.use_tensorboard, use_wandb=cfg.logging.use_wandb,
                     wandb_project=cfg.logging.wandb_project, dump_samples=cfg.logging.dump_samples,
                     config=to_dict(cfg), start_step=start.step, console=job.console)
-    recoveries = 0
+    recoveries, first_step = 0, start.step
     try:
         while True:
             try:
@@ -86,13 +86,19 @@ def run(job: Job, stops: SignalStops | None = None) -> list[dict]:
                 ckpt = recovery.newest_checkpoint(job) if recoveries < cfg.checkpoint.max_trainer_restarts else None
                 if ckpt is None:
                     raise trainer_died(cfg, group, e, recoveries) from e
+                if not first_step - 1 <= ckpt.step < log.step:  # ahead of the run: another run's, left under --save
+                    raise trainer_died(cfg, group, e, recoveries, why=f"the newest checkpoint under --save is of "
+                                       f"rollout {ckpt.step}, not of this run before rollout {log.step}") from e
                 recoveries += 1
                 counters = start.counters  # as the loop left them
-                start = recovery.recover(job, log, e, ckpt, step=log.step,
-                                         trainer_restarts=counters.trainer_restarts + 1,
-                                         rewound_steps=counters.rewound_steps)
-                if cfg.engine.check_weight_update_equal:
-                    check_weights_equal(job)
+                try:
+                    start = recovery.recover(job, log, e, ckpt, step=log.step,
+                                             trainer_restarts=counters.trainer_restarts + 1,
+                                             rewound_steps=counters.rewound_steps)
+                    if cfg.engine.check_weight_update_equal:
+                        check_weights_equal(job)
+                except (ActorDied, checkpoint.CheckpointError) as again:  # the recovery failed: stop
+                    raise trainer_died(cfg, group, e, recoveries, why=f"recovery {recoveries} failed: {again}") from again
     finally:
         log.close()
     return log.history
@@ -206,13 +212,16 @@ def steps(job: Job, log: RunLogger, start: checkpoint.ResumePoint, stops: Signal
             stops.after_step(step, saved=saved, last=step == cfg.rollout.num_rollout - 1)
 
 
-def trainer_died(cfg: PPOConfig, group, e: ActorDied, recoveries: int) -> TrainerDied:
+def trainer_died(cfg: PPOConfig, group, e: ActorDied, recoveries: int, why: str | None = None) -> TrainerDied:
+    """The one-line stop of a trainer death; `why` says why it was not recovered, when the
+    count alone does not."""
     save = cfg.checkpoint.save
     resume = (f"resume from the last checkpoint with --load {save}" if save
               else "no checkpoint was being written (--save unset): the run must start over")
     limit = cfg.checkpoint.max_trainer_restarts
-    recovered = ("" if not limit else f" (after {recoveries} of --max-trainer-restarts {limit} recoveries)"
-                 if recoveries == limit else " (before its first checkpoint: nothing to recover from)")
+    recovered = (f" ({why})" if why else "" if not limit
+                 else f" (after {recoveries} of --max-trainer-restarts {limit} recoveries)" if recoveries == limit
+                 else " (before its first checkpoint: nothing to recover from)")
     return TrainerDied(f"the {group.name} trainer died: its rank {group.rank_of(e.role)} ({e.role}) died "
                        f"({e.reason}); the run stopped{recovered}. "
                        f"Error file: {e.error_file or 'none (killed without a traceback)'}; {resume}")

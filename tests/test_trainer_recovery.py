@@ -102,3 +102,17 @@ def test_a_killed_megatron_actor_is_recovered_on_a_gpu(tmp_path):
     assert [h["step"] for h in history] == [0, 1, 2, 3]
     assert history[-1]["train/trainer_restarts_total"] == 1
     assert [e["role"] for e in read_events(tmp_path / "killed") if e["event"] == "rewind"] == ["actor.0"]
+
+
+def test_a_refused_or_failed_recovery_says_why_in_the_stop_line():
+    from types import SimpleNamespace
+
+    from ppo.loop import trainer_died
+    from runtime import ActorDied
+
+    cfg = ensure_valid(override(tiny_ppo(), max_trainer_restarts=2, save="/tmp/ck"))
+    actor = SimpleNamespace(name="actor", rank_of=lambda role: 1)
+    died = ActorDied("actor.1", 0, "killed by SIGKILL")
+    failed = str(trainer_died(cfg, actor, died, 1, why="recovery 1 failed: the new rank died"))
+    assert "the run stopped (recovery 1 failed: the new rank died)" in failed and "--load /tmp/ck" in failed
+    assert "(before its first checkpoint: nothing to recover from)" in str(trainer_died(cfg, actor, died, 0))
