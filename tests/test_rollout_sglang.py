@@ -9,7 +9,6 @@ the engine process and two sglang "TP rank" processes on one GPU, as a colocated
 import json
 import multiprocessing as mp
 import os
-import queue
 import subprocess
 import sys
 import time
