@@ -15,6 +15,12 @@ Colocated, every GPU is held by one role at a time (docs/architecture.md):
     8. engines take the KV cache back
     9. every --eval-interval rollouts, the engines evaluate the new weights (ppo.evaluation);
        next iteration
+
+With --train-async (miles' train_async.py) the same steps run, but the rollout of step k + 1
+is generated while steps 2-6 of step k train (ppo.rollout_ahead): step 1 takes the rollout
+made during the last step and starts the next; the engines keep their GPUs (step 2 moves
+nothing); step 7 waits for the next rollout to finish before the weights change. The
+samples are one version old, and decoupled PPO corrects for it (mismatch_correction).
 """
 
 from __future__ import annotations
@@ -36,6 +42,7 @@ from ppo.console import RunConsole
 from ppo.dynamic_sampling import DynamicSampling, sample_batch
 from ppo.logger import RunLogger
 from ppo.rollout import SamplingParams, generate_and_score
+from ppo.rollout_ahead import Rollouts
 from ppo.signals import SignalStops
 from ppo.trace import TraceWriter
 from roles.reward.custom import load_function
@@ -76,7 +83,8 @@ def run(job: Job, stops: SignalStops | None = None) -> list[dict]:
     try:
         while True:
             try:
-                steps(job, log, start, stops)
+                with rollout_source(job) as rollouts:  # a recovery starts with no rollout ahead
+                    steps(job, log, start, stops, rollouts)
                 break
             except ActorDied as e:
                 group = recovery.dead_trainer(job, e)
@@ -104,14 +112,14 @@ def run(job: Job, stops: SignalStops | None = None) -> list[dict]:
     return log.history
 
 
-def steps(job: Job, log: RunLogger, start: checkpoint.ResumePoint, stops: SignalStops | None) -> None:
+def steps(job: Job, log: RunLogger, start: checkpoint.ResumePoint, stops: SignalStops | None,
+          rollouts: Rollouts) -> None:
     """The PPO iterations from `start` to --num-rollout; `start.counters` counts on."""
     cfg, colo = job.cfg, job.colocation
-    actor, critic, engines = job.actor, job.critic, job.engines
-    tok, data = job.tok, job.data
+    actor, critic = job.actor, job.critic
+    data = job.data
     skipped_samples = data.num_skipped  # lines of --prompt-data left out; logged as rollout/skipped_samples
-    sampling = sampling_params(cfg, tok.eos_token_id)
-    dynamic_sampling, tis_function = user_functions(cfg)
+    _, tis_function = user_functions(cfg)
     critic_only_steps = C.num_critic_only_steps(cfg)
     version = start.version
     counters = start.counters  # counts over the run, a resumed run's earlier part included
@@ -126,17 +134,15 @@ def steps(job: Job, log: RunLogger, start: checkpoint.ResumePoint, stops: Signal
             run_eval(job, log, perf, step, version)
 
         # 1. generate and score (a role that dies here is replaced and its work re-issued),
-        # in rounds while dynamic sampling's filter drops groups
+        # in rounds while dynamic sampling's filter drops groups; ahead: made during the last
+        # step, and the next starts now
         with perf.phase("rollout"):
-            samples, sampling_metrics = sample_batch(
-                lambda prompts, sampling_round: generate_and_score(
-                    engines, job.scorers, prompts, sampling, step, decode=tok.decode, eos_id=tok.eos_token_id,
-                    recover=lambda role, dead: recover(job, role, dead, version), sampling_round=sampling_round),
-                data.next_batch, dynamic_sampling)
-        batch = build_batch(samples, pad_id=tok.pad_token_id)
+            samples, sampling_metrics = rollouts.take(step, version)
+        batch = build_batch(samples, pad_id=job.tok.pad_token_id)
 
-        # 2-3. engines hand the GPUs to the actor: old and reference log-probs
-        engine_handoff(job, lambda: colo.vacate(job.engine_tenants, ["kv_cache", "weights"]), version)
+        # 2-3. engines hand the GPUs to the actor (ahead, they keep them): old and reference log-probs
+        if not rollouts.ahead:
+            engine_handoff(job, lambda: colo.vacate(job.engine_tenants, ["kv_cache", "weights"]), version)
         colo.occupy([job.actor_tenant], ["params"])
         with perf.phase("log_probs"):
             batch["old_log_probs"] = actor.compute_log_probs(select(batch))["log_probs"]
@@ -172,6 +178,7 @@ def steps(job: Job, log: RunLogger, start: checkpoint.ResumePoint, stops: Signal
             colo.vacate([job.actor_tenant], ["grads", "optimizer"], keep="params")
 
             version += 1
+            rollouts.wait_generated(version)  # ahead: weights change between rollouts only
             sync_engines(job, version, perf)  # 7. weight sync
         elif C.engines_discard_weights(cfg):
             # 7'. weights unchanged, but sglang threw the engines' copy away at the release
@@ -206,7 +213,7 @@ def steps(job: Job, log: RunLogger, start: checkpoint.ResumePoint, stops: Signal
                        **{f"train/critic-{k}": v for k, v in critic_metrics.items()},
                        "rollout/weight_version": version, **perf})
         counters.skipped_updates, counters.skipped_samples = skipped, skipped_samples
-        saved = checkpoint.save_if_due(job, step, data=data, version=version, counters=counters,
+        saved = checkpoint.save_if_due(job, step, data=rollouts.data_position(), version=version, counters=counters,
                                        force=stops is not None and stops.save_requested)
         if stops is not None:  # SIGUSR1 (or SIGTERM with --save-on-signal): saved, now stop
             stops.after_step(step, saved=saved, last=step == cfg.rollout.num_rollout - 1)
@@ -240,6 +247,29 @@ def sync_engines(job: Job, version: int, perf) -> None:
         check_weights_equal(job)
     colo.drop_residual(job.actor_tenant, ["params"])
     engine_handoff(job, lambda: colo.occupy(job.engine_tenants, ["kv_cache"]), version)
+
+
+def rollout_source(job: Job) -> Rollouts:
+    """Step 1 of the loop: each step's samples, generated then or one step ahead (--train-async).
+    An engine or scorer that dies is replaced; an engine is brought to the actor's version."""
+    cfg, tok = job.cfg, job.tok
+    sampling = sampling_params(cfg, tok.eos_token_id)
+    dynamic_sampling, _ = user_functions(cfg)
+
+    def generate(prompts: list[dict], step: int, sampling_round: int) -> list[dict]:
+        return generate_and_score(job.engines, job.scorers, prompts, sampling, step, decode=tok.decode,
+                                  eos_id=tok.eos_token_id, recover=recover_engine, sampling_round=sampling_round)
+
+    def recover_engine(role, dead: int) -> None:
+        with rollouts.lock:  # ahead, the driver's thread may be training meanwhile (ppo.rollout_ahead)
+            recover(job, role, dead, rollouts.version)
+
+    rollouts = Rollouts(lambda step: sample_batch(lambda prompts, rnd: generate(prompts, step, rnd),
+                                                  job.data.next_batch, dynamic_sampling),
+                        generate, data=job.data, ahead=cfg.rollout.train_async, num_rollout=cfg.rollout.num_rollout,
+                        n_samples_per_prompt=cfg.rollout.n_samples_per_prompt,
+                        max_staleness=cfg.rollout.max_weight_staleness)
+    return rollouts
 
 
 def user_functions(cfg: PPOConfig) -> tuple[DynamicSampling, object]:
@@ -333,11 +363,14 @@ def advantages(cfg: PPOConfig, batch: dict) -> tuple[torch.Tensor, torch.Tensor]
 def mismatch_correction(cfg: PPOConfig, batch: dict, tis_function) -> dict[str, float]:
     """Trainer (old_log_probs) against engine (rollout_log_probs) log-probs of the same tokens:
     with --use-tis, batch["tis_weights"] [N, R] from `tis_function` (ppo.algorithms.mismatch
-    states its contract) and their metrics; with --get-mismatch-metrics, train/mis_* (miles'
+    states its contract) and their metrics. With --train-async too: decoupled PPO (AReaL), whose
+    proximal policy is the trainer's before the update and behaviour policy the engine's one
+    version back; the actor's ratio is taken against the proximal one, and the weights carry
+    the rest of the way to the behaviour policy (docs/algorithms.md); with --get-mismatch-metrics, train/mis_* (miles'
     names). Computed once here: both log-probs are fixed for the whole rollout."""
     p, mask, out = cfg.ppo, batch["loss_mask"], {}
     train, engine = batch["old_log_probs"], batch["rollout_log_probs"]
-    if p.use_tis:
+    if C.use_tis(cfg):
         weights, metrics = tis_function(train_log_probs=train, rollout_log_probs=engine, mask=mask,
                                         tis_clip=p.tis_clip, tis_clip_low=p.tis_clip_low)
         if not isinstance(weights, torch.Tensor) or weights.shape != mask.shape:

@@ -35,6 +35,7 @@ from ppo.config.derived import (
     rollout_offload_tags,
     samples_per_rollout,
     train_offload_tags,
+    use_tis,
     uses_critic,
 )
 from ppo.config.schema import (
@@ -68,5 +69,5 @@ __all__ = [
     "from_dict", "global_batch_size", "model_parallel_size", "needs_ref", "num_critic_only_steps",
     "num_engines", "offload_rollout", "offload_train", "over_sampling_batch_size", "override",
     "ratio_level", "rollout_num_gpus", "rollout_offload_tags", "samples_per_rollout", "to_dict", "train_offload_tags",
-    "uses_critic", "validate",
+    "use_tis", "uses_critic", "validate",
 ]

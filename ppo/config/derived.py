@@ -139,6 +139,14 @@ def engines_discard_weights(cfg: PPOConfig) -> bool:
     return cfg.engine.rollout_backend == "sglang" and "weights" in rollout_offload_tags(cfg)
 
 
+def use_tis(cfg: PPOConfig) -> bool:
+    """Whether the policy loss carries TIS weights: --use-tis, or --train-async, whose decoupled
+    PPO weights each token by the trainer's probability before the update over the engine's
+    (docs/algorithms.md), unless --use-rollout-logprobs takes the ratio against the engine's."""
+    p = cfg.ppo
+    return p.use_tis or (cfg.rollout.train_async and not p.use_rollout_logprobs)
+
+
 def actor_gpus_per_node(cfg: PPOConfig) -> int:
     """--actor-num-gpus-per-node, or every GPU of the node when unset (so --num-gpus-per-node
     8 gives a recipe written for 4 GPUs two data-parallel ranks)."""
@@ -194,6 +202,7 @@ def derived_values(cfg: PPOConfig) -> dict:
         "train_offload_tags": list(train_offload_tags(cfg)),
         "rollout_offload_tags": list(rollout_offload_tags(cfg)),
         "engines_discard_weights": engines_discard_weights(cfg),
+        "use_tis": use_tis(cfg),
         "actor_num_gpus": actor_num_gpus(cfg),
         "rollout_num_gpus": rollout_num_gpus(cfg),
         "num_engines": num_engines(cfg),

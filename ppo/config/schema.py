@@ -119,6 +119,13 @@ class RolloutConfig:
         None, "dynamic sampling (DAPO): function that keeps or drops each prompt's group of samples, "
         "as --custom-rm-path names one; built in: ppo.dynamic_sampling.check_reward_nonzero_std "
         "(drop groups whose rewards are all equal: no GRPO signal)")
+    train_async: bool = knob(
+        False, "miles' train_async.py: generate the next rollout while this one trains (one-step "
+        "off-policy; engines on their own GPUs, --no-colocate), corrected by decoupled PPO: TIS weights of "
+        "the trainer's log-probs before the update against the engine's (docs/algorithms.md)")
+    max_weight_staleness: int = knob(
+        1, "--train-async: a group generated more than N weight versions before the one training on it "
+        "is generated again (miles' flag; the schedule keeps samples 1 version old)", ge=1)
     dynamic_sampling_max_extra_rounds: int = knob(
         8, "dynamic sampling: at most this many sampling rounds after the first; then the batch is "
         "filled up with dropped groups (counted as rollout/dynamic_sampling_filled_groups) "

@@ -38,7 +38,7 @@ def validate(cfg: PPOConfig, *, rm_types: Sequence[str] = RM_TYPES) -> list[str]
     if any(not _type_ok(FIELDS[n].kind, _value(cfg, FIELDS[n]), FIELDS[n].item) for n in broken):
         return problems  # the rules below would compare a string with a number
     problems += (_required(cfg, rm_types) + _sampling(cfg) + _algorithm(cfg) + _optimizer(cfg)
-                 + _backends(cfg) + _outputs(cfg) + _evaluation(cfg, rm_types))
+                 + _backends(cfg) + _outputs(cfg) + _evaluation(cfg, rm_types) + _asynchronous(cfg))
     if not broken & _DIVISORS:  # these rules divide by those fields
         problems += _placement(cfg) + _batches(cfg)
     return problems
@@ -204,11 +204,27 @@ def _mismatch(cfg: PPOConfig) -> list[str]:
         out.append(_bad("use_rollout_logprobs", True, "--use-tis weights by p_train / p_rollout, which is 1 "
                         "when the ratio is already taken against the engine's log-probs. Please remove "
                         "one of --use-tis and --use-rollout-logprobs"))
-    if p.use_tis and not p.tis_clip_low < p.tis_clip:
+    if d.use_tis(cfg) and not p.tis_clip_low < p.tis_clip:
         out.append(_bad("tis_clip_low", p.tis_clip_low, f"must be < --tis-clip {p.tis_clip}"))
-    if p.custom_tis_function_path is not None and not p.use_tis:
+    if p.custom_tis_function_path is not None and not d.use_tis(cfg):
         out.append(_set_but("custom_tis_function_path", p.custom_tis_function_path,
                             "--use-tis is not enabled. Please add --use-tis"))
+    return out
+
+
+def _asynchronous(cfg: PPOConfig) -> list[str]:
+    """--train-async generates while the trainers train, so the engines keep their own GPUs
+    (miles' train_async.py asserts --colocate is off; side by side on one GPU is not built)."""
+    r, p, out = cfg.rollout, cfg.placement, []
+    if not r.train_async:
+        return out
+    if p.colocate:
+        out.append(_bad("colocate", True, "--train-async generates the next rollout while the trainers "
+                        "train, so the engines need GPUs of their own. Please add --no-colocate "
+                        "--rollout-num-gpus N, or remove --train-async"))
+    elif d.offload_rollout(cfg):
+        out.append(_bad("offload_rollout", True, "with --train-async the engines generate while the trainers "
+                        "train and keep their memory. Please remove --offload-rollout"))
     return out
 
 

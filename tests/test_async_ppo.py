@@ -1,0 +1,92 @@
+"""--train-async end to end on fake GPUs, engines and trainers on GPUs of their own: the next
+rollout generates before this step's weights change, every sample is one version old (none
+older), decoupled PPO weights the loss, faults lose no sample, and tiny_ppo learns."""
+
+import json
+
+import pytest
+
+from bench.faults import after_first_rollout
+from ppo.config import num_critic_only_steps
+from ppo.config.serialize import override
+from ppo.config.validate import ensure_valid
+from ppo.loop import train
+from ppo.recipes import tiny_ppo
+from runtime.events import read_events
+from runtime.fakegpu import FakeDevice, check_no_overlap
+from tests.test_e2e_ppo import assert_learns
+from tests.test_faults_ppo import assert_full_batches, run_with_fault
+
+pytestmark = pytest.mark.timeout(300)
+
+# disaggregated: the actor and critic on fake GPU 0, the one engine on fake GPU 1
+ASYNC = dict(train_async=True, colocate=False, actor_num_gpus_per_node=1, rollout_num_gpus=1)
+
+
+def tiny(tmp_path, **values):
+    return ensure_valid(override(tiny_ppo(), run_dir=str(tmp_path / "run"), **ASYNC, **values))
+
+
+def dumped(tmp_path, step: int) -> list[dict]:
+    path = tmp_path / "run" / "samples" / f"rollout_{step:05d}.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_the_next_rollout_generates_before_the_weights_change_and_samples_are_one_version_old(tmp_path):
+    num_rollout = 7
+    cfg = tiny(tmp_path, num_rollout=num_rollout, rollout_batch_size=32, eval_interval=None, eval_prompt_data=None,
+               check_weight_update_equal=True)
+    history = train(cfg)
+    warmup = num_critic_only_steps(cfg)
+    assert warmup == 1
+    for k, h in enumerate(history):
+        trainer = max(0, k - warmup)  # the actor's version while step k trains
+        made_on = max(0, k - 1 - warmup)  # the engines' version while step k - 1 trained
+        assert {s["weight_version"] for s in dumped(tmp_path, k)} == {made_on}, k
+        assert h["rollout/staleness"] == trainer - made_on <= 1 and h["rollout/stale_groups"] == 0
+        assert h["rollout/weight_version"] == max(0, k + 1 - warmup)  # synced after every update
+    # decoupled PPO: TIS weights of the trainer's log-probs before the update over the engine's
+    # one version back; they differ from 1 once the samples are a version old
+    assert all(h["train/tis"] == pytest.approx(1.0, abs=1e-4) for h in history[:warmup + 1])
+    assert all(h["train/tis_abs"] > 1e-3 for h in history[warmup + 1:])
+
+    events = read_events(tmp_path / "run")
+    generating = [e["ts"] for e in events
+                  if e["event"] == "state" and e["role"] == "rollout-0" and e["new"] == "generating"]
+    syncs = {e["step"]: e["ts"] for e in events
+             if e["event"] == "phase" and e.get("phase") == "weight_sync" and e["action"] == "begin"}
+    assert len(generating) == num_rollout and sorted(syncs) == list(range(warmup, num_rollout))
+    for k, sync_ts in syncs.items():
+        if k + 1 < num_rollout:  # rollout k + 1 was under way while step k trained
+            assert generating[k + 1] < sync_ts, k
+    rollout_starts = {e["step"]: e["ts"] for e in events
+                      if e["event"] == "phase" and e.get("phase") == "log_probs" and e["action"] == "begin"}
+    assert all(generating[k + 1] < rollout_starts[k + 1] for k in range(num_rollout - 1))
+
+    devices = {g: FakeDevice(tmp_path / "run" / "fakegpu", g).history() for g in (0, 1)}
+    for gpu, hist in devices.items():
+        assert check_no_overlap(hist) == [], gpu
+    assert {h["holder"] for h in devices[1] if h["kind"] == "usage" and h["nbytes"]} == {"rollout-0"}
+
+
+def test_async_engine_killed_while_generating_ahead_is_resynced_and_loses_no_sample(tmp_path):
+    values = dict(num_rollout=4, rollout_batch_size=32, check_weight_update_equal=True, **ASYNC)
+    # after rollout 0 is logged, the engine's next generate is the rollout ahead, beside training
+    history, _ = run_with_fault(tmp_path, "rollout-0", after_first_rollout("rollout-0", "generating"), **values)
+    assert sum(h["rollout/engine_restarts"] for h in history) == 1
+    assert_full_batches(tmp_path, values, 4)
+    assert all(h["rollout/staleness"] <= 1 for h in history)
+
+
+def test_async_reward_scorer_killed_is_replaced_and_loses_no_sample(tmp_path):
+    values = dict(num_rollout=3, rollout_batch_size=64, **ASYNC)
+    history, _ = run_with_fault(tmp_path, "reward-0", after_first_rollout("reward-0", "scoring"), **values)
+    assert history[-1]["rollout/scorer_restarts_total"] == 1
+    assert_full_batches(tmp_path, values, 3)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_tiny_ppo_learns_in_async_mode(tmp_path):
+    """tests/test_e2e_ppo.py's bar for tiny_ppo, one step off-policy."""
+    assert_learns(train(tiny(tmp_path, num_rollout=40)))
