@@ -19,12 +19,12 @@ from tests.test_faults_ppo import assert_full_batches, run_with_fault
 
 pytestmark = pytest.mark.timeout(300)
 
-# disaggregated: the actor and critic on fake GPU 0, the one engine on fake GPU 1
+# disaggregated: the actor and critic on fake GPU 0, the one engine on fake GPU 1 (unless a test says otherwise)
 ASYNC = dict(train_async=True, colocate=False, actor_num_gpus_per_node=1, rollout_num_gpus=1)
 
 
 def tiny(tmp_path, **values):
-    return ensure_valid(override(tiny_ppo(), run_dir=str(tmp_path / "run"), **ASYNC, **values))
+    return ensure_valid(override(tiny_ppo(), run_dir=str(tmp_path / "run"), **{**ASYNC, **values}))
 
 
 def dumped(tmp_path, step: int) -> list[dict]:
@@ -33,9 +33,11 @@ def dumped(tmp_path, step: int) -> list[dict]:
 
 
 def test_the_next_rollout_generates_before_the_weights_change_and_samples_are_one_version_old(tmp_path):
-    num_rollout = 7
+    """On 4 fake GPUs (any split works): trainers as two data-parallel ranks on GPUs 0-1, two
+    engines on GPUs 2-3."""
+    num_rollout = 6
     cfg = tiny(tmp_path, num_rollout=num_rollout, rollout_batch_size=32, eval_interval=None, eval_prompt_data=None,
-               check_weight_update_equal=True)
+               num_gpus_per_node=4, actor_num_gpus_per_node=2, rollout_num_gpus=2, check_weight_update_equal=True)
     history = train(cfg)
     warmup = num_critic_only_steps(cfg)
     assert warmup == 1
@@ -63,10 +65,11 @@ def test_the_next_rollout_generates_before_the_weights_change_and_samples_are_on
                       if e["event"] == "phase" and e.get("phase") == "log_probs" and e["action"] == "begin"}
     assert all(generating[k + 1] < rollout_starts[k + 1] for k in range(num_rollout - 1))
 
-    devices = {g: FakeDevice(tmp_path / "run" / "fakegpu", g).history() for g in (0, 1)}
-    for gpu, hist in devices.items():
-        assert check_no_overlap(hist) == [], gpu
-    assert {h["holder"] for h in devices[1] if h["kind"] == "usage" and h["nbytes"]} == {"rollout-0"}
+    devices = {g: FakeDevice(tmp_path / "run" / "fakegpu", g).history() for g in range(4)}
+    assert all(check_no_overlap(hist) == [] for hist in devices.values())
+    holders = {g: {h["holder"] for h in hist if h["kind"] == "usage" and h["nbytes"]} for g, hist in devices.items()}
+    assert holders[0] == holders[1] == {"actor", "critic"}
+    assert holders[2] == {"rollout-0"} and holders[3] == {"rollout-1"}
 
 
 def test_async_engine_killed_while_generating_ahead_is_resynced_and_loses_no_sample(tmp_path):
