@@ -12,6 +12,8 @@ it, and the time until the replacement was ready.
 The chaos row kills engines and scorers several times each at seeded random moments of a
 longer run (`Chaos`) and checks that the run still completes every rollout and reaches the
 learning bar of tests/test_e2e_ppo.py; its times are medians (and maxima) over the kills.
+The chaos-async row does the same with --train-async (engines on their own GPU, the next
+rollout generating while the step trains: ASYNC).
 """
 
 from __future__ import annotations
@@ -187,10 +189,15 @@ def learning_bar(history: list[dict]) -> tuple[float, float, bool]:
     return first, last, first < 0.25 and last - first >= 0.25
 
 
+# --train-async on tiny_ppo's two fake GPUs: the trainers on one, the engine on the other
+ASYNC = dict(train_async=True, colocate=False, actor_num_gpus_per_node=1, rollout_num_gpus=1)
+
+
 def run_chaos(workdir: Path, *, num_rollout: int, batch: int, kills_each: int, seed: int = 0,
-              gap_s: tuple[float, float] = (1.0, 5.0)) -> dict:
-    """A tiny_ppo run with engines and scorers killed at random (`Chaos`); its row."""
-    cfg = tiny_job_config(workdir / "run", num_rollout=num_rollout, rollout_batch_size=batch)
+              gap_s: tuple[float, float] = (1.0, 5.0), values: dict | None = None) -> dict:
+    """A tiny_ppo run with engines and scorers killed at random (`Chaos`); its row.
+    `values`: config overrides (ASYNC for the chaos-async row)."""
+    cfg = tiny_job_config(workdir / "run", num_rollout=num_rollout, rollout_batch_size=batch, **(values or {}))
     job = start_job(cfg)
     victims = [e.name for e in job.engines] + [s.name for s in job.scorers]
     # The kills are spread out, not a restart storm (that scenario has its own row): let the
@@ -208,7 +215,8 @@ def run_chaos(workdir: Path, *, num_rollout: int, batch: int, kills_each: int, s
         job.close()
         chaos.join(timeout=10)
     first, last, reached = learning_bar(history) if len(history) >= 10 else (None, None, False)
-    return {"fault": f"chaos: {', '.join(victims)} killed {kills_each}x each at random (seed {seed})",
+    mode = " (--train-async)" if cfg.rollout.train_async else ""
+    return {"fault": f"chaos{mode}: {', '.join(victims)} killed {kills_each}x each at random (seed {seed})",
             "outcome": outcome, "rollouts": len(history),
             "samples_lost": samples_lost(job, num_rollout, outcome == "completed"),
             "reward_first5": first, "reward_last5": last, "learning_bar": reached, **chaos.outcome()}
@@ -269,19 +277,20 @@ def fmt(v) -> str:
 def main(argv=None) -> list[dict]:
     ap = argparse.ArgumentParser(prog="python -m bench.faults", description=__doc__.splitlines()[0])
     ap.add_argument("--json", help="write the rows here")
-    ap.add_argument("--only", help="run only the scenarios whose name contains this ('chaos': the chaos row)")
+    ap.add_argument("--only", help="run only the scenarios whose name contains this ('chaos': the chaos rows, "
+                    "'chaos-async': the one with --train-async)")
     ap.add_argument("--chaos-rollouts", type=int, default=100, help="rollouts of the chaos run")
     ap.add_argument("--chaos-kills", type=int, default=2, help="kills of each engine and scorer in the chaos run")
     ap.add_argument("--seed", type=int, default=0, help="seed of the chaos run's kill order and moments")
     args = ap.parse_args(argv)
     rows = []
-    for name in [*SCENARIOS, "chaos"]:
+    for name in [*SCENARIOS, "chaos", "chaos-async"]:
         if args.only and args.only not in name:
             continue
         with tempfile.TemporaryDirectory(prefix="tdm-faults-") as d:
-            if name == "chaos":
+            if name.startswith("chaos"):
                 row = run_chaos(Path(d), num_rollout=args.chaos_rollouts, batch=32, kills_each=args.chaos_kills,
-                                seed=args.seed)
+                                seed=args.seed, values=ASYNC if name == "chaos-async" else None)
                 row = dict(row, injected=row["kills"], outcome=f"{row['outcome']}, {row['rollouts']} rollouts, "
                            f"learning bar {'reached' if row['learning_bar'] else 'NOT reached'} "
                            f"(reward {fmt(row['reward_first5'])} -> {fmt(row['reward_last5'])})")
