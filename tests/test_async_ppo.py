@@ -11,6 +11,7 @@ from bench.faults import ASYNC, after_first_rollout
 from ppo.config import num_critic_only_steps
 from ppo.config.serialize import override
 from ppo.config.validate import ensure_valid
+from ppo.checkpoint import rollout_dir_name, write_tracker
 from ppo.loop import train
 from ppo.recipes import tiny_ppo
 from runtime.events import read_events
@@ -78,6 +79,24 @@ def test_async_engine_killed_while_generating_ahead_is_resynced_and_loses_no_sam
     assert sum(h["rollout/engine_restarts"] for h in history) == 1
     assert_full_batches(tmp_path, values, 4)
     assert all(h["rollout/staleness"] <= 1 for h in history)
+
+
+def test_a_checkpoint_taken_with_a_rollout_ahead_resumes_with_that_rollouts_prompts(tmp_path):
+    """The rollout ahead drew its prompts before the save: the checkpoint records the position
+    before them, so the resumed run draws the same prompts (on its own weights)."""
+    ckpt = tmp_path / "ckpt"
+    values = dict(num_rollout=4, rollout_batch_size=16, eval_interval=None, eval_prompt_data=None,
+                  num_critic_only_steps=0, save=str(ckpt), save_interval=2)
+    train(tiny(tmp_path / "a", **values))  # saves after rollouts 1 (rollout 2 ahead) and 3
+    write_tracker(str(ckpt), rollout_dir_name(1))
+    write_tracker(str(ckpt) + "_critic", rollout_dir_name(1))
+    history = train(tiny(tmp_path / "b", **values, load=str(ckpt)))
+    assert [h["step"] for h in history] == [2, 3]
+    for step in (2, 3):
+        assert [s["prompt"] for s in dumped(tmp_path / "b", step)] == [s["prompt"] for s in dumped(tmp_path / "a", step)]
+    # generated again on the restored weights (version 2), not the version 1 of the first run
+    assert {s["weight_version"] for s in dumped(tmp_path / "b", 2)} == {2}
+    assert {s["weight_version"] for s in dumped(tmp_path / "a", 2)} == {1}
 
 
 @pytest.mark.slow
