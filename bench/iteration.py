@@ -15,9 +15,12 @@ metrics.jsonl, it prints per rollout:
   device bytes freed or taken, bytes copied (grads are freed and zeroed, not copied),
   seconds, GB/s of the copies and the ratio to the pinned copy rate, and any allocations
   no tag covers;
-- rollout tokens/s (response tokens over the rollout phase) and training tokens/s (prompt
-  and response tokens over each train phase); the trainers' own time in `train` (their
-  `training` state) against the driver's phase, the difference being messaging;
+- rollout tokens/s (response tokens over the rollout phase; with --train-async over the time
+  the rollout generated beside the step before, perf/rollout_ahead_time, the rollout phase
+  being only the wait for it) and training tokens/s (prompt and response tokens over each
+  train phase); the trainers' own time in `train` (their `training` state) against the
+  driver's phase, the difference being messaging; each engine's time generating within the
+  step (with --train-async: the next rollout, beside the trainers);
 - eval tokens/s (response tokens of the step's evals over its `eval` phases), beside rollout's;
 - the share of the step outside compute: the step's time less its compute phases
   (generation and scoring, log-probs, values, advantages, the two train calls, eval), that is
@@ -110,7 +113,7 @@ def analyse(run_dir: Path, samples, rates: dict[str, float], num_samples: int, p
             elif e["action"] == "end" and key in open_:
                 phases.setdefault(e["step"], []).append({"phase": e["phase"], "t0": open_.pop(key), "t1": e["ts"]})
     moves = [e for e in events if e["event"] == "phase" and e.get("action") == "span" and e["phase"] in MOVES]
-    training = _state_spans(events, "training")
+    training, generating = _state_spans(events, "training"), _state_spans(events, "generating")
     steps = []
     for step, spans in sorted(phases.items()):
         outer = next((s for s in spans if s["phase"] == "step"), None)
@@ -129,15 +132,16 @@ def analyse(run_dir: Path, samples, rates: dict[str, float], num_samples: int, p
         compute = sum(r["seconds"] for r in rows if r["phase"] in COMPUTE_PHASES)
         response = m["rollout/response_len"] * num_samples
         tokens = response + prompts.get(step, 0)
-        rollout_s = next((r["seconds"] for r in rows if r["phase"] == "rollout"), 0.0)
+        ahead_s = m.get("perf/rollout_ahead_time")  # --train-async: generated during the step before
+        rollout_s = ahead_s or next((r["seconds"] for r in rows if r["phase"] == "rollout"), 0.0)
         record = {
             "step": step, "step_s": step_s, "compute_s": compute, "outside_s": step_s - compute,
             "outside_share": (step_s - compute) / step_s, "phases": rows,
             "rollout_tokens_per_s": response / rollout_s if rollout_s else None,
             "response_tokens": response, "prompt_tokens": prompts.get(step),
             "moves": [_move(e, rates) for e in moves if outer["t0"] <= e["t0"] <= outer["t1"]],
-            "training_role_s": {role: sum(t1 - t0 for t0, t1 in spans_ if outer["t0"] <= t0 <= outer["t1"])
-                                for role, spans_ in training.items()},
+            "training_role_s": _within(training, outer), "generating_role_s": _within(generating, outer),
+            "rollout_ahead_s": ahead_s,
         }
         for r in rows:
             if r["phase"] in ("critic_train", "actor_train") and prompts.get(step) is not None:
@@ -169,6 +173,11 @@ def _move(e: dict, rates: dict[str, float]) -> dict:
             "untracked": e.get("untracked", [])}
 
 
+def _within(spans: dict[str, list[tuple[float, float]]], outer: dict) -> dict[str, float]:
+    """{role: seconds of its spans that begin within the step `outer`}."""
+    return {role: sum(t1 - t0 for t0, t1 in spans_ if outer["t0"] <= t0 <= outer["t1"]) for role, spans_ in spans.items()}
+
+
 def _state_spans(events: list[dict], state: str) -> dict[str, list[tuple[float, float]]]:
     spans: dict[str, list[tuple[float, float]]] = {}
     began: dict[str, float] = {}
@@ -191,8 +200,9 @@ def report(steps: list[dict], rates: dict[str, float]) -> str:
         for r in s["phases"]:
             lines.append(f"  {r['phase']:<34}{r['seconds']:>8.3f}{r['gpu_peak_gib']:>14.1f}{r['host_peak_gib']:>15.1f}")
         rate = s["rollout_tokens_per_s"]
+        ahead = f" (generated in {s['rollout_ahead_s']:.2f} s beside the step before)" if s.get("rollout_ahead_s") else ""
         lines.append(f"  rollout: {s['response_tokens']:.0f} response tokens, "
-                     f"{rate:,.0f} tok/s" if rate else "  rollout: no tokens")
+                     f"{rate:,.0f} tok/s{ahead}" if rate else "  rollout: no tokens")
         if s.get("eval_tokens_per_s"):
             ratio = f" ({s['eval_tokens_per_s'] / rate:.2f}x rollout)" if rate else ""
             lines.append(f"  eval: {s['eval_response_tokens']:.0f} response tokens, "
@@ -204,6 +214,9 @@ def report(steps: list[dict], rates: dict[str, float]) -> str:
         for role, sec in s["training_role_s"].items():
             if sec:
                 lines.append(f"  {role} inside train: {sec:.3f} s")
+        for role, sec in s["generating_role_s"].items():
+            if sec:
+                lines.append(f"  {role} generating: {sec:.3f} s")
         lines += [_move_line(m) for m in s["moves"]]
     return "\n".join(lines)
 

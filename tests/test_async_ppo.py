@@ -8,6 +8,7 @@ import json
 import pytest
 
 from bench.faults import ASYNC, after_first_rollout
+from bench.iteration import analyse
 from ppo.config import num_critic_only_steps
 from ppo.config.serialize import override
 from ppo.config.validate import ensure_valid
@@ -64,6 +65,15 @@ def test_the_next_rollout_generates_before_the_weights_change_and_samples_are_on
     rollout_starts = {e["step"]: e["ts"] for e in events
                       if e["event"] == "phase" and e.get("phase") == "log_probs" and e["action"] == "begin"}
     assert all(generating[k + 1] < rollout_starts[k + 1] for k in range(num_rollout - 1))
+
+    # bench.iteration's table in async mode: each step but the last has its engines generate the
+    # next rollout inside it, and a rollout's tokens/s is over the time it generated ahead
+    steps = analyse(tmp_path / "run", [(0.0, 0, 0)], {"d2h": 1.0, "h2d": 1.0}, num_samples=128, prompts={})
+    for s in steps[:-1]:
+        assert s["generating_role_s"]["rollout-0"] > 0 and s["generating_role_s"]["rollout-1"] > 0
+    for s in steps[1:]:
+        assert s["rollout_ahead_s"] > 0
+        assert s["rollout_tokens_per_s"] == pytest.approx(s["response_tokens"] / s["rollout_ahead_s"])
 
     devices = {g: FakeDevice(tmp_path / "run" / "fakegpu", g).history() for g in range(4)}
     assert all(check_no_overlap(hist) == [] for hist in devices.values())
