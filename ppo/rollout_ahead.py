@@ -12,7 +12,8 @@ timing changes:
                           every request of it ran on one version (miles: "sync generate before
                           update weights"; an engine serves one call at a time, so a sync sent
                           meanwhile would wait for its generate anyway).
-    close()               the background rollout is finished or abandoned; nothing is left running.
+    close()               the background rollout is finished (or, on a signal's stop, left to
+                          the job's end, which stops the engines it calls).
 
 So the rollout of step k is generated on the weights of version k - 1 (one-step off-policy)
 while the trainer is at k, and the objective corrects for it (decoupled PPO: ppo.loop's
@@ -70,8 +71,11 @@ class Rollouts:
         self.lock.acquire()  # the driver's thread holds it but while it waits (module docstring)
         return self
 
-    def __exit__(self, *exc) -> None:
-        self.close()
+    def __exit__(self, exc_type, exc, tb) -> None:
+        # A signal's stop (RunStopped, KeyboardInterrupt: BaseExceptions) is at once: the rollout
+        # ahead is left to die with the job. An error (a trainer's death before its recovery)
+        # waits for it, so that it draws no prompts after the recovery restores the data position.
+        self.close(wait=exc is None or isinstance(exc, Exception))
 
     def take(self, step: int, version: int) -> Rollout:
         """Step `step`'s samples, none more than max_staleness versions behind `version`, and
@@ -100,11 +104,12 @@ class Rollouts:
         ahead, the position before that rollout drew its prompts."""
         return self.data if self._next is None else _Position(self._position)
 
-    def close(self) -> None:
-        """Finish the background rollout (its errors go with it: the loop is ending), then let go."""
-        if self._next is not None:
+    def close(self, wait: bool = True) -> None:
+        """Let the lock go, after the background rollout finished (`wait`; its errors go with it:
+        the loop is ending) or leaving it to the job's end."""
+        if self._next is not None and wait:
             self._waiting(self._next.done.wait)
-            self._next = None
+        self._next = None
         self.lock.release()
 
     def _waiting(self, wait: Callable[[], object]):

@@ -3,6 +3,7 @@ generates while the step trains, nothing older than the staleness bound comes ou
 checkpoint records the data position before the rollout ahead; and its config rules."""
 
 import threading
+import time
 
 import pytest
 
@@ -138,6 +139,39 @@ def test_the_rollout_aheads_error_is_raised_in_the_step_that_takes_it():
         r.take(0, 0)
         with pytest.raises(RuntimeError, match="engine exploded"):
             r.take(1, 0)
+
+
+def acquirable(lock) -> bool:
+    """Whether another thread can take `lock` (then it lets it go again)."""
+    got = []
+
+    def take():
+        got.append(lock.acquire(timeout=2))
+        if got[0]:
+            lock.release()
+
+    thread = threading.Thread(target=take)
+    thread.start()
+    thread.join()
+    return got[0]
+
+
+def test_an_error_waits_for_the_rollout_ahead_and_a_signals_stop_does_not():
+    class Stopped(BaseException):  # as ppo.signals.RunStopped
+        pass
+
+    for error, waits in ((RuntimeError("a trainer died"), True), (Stopped(), False)):
+        e = Engines()
+        e.gates[1] = threading.Event()
+        threading.Timer(0.3, e.gates[1].set).start()
+        t0 = time.monotonic()
+        with pytest.raises(type(error)):
+            with rollouts(e, ahead=True) as r:
+                r.take(0, 0)
+                raise error
+        assert (time.monotonic() - t0 >= 0.3) == waits, error
+        assert acquirable(r.lock)  # let go either way
+        e.gates[1].wait(5)
 
 
 def test_an_engine_recovery_ahead_waits_until_the_driver_stops_training():
