@@ -73,7 +73,7 @@ def test_a_move_rate_counts_the_bytes_copied_not_the_grads_only_freed():
     e = {"role": "actor.0", "phase": "offload", "tags": ["grads", "optimizer"], "bytes": 64e9,
          "copied": 48e9, "seconds": 1.0, "untracked": [3 << 20]}
     step = {"step": 0, "step_s": 1.0, "compute_s": 1.0, "outside_s": 0.0, "outside_share": 0.0, "phases": [],
-            "rollout_tokens_per_s": 0, "response_tokens": 0, "training_role_s": {}}
+            "rollout_tokens_per_s": 0, "response_tokens": 0, "training_role_s": {}, "generating_role_s": {}}
 
     def line(move: dict) -> str:
         return report([{**step, "moves": [move]}], RATES).splitlines()[-1]
