@@ -84,8 +84,11 @@ class Chaos(threading.Thread):
     A moment is random within the phases where a death is recovered: a scorer at any
     time; an engine early in a generation (replaced, its requests issued again; if the
     generation is over by then, the next handoff recovers it) or while a trainer holds its
-    GPU and the engine holds nothing there (its restart waits for the lease). Not during a
-    weight sync: a death inside it still stops the run (docs/reliability.md, known limits).
+    GPU and the engine holds nothing there (its restart waits for the lease); an engine on
+    a GPU of its own (disaggregated, --train-async) also while the driver is between a
+    rollout and the critic's update (the handoff before the weight sync finds it dead). Not
+    during a weight sync: a death inside it still stops the run (docs/reliability.md, known
+    limits).
     """
 
     def __init__(self, job, victims: list[str], *, kills_each: int, seed: int,
@@ -101,6 +104,8 @@ class Chaos(threading.Thread):
 
     def run(self):
         engine_gpu = {t.name: t.gpus[0] for t in self.job.engine_tenants}
+        trainer_gpus = set(self.job.actor_tenant.gpus)
+        driver_phase = None  # the driver's phase begun last
         devices = {name: FakeDevice(self.job.sup.fake_gpu_dir, g) for name, g in engine_gpu.items()}
         generating_since: dict[str, float] = {}  # engine -> ts of its `generating` event
         logged, next_ok = False, 0.0
@@ -109,6 +114,8 @@ class Chaos(threading.Thread):
                 return
             kind = e["event"]
             logged |= kind == "metrics"
+            if kind == "phase" and e.get("track") == "driver" and e["action"] == "begin":
+                driver_phase = e["phase"]
             if kind == "state" and e["role"] in engine_gpu:
                 if e["new"] == "generating":
                     generating_since[e["role"]] = e["ts"]
@@ -122,8 +129,9 @@ class Chaos(threading.Thread):
             if child.state != "ready" or self.rng.random() > 0.3:
                 continue  # not now: a later event is a later moment
             time.sleep(self.rng.uniform(0.0, 0.02))
-            if victim in engine_gpu and not self._engine_in_window(victim, engine_gpu[victim], devices[victim],
-                                                                  generating_since.get(victim)):
+            if victim in engine_gpu and not self._engine_in_window(
+                    victim, engine_gpu[victim], devices[victim], generating_since.get(victim),
+                    own_gpu=engine_gpu[victim] not in trainer_gpus, driver_phase=driver_phase):
                 continue
             try:
                 self.job.sup.kill(victim, signal.SIGKILL)
@@ -131,17 +139,22 @@ class Chaos(threading.Thread):
                 continue
             self.kills.append((victim, child.incarnation, time.time()))
             self.moments.append("scorer" if victim not in engine_gpu else
-                                "engine generating" if victim in generating_since else "engine, trainer on its GPU")
+                                "engine generating" if victim in generating_since else
+                                "engine on its own GPU" if engine_gpu[victim] not in trainer_gpus
+                                else "engine, trainer on its GPU")
             self.plan.pop(0)
             next_ok = time.time() + self.rng.uniform(*self.gap_s)
 
-    def _engine_in_window(self, name: str, gpu: int, device: FakeDevice, generating_since: float | None) -> bool:
+    def _engine_in_window(self, name: str, gpu: int, device: FakeDevice, generating_since: float | None, *,
+                          own_gpu: bool, driver_phase: str | None) -> bool:
         """Generating (its `generating` event is under 40 ms old: a tiny_ppo generation takes
         about 70 ms), or holding nothing on its GPU while a trainer holds the lease (read
         live from the lease table and the fake device's ledger: the weight sync, where the
         actor holds the lease too, finds the engine holding its weights)."""
         if generating_since is not None:
             return time.time() - generating_since < 0.04
+        if own_gpu:
+            return driver_phase in ("rollout", "log_probs", "values", "advantages", "critic_train")
         return self.job.sup.leases.holder(gpu) in ("actor", "critic") and device.usage(name) == 0
 
     def outcome(self) -> dict:
