@@ -1,17 +1,16 @@
 """Where each step's rollout comes from: generated when the step asks for it, or, with
 --train-async (miles' train_async.py), generated one step ahead while the previous step trains.
 
-Asynchronous, the driver's loop asks the same three things as synchronous, and only the
-timing changes:
+The driver's loop asks the same three things in both modes; only the timing changes:
 
     take(step, version)   the rollout of `step`. Synchronous: generated now. Asynchronous:
                           the one a background thread generated during step - 1's training
                           (step 0's, and the first after a resume, generated now); then the
                           next rollout starts generating, on the weights the engines hold.
-    wait_generated(v)     before the weights change to version v: the rollout under way is finished, so
-                          every request of it ran on one version (miles: "sync generate before
-                          update weights"; an engine serves one call at a time, so a sync sent
-                          meanwhile would wait for its generate anyway).
+    wait_generated(v)     before the weights change to version v: the rollout under way is
+                          finished, so every request of it ran on one version (miles: "sync
+                          generate before update weights"; an engine serves one call at a
+                          time, so a sync sent meanwhile would wait for its generate anyway).
     close()               the background rollout is finished (or, on a signal's stop, left to
                           the job's end, which stops the engines it calls).
 
