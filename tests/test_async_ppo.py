@@ -114,3 +114,20 @@ def test_a_checkpoint_taken_with_a_rollout_ahead_resumes_with_that_rollouts_prom
 def test_tiny_ppo_learns_in_async_mode(tmp_path):
     """tests/test_e2e_ppo.py's bar for tiny_ppo, one step off-policy."""
     assert_learns(train(tiny(tmp_path, num_rollout=40)))
+
+
+@pytest.mark.gpu
+@pytest.mark.timeout(900)
+def test_tiny_ppo_learns_in_async_mode_on_two_gpus(tmp_path):
+    """On real GPUs (`bash .ci/gpu -k async` on a 2-GPU machine): megatron trainers on GPU 0, the
+    built-in engine on GPU 1; the engine's weights are checked against the actor's after each sync."""
+    import torch
+
+    pytest.importorskip("megatron.core")
+    if torch.cuda.device_count() < 2:
+        pytest.skip("--train-async puts the engine on a GPU of its own: needs 2 GPUs")
+    history = train(tiny(tmp_path, num_rollout=40, train_backend="megatron", fake_gpus=False, num_gpus_per_node=2,
+                         check_weight_update_equal=True))
+    assert all(h["rollout/staleness"] <= 1 for h in history)
+    assert_learns(history)
+
