@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # qwen3_4b_ppo_1gpu (qwen3_4b_ppo scaled to one GPU), measured by bench.iteration (docs/benchmarks.md).
 #
-#   [PLANS="ppo grpo" PPO_ROLLOUTS=3 GRPO_ROLLOUTS=2 GRPO_S=130 RESPONSE_LEN=2048 EVAL=0] \
+#   [PLANS="ppo grpo" PPO_ROLLOUTS=3 GRPO_ROLLOUTS=2 GRPO_S=130 RESPONSE_LEN=2048 EVAL=0 ASYNC=0] \
 #     bash bench/qwen3_4b_one_gpu.sh OUT_DIR [BUDGET_S]
 #
 # EVAL=1 adds the eval of ppo.evaluation: 256 prompts the run does not train on x 4 samples at
@@ -45,6 +45,16 @@ if [ "$LEN" -le 2048 ]; then
 else
   PPO_PLAN=(--offload-rollout --offload-rollout-level kv_cache --sglang-mem-fraction-static 0.62)
   GRPO_PLAN=(--advantage-estimator grpo "${PPO_PLAN[@]}")
+fi
+# ASYNC=1 (2 GPUs: the nvidia-h200-x2 kind; 2048 tokens): the same plans with --train-async, the
+# trainers on GPU 0 and the engine alone on GPU 1 (side by side on one GPU is not built), so the
+# next rollout generates while the step trains; ppo.rollout_ahead. Its steady steps (the second
+# on) against a run without it show the overlap; bench.iteration prints the engine's time
+# generating within each step.
+if [ "${ASYNC:-0}" = 1 ]; then
+  ASYNC_PLAN=(--train-async --no-colocate --num-gpus-per-node 2 --actor-num-gpus-per-node 1 --rollout-num-gpus 1)
+  PPO_PLAN+=("${ASYNC_PLAN[@]}")
+  GRPO_PLAN+=("${ASYNC_PLAN[@]}")
 fi
 
 step() {  # NAME SECONDS CMD...: run CMD under a limit (SIGINT first: bench.iteration still reports)
