@@ -13,18 +13,19 @@ Colocated, every GPU is held by one role at a time (docs/architecture.md):
     7. engines take their weights back; the actor streams new weights bucket by bucket
        (sglang engines lose their weights at the release: they get them after every step)
     8. engines take the KV cache back
-    9. every --eval-interval rollouts, the engines evaluate the new weights (ppo.evaluation);
-       next iteration
+    9. every --eval-interval rollouts, the engines evaluate the new weights (ppo.evaluation)
+   10. every --save-interval rollouts, the engines lend the GPUs to the trainers, which save
+       with their state on them (ppo.handoffs, ppo.checkpoint); next iteration
 """
 
 from __future__ import annotations
 
-import contextlib
 import time
 
 import torch
 
 from ppo import checkpoint, evaluation, recovery
+from ppo.handoffs import engines_take_back, recover, release_engines, sync_engines
 from ppo import config as C
 from ppo.algorithms import (compute_advantages, kl_estimate, masked_whiten, mismatch_metrics, reduce_metrics,
                             token_level_rewards, truncated_is)
@@ -39,7 +40,7 @@ from ppo.rollout import SamplingParams, generate_and_score
 from ppo.signals import SignalStops
 from ppo.trace import TraceWriter
 from roles.reward.custom import load_function
-from runtime import ActorDied, gather
+from runtime import ActorDied
 
 
 class TrainerDied(RuntimeError):
@@ -66,8 +67,6 @@ def run(job: Job, stops: SignalStops | None = None) -> list[dict]:
     # --load: trainers, data position, driver RNG and the engines' weights as the checkpoint left them
     start = (checkpoint.resume(job, job.data) if cfg.checkpoint.load is not None
              else checkpoint.ResumePoint(step=0, version=0))
-    if start.step and cfg.engine.check_weight_update_equal:
-        check_weights_equal(job)
     log = RunLogger(job.run_dir, num_rollout=cfg.rollout.num_rollout, publish=job.sup.publish,
                     use_tensorboard=cfg.logging.use_tensorboard, use_wandb=cfg.logging.use_wandb,
                     wandb_project=cfg.logging.wandb_project, dump_samples=cfg.logging.dump_samples,
@@ -95,8 +94,6 @@ def run(job: Job, stops: SignalStops | None = None) -> list[dict]:
                     start = recovery.recover(job, log, e, ckpt, step=log.step,
                                              trainer_restarts=counters.trainer_restarts + 1,
                                              rewound_steps=counters.rewound_steps)
-                    if cfg.engine.check_weight_update_equal:
-                        check_weights_equal(job)
                 except (ActorDied, checkpoint.CheckpointError) as again:  # the recovery failed: stop
                     raise trainer_died(cfg, group, e, recoveries, why=f"recovery {recoveries} failed: {again}") from again
     finally:
@@ -136,7 +133,7 @@ def steps(job: Job, log: RunLogger, start: checkpoint.ResumePoint, stops: Signal
         batch = build_batch(samples, pad_id=tok.pad_token_id)
 
         # 2-3. engines hand the GPUs to the actor: old and reference log-probs
-        engine_handoff(job, lambda: colo.vacate(job.engine_tenants, ["kv_cache", "weights"]), version)
+        release_engines(job, version)
         colo.occupy([job.actor_tenant], ["params"])
         with perf.phase("log_probs"):
             batch["old_log_probs"] = actor.compute_log_probs(select(batch))["log_probs"]
@@ -173,15 +170,8 @@ def steps(job: Job, log: RunLogger, start: checkpoint.ResumePoint, stops: Signal
 
             version += 1
             sync_engines(job, version, perf)  # 7. weight sync
-        elif C.engines_discard_weights(cfg):
-            # 7'. weights unchanged, but sglang threw the engines' copy away at the release
-            # (no CPU backup: docs/architecture.md): the actor pushes them again, same version
-            colo.occupy([job.actor_tenant], ["params"])
-            colo.vacate([job.actor_tenant], ["params"], keep="params")
-            sync_engines(job, version, perf)
-        else:
-            # 8. weights unchanged: engines take back everything they released
-            engine_handoff(job, lambda: colo.occupy(job.engine_tenants, ["weights", "kv_cache"]), version)
+        else:  # 7'. weights unchanged: engines take back what they released (sglang's from the actor)
+            engines_take_back(job, version, perf)
 
         # 9. eval on the engines, which hold the new weights and their KV cache again
         if evaluation.due_after(cfg, step):
@@ -206,6 +196,7 @@ def steps(job: Job, log: RunLogger, start: checkpoint.ResumePoint, stops: Signal
                        **{f"train/critic-{k}": v for k, v in critic_metrics.items()},
                        "rollout/weight_version": version, **perf})
         counters.skipped_updates, counters.skipped_samples = skipped, skipped_samples
+        # 10. checkpoint: the trainers save with their state on the GPUs the engines lend them
         saved = checkpoint.save_if_due(job, step, data=data, version=version, counters=counters,
                                        force=stops is not None and stops.save_requested)
         if stops is not None:  # SIGUSR1 (or SIGTERM with --save-on-signal): saved, now stop
@@ -227,21 +218,6 @@ def trainer_died(cfg: PPOConfig, group, e: ActorDied, recoveries: int, why: str 
                        f"Error file: {e.error_file or 'none (killed without a traceback)'}; {resume}")
 
 
-def sync_engines(job: Job, version: int, perf) -> None:
-    """The weight sync: engines take their weights back, the actor (holding its weights, not
-    its lease) streams buckets, the actor frees its weights, engines take the KV cache back.
-    A restarted engine needs no sync of its own while its weights come back: this one follows."""
-    colo = job.colocation
-    engine_handoff(job, lambda: colo.occupy(job.engine_tenants, ["weights"]), 0)
-    with colo.sending_weights(job.actor_tenant, job.engine_tenants), perf.phase("weight_sync"):
-        job.actor.sync_weights(job.engines, job.cfg.engine.update_weight_buffer_size, version,
-                               engine_gpus=job.placement.engines)
-    if job.cfg.engine.check_weight_update_equal:
-        check_weights_equal(job)
-    colo.drop_residual(job.actor_tenant, ["params"])
-    engine_handoff(job, lambda: colo.occupy(job.engine_tenants, ["kv_cache"]), version)
-
-
 def user_functions(cfg: PPOConfig) -> tuple[DynamicSampling, object]:
     """Dynamic sampling (its filter loaded) and the TIS function, loaded as --custom-rm-path is."""
     path = cfg.ppo.custom_tis_function_path
@@ -259,22 +235,6 @@ def run_eval(job: Job, log: RunLogger, perf, tag: int, version: int) -> None:
     log.log_eval(tag, {**metrics, "eval/weight_version": version}, samples)
 
 
-def engine_handoff(job: Job, handoff, version: int) -> None:
-    """Run a memory handoff of the engines (`colo.vacate`/`colo.occupy`); an engine found
-    dead in it (killed just before, or during its release/resume) is waited for and
-    brought to `version` (0: no sync), and the handoff runs again: its steps are idempotent
-    (releasing what is released or taking what is resident costs nothing, leases already
-    taken are kept)."""
-    while True:
-        try:
-            return handoff()
-        except ActorDied as e:
-            engine = next((x for x in job.engines if x.name == e.role), None)
-            if engine is None:
-                raise
-            recover(job, engine, e.incarnation, version)
-
-
 def restarts_since(job: Job, before: dict[str, int]) -> tuple[int, int]:
     """(engine, scorer) restarts since `before` (a `sup.restart_counts()`). The supervisor counts
     each at the death, so one the loop never saw (a scorer killed idle and back before its next
@@ -283,19 +243,6 @@ def restarts_since(job: Job, before: dict[str, int]) -> tuple[int, int]:
     def since(roles):
         return sum(now.get(r.name, 0) - before.get(r.name, 0) for r in roles)
     return since(job.engines), since(job.scorers)
-
-
-def recover(job: Job, role, dead_incarnation: int, version: int) -> None:
-    """Wait for a restarted engine or scorer; bring an engine to the current policy version."""
-    job.sup.wait_restarted(role.name, dead_incarnation)
-    if role.name.startswith("rollout-") and version > 0:
-        gpus = job.placement.engines[job.engines.index(role)]
-        # Disaggregated, the actor's GPUs are idle during a rollout: it takes them to send
-        # (a resident actor allocates its bucket buffers there). Colocated it is offloaded.
-        sending = (job.colocation.sending_weights(job.actor_tenant, []) if not job.cfg.placement.colocate
-                   else contextlib.nullcontext())
-        with sending:
-            job.actor.sync_weights([role], job.cfg.engine.update_weight_buffer_size, version, engine_gpus=[gpus])
 
 
 def check_skipped(cfg: PPOConfig, skipped: float) -> float:
@@ -372,14 +319,3 @@ def rollout_metrics(batch: dict, samples: list[dict]) -> dict[str, float]:
         "rollout/advantages": (batch["advantages"] * mask).sum().item() / n_tok.item(),
         "rollout/returns": (batch["returns"] * mask).sum().item() / n_tok.item(),
     }
-
-
-def check_weights_equal(job: Job) -> None:
-    """--check-weight-update-equal: every engine's weights equal the actor's, bit for bit."""
-    want = job.actor.weights_checksum()
-    for engine, got in zip(job.engines, gather([e.weights_checksum.call() for e in job.engines])):
-        bad = sorted(k for k in want if got.get(k) != want[k]) + sorted(set(got) - set(want))
-        if bad:
-            raise RuntimeError(f"weight sync check failed: {engine.name} differs from the actor on "
-                               f"{len(bad)} tensors, e.g. {bad[:5]}")
-

@@ -169,11 +169,11 @@ def test_an_engine_found_dead_at_a_handoff_is_recovered_and_the_handoff_rerun(mo
     engine is recovered there and the handoff runs again (the supervisor counts the restart)."""
     from types import SimpleNamespace
 
-    import ppo.loop
+    import ppo.handoffs
     from runtime import ActorDied
 
     recovered, calls = [], []
-    monkeypatch.setattr(ppo.loop, "recover", lambda job, role, dead, version: recovered.append((role.name, dead)))
+    monkeypatch.setattr(ppo.handoffs, "recover", lambda job, role, dead, version: recovered.append((role.name, dead)))
     job = SimpleNamespace(engines=[SimpleNamespace(name="rollout-0")])
 
     def handoff():
@@ -181,14 +181,14 @@ def test_an_engine_found_dead_at_a_handoff_is_recovered_and_the_handoff_rerun(mo
         if len(calls) == 1:
             raise ActorDied("rollout-0", 2, "killed")
 
-    ppo.loop.engine_handoff(job, handoff, 5)
+    ppo.handoffs.engine_handoff(job, handoff, 5)
     assert (recovered, len(calls)) == ([("rollout-0", 2)], 2)
 
     def trainer_dies():
         raise ActorDied("actor.0", 1, "killed")
 
     with pytest.raises(ActorDied):  # not an engine: the handoff does not own it
-        ppo.loop.engine_handoff(job, trainer_dies, 5)
+        ppo.handoffs.engine_handoff(job, trainer_dies, 5)
     assert recovered == [("rollout-0", 2)]
 
 
