@@ -221,6 +221,20 @@ class MegatronCore:
                                 pp_group=self.pp_group, pp_rank=self.pp_rank, pp_size=self.pp_size, spec=self.spec,
                                 critic=self.critic, device=self.device, views=views)
 
+    def tied_embedding_copy(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """On the last stage of a pipelined model with tied embeddings, its copy of the
+        embedding (the output layer's weight, which megatron keeps equal to stage 0's by an
+        all-reduce of their grads), TP shards all-gathered, as the HF embedding; elsewhere
+        nothing. The export leaves it out (the engines load one embedding), so this is how a
+        check sees the two copies drift apart. A collective over the TP group."""
+        if self.pp_group is None or not self.last_stage or not self.shape.tied_embeddings or self.critic:
+            return
+        from roles.trainer.megatron.mapper import to_hf
+
+        weight = self.module.output_layer.weight.detach()
+        yield from to_hf("embedding.word_embeddings.weight", all_gather_shards(weight, self.tp_group), self.shape,
+                         layer_offset=0, spec=self.spec)
+
     def _param_tensors(self) -> list[torch.Tensor]:
         """DDP's flat param buffers (distributed optimizer), else the parameters themselves."""
         flat = [b.param_data for b in self.ddp.buffers if b.param_data is not None]
