@@ -60,7 +60,7 @@ from roles.trainer.megatron.env import (
 )
 from roles.trainer.megatron.export import all_gather_shards, model_hf_weights
 from roles.trainer.megatron.mapper import hf_to_megatron
-from roles.trainer.megatron.model import build_gpt_model, transformer_engine_available
+from roles.trainer.megatron.model import build_gpt_model, use_transformer_engine
 from roles.trainer.megatron.offload import TaggedOffloader
 from roles.trainer.megatron.packing import PackedMicroBatch, pack, plan_packed
 from roles.trainer.megatron.shape import megatron_spec, transformer_config_kwargs
@@ -112,7 +112,7 @@ class MegatronCore:
         self.pp_group = ps.get_pipeline_model_parallel_group() if self.pp_size > 1 else None
         self._sync_views: tuple | None = None  # (storages, named_hf_weights(views=True)) at TP1, one stage
         self.last_stage = ps.is_pipeline_last_stage()
-        self.use_te = transformer_engine_available()
+        self.use_te = use_transformer_engine(config.transformer_impl)
         self.spec = "te" if self.use_te else "local"
         tconfig = TransformerConfig(
             **transformer_config_kwargs(

@@ -42,7 +42,7 @@ class _MegatronRole(TrainerRole):
         self.config = _config(config)
         torch.manual_seed(self.config.seed)
         self._core = MegatronCore(self.config, critic=critic, memory=self._device_memory(role), hf_state=hf_state)
-        self._started()
+        self._started(transformer_impl=self.config.transformer_impl)  # the choice, in the run's events
 
     @endpoint
     def rank_layout(self) -> dict:
