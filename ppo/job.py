@@ -182,7 +182,14 @@ def trainer_layout_problem(cfg: PPOConfig) -> str | None:
                              pp_size=cfg.parallelism.pipeline_model_parallel_size)
     except ValueError as e:
         return layout_problem(e)
-    return None
+    from roles.trainer.megatron.env import hf_tensor_names
+    from roles.trainer.megatron.mapper import unplaced_problem
+
+    try:
+        problem = unplaced_problem(hf_tensor_names(cfg.checkpoint.hf_checkpoint), shape)
+    except FileNotFoundError:  # no safetensors: the trainers' build says so
+        return None
+    return problem and f"--hf-checkpoint {cfg.checkpoint.hf_checkpoint}: {problem}"
 
 
 def output_problem(flag: str, path: str | None) -> str | None:
