@@ -105,6 +105,7 @@ def trainer_config(cfg: PPOConfig, hf_checkpoint: str, *, critic: bool, dtype: s
             ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size")}
            | {name: getattr(t, name) for name in
               ("recompute_granularity", "recompute_method", "recompute_num_layers", "transformer_impl")}
+           | {"offload_tags": C.train_offload_tags(cfg)}
            if t.train_backend == "megatron" else {"gradient_checkpointing": t.recompute_granularity == "full"}),
     }
 

@@ -224,6 +224,10 @@ def test_recompute_flags_reach_the_trainer_configs():
     plain = MegatronTrainerConfig.from_dict(trainer_config(
         parse_args(["--recipe", "qwen3_4b_ppo", *one_gpu_layout]), "ckpt", critic=False, dtype="bfloat16"))
     assert plain.recompute_granularity is None and plain.transformer_impl == "local"
+    assert plain.offload_tags == ("params", "grads", "optimizer")  # the tags the plan offloads each iteration
+    keep_weights = parse_args(["--recipe", "qwen3_4b_ppo", *one_gpu_layout, "--offload-train-level", "optimizer"])
+    assert MegatronTrainerConfig.from_dict(trainer_config(keep_weights, "ckpt", critic=False, dtype="bfloat16")
+                                           ).offload_tags == ("grads", "optimizer")
     te = parse_args(["--recipe", "qwen3_4b_ppo", *one_gpu_layout, "--transformer-impl", "transformer_engine"])
     assert MegatronTrainerConfig.from_dict(trainer_config(te, "ckpt", critic=True, dtype="bfloat16")
                                            ).transformer_impl == "transformer_engine"

@@ -153,6 +153,31 @@ def test_offloader_frees_storages_restores_views_and_accounts():
     assert torch.equal(grads, torch.zeros(4))
 
 
+def test_a_tag_registered_keep_first_keeps_its_construction_time_block():
+    """The params of a run that offloads them every iteration keep the host block of the
+    construction-time offload (their sizes never change); without keep_first it is freed."""
+    kept, freed = torch.arange(8.0), torch.arange(8.0)
+    off = TaggedOffloader(DeviceMemory("actor"))
+    off.register("params", lambda: [kept], keep_first=True)
+    off.register("optimizer", lambda: [freed])
+    for tag in ("params", "optimizer"):
+        off.offload(tag)
+    first = off._host["params"]
+    for tag in ("params", "optimizer"):
+        off.onload(tag)
+    assert off._host["params"] is first and "optimizer" not in off._host
+    with torch.no_grad():
+        kept += 1
+    off.offload("params")
+    assert off._host["params"] is first  # written again, not reallocated
+    off.onload("params")
+    assert torch.equal(kept, torch.arange(8.0) + 1)
+    cfg = MegatronTrainerConfig.from_dict({**BASE, "offload_tags": ["params", "grads"]})  # a list off the wire
+    assert cfg.offload_tags == ("params", "grads")
+    with pytest.raises(ValueError, match=r"offload_tags=\('weights',\), expected tags among"):
+        MegatronTrainerConfig(**BASE, offload_tags=("weights",))
+
+
 def test_offloader_replaces_its_host_block_when_new_state_appears():
     """Adam's moments appear at the first step: the tag's host block is replaced by one of the
     new exact size (the old one freed), and every storage round-trips through its view."""

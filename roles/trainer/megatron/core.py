@@ -49,7 +49,7 @@ import torch.distributed as dist
 from roles.device import DeviceMemory
 from roles.model_spec import ModelSpec
 from roles.trainer.batching import check_batch, response_mask, scatter_rows, sequences
-from roles.trainer.megatron.config import MegatronTrainerConfig
+from roles.trainer.megatron.config import MEMORY_TAGS, MegatronTrainerConfig
 from roles.trainer.megatron.cp import CPSlice, cp_slice, gather_rows
 from roles.trainer.megatron.env import (
     compile_in_process,
@@ -66,7 +66,6 @@ from roles.trainer.megatron.packing import PackedMicroBatch, pack, plan_packed
 from roles.trainer.megatron.shape import megatron_spec, transformer_config_kwargs
 from roles.trainer.steps import LOSS, sum_metrics, train_pass
 
-MEMORY_TAGS = ("params", "grads", "optimizer")
 # Above this much device memory outside the tags a report lists the largest blocks: below it
 # (the fused Adam's step counters, norms' flags) listing costs a snapshot and says nothing.
 UNTRACKED_NOTE = 1 << 20
@@ -152,7 +151,8 @@ class MegatronCore:
         self.schedule = config.lr_schedule_fn
         self.step = 0
         self.offloader = TaggedOffloader(memory)
-        self.offloader.register("params", self._param_tensors)
+        # the params' sizes never change: a run that offloads them every iteration keeps their first block
+        self.offloader.register("params", self._param_tensors, keep_first="params" in config.offload_tags)
         self.offloader.register("grads", lambda: [b.grad_data for b in self.ddp.buffers], keep=False)
         self.offloader.register("optimizer", self._optimizer_tensors)
         # The actor's reference policy is its initial weights: a CPU copy, swapped in for ref log-probs.
