@@ -172,10 +172,9 @@ def _steps(layout: str, rank: int, port: int, ckpt: str, keep) -> None:
                     "returns": torch.randn(4, 6, generator=g)}
     keep(critic_train=critic.train(take_rows(critic_train, train_rows), mini_batches=minis))
     keep(values_after=critic.compute_values(share)["values"])
-    if world > 1:
-        from tests.staged_collectives import COUNTS
+    from tests.staged_collectives import COUNTS
 
-        keep(collectives=dict(COUNTS))
+    keep(collectives=dict(COUNTS))  # empty on one rank (its world is NCCL's)
 
 
 def _all_gathered(rank_layout: dict, rows: list[int], key: str, value: torch.Tensor) -> torch.Tensor:
@@ -325,6 +324,7 @@ def test_production_optimizer_and_attention_ran(runs, layout):
     attention."""
     ref, ranks = _need(runs, layout, "optimizer", "optimizer_numel", "collectives")
     bf16 = bool(LAYOUTS[layout].get("bf16"))
+    assert ref["optimizer"] == "DistributedOptimizer" and ref["varlen"] == bf16
     for i, r in enumerate(ranks):
         assert r["optimizer"] == "DistributedOptimizer" and r["varlen"] == bf16, (i, r["optimizer"], r["varlen"])
         assert r["collectives"].get("reduce_scatter_tensor", 0) > 0, (i, r["collectives"])

@@ -26,7 +26,9 @@ def _staged_worker(rank: int, group) -> dict:
     assert isinstance(group, StagedGroup)
     t = _values(rank)
     dist.all_reduce(t)
-    out["all_reduce"] = t
+    half = _values(rank).bfloat16()  # megatron's TP all-reduces bf16 activations
+    dist.all_reduce(half)
+    out["all_reduce"], out["all_reduce_bf16"] = t, half
     # megatron's DDP: bucket reduce-scatters (distributed optimizer) or all-reduces in one coalescing manager
     grads = [_values(rank), _values(rank, 4) * 2]
     shards = [torch.zeros(3), torch.zeros(2)]
@@ -83,6 +85,7 @@ def test_staged_backend_runs_each_collective_as_torch_defines_it(tmp_path):
     for rank, r in enumerate(ranks):
         assert r["types"] == ["StagedGroup", "StagedGroup"] and r["backend"] == "staged"
         assert torch.equal(r["all_reduce"], total)
+        assert r["all_reduce_bf16"].dtype == torch.bfloat16 and torch.equal(r["all_reduce_bf16"].float(), total)
         assert torch.equal(r["reduce_scatter_coalesced"][0], total.view(2, 3)[rank])
         assert torch.equal(r["reduce_scatter_coalesced"][1], ((_values(0, 4) + _values(1, 4)) * 2).view(2, 2)[rank])
         assert torch.equal(r["all_reduce_coalesced"][0], total)
