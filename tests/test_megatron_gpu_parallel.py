@@ -68,7 +68,9 @@ RUN_DEADLINE_S = 240  # every layout's processes, together
 TOL = {False: dict(share=dict(rtol=0.0, atol=1e-4), metric=dict(rel=1e-3, abs=1e-5), after=dict(rtol=0.0, atol=2e-3),
                    weights=dict(rtol=0.0, atol=3e-4)),
        True: dict(share=dict(rtol=0.0, atol=0.05), metric=dict(rel=0.05, abs=2e-3), after=dict(rtol=0.0, atol=0.08),
-                  weights=dict(rtol=1.6e-2, atol=3e-4))}  # one bf16 ulp of a weight near 1 (norms)
+                  # Adam's first step moves a near-zero-gradient weight by up to lr (1e-4) either way,
+                  # then each side rounds to bf16 (an ulp is 2^-7 of the value at most)
+                  weights=dict(rtol=1.6e-2, atol=5e-4))}
 
 
 def _tol(layout: str, kind: str) -> dict:
