@@ -5,8 +5,8 @@ gloo takes CUDA tensors for all_reduce, broadcast and a list all_gather only; me
 distributed optimizer reduce-scatters and all-gathers flat buffers into tensors, its DDP
 coalesces them (torch's _coalescing_manager, which ends in the group's *_coalesced calls),
 and its pipeline schedule sends and receives. `StagedGroup` is a process group (a Python
-ProcessGroup, as torch's own tests register: torch/testing/_internal/distributed,
-test_c10d_pypg.py) whose every op copies the tensors to the host, runs the SAME collective
+ProcessGroup subclass, the kind pytorch's test/distributed/test_c10d_pypg.py registers as a
+backend) whose every op copies the tensors to the host, runs the SAME collective
 there on an inner gloo group, and copies the results back into the caller's tensors: the
 caller's code (torch.distributed's Python API, megatron's optimizer and schedule) runs
 unchanged. Registered as backend "staged": `init_process_group("staged")`, and every group
@@ -17,7 +17,9 @@ before it returns (an async one returns finished work), the coalesced ops of a g
 one after the other, and a send is not stream-ordered. A receive is truly asynchronous (a
 blocking one could deadlock two stages that both send first): its wait() lands the host
 copy in the caller's buffer. Reduce ops are gloo's (no AVG: megatron sums, roles.trainer.
-megatron.core). On the CPU the same staging runs on CPU tensors (a copy), which is how
+megatron.core). Ops megatron does not take here (gather, scatter, all-to-all) are not
+staged: torch raises for them ("No backend type associated with device type"), as it does
+for any backend that lacks an op. On the CPU the same staging runs on CPU tensors (a copy), which is how
 tests/test_staged_collectives.py holds each op to torch's semantics without a GPU.
 """
 
