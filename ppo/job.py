@@ -153,8 +153,9 @@ def engine_settings(cfg: PPOConfig) -> dict:
 def trainer_layout_problem(cfg: PPOConfig) -> str | None:
     """Why the megatron trainer would refuse this run's layout or recompute settings, or a
     model the layout cannot split (uneven pipeline stages, heads not divisible by TP: read
-    from --hf-checkpoint's config.json when it is a local directory) - checked here so the
-    job stops before anything starts, not at the trainers' build - or None."""
+    from --hf-checkpoint's config.json when it is a local directory), or a checkpoint tensor
+    the model has no place for (its safetensors headers) - checked here so the job stops
+    before anything starts, not at the trainers' build - or None."""
     if cfg.training.train_backend != "megatron":
         return None
     from roles.trainer.megatron.config import PARALLEL_SIZES, MegatronTrainerConfig  # no megatron import
