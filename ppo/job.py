@@ -104,7 +104,8 @@ def trainer_config(cfg: PPOConfig, hf_checkpoint: str, *, critic: bool, dtype: s
         **({name: getattr(cfg.parallelism, name) for name in
             ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size")}
            | {name: getattr(t, name) for name in
-              ("recompute_granularity", "recompute_method", "recompute_num_layers")}
+              ("recompute_granularity", "recompute_method", "recompute_num_layers", "transformer_impl")}
+           | {"offload_tags": C.train_offload_tags(cfg)}
            if t.train_backend == "megatron" else {"gradient_checkpointing": t.recompute_granularity == "full"}),
     }
 
@@ -152,8 +153,9 @@ def engine_settings(cfg: PPOConfig) -> dict:
 def trainer_layout_problem(cfg: PPOConfig) -> str | None:
     """Why the megatron trainer would refuse this run's layout or recompute settings, or a
     model the layout cannot split (uneven pipeline stages, heads not divisible by TP: read
-    from --hf-checkpoint's config.json when it is a local directory) - checked here so the
-    job stops before anything starts, not at the trainers' build - or None."""
+    from --hf-checkpoint's config.json when it is a local directory), or a checkpoint tensor
+    the model has no place for (its safetensors headers) - checked here so the job stops
+    before anything starts, not at the trainers' build - or None."""
     if cfg.training.train_backend != "megatron":
         return None
     from roles.trainer.megatron.config import PARALLEL_SIZES, MegatronTrainerConfig  # no megatron import
@@ -182,7 +184,14 @@ def trainer_layout_problem(cfg: PPOConfig) -> str | None:
                              pp_size=cfg.parallelism.pipeline_model_parallel_size)
     except ValueError as e:
         return layout_problem(e)
-    return None
+    from roles.trainer.megatron.env import hf_tensor_names
+    from roles.trainer.megatron.mapper import unplaced_problem
+
+    try:
+        problem = unplaced_problem(hf_tensor_names(cfg.checkpoint.hf_checkpoint), shape)
+    except FileNotFoundError:  # no safetensors: the trainers' build says so
+        return None
+    return problem and f"--hf-checkpoint {cfg.checkpoint.hf_checkpoint}: {problem}"
 
 
 def output_problem(flag: str, path: str | None) -> str | None:

@@ -193,3 +193,18 @@ def rope_from_hf(cfg: dict) -> Rope:
                 original_max_position_embeddings=original, beta_fast=float(params.get("beta_fast") or 32),
                 beta_slow=float(params.get("beta_slow") or 1), truncate=bool(params.get("truncate", True)),
                 attention_factor=float(attention_factor))
+
+
+# Checkpoint tensors that a model here has no place for and may drop, each with why; any
+# other tensor without a place (q/k/v biases on an arch without them, a reward head) means
+# the checkpoint is not the model the config describes, and its loader refuses it by name.
+#   *.rotary_emb.inv_freq   RoPE's inverse frequencies, a buffer older exports saved;
+#                           roles.rope computes them from the config
+#   lm_head.weight (tied)   with tied embeddings the output projection is the embedding (HF's
+#                           tie_weights replaces a stored copy the same way)
+IGNORED_TENSOR_SUFFIXES = (".rotary_emb.inv_freq",)
+
+
+def ignored_hf_tensor(name: str, spec: ModelSpec) -> bool:
+    """Whether checkpoint tensor `name` is one a model of `spec` drops (the list above)."""
+    return name.endswith(IGNORED_TENSOR_SUFFIXES) or (spec.tied_embeddings and name == "lm_head.weight")

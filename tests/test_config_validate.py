@@ -89,6 +89,7 @@ FIELD_RULES = [
      ["--recompute-method 'all'", "training.recompute_method", "one of: uniform, block"]),
     ({"recompute_num_layers": 0, "recompute_granularity": "full", "recompute_method": "block"},
      ["--recompute-num-layers 0", "training.recompute_num_layers", ">= 1"]),
+    ({"transformer_impl": "te"}, ["--transformer-impl 'te'", "one of: local, transformer_engine"]),
 ]
 
 
@@ -205,6 +206,8 @@ CROSS_RULES = [
     (QWEN, {"colocate": False, "rollout_num_gpus": 4, "advantage_estimator": "grpo",
             "num_critic_only_steps": 0, "offload_train_level": "optimizer"},
      ["--offload-train-level 'optimizer'", "--offload-train is off"]),
+    (TINY, {"transformer_impl": "transformer_engine"},
+     ["--transformer-impl 'transformer_engine' (training.transformer_impl)", "needs --train-backend megatron"]),
     (TINY, {"use_wandb": True},
      ["--use-wandb is set but --wandb-project", "Please add --wandb-project"]),
 ]

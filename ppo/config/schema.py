@@ -28,6 +28,8 @@ ROLLOUT_BACKENDS = ("torch", "sglang")
 # Activation recompute, as megatron's TransformerConfig takes it (miles' flags).
 RECOMPUTE_GRANULARITIES = ("full", "selective")
 RECOMPUTE_METHODS = ("uniform", "block")
+# megatron's layer implementation (miles' and Megatron-LM's --transformer-impl)
+TRANSFORMER_IMPLS = ("local", "transformer_engine")
 # What an offloading trainer / engine frees when it hands its GPUs over (ppo.config.derived).
 OFFLOAD_TRAIN_LEVELS = ("all", "optimizer")
 OFFLOAD_ROLLOUT_LEVELS = ("all", "kv_cache")
@@ -207,6 +209,10 @@ class TrainingConfig:
         choices=RECOMPUTE_METHODS)
     recompute_num_layers: int | None = knob(None, "layers per recompute unit (uniform) or "
                                             "recomputed per stage (block)", ge=1)
+    transformer_impl: str = knob(
+        "local", "megatron's layers: local (megatron's local spec with the built-in SDPA/varlen "
+        "attention) or transformer_engine (its fused layers; needs transformer-engine installed)",
+        choices=TRANSFORMER_IMPLS)
     seed: int = knob(1234, "seed of model init and training")
     max_skipped_updates: int = knob(
         10, "stop the run when more optimizer steps than this were skipped for a non-finite "

@@ -248,6 +248,8 @@ def _backends(cfg: PPOConfig) -> list[str]:
                 out.append(_bad(name, size, "needs --train-backend megatron "
                                 "(the torch backend is data parallel only)"))
     out += _recompute(t)
+    if t.train_backend == "torch" and t.transformer_impl != "local":
+        out.append(_bad("transformer_impl", t.transformer_impl, "needs --train-backend megatron"))
     if cfg.engine.rollout_backend == "torch" and cfg.engine.rollout_num_gpus_per_engine != 1:
         out.append(_bad("rollout_num_gpus_per_engine", cfg.engine.rollout_num_gpus_per_engine,
                         "must be 1 with --rollout-backend torch (a torch engine is one device)"))

@@ -58,9 +58,10 @@ class TrainerRole(Actor):
         ctx = self.context
         return DeviceMemory(default if ctx is None else ctx.group or ctx.name)
 
-    def _started(self) -> None:
-        """Call at the end of __init__: a new trainer holds nothing on the device."""
-        self.set_state("offloaded")
+    def _started(self, **fields) -> None:
+        """Call at the end of __init__: a new trainer holds nothing on the device. `fields` go
+        into the state event (how the backend was built)."""
+        self.set_state("offloaded", **fields)
 
     @endpoint
     def offload(self, tags: list[str]) -> dict:
