@@ -22,7 +22,8 @@ RECOVERY_METRICS = ("train/trainer_restarts_total",)
 
 
 def tiny(tmp_path, name, **values):
-    return ensure_valid(override(tiny_ppo(), run_dir=str(tmp_path / name), num_rollout=4, rollout_batch_size=16,
+    values = {"num_rollout": 4, **values}
+    return ensure_valid(override(tiny_ppo(), run_dir=str(tmp_path / name), rollout_batch_size=16,
                                  save=str(tmp_path / name / "ckpt"), save_interval=1, **values))
 
 
