@@ -191,6 +191,35 @@ def test_longest_max_new_tokens_are_admitted_first_so_the_tail_is_short(ckpt, en
     assert [r["token_ids"] for r in out] == [engine.generate([r])[0]["token_ids"] for r in reqs]
 
 
+def test_decode_steps_are_built_once_per_graph_key_and_hold_only_static_buffers(ckpt):
+    """A CUDA graph replays the addresses its capture read: a decode step may hold no tensor of its
+    own (one freed after the capture is read freed), only views of the slot state, the KV cache, the
+    weights and the rope tables, and each key's step is built once and kept with its graph. On the
+    CPU the same steps run, uncaptured."""
+    eng = RolloutEngine(ckpt, dtype="float32", max_batch_size=2)
+    backend, built = eng._backend, []
+    build = backend.scheduler._step
+    backend.scheduler._step = lambda key: built.append(key) or build(key)
+    for sampling in ({"temperature": 0}, {"temperature": 0}, {"temperature": 1.0, "top_p": 0.9}):
+        eng.generate(_reqs(PROMPTS[:2], max_new_tokens=6, ignore_eos=True, seed=1, **sampling))
+    kept = backend.graphs._graphs
+    assert len(built) == len(set(built)) == len(kept) >= 2  # many sync rounds, one build per key
+    state, decoder = backend.scheduler.state, backend.scheduler.decoder
+    static = [*vars(state).values(), *vars(state.rows).values(), backend.cache._buffer,
+              *backend.weights.storages.values(), decoder.cos, decoder.sin]
+    static = {t.untyped_storage().data_ptr() for t in static if isinstance(t, torch.Tensor)}
+    for step, _ in kept.values():
+        held = [t for t in map(_cell_value, step.__closure__) if isinstance(t, torch.Tensor)]
+        assert held and all(t.untyped_storage().data_ptr() in static for t in held)
+
+
+def _cell_value(cell):
+    try:
+        return cell.cell_contents
+    except ValueError:  # a variable of the branch not taken (the fused kernels' on the CPU)
+        return None
+
+
 def test_syncing_every_few_steps_changes_nothing(ckpt, engine):
     # On a GPU the host looks at the decode only every `sync_every` steps: rows that stopped
     # meanwhile run on as garbage, idle slots run too. Results must not show it, call after call.

@@ -104,7 +104,6 @@ class TorchBackend:
     def release(self, tags: list[str]) -> None:
         """Free the tagged memory. The engine adds "cuda_graph" to any release of the other two."""
         if "cuda_graph" in tags:  # first: graphs point into the weights and the cache
-            self.graphs.free()
             self.scheduler.drop_state()
         if "weights" in tags:
             self._move_weights("cpu")

@@ -41,7 +41,7 @@ PREFILL_TOKENS = 16384  # packed prompt tokens per prefill forward (activations 
 class SlotState:
     """The per-slot tensors a decode step reads and updates in place ([max_slots] each)."""
 
-    def __init__(self, num_slots: int, sync_every: int, vocab: int, device: torch.device):
+    def __init__(self, num_slots: int, sync_every: int, vocab: int, max_slot_len: int, device: torch.device):
         self.tokens = torch.zeros(num_slots, dtype=torch.long, device=device)  # last token of each slot
         self.positions = torch.zeros(num_slots, dtype=torch.long, device=device)  # that token's position
         self.rows = SamplingRows.empty(num_slots, vocab, device)
@@ -49,6 +49,7 @@ class SlotState:
         self.ring_logprobs = torch.zeros(sync_every, num_slots, dtype=torch.float32, device=device)
         self.ring_index = torch.zeros(1, dtype=torch.long, device=device)
         self.slot_ids = torch.arange(num_slots, device=device)
+        self.key_positions = torch.arange(max_slot_len, device=device)  # cache positions (torch attention's mask)
 
     def mutable(self) -> list[torch.Tensor]:
         """What a decode step changes (restored after a graph's warm-up run)."""
@@ -68,11 +69,15 @@ class Scheduler:
         # fused: decode by the Triton kernels (kernels.py): they read lengths on the device, so
         # the attended span is not part of a graph's key
         self.fused = fused
+        # the longest slot a call can shape (_geometry: prompt + max_new_tokens <= max_positions)
+        self.max_slot_len = self.spec.max_positions + sync_every + slot_quantum
         self.state: SlotState | None = None
         self.last_stats: dict = {}
 
     def drop_state(self) -> None:
-        """Forget the device state (the KV cache or weights are going away)."""
+        """Forget the device state and the decode steps (graphs) that read it (the KV cache or
+        weights are going away)."""
+        self.graphs.free()
         self.state = None
         self.decoder.drop_rope()
 
@@ -83,8 +88,9 @@ class Scheduler:
         self.cache.shape(geometry)
         if self.state is None:
             device = self.cache.memory.device
-            self.state = SlotState(self.cache.max_slots, self.sync_every, self.spec.vocab_size, device)
-            self.decoder.build_rope(self.spec.max_positions + self.sync_every + self.slot_quantum, device)
+            self.state = SlotState(self.cache.max_slots, self.sync_every, self.spec.vocab_size, self.max_slot_len,
+                                   device)
+            self.decoder.build_rope(self.max_slot_len, device)
         self.state.positions.zero_()  # slots idle from the last call restart from 0
         mode = sampling_mode([r.sampling for r in requests])
         eos = frozenset(self.spec.eos_ids)
@@ -136,9 +142,8 @@ class Scheduler:
             span = None if self.fused else min(geometry.slot_len,
                                                -(-(reach + steps) // self.span_quantum) * self.span_quantum)
             key = (batch, geometry, mode, span)
-            step = self._step(key)
             for _ in range(steps):
-                self.graphs.run(key, step, self.state.mutable())
+                self.graphs.run(key, lambda: self._step(key), self.state.mutable())
             ring_tokens = self.state.ring_tokens[:steps, :batch].tolist()  # 3. sync (one transfer each)
             ring_logprobs = self.state.ring_logprobs[:steps, :batch].tolist()
             self.state.ring_index.zero_()
@@ -241,9 +246,10 @@ class Scheduler:
 
     # -- decode -----------------------------------------------------------------------
     def _step(self, key: tuple[int, Geometry, str, int | None]):
-        """The decode step over slots [0, batch): only preallocated tensors, so it can be graphed.
-        Torch attention reads cache positions [0, span); the fused kernels read each row's own length.
-        Built once per sync round; a captured graph of the same key replays instead of calling it."""
+        """The decode step over slots [0, batch): it reads only the state, the cache, the weights
+        and the rope tables (views of them), so a graph of it replays correctly for as long as
+        those live. Torch attention reads cache positions [0, span); the fused kernels read each
+        row's own length. Built once per key (DecodeGraphs keeps it with its graph)."""
         batch, geometry, mode, span = key
         st, s = self.state, self.spec
         device = st.tokens.device
@@ -254,7 +260,7 @@ class Scheduler:
                                 torch.cuda.get_device_properties(device).multi_processor_count)
         else:
             group = s.num_heads // s.num_kv_heads
-            key_positions = torch.arange(span, device=device)
+            key_positions = st.key_positions[:span]
 
         def step() -> None:
             tokens, positions, rows = st.tokens[:batch], st.positions[:batch], st.rows.head(batch)
