@@ -247,15 +247,27 @@ def test_counter_rng_is_uniform_and_keyed_by_seed_and_position():
     assert torch.equal(uniform(torch.tensor([7, 7]), torch.tensor([3, 3])), uniform(torch.tensor([7]), torch.tensor([3])).repeat(2))
 
 
-def test_blocked_cdf_inversion_equals_the_full_scan():
-    from roles.rollout.torch_engine.sampler import _invert, _invert_blocked
+def _invert(probs, u):
+    """Slow twin of the sampler's blocked CDF inversion: one scan over the whole row."""
+    cdf = probs.cumsum(-1)
+    return torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True)[:, 0].clamp(max=cdf.shape[-1] - 1)
+
+
+def test_blocked_cdf_inversion_equals_the_full_scan_and_never_draws_a_zero():
+    from roles.rollout.torch_engine.sampler import _invert_blocked
 
     g = torch.Generator().manual_seed(0)
     probs = torch.softmax(3 * torch.randn(2000, 1000, generator=g), -1)  # 1000: not a multiple of 128
     u = torch.rand(2000, generator=g)
-    full, blocked = _invert(probs.cumsum(-1), u), _invert_blocked(probs, u)
+    full, blocked = _invert(probs, u), _invert_blocked(probs, u)
     assert (full == blocked).float().mean() > 0.999  # only float-rounding ties may differ
     assert int(blocked.max()) < 1000
+    # cut rows: most tokens zeroed, and u at the ends of [0, 1), where rounding bites
+    cut = probs.masked_fill(torch.rand(2000, 1000, generator=g) < 0.97, 0.0)
+    cut[:, 0] = 0.0
+    for edge in (torch.zeros(2000), torch.full((2000,), 1 - 2**-24), u):
+        drawn = _invert_blocked(cut, edge)
+        assert bool((cut.gather(1, drawn[:, None]) > 0).all())
 
 
 def test_tied_embeddings_checkpoint_matches_hf(tmp_path):

@@ -4,10 +4,10 @@ One `generate` call runs this loop until every request is done:
 
 1. admit: waiting requests take the free slots (lowest first), those with the most
    max_new_tokens first (the only length known ahead: it shortens the tail in which the
-   last long requests run in a mostly idle batch; results do not depend on the order,
-   since each request's draws are keyed by its own seed); their prompts are packed
-   into prefill forwards of at most PREFILL_TOKENS tokens, and each one's first token is
-   sampled from its last prompt position.
+   last long requests run in a mostly idle batch; each request's draws are keyed by its own
+   seed, so the order changes no result where the forward is batch invariant: in fp32, see
+   sampler.py); their prompts are packed into prefill forwards of at most PREFILL_TOKENS
+   tokens, and each one's first token is sampled from its last prompt position.
 2. decode: `n` steps over the slots [0, B) (B: the graph batch size covering the highest
    busy slot), entirely on the device: each step feeds every slot's last token, writes its
    K/V at its position, attends, samples, and appends (token, log-prob) to a ring of `sync_every`
