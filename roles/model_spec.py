@@ -15,12 +15,19 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any, Container, Iterable, Mapping
 
 from roles.rope import ROPE_TYPES, Rope, yarn_mscale
 
 SUPPORTED_MODEL_TYPES = ("qwen3", "qwen2", "llama", "mistral")
+
+# Checkpoint tensors that every one of SUPPORTED_MODEL_TYPES may store but no model built from
+# the spec has a place for, so loaders skip them, as transformers does (modeling_utils.py,
+# "Old checkpoints may have keys for rotary_emb.inv_freq"): RoPE's frequencies are computed
+# (roles.rope). Any other tensor without a place is refused by `ModelSpec.refuse_unplaced`.
+IGNORED_CHECKPOINT_TENSORS = re.compile(r"(^|\.)rotary_emb\.inv_freq$")
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -115,6 +122,15 @@ class ModelSpec:
                 f"pipeline_model_parallel_size={pp_size} must divide num_hidden_layers={self.num_layers} "
                 "(uneven pipeline stages are not built)"
             )
+
+    def refuse_unplaced(self, names: Iterable[str], placed: Container[str], *, loader: str) -> None:
+        """Refuse the first checkpoint tensor of `names` that the loader's model has no place for
+        (not in `placed`, not in IGNORED_CHECKPOINT_TENSORS): dropping it would run another model
+        than the checkpoint's, e.g. attention biases that config.json does not declare."""
+        for name in names:
+            if name not in placed and not IGNORED_CHECKPOINT_TENSORS.search(name):
+                raise ValueError(f"{loader}: checkpoint tensor {name!r} has no place in the {self.model_type} model "
+                                 "that config.json describes; fix the config or the checkpoint")
 
     def check_plain_rope(self, backend: str) -> None:
         """Refuse RoPE scaling for a backend that builds plain RoPE only (megatron: with

@@ -364,3 +364,22 @@ def test_constructor_validates(ckpt, monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(ValueError, match="on the CPU give kv_cache_bytes"):
         RolloutEngine(ckpt, mem_fraction=0.5)
+
+
+def test_a_checkpoint_tensor_without_a_place_is_refused_by_name_unless_ignored(ckpt, tmp_path, model):
+    import shutil
+
+    from safetensors.torch import save_file
+
+    for extra, refused in (("model.layers.0.self_attn.q_proj.bias", True),  # a Qwen2 bias in a Qwen3
+                           ("model.layers.1.self_attn.rotary_emb.inv_freq", False)):  # old checkpoints keep it
+        copy = shutil.copytree(ckpt, tmp_path / extra)
+        save_file({extra: torch.ones(8)}, str(copy / "zz-extra.safetensors"))
+        if refused:
+            with pytest.raises(ValueError, match=rf"backend 'torch': checkpoint tensor '{extra}' has no place in "
+                                                 r"the qwen3 model that config.json describes"):
+                RolloutEngine(str(copy), dtype="float32")
+        else:
+            out = RolloutEngine(str(copy), dtype="float32").generate(_reqs([PROMPTS[0]], max_new_tokens=4,
+                                                                           temperature=0))
+            assert out[0]["token_ids"] == _greedy_reference(model, PROMPTS[0], 4)
