@@ -12,7 +12,9 @@ call, nor on the mode the call runs in (`sample`). Whether the logits depend on 
 the forward's matter: in fp32 they do not, so a seeded request's tokens are the same alone and
 in any batch, whatever its sampling modes (tests/test_rollout_batch_invariance.py, CPU and
 GPU); in bf16 on a GPU the batch changes the matmul and attention shapes, hence the rounding,
-and a near tie may flip (9 of 64 requests in issue 22's probe, batch 64 against alone).
+and a near tie may flip (9 of 64 requests in issue 22's probe, batch 64 against alone), unless
+the backend's batch_invariant option fixes those shapes (backend.py; the same test file holds
+it to bitwise equality on the GPU).
 """
 
 from __future__ import annotations

@@ -58,7 +58,7 @@ class SlotState:
 
 class Scheduler:
     def __init__(self, decoder: Decoder, cache: KVCache, graphs: DecodeGraphs, *, sync_every: int,
-                 slot_quantum: int, span_quantum: int, fused: bool):
+                 slot_quantum: int, span_quantum: int, fused: bool, batch_invariant: bool = False):
         self.decoder = decoder
         self.spec = decoder.spec
         self.cache = cache
@@ -69,6 +69,9 @@ class Scheduler:
         # fused: decode by the Triton kernels (kernels.py): they read lengths on the device, so
         # the attended span is not part of a graph's key
         self.fused = fused
+        # batch_invariant: a request's forward has the same shapes in any batch (one prompt per
+        # prefill, decode over every slot, attention unsplit), so the same rounding (backend.py)
+        self.batch_invariant = batch_invariant
         # the longest slot a call can shape (_geometry: prompt + max_new_tokens <= max_positions)
         self.max_slot_len = self.spec.max_positions + sync_every + slot_quantum
         self.state: SlotState | None = None
@@ -121,7 +124,7 @@ class Scheduler:
         while True:
             while waiting and None in slot_request:  # 1. admit
                 free = [s for s, r in enumerate(slot_request) if r is None]
-                admitted = self._pack(list(islice(waiting, len(free))), requests)
+                admitted = self._pack(list(islice(waiting, 1 if self.batch_invariant else len(free))), requests)
                 for _ in admitted:
                     waiting.popleft()
                 slots = free[:len(admitted)]
@@ -134,7 +137,8 @@ class Scheduler:
             busy = [s for s, r in enumerate(slot_request) if r is not None]
             if not busy:
                 break
-            batch = batch_bucket(busy[-1] + 1, geometry.num_slots)  # 2. decode
+            batch = geometry.num_slots if self.batch_invariant else batch_bucket(busy[-1] + 1, geometry.num_slots)
+            # 2. decode
             steps = min([self.sync_every] + [requests[slot_request[s]].sampling.max_new_tokens
                                              - len(tokens[slot_request[s]]) for s in busy])
             # attention reads only the cache positions these steps can reach (rounded, so graphs repeat)
@@ -256,8 +260,8 @@ class Scheduler:
         if self.fused:
             from roles.rollout.torch_engine.kernels import decode_attention, num_splits
 
-            splits = num_splits(batch, s.num_kv_heads, geometry.slot_len,
-                                torch.cuda.get_device_properties(device).multi_processor_count)
+            splits = 1 if self.batch_invariant else num_splits(
+                batch, s.num_kv_heads, geometry.slot_len, torch.cuda.get_device_properties(device).multi_processor_count)
         else:
             group = s.num_heads // s.num_kv_heads
             key_positions = st.key_positions[:span]
