@@ -7,11 +7,12 @@ One `generate` call runs this loop until every request is done:
    last long requests run in a mostly idle batch; each request's draws are keyed by its own
    seed, so the order changes no result where the forward is batch invariant: in fp32, see
    sampler.py); their prompts are packed into prefill forwards of at most PREFILL_TOKENS
-   tokens, and each one's first token is sampled from its last prompt position.
+   tokens (one prompt each under `batch_invariant`), and each one's first token is sampled
+   from its last prompt position.
 2. decode: `n` steps over the slots [0, B) (B: the graph batch size covering the highest
-   busy slot), entirely on the device: each step feeds every slot's last token, writes its
-   K/V at its position, attends, samples, and appends (token, log-prob) to a ring of `sync_every`
-   rows. `n` is at most `sync_every` and at most the fewest tokens any busy row still may
+   busy slot; every slot under `batch_invariant`), entirely on the device: each step feeds
+   every slot's last token, writes its K/V at its position, attends, samples, and appends
+   (token, log-prob) to a ring of `sync_every` rows. `n` is at most `sync_every` and at most the fewest tokens any busy row still may
    take, so length finishes are never overrun.
 3. sync: the ring comes to the host once; finishes are decided there (max_new_tokens first,
    then stop ids, as sampling.py says) and freed slots are refilled at step 1 of the same
@@ -137,8 +138,8 @@ class Scheduler:
             busy = [s for s, r in enumerate(slot_request) if r is not None]
             if not busy:
                 break
-            batch = geometry.num_slots if self.batch_invariant else batch_bucket(busy[-1] + 1, geometry.num_slots)
             # 2. decode
+            batch = geometry.num_slots if self.batch_invariant else batch_bucket(busy[-1] + 1, geometry.num_slots)
             steps = min([self.sync_every] + [requests[slot_request[s]].sampling.max_new_tokens
                                              - len(tokens[slot_request[s]]) for s in busy])
             # attention reads only the cache positions these steps can reach (rounded, so graphs repeat)
