@@ -12,8 +12,8 @@ One `generate` call runs this loop until every request is done:
 2. decode: `n` steps over the slots [0, B) (B: the graph batch size covering the highest
    busy slot; every slot under `batch_invariant`), entirely on the device: each step feeds
    every slot's last token, writes its K/V at its position, attends, samples, and appends
-   (token, log-prob) to a ring of `sync_every` rows. `n` is at most `sync_every` and at most the fewest tokens any busy row still may
-   take, so length finishes are never overrun.
+   (token, log-prob) to a ring of `sync_every` rows. `n` is at most `sync_every` and at most
+   the fewest tokens any busy row still may take, so length finishes are never overrun.
 3. sync: the ring comes to the host once; finishes are decided there (max_new_tokens first,
    then stop ids, as sampling.py says) and freed slots are refilled at step 1 of the same
    call, so a long tail does not idle the batch.
