@@ -68,8 +68,8 @@ MODES = ("greedy", "plain", "cut")
 def sampling_mode(params: list[SamplingParams]) -> str:
     """The cheapest `sample` mode that serves every request of a call.
 
-    "greedy": all rows greedy (one max and one exp-sum over the vocabulary); "cut": some
-    row uses top-k/top-p (the sampler sorts the vocabulary); "plain": neither.
+    "greedy": all rows greedy (no draw); "cut": some row uses top-k/top-p (the sampler sorts
+    the vocabulary); "plain": neither.
     """
     if all(p.greedy for p in params):
         return "greedy"
@@ -84,21 +84,19 @@ def sample(
     mode: str,  # sampling_mode of the rows
 ) -> tuple[torch.Tensor, torch.Tensor]:  # tokens [B] int64, logprobs [B] float32
     """Each row's token and log-prob are computed the same way in every mode that serves it,
-    so they do not depend on the other rows of the call: a greedy row always by the max and
-    an exp-sum; a sampling row by inverting its CDF in vocabulary order, after zeroing what
-    its top-k/top-p cuts ("cut" mode; a row that cuts nothing keeps its probabilities as
-    they are, so it draws the token "plain" mode draws)."""
-    top, greedy_tokens = logits.max(dim=-1)
-    greedy_logprobs = -(logits - top[:, None]).exp().sum(dim=-1).log()  # log_softmax at the argmax
-    if mode == "greedy":
-        return greedy_tokens, greedy_logprobs
-    logprobs = torch.log_softmax(logits / rows.temperature[:, None], dim=-1)  # [B, V]
-    probs = logprobs.exp()
-    if mode == "cut":
-        probs = probs.masked_fill(_cut(probs, rows), 0.0)
-    drawn = _invert_blocked(probs, uniform(rows.seed, positions))
-    tokens = torch.where(rows.greedy, greedy_tokens, drawn)
-    return tokens, torch.where(rows.greedy, greedy_logprobs, logprobs.gather(1, drawn[:, None])[:, 0])
+    so they do not depend on the other rows of the call: a greedy row's by the argmax and the
+    log-softmax at T = 1 (dividing by 1 changes no bit); a sampling row's by inverting its CDF
+    in vocabulary order, after zeroing what its top-k/top-p cuts ("cut" mode; a row that cuts
+    nothing keeps its probabilities as they are, so it draws the token "plain" mode draws)."""
+    scaled = logits if mode == "greedy" else logits / rows.temperature[:, None]  # T = 1 on greedy rows
+    logprobs = torch.log_softmax(scaled, dim=-1)  # [B, V]
+    tokens = logits.argmax(dim=-1)
+    if mode != "greedy":
+        probs = logprobs.exp()
+        if mode == "cut":
+            probs = probs.masked_fill(_cut(probs, rows), 0.0)
+        tokens = torch.where(rows.greedy, tokens, _invert_blocked(probs, uniform(rows.seed, positions)))
+    return tokens, logprobs.gather(1, tokens[:, None])[:, 0]
 
 
 def _cut(probs: torch.Tensor, rows: SamplingRows) -> torch.Tensor:
