@@ -261,8 +261,8 @@ class Scheduler:
         if self.fused:
             from roles.rollout.torch_engine.kernels import decode_attention, num_splits
 
-            splits = 1 if self.batch_invariant else num_splits(
-                batch, s.num_kv_heads, geometry.slot_len, torch.cuda.get_device_properties(device).multi_processor_count)
+            sms = torch.cuda.get_device_properties(device).multi_processor_count
+            splits = 1 if self.batch_invariant else num_splits(batch, s.num_kv_heads, geometry.slot_len, sms)
         else:
             group = s.num_heads // s.num_kv_heads
             key_positions = st.key_positions[:span]
