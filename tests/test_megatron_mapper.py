@@ -184,7 +184,7 @@ def test_unsupported_shapes_are_refused_with_the_field():
 def test_a_checkpoint_tensor_with_no_place_is_refused_by_name_unless_the_arch_drops_it():
     """A Qwen2-style q bias in a Qwen3 checkpoint (no biases) is refused with its name, not
     dropped; RoPE's saved inv_freq and a tied checkpoint's stored lm_head copy are on the
-    list of tensors the architecture ignores (roles.model_spec.ignored_hf_tensor)."""
+    list of tensors the architecture ignores (roles.model_spec.ModelSpec.ignores)."""
     config = qwen3_config()
     shape = megatron_spec(config)
     hf = hf_state(config)

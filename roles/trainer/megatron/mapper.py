@@ -28,7 +28,7 @@ from typing import Callable, Iterator, Mapping
 
 import torch
 
-from roles.model_spec import ModelSpec, ignored_hf_tensor
+from roles.model_spec import ModelSpec
 from roles.weight_views import LazyReshape
 
 SPECS = ("local", "te")
@@ -216,10 +216,10 @@ def layer_offset(shape: ModelSpec, *, pp_rank: int, pp_size: int) -> int:
 
 def unplaced_problem(names, shape: ModelSpec, *, critic: bool = False) -> str | None:
     """Which HF tensor among `names` no parameter of the whole model is made of (those the
-    architecture drops aside: roles.model_spec.ignored_hf_tensor), as a sentence; None if none."""
+    architecture drops aside: ModelSpec.ignores), as a sentence; None if none."""
     placed = {src for name in megatron_names(shape, pp_rank=0, pp_size=1, critic=critic)
               for src in hf_sources(name, shape, layer_offset=0, critic=critic)}
-    unplaced = sorted(n for n in names if n not in placed and not ignored_hf_tensor(n, shape))
+    unplaced = sorted(n for n in names if n not in placed and not shape.ignores(n))
     if not unplaced:
         return None
     more = f" and {len(unplaced) - 1} more" if len(unplaced) > 1 else ""
