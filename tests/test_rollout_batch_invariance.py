@@ -51,7 +51,11 @@ def test_the_sampler_draws_a_row_alike_alone_and_among_rows_of_every_mode(device
     for i, p in enumerate(params):
         row = SamplingRows.build([p], seeds[i:i + 1], vocab, device)
         token, logprob = sample(logits[i:i + 1], row, positions[i:i + 1], mode=sampling_mode([p]))
-        assert (int(token), float(logprob)) == (int(tokens[i]), float(logprobs[i])), (i, p)  # bitwise
+        assert int(token) == int(tokens[i]), (i, p)
+        if device == "cpu":
+            assert float(logprob) == float(logprobs[i]), (i, p)  # bitwise
+        else:  # CUDA's reductions over the vocabulary differ by the rows of the call: an ulp or two (H200)
+            torch.testing.assert_close(logprob, logprobs[i:i + 1], rtol=1e-6, atol=0)
 
 
 def _check_every_mix(engine: RolloutEngine, atol: float) -> None:

@@ -7,8 +7,10 @@ computed by hashing those two integers: no generator state, so the whole step ru
 CUDA graph (seeds and positions are tensors the graph reads).
 
 A token is drawn by inverting the CDF of the (cut) distribution, in vocabulary order, at that
-uniform. Given a row's logits, its token and log-prob do not depend on the other rows of the
-call, nor on the mode the call runs in (`sample`). Whether the logits depend on the batch is
+uniform. Given a row's logits, its token does not depend on the other rows of the call, nor
+on the mode the call runs in (`sample`); nor does its log-prob, bit for bit on the CPU, to an
+ulp or two on a GPU (CUDA's reductions over the vocabulary depend on the call's rows: the
+H200 showed 1 ulp). Whether the logits depend on the batch is
 the forward's matter: in fp32 they do not, so a seeded request's tokens are the same alone and
 in any batch, whatever its sampling modes (tests/test_rollout_batch_invariance.py, CPU and
 GPU); in bf16 on a GPU the batch changes the matmul and attention shapes, hence the rounding,
