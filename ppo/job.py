@@ -109,6 +109,23 @@ def trainer_config(cfg: PPOConfig, hf_checkpoint: str, *, critic: bool, dtype: s
     }
 
 
+def scorer_settings(cfg: PPOConfig) -> dict:
+    """RewardScorer's arguments (roles.reward.scorer.Scorer) from the reward config."""
+    r = cfg.reward
+    return {"rm_type": r.rm_type, "custom_rm_path": r.custom_rm_path, "timeout_s": r.reward_timeout,
+            "rm_url": r.rm_url, "max_retries": r.rm_max_retries, "max_concurrency": r.rm_max_concurrency,
+            "reward_key": r.reward_key}
+
+
+def reward_service_problem(cfg: PPOConfig) -> str | None:
+    """Why the --rm-url service cannot be reached now (nothing listening), or None."""
+    if cfg.reward.rm_url is None or cfg.reward.custom_rm_path is not None:
+        return None
+    from roles.reward.remote import service_problem
+
+    return service_problem(cfg.reward.rm_url)
+
+
 def rollout_backend_problem(cfg: PPOConfig) -> str | None:
     """Why the configured rollout backend cannot run on this machine, or None."""
     if cfg.engine.rollout_backend != "sglang":
@@ -202,8 +219,9 @@ def output_problem(flag: str, path: str | None) -> str | None:
 def setup_problems(cfg: PPOConfig) -> list[str]:
     """Everything on this machine that would stop the run, each naming the flag and the fix,
     all at once: the trainers' layout, the rollout and training backends, the HF checkpoint and
-    whether the prompt and response lengths fit its context, the checkpoint folders."""
+    whether the prompt and response lengths fit its context, the checkpoint folders, the reward service."""
     problems = [trainer_layout_problem(cfg), rollout_backend_problem(cfg), hf_checkpoint_problem(cfg),
+                reward_service_problem(cfg),
                 context_problem(cfg, cfg.checkpoint.hf_checkpoint), output_problem("--save", cfg.checkpoint.save),
                 output_problem("--critic-save", C.critic_save(cfg) if C.uses_critic(cfg) else None)]
     try:
@@ -313,8 +331,7 @@ def _start(cfg: PPOConfig, console: RunConsole, lock: RunDirLock, actor_cls, cri
         # alone. A trainer holds the run's state: its death stops the job, to be resumed
         # from the last checkpoint with --load, unless --max-trainer-restarts lets the driver
         # bring it back from that checkpoint itself (ppo.recovery).
-        scorers = [sup.spawn(f"reward-{i}", RewardScorer, cfg.reward.rm_type, cfg.reward.custom_rm_path,
-                             cfg.reward.reward_timeout, restart="one_for_one", env=ROLE_ENV)
+        scorers = [sup.spawn(f"reward-{i}", RewardScorer, **scorer_settings(cfg), restart="one_for_one", env=ROLE_ENV)
                    for i in range(plan.num_reward_workers)]
         t0 = time.monotonic()
         # Trainers are rank groups, one process per GPU (roles.trainer.group); they die as one.

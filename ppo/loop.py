@@ -24,7 +24,7 @@ import time
 
 import torch
 
-from ppo import checkpoint, evaluation, recovery
+from ppo import checkpoint, evaluation, recovery, rewards
 from ppo import config as C
 from ppo.algorithms import (compute_advantages, kl_estimate, masked_whiten, mismatch_metrics, reduce_metrics,
                             token_level_rewards, truncated_is)
@@ -49,7 +49,8 @@ class TrainerDied(RuntimeError):
 def train(cfg: PPOConfig, console: RunConsole | None = None) -> list[dict]:
     """Run the job the config describes; returns the per-rollout metrics. `console` prints
     (default: as cfg.logging asks); RUN_DIR/trace.json follows the run's events."""
-    user_functions(cfg)  # a bad --dynamic-sampling-filter-path or --custom-tis-function-path fails before any role starts
+    user_functions(cfg)  # a bad --dynamic-sampling-filter-path, --custom-tis-function-path or
+    # --custom-reward-post-process-path fails before any role starts
     with SignalStops(cfg) as stops:  # Ctrl-C, SIGTERM, SIGUSR1: ppo.signals
         job = start_job(cfg, console)
         trace = TraceWriter(job.run_dir)
@@ -111,7 +112,7 @@ def steps(job: Job, log: RunLogger, start: checkpoint.ResumePoint, stops: Signal
     tok, data = job.tok, job.data
     skipped_samples = data.num_skipped  # lines of --prompt-data left out; logged as rollout/skipped_samples
     sampling = sampling_params(cfg, tok.eos_token_id)
-    dynamic_sampling, tis_function = user_functions(cfg)
+    dynamic_sampling, tis_function, post_process = user_functions(cfg)
     critic_only_steps = C.num_critic_only_steps(cfg)
     version = start.version
     counters = start.counters  # counts over the run, a resumed run's earlier part included
@@ -133,6 +134,8 @@ def steps(job: Job, log: RunLogger, start: checkpoint.ResumePoint, stops: Signal
                     engines, job.scorers, prompts, sampling, step, decode=tok.decode, eos_id=tok.eos_token_id,
                     recover=lambda role, dead: recover(job, role, dead, version), sampling_round=sampling_round),
                 data.next_batch, dynamic_sampling)
+        if post_process is not None:  # the whole rollout's rewards at once (ppo.rewards)
+            rewards.post_process(post_process, samples, cfg.reward.custom_reward_post_process_path)
         batch = build_batch(samples, pad_id=tok.pad_token_id)
 
         # 2-3. engines hand the GPUs to the actor: old and reference log-probs
@@ -242,11 +245,13 @@ def sync_engines(job: Job, version: int, perf) -> None:
     engine_handoff(job, lambda: colo.occupy(job.engine_tenants, ["kv_cache"]), version)
 
 
-def user_functions(cfg: PPOConfig) -> tuple[DynamicSampling, object]:
-    """Dynamic sampling (its filter loaded) and the TIS function, loaded as --custom-rm-path is."""
+def user_functions(cfg: PPOConfig) -> tuple[DynamicSampling, object, object]:
+    """Dynamic sampling (its filter loaded), the TIS function and the reward post-process (or
+    None), loaded as --custom-rm-path is."""
     path = cfg.ppo.custom_tis_function_path
     return (DynamicSampling.from_config(cfg),
-            load_function(path, "custom_tis_function_path") if path else truncated_is)
+            load_function(path, "custom_tis_function_path") if path else truncated_is,
+            rewards.load_post_process(cfg))
 
 
 def run_eval(job: Job, log: RunLogger, perf, tag: int, version: int) -> None:

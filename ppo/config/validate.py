@@ -21,6 +21,7 @@ from ppo.config.schema import (
     GENERATED_EVAL_DATASETS,
     GENERATED_MODELS,
     GENERATED_PREFIX,
+    REMOTE_RM,
     RM_TYPES,
     ConfigError,
     FieldSpec,
@@ -152,8 +153,17 @@ def _required(cfg: PPOConfig, rm_types: Sequence[str]) -> list[str]:
         if r.rm_type is None:
             out.append("--rm-type (reward.rm_type) is not set. Please add --rm-type "
                        f"(one of: {', '.join(rm_types)}) or --custom-rm-path")
-        elif r.rm_type not in rm_types:
-            out.append(_bad("rm_type", r.rm_type, f"must be one of: {', '.join(rm_types)}"))
+        elif r.rm_type not in (*rm_types, REMOTE_RM):
+            out.append(_bad("rm_type", r.rm_type, f"must be one of: {', '.join((*rm_types, REMOTE_RM))}"))
+    remote = r.custom_rm_path is None and r.rm_type == REMOTE_RM
+    if remote and r.rm_url is None:
+        out.append("--rm-type remote_rm needs the service's URL. Please add --rm-url http://HOST:PORT/PATH")
+    elif r.rm_url is not None and not remote:
+        out.append(_set_but("rm_url", r.rm_url, "--rm-type is not remote_rm"
+                            f"{' (--custom-rm-path replaces it)' if r.custom_rm_path else ''}. "
+                            "Please add --rm-type remote_rm"))
+    elif remote and not r.rm_url.startswith("http://"):
+        out.append(_bad("rm_url", r.rm_url, "must be an http://HOST[:PORT]/PATH URL"))
     return out
 
 
