@@ -4,7 +4,8 @@ Colocated, every GPU is held by one role at a time (docs/architecture.md):
 
     1. engines generate; reward scorers score as each engine finishes (with dynamic
        sampling, rounds of prompts until enough groups pass the filter: ppo.dynamic_sampling)
-    2. engines release weights and KV cache
+    2. engines release weights and KV cache; a reward model scores on their GPUs, and the
+       rewards are combined and post-processed (ppo.rewards)
     3. actor: old log-probs (and reference log-probs only when a KL term is on); the driver
        compares them with the engine's (TIS weights, mismatch metrics)
     4. critic: values; the driver computes rewards (reward-level KL possible here), GAE
@@ -134,12 +135,14 @@ def steps(job: Job, log: RunLogger, start: checkpoint.ResumePoint, stops: Signal
                     engines, job.scorers, prompts, sampling, step, decode=tok.decode, eos_id=tok.eos_token_id,
                     recover=lambda role, dead: recover(job, role, dead, version), sampling_round=sampling_round),
                 data.next_batch, dynamic_sampling)
-        if post_process is not None:  # the whole rollout's rewards at once (ppo.rewards)
-            rewards.post_process(post_process, samples, cfg.reward.custom_reward_post_process_path)
+
+        # 2. engines release the GPUs; a reward model scores there, and the rewards are final
+        # (weighted, post-processed: ppo.rewards)
+        engine_handoff(job, lambda: colo.vacate(job.engine_tenants, ["kv_cache", "weights"]), version)
+        reward_metrics = rewards.finish(job, samples, perf, post_process)
         batch = build_batch(samples, pad_id=tok.pad_token_id)
 
-        # 2-3. engines hand the GPUs to the actor: old and reference log-probs
-        engine_handoff(job, lambda: colo.vacate(job.engine_tenants, ["kv_cache", "weights"]), version)
+        # 3. the actor takes the GPUs: old and reference log-probs
         colo.occupy([job.actor_tenant], ["params"])
         with perf.phase("log_probs"):
             batch["old_log_probs"] = actor.compute_log_probs(select(batch))["log_probs"]
@@ -196,7 +199,7 @@ def steps(job: Job, log: RunLogger, start: checkpoint.ResumePoint, stops: Signal
         perf["perf/offload_time"] = colo.take_time()
         perf["perf/step_time"] = time.monotonic() - t_step
         log.dump_samples(step, samples)
-        log.log(step, {**rollout_metrics(batch, samples), **sampling_metrics, **mismatch,
+        log.log(step, {**rollout_metrics(batch, samples), **sampling_metrics, **reward_metrics, **mismatch,
                        "rollout/engine_restarts": engine_restarts,
                        "rollout/skipped_samples": skipped_samples,
                        "rollout/scorer_restarts": scorer_restarts,

@@ -6,7 +6,7 @@ import pytest
 
 from ppo.config.serialize import override
 from ppo.recipes import tiny_ppo
-from ppo.rewards import load_post_process, post_process
+from ppo.rewards import apply_post_process, load_post_process, token_shares
 
 FUNCTIONS = textwrap.dedent(
     """
@@ -45,14 +45,14 @@ def rollout():
 def test_the_function_sees_every_sample_and_its_rewards_replace_the_scores(module):
     fn = load_post_process(override(tiny_ppo(), custom_reward_post_process_path=f"{module}:centre_per_group"))
     samples = rollout()
-    post_process(fn, samples, "post.py:centre_per_group")
+    apply_post_process(fn, samples, "post.py:centre_per_group")
     assert [s["reward"] for s in samples] == [-0.5, 0.5, -0.5, 0.5]
     assert [s["raw_reward"] for s in samples] == [0.0, 1.0, 2.0, 3.0]
 
 
 def test_the_function_gets_copies(module):
     samples = rollout()
-    post_process(load_post_process(override(tiny_ppo(), custom_reward_post_process_path=f"{module}:mutates")),
+    apply_post_process(load_post_process(override(tiny_ppo(), custom_reward_post_process_path=f"{module}:mutates")),
                  samples, "mutates")
     assert {s["response"] for s in samples} == {"r"}
 
@@ -62,7 +62,7 @@ def test_the_function_gets_copies(module):
 def test_a_wrong_answer_names_the_flag(module, name, message):
     fn = load_post_process(override(tiny_ppo(), custom_reward_post_process_path=f"{module}:{name}"))
     with pytest.raises((TypeError, ValueError), match="--custom-reward-post-process-path") as e:
-        post_process(fn, rollout(), name)
+        apply_post_process(fn, rollout(), name)
     assert message in str(e.value)
 
 

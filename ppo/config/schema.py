@@ -144,6 +144,17 @@ class RewardConfig:
         None, "function given the rollout's scored samples (a list of sample dicts with 'reward') that "
         "returns one reward per sample, named as --custom-rm-path names one (miles' flag; miles' "
         "function also gets args and returns raw and processed rewards)")
+    reward_model_path: str | None = knob(
+        None, "HF sequence-classification checkpoint with one label (a Bradley-Terry reward model) that "
+        "scores each rollout on GPUs, beside or instead of --rm-type (verl: reward_model.model.path)")
+    reward_model_coef: float = knob(1.0, "the reward is --rule-reward-coef x the rule's (or --custom-rm-path's, "
+                                    "or the service's) + this x the reward model's score")
+    rule_reward_coef: float = knob(1.0, "weight of the rule reward when a reward model scores too")
+    reward_model_num_gpus: int = knob(
+        0, "GPUs of the reward model's own, one scorer rank each; 0: a rank on each of the engines' GPUs, "
+        "where it takes its turn in the memory handoff", ge=0)
+    reward_model_max_tokens_per_gpu: int = knob(
+        8192, "padded tokens per reward-model micro-batch (verl: reward_model.forward_max_token_len_per_gpu)", ge=1)
     num_reward_workers: int = knob(1, "reward scorer processes (CPU)", ge=1)
     reward_timeout: float = knob(30.0, "seconds allowed to score one sample (remote_rm: one request)", gt=0.0)
 
