@@ -133,6 +133,7 @@ def launch(args, tmp_path):
                           capture_output=True, text=True, timeout=100)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(200)
 def test_launch_refuses_a_causal_lm_or_a_model_too_large_in_one_line_exit_2(tmp_path, rm_path):
     lm = build_tiny_checkpoint(str(tmp_path / "lm"))
@@ -149,6 +150,7 @@ def grown(run_dir, gpu) -> set[str]:
     return {h["holder"] for h in FakeDevice(run_dir / "fakegpu", gpu).history() if h.get("kind") == "usage" and h["nbytes"]}
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_tiny_ppo_with_a_colocated_reward_model_takes_its_turn_on_the_engines_gpus(tmp_path, rm_path):
     cfg = ensure_valid(override(tiny_ppo(), run_dir=str(tmp_path / "run"), num_rollout=2, rollout_batch_size=16,
@@ -167,8 +169,17 @@ def test_tiny_ppo_with_a_colocated_reward_model_takes_its_turn_on_the_engines_gp
         assert s["reward"] == pytest.approx(rule + 0.5 * s["rm_score"], abs=1e-6)
     assert history[-1]["rollout/rm_score"] == pytest.approx(sum(s["rm_score"] for s in samples) / len(samples))
     assert history[-1]["perf/reward_model_tokens_per_s"] > 0 and history[-1]["perf/reward_model_time"] > 0
+    # the bench's per-phase table has the scoring phase, counted as compute, and its tokens/s
+    from bench.iteration import analyse, report
+
+    rates = {"d2h": 50.0, "h2d": 50.0}
+    steps = analyse(run, [(e["ts"], 0, 0) for e in read_events(run)], rates, num_samples=128, prompts={})
+    assert all("reward_model" in [r["phase"] for r in s["phases"]] for s in steps)
+    assert [s["reward_model_tokens_per_s"] for s in steps] == [h["perf/reward_model_tokens_per_s"] for h in history]
+    assert "reward model:" in report(steps, rates)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_a_reward_model_alone_on_a_gpu_of_its_own_stays_loaded(tmp_path, rm_path):
     cfg = ensure_valid(override(tiny_ppo(), run_dir=str(tmp_path / "run"), num_rollout=2, rollout_batch_size=16,
@@ -182,3 +193,34 @@ def test_a_reward_model_alone_on_a_gpu_of_its_own_stays_loaded(tmp_path, rm_path
     assert "reward-0" not in {e.get("role") for e in read_events(run)}  # no rule scorer to start
     samples = [json.loads(x) for x in (run / "samples" / "rollout_00001.jsonl").read_text().splitlines()]
     assert all(s["reward"] == s["rm_score"] for s in samples)
+
+
+@pytest.mark.gpu
+def test_on_a_gpu_it_scores_in_bf16_as_the_cpu_does_in_fp32_and_offloads_to_nothing(rm_path):
+    want, _ = loaded(rm_path).score(samples())  # float32 on the CPU
+    role = RewardModelScorer(rm_path, dtype="bfloat16", max_tokens=40)
+    assert role.onload(["weights"])["bytes_in_use"] >= role._model.memory.ledger()["weights"] > 0
+    got = role.score(samples())
+    assert got["scores"] == pytest.approx(want, abs=0.05)  # bf16 weights and activations
+    report = role.offload(["weights"])
+    assert report["ledger"] == {} and report["bytes_in_use"] < 1 << 20  # no activation or weight left behind
+    assert next(role._model.model.parameters()).device.type == "cpu"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_reward_model_rank_killed_around_its_scoring_is_restarted_and_the_rollout_scored_again(tmp_path, rm_path):
+    from bench.faults import after_first_rollout
+    from tests.test_faults_ppo import run_with_fault
+
+    history, inj = run_with_fault(tmp_path, "reward-model-0", after_first_rollout("reward-model-0", "onloaded"),
+                                  num_rollout=3, rollout_batch_size=16, reward_model_path=rm_path,
+                                  eval_prompt_data=None, eval_interval=None)
+    assert inj.fired_at and len(history) == 3
+    events = read_events(tmp_path / "run")
+    assert any(e["event"] == "restarted" and e["role"] == "reward-model-0" for e in events)
+    for gpu in (0, 1):
+        assert check_no_overlap(FakeDevice(tmp_path / "run" / "fakegpu", gpu).history()) == []
+    for step in range(3):
+        rows = [json.loads(x) for x in (tmp_path / "run" / "samples" / f"rollout_{step:05d}.jsonl").read_text().splitlines()]
+        assert len(rows) == 128 and all("rm_score" in r for r in rows)

@@ -6,7 +6,7 @@ import pytest
 
 from ppo.config.serialize import override
 from ppo.recipes import tiny_ppo
-from ppo.rewards import apply_post_process, load_post_process, token_shares
+from ppo.rewards import apply_post_process, load_post_process
 
 FUNCTIONS = textwrap.dedent(
     """

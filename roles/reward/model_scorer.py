@@ -34,8 +34,10 @@ class RewardModelScorer(Actor):
         `dtype`: bfloat16 on a GPU, float32 on fake GPUs and the CPU; `max_tokens`: padded tokens
         per micro-batch."""
         ctx = self.context
-        self._model = RewardModel(path, dtype=dtype, max_tokens=max_tokens,
-                                  memory=DeviceMemory("reward-model" if ctx is None else ctx.name))
+        memory = DeviceMemory("reward-model" if ctx is None else ctx.name)
+        for tag in ("weights", "activations"):  # a restarted rank: what its killed incarnation held is gone
+            memory.account(tag, 0)
+        self._model = RewardModel(path, dtype=dtype, max_tokens=max_tokens, memory=memory)
         self.set_state("offloaded")
 
     @endpoint
