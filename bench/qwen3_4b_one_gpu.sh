@@ -21,7 +21,8 @@
 # RM=1: every run also scores with a reward model on the same GPU (--reward-model-path, an
 #    untrained qwen3-4b-rm written like the policy; the tiny run a qwen3-tiny-rm), which onloads
 #    its bf16 weights after the engine's turn and offloads them before the actor's; the table
-#    gets its reward_model phase and scoring tokens/s. `RM=1 PLANS=ppo PPO_ROLLOUTS=2` fits one call.
+#    gets its reward_model phase and scoring tokens/s.
+#    `RM=1 PLANS=ppo GRPO_S=0 PPO_ROLLOUTS=2 bash bench/qwen3_4b_one_gpu.sh OUT 500` fits one call.
 # RESPONSE_LEN above 2048 (8192): the KV cache of 64 such responses (~75 GiB) fits only while
 # the trainers hold just their weights, so the engine takes 62% of the GPU and frees its KV
 # cache (and graphs) around the trainers' calls, and the GRPO actor moves its optimizer too.

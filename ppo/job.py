@@ -2,8 +2,8 @@
 
 Roles start in dependency order: reward scorers (CPU), the trainers and the reward model's
 ranks, which end their construction offloaded and so need no lease (megatron's build on the
-GPU and are waited for), then the engines (they load their weights on spawn, so each takes its GPU's lease
-first).
+GPU and are waited for), then the engines (they load their weights on spawn, so each takes
+its GPU's lease first).
 """
 
 from __future__ import annotations
@@ -263,7 +263,8 @@ def output_problem(flag: str, path: str | None) -> str | None:
 def setup_problems(cfg: PPOConfig) -> list[str]:
     """Everything on this machine that would stop the run, each naming the flag and the fix,
     all at once: the trainers' layout, the rollout and training backends, the HF checkpoint and
-    whether the prompt and response lengths fit its context, the checkpoint folders, the reward service."""
+    whether the prompt and response lengths fit its context, the checkpoint folders, the reward
+    service and the reward model."""
     problems = [trainer_layout_problem(cfg), rollout_backend_problem(cfg), hf_checkpoint_problem(cfg),
                 reward_service_problem(cfg), reward_model_problem(cfg),
                 context_problem(cfg, cfg.checkpoint.hf_checkpoint), output_problem("--save", cfg.checkpoint.save),
@@ -423,7 +424,8 @@ def _start(cfg: PPOConfig, console: RunConsole, lock: RunDirLock, actor_cls, cri
                critic_tenant=(trainer_tenant(critic, tuple(plan.critic_gpus), frees=C.train_offload_tags(cfg))
                               if critic else None),
                scorers=scorers, eval_sets=eval_sets, reward_models=reward_models,
-               # on the engines' GPUs a rank offloads its weights when it gives its GPU up; on its own it stays loaded
-               reward_model_tenants=[trainer_tenant(rm, (g,), frees=() if cfg.reward.reward_model_num_gpus else ("weights",))
+               # on the engines' GPUs a rank offloads its weights when it gives its GPU up; on its own it stays
+               reward_model_tenants=[trainer_tenant(rm, (g,), frees=() if cfg.reward.reward_model_num_gpus
+                                                    else ("weights",))
                                      for rm, g in zip(reward_models, plan.reward_model_gpus)],
                colocation=Colocation(sup.leases, holding=tuple(t.name for t in engine_tenants)))

@@ -129,8 +129,8 @@ def test_a_model_larger_than_its_gpu_is_named_with_the_bytes(rm_path):
 
 def launch(args, tmp_path):
     return subprocess.run([sys.executable, str(ROOT / "launch.py"), "--recipe", "tiny_ppo", *args,
-                           "--run-dir", str(tmp_path / "run")], cwd=tmp_path, env=dict(os.environ, PYTHONPATH=str(ROOT)),
-                          capture_output=True, text=True, timeout=100)
+                           "--run-dir", str(tmp_path / "run")], cwd=tmp_path,
+                          env=dict(os.environ, PYTHONPATH=str(ROOT)), capture_output=True, text=True, timeout=100)
 
 
 @pytest.mark.slow
@@ -138,7 +138,8 @@ def launch(args, tmp_path):
 def test_launch_refuses_a_causal_lm_or_a_model_too_large_in_one_line_exit_2(tmp_path, rm_path):
     lm = build_tiny_checkpoint(str(tmp_path / "lm"))
     for args, message in [([lm], "not a sequence classifier"),
-                          ([rm_path, "--reward-model-max-tokens-per-gpu", str(1 << 30)], "more than its GPU's 80.0 GiB")]:
+                          ([rm_path, "--reward-model-max-tokens-per-gpu", str(1 << 30)],
+                           "more than its GPU's 80.0 GiB")]:
         proc = launch(["--reward-model-path", *args], tmp_path)
         assert proc.returncode == 2, proc.stderr[-2000:]
         lines = proc.stderr.strip().splitlines()
@@ -147,7 +148,8 @@ def test_launch_refuses_a_causal_lm_or_a_model_too_large_in_one_line_exit_2(tmp_
 
 
 def grown(run_dir, gpu) -> set[str]:
-    return {h["holder"] for h in FakeDevice(run_dir / "fakegpu", gpu).history() if h.get("kind") == "usage" and h["nbytes"]}
+    history = FakeDevice(run_dir / "fakegpu", gpu).history()
+    return {h["holder"] for h in history if h.get("kind") == "usage" and h["nbytes"]}
 
 
 @pytest.mark.slow
@@ -222,5 +224,6 @@ def test_a_reward_model_rank_killed_around_its_scoring_is_restarted_and_the_roll
     for gpu in (0, 1):
         assert check_no_overlap(FakeDevice(tmp_path / "run" / "fakegpu", gpu).history()) == []
     for step in range(3):
-        rows = [json.loads(x) for x in (tmp_path / "run" / "samples" / f"rollout_{step:05d}.jsonl").read_text().splitlines()]
+        rows = [json.loads(x) for x in (tmp_path / "run" / "samples" / f"rollout_{step:05d}.jsonl")
+                .read_text().splitlines()]
         assert len(rows) == 128 and all("rm_score" in r for r in rows)

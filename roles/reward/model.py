@@ -38,7 +38,8 @@ def checkpoint_problem(path: str) -> str | None:
     classifier, no trained score head in its weights, no chat template), or None. Reads the
     config and the weight files' headers only."""
     root = Path(path)
-    fix = "pass an HF sequence-classification checkpoint with one label (`python -m ppo.make_checkpoint --arch qwen3-4b-rm DIR` writes an untrained one)"
+    fix = ("pass an HF sequence-classification checkpoint with one label "
+           "(`python -m ppo.make_checkpoint --arch qwen3-4b-rm DIR` writes an untrained one)")
     if not (root / "config.json").is_file():
         return f"--reward-model-path {path}: not an HF checkpoint (no config.json); {fix}"
     config = json.loads((root / "config.json").read_text())

@@ -2,9 +2,9 @@
 one sample take the scorer down.
 
 A sample whose reward function raises, returns a non-float, kills its worker or runs past
-``timeout_s`` (a service: fails or runs past it on every attempt) gets reward 0.0 with status ``"error"``/``"timeout"`` and a message; the
-counts are in ``stats()``. Only mistakes of the caller (a malformed sample list) or a
-configuration that cannot start raise.
+``timeout_s`` (a service: fails or runs past it on every attempt) gets reward 0.0 with status
+``"error"``/``"timeout"`` and a message; the counts are in ``stats()``. Only mistakes of the
+caller (a malformed sample list) or a configuration that cannot start raise.
 """
 
 import os
@@ -29,10 +29,11 @@ class Scorer:
     miles). ``rm_type="remote_rm"`` posts each sample to the service at ``rm_url``
     (``remote.RemoteReward``: ``timeout_s`` per attempt, ``max_retries``, at most
     ``max_concurrency`` requests at once). A custom function or a service may answer with a
-    dict, from which ``reward_key`` picks the reward (``values.reward_value``). With ``group_rm`` the custom function gets each group's samples at once
-    (samples sharing ``group_index``, in the order given) and the timeout covers the whole
-    group call; a built-in rule still scores samples one by one. ``num_workers`` worker
-    processes score in parallel (default: CPU count, at most 4).
+    dict, from which ``reward_key`` picks the reward (``values.reward_value``). With
+    ``group_rm`` the custom function gets each group's samples at once (samples sharing
+    ``group_index``, in the order given) and the timeout covers the whole group call; a
+    built-in rule still scores samples one by one. ``num_workers`` worker processes score in
+    parallel (default: CPU count, at most 4).
     """
 
     def __init__(
