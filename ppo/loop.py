@@ -284,13 +284,14 @@ def engine_handoff(job: Job, handoff, version: int) -> None:
 
 
 def restarts_since(job: Job, before: dict[str, int]) -> tuple[int, int]:
-    """(engine, scorer) restarts since `before` (a `sup.restart_counts()`). The supervisor counts
-    each at the death, so one the loop never saw (a scorer killed idle and back before its next
-    call) counts, and one seen by two calls counts once."""
+    """(engine, scorer) restarts since `before` (a `sup.restart_counts()`); scorers are the rule
+    scorers and the reward model's ranks. The supervisor counts each at the death, so one the
+    loop never saw (a scorer killed idle and back before its next call) counts, and one seen by
+    two calls counts once."""
     now = job.sup.restart_counts()
     def since(roles):
         return sum(now.get(r.name, 0) - before.get(r.name, 0) for r in roles)
-    return since(job.engines), since(job.scorers)
+    return since(job.engines), since([*job.scorers, *job.reward_models])
 
 
 def recover(job: Job, role, dead_incarnation: int, version: int) -> None:

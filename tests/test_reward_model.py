@@ -219,6 +219,7 @@ def test_a_reward_model_rank_killed_around_its_scoring_is_restarted_and_the_roll
                                   num_rollout=3, rollout_batch_size=16, reward_model_path=rm_path,
                                   eval_prompt_data=None, eval_interval=None)
     assert inj.fired_at and len(history) == 3
+    assert sum(h["rollout/scorer_restarts"] for h in history) == 1  # counted with the scorers'
     events = read_events(tmp_path / "run")
     assert any(e["event"] == "restarted" and e["role"] == "reward-model-0" for e in events)
     for gpu in (0, 1):
