@@ -4,7 +4,8 @@ Colocated, every GPU is held by one role at a time (docs/architecture.md):
 
     1. engines generate; reward scorers score as each engine finishes (with dynamic
        sampling, rounds of prompts until enough groups pass the filter: ppo.dynamic_sampling)
-    2. engines release weights and KV cache
+    2. engines release weights and KV cache; a reward model scores on their GPUs, and the
+       rewards are combined and post-processed (ppo.rewards)
     3. actor: old log-probs (and reference log-probs only when a KL term is on); the driver
        compares them with the engine's (TIS weights, mismatch metrics)
     4. critic: values; the driver computes rewards (reward-level KL possible here), GAE
@@ -24,7 +25,7 @@ import time
 
 import torch
 
-from ppo import checkpoint, evaluation, recovery
+from ppo import checkpoint, evaluation, recovery, rewards
 from ppo.handoffs import engines_take_back, recover, release_engines, sync_engines
 from ppo import config as C
 from ppo.algorithms import (compute_advantages, kl_estimate, masked_whiten, mismatch_metrics, reduce_metrics,
@@ -50,7 +51,8 @@ class TrainerDied(RuntimeError):
 def train(cfg: PPOConfig, console: RunConsole | None = None) -> list[dict]:
     """Run the job the config describes; returns the per-rollout metrics. `console` prints
     (default: as cfg.logging asks); RUN_DIR/trace.json follows the run's events."""
-    user_functions(cfg)  # a bad --dynamic-sampling-filter-path or --custom-tis-function-path fails before any role starts
+    user_functions(cfg)  # a bad --dynamic-sampling-filter-path, --custom-tis-function-path or
+    # --custom-reward-post-process-path fails before any role starts
     with SignalStops(cfg) as stops:  # Ctrl-C, SIGTERM, SIGUSR1: ppo.signals
         job = start_job(cfg, console)
         trace = TraceWriter(job.run_dir)
@@ -108,7 +110,7 @@ def steps(job: Job, log: RunLogger, start: checkpoint.ResumePoint, stops: Signal
     tok, data = job.tok, job.data
     skipped_samples = data.num_skipped  # lines of --prompt-data left out; logged as rollout/skipped_samples
     sampling = sampling_params(cfg, tok.eos_token_id)
-    dynamic_sampling, tis_function = user_functions(cfg)
+    dynamic_sampling, tis_function, post_process = user_functions(cfg)
     critic_only_steps = C.num_critic_only_steps(cfg)
     version = start.version
     counters = start.counters  # counts over the run, a resumed run's earlier part included
@@ -130,10 +132,14 @@ def steps(job: Job, log: RunLogger, start: checkpoint.ResumePoint, stops: Signal
                     engines, job.scorers, prompts, sampling, step, decode=tok.decode, eos_id=tok.eos_token_id,
                     recover=lambda role, dead: recover(job, role, dead, version), sampling_round=sampling_round),
                 data.next_batch, dynamic_sampling)
+
+        # 2. engines release the GPUs; a reward model scores there, and the rewards are final
+        # (weighted, post-processed: ppo.rewards)
+        release_engines(job, version)
+        reward_metrics = rewards.finish(job, samples, perf, post_process)
         batch = build_batch(samples, pad_id=tok.pad_token_id)
 
-        # 2-3. engines hand the GPUs to the actor: old and reference log-probs
-        release_engines(job, version)
+        # 3. the actor takes the GPUs: old and reference log-probs
         colo.occupy([job.actor_tenant], ["params"])
         with perf.phase("log_probs"):
             batch["old_log_probs"] = actor.compute_log_probs(select(batch))["log_probs"]
@@ -183,7 +189,7 @@ def steps(job: Job, log: RunLogger, start: checkpoint.ResumePoint, stops: Signal
         perf["perf/offload_time"] = colo.take_time()
         perf["perf/step_time"] = time.monotonic() - t_step
         log.dump_samples(step, samples)
-        log.log(step, {**rollout_metrics(batch, samples), **sampling_metrics, **mismatch,
+        log.log(step, {**rollout_metrics(batch, samples), **sampling_metrics, **reward_metrics, **mismatch,
                        "rollout/engine_restarts": engine_restarts,
                        "rollout/skipped_samples": skipped_samples,
                        "rollout/scorer_restarts": scorer_restarts,
@@ -218,11 +224,13 @@ def trainer_died(cfg: PPOConfig, group, e: ActorDied, recoveries: int, why: str 
                        f"Error file: {e.error_file or 'none (killed without a traceback)'}; {resume}")
 
 
-def user_functions(cfg: PPOConfig) -> tuple[DynamicSampling, object]:
-    """Dynamic sampling (its filter loaded) and the TIS function, loaded as --custom-rm-path is."""
+def user_functions(cfg: PPOConfig) -> tuple[DynamicSampling, object, object]:
+    """Dynamic sampling (its filter loaded), the TIS function and the reward post-process (or
+    None), loaded as --custom-rm-path is."""
     path = cfg.ppo.custom_tis_function_path
     return (DynamicSampling.from_config(cfg),
-            load_function(path, "custom_tis_function_path") if path else truncated_is)
+            load_function(path, "custom_tis_function_path") if path else truncated_is,
+            rewards.load_post_process(cfg))
 
 
 def run_eval(job: Job, log: RunLogger, perf, tag: int, version: int) -> None:
@@ -236,13 +244,14 @@ def run_eval(job: Job, log: RunLogger, perf, tag: int, version: int) -> None:
 
 
 def restarts_since(job: Job, before: dict[str, int]) -> tuple[int, int]:
-    """(engine, scorer) restarts since `before` (a `sup.restart_counts()`). The supervisor counts
-    each at the death, so one the loop never saw (a scorer killed idle and back before its next
-    call) counts, and one seen by two calls counts once."""
+    """(engine, scorer) restarts since `before` (a `sup.restart_counts()`); scorers are the rule
+    scorers and the reward model's ranks. The supervisor counts each at the death, so one the
+    loop never saw (a scorer killed idle and back before its next call) counts, and one seen by
+    two calls counts once."""
     now = job.sup.restart_counts()
     def since(roles):
         return sum(now.get(r.name, 0) - before.get(r.name, 0) for r in roles)
-    return since(job.engines), since(job.scorers)
+    return since(job.engines), since([*job.scorers, *job.reward_models])
 
 
 def check_skipped(cfg: PPOConfig, skipped: float) -> float:

@@ -103,6 +103,10 @@ def generate_and_score(engines: list[ActorHandle], scorers: list[ActorHandle], p
                 samples[r["id"]] = s
                 scored.append({k: s[k] for k in ("index", "group_index", "prompt", "response", "label",
                                                  "metadata")})
+            if not scorers:  # a reward model alone: it scores the whole rollout after generation (ppo.rewards)
+                for x in scored:
+                    samples[x["index"]].update(reward=0.0, reward_status="ok")
+                continue
             # one scoring call per engine result; spread over the scorers round robin
             key = next_scorer
             next_scorer += 1
@@ -128,6 +132,7 @@ def _sample(r: dict, group: int, prompt: dict, decode, eos_id: int) -> dict:
     text_ids = ids[:-1] if ids and ids[-1] == eos_id else ids
     return {"index": r["id"], "group_index": group,
             "prompt": prompt["prompt"], "prompt_ids": list(prompt["prompt_ids"]), "label": prompt.get("label"),
+            "messages": prompt.get("messages"),  # the chat before its template, for a reward model
             "metadata": prompt.get("metadata") or {}, "response_ids": ids,
             "rollout_log_probs": r["logprobs"], "finish_reason": r["finish_reason"],
             "weight_version": r["weight_version"], "response": decode(text_ids)}

@@ -198,6 +198,8 @@ def test_step_restarts_are_the_supervisors_counts_since_the_step_began():
     from ppo.loop import restarts_since
 
     names = lambda *n: [SimpleNamespace(name=x) for x in n]  # noqa: E731
-    sup = SimpleNamespace(restart_counts=lambda: {"rollout-0": 3, "rollout-1": 1, "reward-0": 2, "actor.0": 5})
-    job = SimpleNamespace(sup=sup, engines=names("rollout-0", "rollout-1"), scorers=names("reward-0", "reward-1"))
-    assert restarts_since(job, {"rollout-0": 2, "reward-0": 2}) == (2, 0)
+    sup = SimpleNamespace(restart_counts=lambda: {"rollout-0": 3, "rollout-1": 1, "reward-0": 2, "actor.0": 5,
+                                                  "reward-model-1": 1})
+    job = SimpleNamespace(sup=sup, engines=names("rollout-0", "rollout-1"), scorers=names("reward-0", "reward-1"),
+                          reward_models=names("reward-model-0", "reward-model-1"))
+    assert restarts_since(job, {"rollout-0": 2, "reward-0": 2}) == (2, 1)
