@@ -7,7 +7,8 @@
 #   gpu_tests       every test marked gpu (`bash .ci/gpu`)
 #   sglang_payload  the weight payload test through sglang's real serializer and tensor bucket
 #   weight_sync     bench.weight_sync (the production sync against a memcpy of the same bytes)
-#   trainer         bench.trainer, megatron, 8k packed tokens: MFU and steady-state offload/onload
+#   trainer         bench.trainer, megatron actor and critic, 8k packed tokens: MFU (median of 3)
+#                   and steady-state offload/onload
 #   learning        tiny_ppo with megatron trainers on the GPU, colocated, every weight sync
 #                   verified bit for bit (the README's bar: +0.4, last five >= 0.7); gets what is left
 # Each step has its own limit; logs and JSON go to OUT_DIR, packed into OUT_DIR/device_pass.tgz
@@ -36,7 +37,7 @@ if [[ " $STEPS " == *" host_pinning "* ]]; then
     > "$OUT/numa.txt" 2>&1
 fi
 step host_pinning 90 python3 -m bench.host_pinning --gib 8 --resident-gib 48
-step gpu_tests 330 bash .ci/gpu
+step gpu_tests 360 bash .ci/gpu
 if [[ " $STEPS " == *" sglang_payload "* ]]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site_sglang \
     .whl_sglang/*.whl || exit 1
@@ -44,8 +45,8 @@ fi
 PYTHONPATH=/tmp/site_sglang:$PYTHONPATH step sglang_payload 120 \
   python3 -m pytest -m gpu -q -p no:cacheprovider -rs tests/test_rollout_sglang.py
 step weight_sync 40 python3 -m bench.weight_sync --json "$OUT/weight_sync.json"
-step trainer 125 python3 -m bench.trainer --backends megatron --tokens 8192 --recompute 8192=none \
-  --budget-s 90 --out "$OUT/trainer"
+step trainer 230 python3 -m bench.trainer --backends megatron megatron-critic --tokens 8192 \
+  --recompute 8192=none --budget-s 200 --out "$OUT/trainer"
 step learning $((BUDGET - (SECONDS - START) - 5)) python3 launch.py --train-backend megatron --no-fake-gpus \
   --actor-num-gpus-per-node 1 --num-gpus-per-node 1 --num-rollout "${ROLLOUTS:-100}" --check-weight-update-equal \
   --run-dir /tmp/learning

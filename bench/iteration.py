@@ -22,8 +22,11 @@ metrics.jsonl, it prints per rollout:
   driver's phase, the difference being messaging; each engine's time generating within the
   step (with --train-async: the next rollout, beside the trainers);
 - eval tokens/s (response tokens of the step's evals over its `eval` phases), beside rollout's;
+- with --reward-model-path, the reward model's scoring tokens/s (its ranks' own count of the
+  tokens they scored, over their time in `score`) and the share of them that was padding;
 - the share of the step outside compute: the step's time less its compute phases
-  (generation and scoring, log-probs, values, advantages, the two train calls, eval), that is
+  (generation and scoring, the reward model's scoring, log-probs, values, advantages, the two
+  train calls, eval), that is
   the handoffs, the weight sync, messaging and waiting.
 
 Everything also goes to DIR/iteration.json.
@@ -44,7 +47,7 @@ import torch
 from bench.peers import pinned_copy_rates
 from runtime.units import format_bytes
 
-COMPUTE_PHASES = ("rollout", "log_probs", "values", "advantages", "critic_train", "actor_train", "eval")
+COMPUTE_PHASES = ("rollout", "reward_model", "log_probs", "values", "advantages", "critic_train", "actor_train", "eval")
 MOVES = ("offload", "onload", "release", "resume")
 GIB = 1 << 30
 
@@ -143,6 +146,9 @@ def analyse(run_dir: Path, samples, rates: dict[str, float], num_samples: int, p
             "training_role_s": _within(training, outer), "generating_role_s": _within(generating, outer),
             "rollout_ahead_s": ahead_s,
         }
+        if "perf/reward_model_tokens_per_s" in m:  # ppo.rewards
+            record["reward_model_tokens_per_s"] = m["perf/reward_model_tokens_per_s"]
+            record["reward_model_padding"] = m["perf/reward_model_padding"]
         for r in rows:
             if r["phase"] in ("critic_train", "actor_train") and prompts.get(step) is not None:
                 record[f"{r['phase']}_tokens_per_s"] = tokens / r["seconds"]
@@ -207,6 +213,9 @@ def report(steps: list[dict], rates: dict[str, float]) -> str:
             ratio = f" ({s['eval_tokens_per_s'] / rate:.2f}x rollout)" if rate else ""
             lines.append(f"  eval: {s['eval_response_tokens']:.0f} response tokens, "
                          f"{s['eval_tokens_per_s']:,.0f} tok/s{ratio}")
+        if "reward_model_tokens_per_s" in s:
+            lines.append(f"  reward model: {s['reward_model_tokens_per_s']:,.0f} tok/s scored "
+                         f"({100 * s['reward_model_padding']:.1f}% of its micro-batches padding)")
         for key in ("critic_train_tokens_per_s", "actor_train_tokens_per_s"):
             if key in s:
                 lines.append(f"  {key.removesuffix('_tokens_per_s')}: {s[key]:,.0f} tok/s "

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # qwen3_4b_ppo_1gpu (qwen3_4b_ppo scaled to one GPU), measured by bench.iteration (docs/benchmarks.md).
 #
-#   [PLANS="ppo grpo" PPO_ROLLOUTS=3 GRPO_ROLLOUTS=2 GRPO_S=130 RESPONSE_LEN=2048 EVAL=0 ASYNC=0] \
+#   [PLANS="ppo grpo" PPO_ROLLOUTS=3 GRPO_ROLLOUTS=2 GRPO_S=130 RESPONSE_LEN=2048 EVAL=0 RM=0 ASYNC=0] \
 #     bash bench/qwen3_4b_one_gpu.sh OUT_DIR [BUDGET_S]
 #
 # EVAL=1 adds the eval of ppo.evaluation: 256 prompts the run does not train on x 4 samples at
@@ -18,6 +18,11 @@
 #    (float32 main params and Adam moments, 45 GiB each) to pinned host memory and back
 #    around their train calls; the engine keeps its weights and KV cache.
 # 4. GRPO (no critic): the actor and the engine both stay resident, nothing moves.
+# RM=1: every run also scores with a reward model on the same GPU (--reward-model-path, an
+#    untrained qwen3-4b-rm written like the policy; the tiny run a qwen3-tiny-rm), which onloads
+#    its bf16 weights after the engine's turn and offloads them before the actor's; the table
+#    gets its reward_model phase and scoring tokens/s.
+#    `RM=1 PLANS=ppo GRPO_S=0 PPO_ROLLOUTS=2 bash bench/qwen3_4b_one_gpu.sh OUT 500` fits one call.
 # RESPONSE_LEN above 2048 (8192): the KV cache of 64 such responses (~75 GiB) fits only while
 # the trainers hold just their weights, so the engine takes 62% of the GPU and frees its KV
 # cache (and graphs) around the trainers' calls, and the GRPO actor moves its optimizer too.
@@ -72,11 +77,23 @@ keep() {  # NAME: bring back the run's analysis and event log only (few files co
 }
 RUNS=/tmp/runs
 
+TINY_RM=() RM_ARGS=()
+if [ "${RM:-0}" = 1 ]; then
+  step rm_checkpoint 75 python3 -m ppo.make_checkpoint --arch qwen3-4b-rm --device cuda --num-prompts 256 \
+    /tmp/qwen3-4b-rm-random || exit 1
+  RM_ARGS=(--reward-model-path /tmp/qwen3-4b-rm-random)
+fi
+
 if [ "$BUDGET" -ge 520 ] && [ "${EVAL:-0}" != 1 ]; then  # below that the two full-size runs need all of it
 step tiny_checkpoint 45 python3 -m ppo.make_checkpoint --arch qwen3-4b --device cuda --num-prompts 256 \
   --override num_hidden_layers=2 --override hidden_size=256 --override intermediate_size=512 \
   --override num_attention_heads=4 --override num_key_value_heads=2 --override head_dim=64 "$TINY" || exit 1
-step tiny 120 python3 -m bench.iteration --out "$RUNS/tiny" -- "${COMMON[@]}" "${PPO_PLAN[@]}" \
+if [ "${RM:-0}" = 1 ]; then
+  step tiny_rm_checkpoint 45 python3 -m ppo.make_checkpoint --arch qwen3-tiny-rm --num-prompts 64 \
+    "$TINY-rm" || exit 1
+  TINY_RM=(--reward-model-path "$TINY-rm")
+fi
+step tiny 120 python3 -m bench.iteration --out "$RUNS/tiny" -- "${COMMON[@]}" "${PPO_PLAN[@]}" "${TINY_RM[@]}" \
   --hf-checkpoint "$TINY" --prompt-data "$TINY/dapo_math_prompts.jsonl" --num-rollout 1 \
   --num-critic-only-steps 0 --rollout-max-response-len 32 --sglang-mem-fraction-static 0.1 \
   --run-dir "$RUNS/tiny/run" || { keep tiny; exit 1; }
@@ -85,7 +102,7 @@ fi
 step checkpoint 75 python3 -m ppo.make_checkpoint --arch qwen3-4b --device cuda --num-prompts 768 "$CK" || exit 1
 head -n 512 "$CK/dapo_math_prompts.jsonl" > "$CK/train_prompts.jsonl"
 FULL=(--hf-checkpoint "$CK" --prompt-data "$CK/train_prompts.jsonl" --rollout-max-response-len "$LEN"
-      --num-critic-only-steps 0)
+      --num-critic-only-steps 0 "${RM_ARGS[@]}")
 if [ "${EVAL:-0}" = 1 ]; then  # the other 256 prompts are the eval set
   tail -n 256 "$CK/dapo_math_prompts.jsonl" > "$CK/eval_prompts.jsonl"
   FULL+=(--eval-prompt-data dapo_eval "$CK/eval_prompts.jsonl" --eval-interval "${EVAL_INTERVAL:-2}"

@@ -1,6 +1,6 @@
 """Rollout throughput of the built-in torch engine against HF generate, on one GPU.
 
-    python -m bench.rollout [--peers all|short|none] [--budget-s S] [--json PATH] [--profile]
+    python -m bench.rollout [--peers all|short|none] [--budget-s S] [--json PATH] [--profile] [--batch-invariant]
     python -m bench.rollout --table PATH     # print the table of a saved (maybe cut-short) run
 
 Qwen3-4B shape (36 layers, hidden 2560, 32/8 heads of 128, intermediate 9728, vocab 151936,
@@ -170,6 +170,8 @@ def main() -> None:
                         help="engine's share of the GPU (0.75 leaves the goal's peer room beside it)")
     parser.add_argument("--no-triton", dest="triton", action="store_false",
                         help="decode by torch ops and SDPA instead of the engine's Triton kernels")
+    parser.add_argument("--batch-invariant", action="store_true",
+                        help="the engine's batch_invariant option (backend.py), to measure what it costs")
     parser.add_argument("--profile", action="store_true", help="print the top CUDA kernels of a batch-64 run")
     args = parser.parse_args()
     if args.table:
@@ -194,7 +196,8 @@ def main() -> None:
 
     def build(triton: bool):
         eng = RolloutEngine(ckpt, dtype="bfloat16", max_batch_size=max(BATCHES), mem_fraction=args.mem_fraction,
-                            options={"load_format": "dummy", "triton": triton})
+                            options={"load_format": "dummy", "triton": triton,
+                                     "batch_invariant": args.batch_invariant})
         push_weights(model.state_dict().items(), eng.update_weights, buffer_bytes=1 << 30)
         eng.set_weight_version(1)
         return eng
@@ -212,6 +215,7 @@ def main() -> None:
             eng = build(triton=False)
     backend = eng._backend
     results["triton"] = backend.scheduler.fused
+    results["batch_invariant"] = backend.scheduler.batch_invariant
     print(f"engine built and loaded in {time.perf_counter() - t0:.1f}s; KV budget "
           f"{backend.kv_cache_bytes / 2**30:.1f} GiB; copy rate {rate / 1e12:.2f} TB/s", flush=True)
     weight_bytes = backend.weights_bytes
@@ -347,6 +351,7 @@ def print_table(results: dict) -> None:
 
     print(f"\ncopy rate {results['copy_rate_tb_s']:.2f} TB/s; weights {results['weight_gib']:.2f} GiB; "
           f"engine decode by {'Triton kernels' if results.get('triton') else 'torch ops + SDPA'}"
+          + (", batch invariant" if results.get("batch_invariant") else "")
           + (" (the Triton path failed: see triton_error in the JSON)" if "triton_error" in results else ""))
     print("| batch | new tokens | engine tok/s | HF dynamic | HF static+compile | bandwidth limit | "
           "engine / limit | engine / HF static | engine / HF dynamic | peak GiB |")

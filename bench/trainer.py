@@ -6,9 +6,10 @@
 
 Per backend and packed micro-batch size (one micro-batch of that many tokens, 1024-token
 samples: 512 prompt + 512 response): one PPO train step (forward, backward, optimizer) timed
-after a warm-up step, reported as model-FLOPs utilisation against the bf16 matmul rate
-measured in the same run; the log-prob forward; peak memory and its part above the trainer's
-resident state (activations, logits chunks, optimizer temporaries).
+after a warm-up step, in RUNS runs of 2 steps each, reported as the median run's model-FLOPs
+utilisation against the bf16 matmul rate measured in the same run, with the runs' spread
+(min-max); the log-prob forward; peak memory and its part above the trainer's resident state
+(activations, logits chunks, optimizer temporaries).
 
 megatron rows run each activation-recompute setting of --recompute for that token count
 (`full` = full/uniform/1 layer, `block:N` = full recompute of the first N layers, `none`),
@@ -18,7 +19,10 @@ for offload). The torch rows recompute every
 layer (HF checkpointing through the trainer's own switch), as its peer row always has.
 MFU counts model FLOPs only (no recompute).
 
-The megatron actor also reports: offload/onload GB/s per tag against the pinned-copy rate;
+The megatron actor also reports: offload/onload GB/s per tag against the pinned-copy rate
+(the trainers are told that the run offloads every tag, as `--offload-train-level all` does,
+so the params keep their construction-time host block), and the params onloaded after the
+other tags instead of before;
 its Adam step alone (torch AdamW as megatron runs it without apex, foreach vs fused); the
 weight sync from its tensors (megatron -> HF names -> flat 1 GiB buckets) without and with an
 in-process receiver that copies every tensor by name, against a device memcpy of the same
@@ -48,6 +52,8 @@ QWEN3_4B = dict(model_type="qwen3", architectures=["Qwen3ForCausalLM"], vocab_si
                 max_position_embeddings=40960, hidden_act="silu", torch_dtype="bfloat16")
 SAMPLE_LEN, PROMPT_LEN = 1024, 512
 RECOMPUTE = {"full": ("full", "uniform", 1), "none": (None, None, None)}  # plus block:N
+RUNS = 3  # timed runs per row: a row reports their median and spread
+ALL_TAGS = ("params", "grads", "optimizer")
 
 
 def recompute_setting(name: str) -> tuple[str | None, str | None, int | None]:
@@ -124,19 +130,22 @@ def trainer_config(ckpt: str, tokens: int, num_samples: int) -> dict:
                 entropy_coef=0.0, temperature=1.0, keep_ref=False)
 
 
-def time_steps(trainer, batch: dict, steps: int = 2) -> dict:
-    """Seconds per train step after a warm-up step, the log-prob forward, peak GiB and the
-    peak above what was allocated before (activations and temporaries)."""
+def time_steps(trainer, batch: dict, steps: int = 2, runs: int = RUNS) -> dict:
+    """Seconds per train step after a warm-up step (the median of `runs` runs of `steps`
+    steps, and each run's), the log-prob forward, peak GiB and the peak above what was
+    allocated before (activations and temporaries)."""
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     resident = torch.cuda.memory_allocated()
     trainer.train(batch)
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(steps):
-        trainer.train(batch)
-    torch.cuda.synchronize()
-    step_s = (time.perf_counter() - start) / steps
+    run_s = []
+    for _ in range(runs):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(steps):
+            trainer.train(batch)
+        torch.cuda.synchronize()
+        run_s.append((time.perf_counter() - start) / steps)
     start = time.perf_counter()
     if hasattr(trainer, "compute_log_probs"):
         trainer.compute_log_probs(batch)
@@ -146,8 +155,8 @@ def time_steps(trainer, batch: dict, steps: int = 2) -> dict:
     if PROFILE["dir"] and not PROFILE["done"]:
         profile_step(trainer, batch, PROFILE["dir"])
         PROFILE["done"] = True
-    return {"step_s": step_s, "logprob_s": logprob_s, "peak_gib": peak / 2**30,
-            "above_state_gib": (peak - resident) / 2**30}
+    return {"step_s": statistics.median(run_s), "step_s_runs": run_s, "logprob_s": logprob_s,
+            "peak_gib": peak / 2**30, "above_state_gib": (peak - resident) / 2**30}
 
 
 PROFILE = {"dir": None, "done": False}  # --profile: the first row's step, once per process
@@ -193,7 +202,8 @@ def run_rows(trainer, label: str, shape, tokens_list, plan: dict | None, peak_tf
             try:
                 row.update(time_steps(trainer, batch))
                 flops = train_flops(shape, n) - (head * n if critic else 0)
-                row["mfu"] = flops / row["step_s"] / (peak_tflops * 1e12)
+                mfus = [flops / s / (peak_tflops * 1e12) for s in row["step_s_runs"]]
+                row.update(mfu=statistics.median(mfus), mfu_min=min(mfus), mfu_max=max(mfus))
             except torch.cuda.OutOfMemoryError as e:
                 row["error"] = f"OOM: {str(e)[:100]}"
             results.append(row)
@@ -270,7 +280,7 @@ def sync_rows(actor, bucket_bytes: int = 1 << 30) -> dict:
 def bench_megatron(ckpt, shape, tokens_list, plan, peak_tflops, results, deadline) -> dict:
     from roles.trainer.megatron import MegatronActorTrainer
 
-    cfg = trainer_config(ckpt, max(tokens_list), max(tokens_list) // SAMPLE_LEN)
+    cfg = {**trainer_config(ckpt, max(tokens_list), max(tokens_list) // SAMPLE_LEN), "offload_tags": ALL_TAGS}
     actor = MegatronActorTrainer(cfg, hf_state=hf_random_state(shape))
     gc.collect()
     torch.cuda.empty_cache()
@@ -280,17 +290,22 @@ def bench_megatron(ckpt, shape, tokens_list, plan, peak_tflops, results, deadlin
     actor.offload(["grads", "optimizer"])  # the PPO order: only the weights stay for the sync
     sync = sync_rows(actor)
     actor.onload(["grads", "optimizer"])
-    # the first full offload makes the params' host block (the construction-time one was freed at
-    # the first onload); a PPO iteration from the second on reuses every block: the steady state
+    # the first full offload reuses the params' construction-time host block (offload_tags) and the
+    # optimizer's made at the offload above; a PPO iteration from the second on: the steady state
     offload_first = actor.offload(["params", "grads", "optimizer"])["moves"]
     actor.onload(["params", "grads", "optimizer"])
     offload = actor.offload(["params", "grads", "optimizer"])["moves"]
     onload2 = actor.onload(["params", "grads", "optimizer"])["moves"]
     actor.offload(["params", "grads", "optimizer"])
+    # the params onloaded last, not first after the offload returned 56 GB to the driver: whether a
+    # slow params onload is the move that comes first or the block it reads
+    params_last = actor.onload(["optimizer", "grads", "params"])["moves"]["params"]
+    actor.offload(["params", "grads", "optimizer"])
     blocks = {tag: {"huge_pages": huge_page_share(block.views[0].data_ptr()),
                     "numa": numa_pages(block.views[0].data_ptr())}
               for tag, block in actor._core.offloader._host.items() if block.views}
     memory = {"offload_first": offload_first, "offload": offload, "onload_first": onload, "onload": onload2,
+              "onload_params_last": params_last,
               "adam": adam, "sync": sync, "host_blocks": blocks,
               "bytes_in_use_after_offload": actor._core.memory.bytes_in_use()}
     del actor
@@ -303,7 +318,7 @@ def bench_megatron_critic(ckpt, shape, tokens_list, plan, peak_tflops, results, 
     """The critic: same trunk, value head instead of the LM head (train FLOPs counted without it)."""
     from roles.trainer.megatron import MegatronCriticTrainer
 
-    cfg = trainer_config(ckpt, max(tokens_list), max(tokens_list) // SAMPLE_LEN)
+    cfg = {**trainer_config(ckpt, max(tokens_list), max(tokens_list) // SAMPLE_LEN), "offload_tags": ALL_TAGS}
     hf = {"backbone." + k.removeprefix("model."): v for k, v in hf_random_state(shape).items()}
     hf["value_head.weight"] = torch.zeros(1, shape.hidden_size, device="cuda", dtype=torch.bfloat16)
     hf["value_head.bias"] = torch.zeros(1, device="cuda", dtype=torch.bfloat16)
@@ -342,25 +357,30 @@ def markdown(report: dict) -> str:
     pinned, peak = report["pinned"], report["matmul_tflops"]
     lines = [f"bf16 matmul {peak:.0f} TFLOP/s; pinned copy d2h {pinned['d2h']:.1f} GB/s, h2d {pinned['h2d']:.1f} GB/s; "
              f"device memcpy {report['memcpy_gbps']:.0f} GB/s", "",
-             "| backend | tokens / micro-batch | recompute | train step s | MFU | log-prob fwd s | peak GiB | above state GiB |",
+             f"| backend | tokens / micro-batch | recompute | train step s (median of {RUNS}) | MFU (min-max) "
+             "| log-prob fwd s | peak GiB | above state GiB |",
              "|---|---|---|---|---|---|---|---|"]
     for r in report["rows"]:
         if "step_s" in r:
-            lines.append(f"| {r['backend']} | {r['tokens']} | {r['recompute']} | {r['step_s']:.3f} | {r['mfu']:.1%} | "
-                         f"{r['logprob_s']:.3f} | {r['peak_gib']:.1f} | {r['above_state_gib']:.1f} |")
+            lines.append(f"| {r['backend']} | {r['tokens']} | {r['recompute']} | {r['step_s']:.3f} | {r['mfu']:.1%} "
+                         f"({r['mfu_min']:.1%}-{r['mfu_max']:.1%}) | {r['logprob_s']:.3f} | {r['peak_gib']:.1f} | "
+                         f"{r['above_state_gib']:.1f} |")
         else:
             lines.append(f"| {r['backend']} | {r['tokens']} | {r['recompute']} | {r.get('error') or r.get('skipped')} "
                          "| | | | |")
     mem = report.get("megatron_memory")
     if mem:
         lines += ["", "| megatron tag (steady state: host blocks reused) | offload GB/s | vs d2h | onload GB/s "
-                  "| vs h2d | of it allocating s | GB | first full offload GB/s (makes the params' block) |",
+                  "| vs h2d | of it allocating s | GB | first full offload GB/s |",
                   "|---|---|---|---|---|---|---|---|"]
         for tag in ("params", "grads", "optimizer"):
             off, on, first = mem["offload"][tag], mem["onload"][tag], mem["offload_first"][tag]
             lines.append(f"| {tag} | {off['gb_per_s']:.1f} | {off['gb_per_s'] / pinned['d2h']:.2f}x | "
                          f"{on['gb_per_s']:.1f} | {on['gb_per_s'] / pinned['h2d']:.2f}x | {on['alloc_seconds']:.3f} | "
                          f"{off['bytes'] / 1e9:.1f} | {first['gb_per_s']:.1f} |")
+        last = mem["onload_params_last"]
+        lines.append(f"params onloaded after the other tags: {last['gb_per_s']:.1f} GB/s "
+                     f"({last['gb_per_s'] / pinned['h2d']:.2f}x h2d)")
         lines += [f"host block of {tag}: {b['numa']} pages per NUMA node, "
                   + ("?" if b["huge_pages"] is None else f"{b['huge_pages']:.0%}") + " in huge pages"
                   for tag, b in mem.get("host_blocks", {}).items()]

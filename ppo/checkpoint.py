@@ -48,6 +48,7 @@ from ppo import config as C
 from ppo.config import PPOConfig
 from ppo.config.serialize import to_dict
 from ppo.data import PromptDataset
+from ppo.handoffs import OnGPUs, lent_to_trainers, on_gpus, release_engines, sync_engines
 from ppo.manifest import MANIFEST_FILE, damage, write_manifest
 from roles.trainer.checkpoint import TRAINER_FILES, replace_dir, sync_dir
 from roles.trainer.rng import capture_rng, restore_rng
@@ -91,6 +92,10 @@ class RunJob(Protocol):
     actor: object  # a TrainerGroup
     critic: object | None
     engines: list
+    actor_tenant: object  # ppo.colocation.Tenant: the handoffs of a save or a load (ppo.handoffs)
+    critic_tenant: object | None
+    engine_tenants: list
+    colocation: object
     placement: object
     sup: object
     resume_from: Checkpoint | None  # what `locate` found under --load at start-up
@@ -156,16 +161,19 @@ def save_if_due(job: RunJob, step: int, *, data: PromptDataset, version: int,
     if not (due or force):
         return None
     name = None
-    if cfg.checkpoint.save is not None:
-        state = driver_state(cfg, step, data=data, version=version, hf_checkpoint=job.hf_checkpoint,
-                             counters=counters)
-        with save_errors(cfg.checkpoint.save, f"checkpoint {rollout_dir_name(step)}"):
-            name = save_checkpoint(cfg.checkpoint.save, step, actor=job.actor, state=state, critic=job.critic,
-                                   critic_dir=C.critic_save(cfg), keep_last=cfg.checkpoint.save_keep_last).name
-    if due and cfg.checkpoint.save_hf is not None:
-        path = cfg.checkpoint.save_hf.replace("{rollout_id}", str(step))
-        with save_errors(path, "the HF export"):
-            job.actor.save_hf(path)
+    actor = OnGPUs(job, job.actor, job.actor_tenant)
+    with lent_to_trainers(job, version):
+        if cfg.checkpoint.save is not None:
+            state = driver_state(cfg, step, data=data, version=version, hf_checkpoint=job.hf_checkpoint,
+                                 counters=counters)
+            critic = OnGPUs(job, job.critic, job.critic_tenant) if job.critic is not None else None
+            with save_errors(cfg.checkpoint.save, f"checkpoint {rollout_dir_name(step)}"):
+                name = save_checkpoint(cfg.checkpoint.save, step, actor=actor, state=state, critic=critic,
+                                       critic_dir=C.critic_save(cfg), keep_last=cfg.checkpoint.save_keep_last).name
+        if due and cfg.checkpoint.save_hf is not None:
+            path = cfg.checkpoint.save_hf.replace("{rollout_id}", str(step))
+            with save_errors(path, "the HF export"):
+                actor.save_hf(path)
     job.sup.publish("checkpoint", step=step, save=cfg.checkpoint.save,
                     save_hf=cfg.checkpoint.save_hf if due else None)
     return name
@@ -403,17 +411,19 @@ def resume(job: RunJob, data: PromptDataset) -> ResumePoint:
 
 
 def restore(job: RunJob, data: PromptDataset, ckpt: Checkpoint) -> ResumePoint:
-    """Bring the job's trainers (offloaded), data position, driver RNG and engines (holding
-    their GPUs) to the state that `ckpt` saved; returns where the run goes on."""
-    cfg = job.cfg
+    """Bring the job's trainers (offloaded after), data position, driver RNG and engines
+    (holding their GPUs) to the state that `ckpt` saved; returns where the run goes on."""
     data.load_state_dict(ckpt.state["data"])
-    job.actor.load(str(ckpt.actor_dir))
-    if job.critic is not None:
-        job.critic.load(str(ckpt.critic_dir))
     version = ckpt.state["weight_version"]
-    # The engines loaded --hf-checkpoint; the actor now holds the checkpoint's policy.
-    job.actor.sync_weights(job.engines, cfg.engine.update_weight_buffer_size, version,
-                           engine_gpus=job.placement.engines)
+    # The trainers load with their state on the GPUs (ppo.handoffs), the actor keeping its
+    # weights for the sync: the engines loaded --hf-checkpoint, the actor now holds the checkpoint's policy.
+    release_engines(job, 0)
+    if job.critic is not None:
+        with on_gpus(job, job.critic_tenant):
+            job.critic.load(str(ckpt.critic_dir))
+    with on_gpus(job, job.actor_tenant, keep="params"):
+        job.actor.load(str(ckpt.actor_dir))
+    sync_engines(job, version)
     restore_rng(ckpt.state["rng"])
     counters = RunCounters(**ckpt.state.get("counters", {}))  # absent in checkpoints of older versions
     return ResumePoint(step=ckpt.step + 1, version=version, counters=counters)

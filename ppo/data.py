@@ -101,7 +101,8 @@ class PromptDataset:
         return len(self._samples)
 
     def next_batch(self, n: int) -> list[dict]:
-        """The next ``n`` samples ``{"prompt", "prompt_ids", "label", "metadata"}``, crossing epochs as needed.
+        """The next ``n`` samples ``{"prompt", "prompt_ids", "label", "metadata"}`` (and ``"messages"``, the
+        chat before its template, with ``apply_chat_template``), crossing epochs as needed.
 
         Each epoch visits every sample once, in an order fixed by ``(seed, epoch)``.
         """
@@ -182,7 +183,7 @@ class PromptDataset:
             raise BadSample(f"expected a JSON object, got {type(record).__name__}")
         if self._input_key not in record:
             raise BadSample(f"missing prompt key {self._input_key!r} (keys: {sorted(record)})")
-        prompt = self._prompt_text(record[self._input_key])
+        prompt, messages = self._prompt_text(record[self._input_key])
         prompt_ids = None
         if self._tokenizer is not None:
             prompt_ids = [int(t) for t in self._tokenizer.encode(prompt, add_special_tokens=False)]
@@ -193,14 +194,17 @@ class PromptDataset:
                                 f"that is {len(prompt_ids) + self._response_len}, more than the model's context "
                                 f"of {self._context_len} (max_position_embeddings)")
         label, metadata = self._label(record), self._metadata(record)
-        return {"prompt": prompt, "prompt_ids": prompt_ids, "label": label, "metadata": metadata}
+        # a chat-formatted prompt keeps its messages: a reward model reads them with its own template
+        return {"prompt": prompt, "prompt_ids": prompt_ids, "label": label, "metadata": metadata,
+                **({"messages": messages} if messages else {})}
 
-    def _prompt_text(self, prompt) -> str:
+    def _prompt_text(self, prompt) -> tuple[str, list[dict] | None]:
+        """The prompt's text, and its chat messages when the chat template formatted it."""
         if isinstance(prompt, str):
             if not prompt.strip():
                 raise BadSample("empty prompt")
             if not self._apply_chat_template:
-                return prompt
+                return prompt, None
             prompt = [{"role": "user", "content": prompt}]
         elif isinstance(prompt, list):
             _check_messages(prompt)
@@ -212,7 +216,7 @@ class PromptDataset:
         if not isinstance(text, str):
             kind = type(text).__name__
             raise TypeError(f"tokenizer.apply_chat_template(..., tokenize=False) returned {kind}, not str")
-        return text
+        return text, prompt
 
     def _label(self, record: dict) -> str | None:
         if self._label_key is None:

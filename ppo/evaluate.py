@@ -48,14 +48,14 @@ def evaluate_checkpoint(cfg: PPOConfig, log=lambda line: print(line, file=sys.st
     from ppo.evaluation import evaluate, load_eval_sets
     from ppo.generated import resolve_eval_paths
     from ppo.job import (FAKE_GPU_BYTES, ROLE_ENV, JobSetupError, engine_settings, hf_checkpoint_problem,
-                         rollout_backend_problem)
+                         reward_service_problem, rollout_backend_problem, scorer_settings)
     from ppo.logger import write_samples
     from ppo.placement import plan_placement
     from roles.reward.actor import RewardScorer
     from roles.rollout.engine import RolloutEngine
     from runtime import Supervisor
 
-    problems = [p for p in (rollout_backend_problem(cfg), hf_checkpoint_problem(cfg)) if p]
+    problems = [p for p in (rollout_backend_problem(cfg), hf_checkpoint_problem(cfg), reward_service_problem(cfg)) if p]
     if problems:
         raise JobSetupError("; ".join(problems))
     run_dir = Path(cfg.logging.run_dir)
@@ -72,8 +72,7 @@ def evaluate_checkpoint(cfg: PPOConfig, log=lambda line: print(line, file=sys.st
                      fake_gpu_bytes=FAKE_GPU_BYTES)
     try:
         log(f"starting {len(plan.engines)} {cfg.engine.rollout_backend} engine(s) on {ckpt}")
-        scorers = [sup.spawn(f"reward-{i}", RewardScorer, cfg.reward.rm_type, cfg.reward.custom_rm_path,
-                             cfg.reward.reward_timeout, restart="one_for_one", env=ROLE_ENV)
+        scorers = [sup.spawn(f"reward-{i}", RewardScorer, **scorer_settings(cfg), restart="one_for_one", env=ROLE_ENV)
                    for i in range(plan.num_reward_workers)]
         engines = []
         for i, gpus in enumerate(plan.engines):

@@ -1,9 +1,9 @@
 """A PPO job's processes: the run directory, the supervisor and the roles, built from a config.
 
-Roles start in dependency order: reward scorers (CPU), the trainers, which end their
-construction offloaded and so need no lease (megatron's build on the GPU and are waited
-for), then the engines (they load their weights on spawn, so each takes its GPU's lease
-first).
+Roles start in dependency order: reward scorers (CPU), the trainers and the reward model's
+ranks, which end their construction offloaded and so need no lease (megatron's build on the
+GPU and are waited for), then the engines (they load their weights on spawn, so each takes
+its GPU's lease first).
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ from ppo.generated import resolve_eval_paths, resolve_paths
 from ppo.placement import Placement, plan_placement
 from ppo.rundir import RunDirError, RunDirLock, claim
 from roles.reward.actor import RewardScorer
+from roles.reward.model_scorer import RewardModelScorer
 from roles.rollout.engine import RolloutEngine
 from roles.trainer import BackendUnavailable, TrainerGroup, trainer_classes
 from runtime import ActorHandle, Supervisor
@@ -62,7 +63,9 @@ class Job:
     actor_tenant: Tenant
     critic: TrainerGroup | None
     critic_tenant: Tenant | None
-    scorers: list[ActorHandle]
+    scorers: list[ActorHandle]  # rule, custom-function or remote-service scorers (CPU); [] with a reward model alone
+    reward_models: list[ActorHandle]  # reward-model ranks, one per GPU (roles.reward.model_scorer); [] without
+    reward_model_tenants: list[Tenant]
     colocation: Colocation
     console: RunConsole  # what the run prints (ppo.console)
     run_dir_lock: RunDirLock  # held until the job is closed (ppo.rundir)
@@ -104,9 +107,68 @@ def trainer_config(cfg: PPOConfig, hf_checkpoint: str, *, critic: bool, dtype: s
         **({name: getattr(cfg.parallelism, name) for name in
             ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size")}
            | {name: getattr(t, name) for name in
-              ("recompute_granularity", "recompute_method", "recompute_num_layers")}
+              ("recompute_granularity", "recompute_method", "recompute_num_layers", "transformer_impl")}
+           | {"offload_tags": C.train_offload_tags(cfg)}
            if t.train_backend == "megatron" else {"gradient_checkpointing": t.recompute_granularity == "full"}),
     }
+
+
+def scorer_settings(cfg: PPOConfig) -> dict:
+    """RewardScorer's arguments (roles.reward.scorer.Scorer) from the reward config."""
+    r = cfg.reward
+    return {"rm_type": r.rm_type, "custom_rm_path": r.custom_rm_path, "timeout_s": r.reward_timeout,
+            "rm_url": r.rm_url, "max_retries": r.rm_max_retries, "max_concurrency": r.rm_max_concurrency,
+            "reward_key": r.reward_key}
+
+
+def uses_rule_reward(cfg: PPOConfig) -> bool:
+    """Whether rule (or custom-function, or remote-service) scorers run: not with a reward model alone."""
+    return cfg.reward.rm_type is not None or cfg.reward.custom_rm_path is not None
+
+
+def reward_model_problem(cfg: PPOConfig) -> str | None:
+    """Why --reward-model-path cannot score here (not a one-label sequence classifier with its
+    score head and chat template; its weights and one micro-batch larger than its GPU), or None."""
+    path = cfg.reward.reward_model_path
+    if path is None:
+        return None
+    from roles.reward.model import budget_problem, checkpoint_problem
+
+    if not Path(path).is_dir():
+        return f"--reward-model-path {path}: no such directory (models are not downloaded)"
+    problem = checkpoint_problem(path)
+    capacity = FAKE_GPU_BYTES if cfg.placement.fake_gpus else gpu_capacity_bytes()
+    if problem is None and capacity is not None:
+        problem = budget_problem(path, dtype=compute_dtype(cfg), max_tokens=cfg.reward.reward_model_max_tokens_per_gpu,
+                                 capacity=capacity)
+    return problem
+
+
+def gpu_capacity_bytes() -> int | None:
+    """Memory of GPU 0 as nvidia-smi reports it (the driver process makes no CUDA context of its
+    own: it would hold GPU memory for the whole run), or None without one."""
+    import subprocess
+
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=memory.total", "--format=csv,noheader,nounits", "-i", "0"],
+                             capture_output=True, text=True, timeout=30, check=True).stdout
+        return int(out.split()[0]) << 20
+    except (OSError, subprocess.SubprocessError, ValueError, IndexError):
+        return None
+
+
+def compute_dtype(cfg: PPOConfig) -> str:
+    """The roles' compute dtype: float32 on fake GPUs (the CPU computes), bfloat16 on GPUs."""
+    return "float32" if cfg.placement.fake_gpus else "bfloat16"
+
+
+def reward_service_problem(cfg: PPOConfig) -> str | None:
+    """Why the --rm-url service cannot be reached now (nothing listening), or None."""
+    if cfg.reward.rm_url is None or cfg.reward.custom_rm_path is not None:
+        return None
+    from roles.reward.remote import service_problem
+
+    return service_problem(cfg.reward.rm_url)
 
 
 def rollout_backend_problem(cfg: PPOConfig) -> str | None:
@@ -152,8 +214,9 @@ def engine_settings(cfg: PPOConfig) -> dict:
 def trainer_layout_problem(cfg: PPOConfig) -> str | None:
     """Why the megatron trainer would refuse this run's layout or recompute settings, or a
     model the layout cannot split (uneven pipeline stages, heads not divisible by TP: read
-    from --hf-checkpoint's config.json when it is a local directory) - checked here so the
-    job stops before anything starts, not at the trainers' build - or None."""
+    from --hf-checkpoint's config.json when it is a local directory), or a checkpoint tensor
+    the model has no place for (its safetensors headers) - checked here so the job stops
+    before anything starts, not at the trainers' build - or None."""
     if cfg.training.train_backend != "megatron":
         return None
     from roles.trainer.megatron.config import PARALLEL_SIZES, MegatronTrainerConfig  # no megatron import
@@ -182,7 +245,14 @@ def trainer_layout_problem(cfg: PPOConfig) -> str | None:
                              pp_size=cfg.parallelism.pipeline_model_parallel_size)
     except ValueError as e:
         return layout_problem(e)
-    return None
+    from roles.trainer.megatron.env import hf_tensor_names
+    from roles.trainer.megatron.mapper import unplaced_problem
+
+    try:
+        problem = unplaced_problem(hf_tensor_names(cfg.checkpoint.hf_checkpoint), shape)
+    except FileNotFoundError:  # no safetensors: the trainers' build says so
+        return None
+    return problem and f"--hf-checkpoint {cfg.checkpoint.hf_checkpoint}: {problem}"
 
 
 def output_problem(flag: str, path: str | None) -> str | None:
@@ -202,8 +272,10 @@ def output_problem(flag: str, path: str | None) -> str | None:
 def setup_problems(cfg: PPOConfig) -> list[str]:
     """Everything on this machine that would stop the run, each naming the flag and the fix,
     all at once: the trainers' layout, the rollout and training backends, the HF checkpoint and
-    whether the prompt and response lengths fit its context, the checkpoint folders."""
+    whether the prompt and response lengths fit its context, the checkpoint folders, the reward
+    service and the reward model."""
     problems = [trainer_layout_problem(cfg), rollout_backend_problem(cfg), hf_checkpoint_problem(cfg),
+                reward_service_problem(cfg), reward_model_problem(cfg),
                 context_problem(cfg, cfg.checkpoint.hf_checkpoint), output_problem("--save", cfg.checkpoint.save),
                 output_problem("--critic-save", C.critic_save(cfg) if C.uses_critic(cfg) else None)]
     try:
@@ -302,7 +374,7 @@ def _start(cfg: PPOConfig, console: RunConsole, lock: RunDirLock, actor_cls, cri
     except (ValueError, FileNotFoundError) as e:  # BadSample and CheckpointError are ValueErrors
         raise JobSetupError(str(e)) from e
     plan = plan_placement(cfg)
-    dtype = "float32" if cfg.placement.fake_gpus else "bfloat16"
+    dtype = compute_dtype(cfg)
     num_gpus = plan.num_gpus_per_node * plan.num_nodes
     sup = Supervisor(run_dir, gpus=range(num_gpus), fake_gpus=num_gpus if cfg.placement.fake_gpus else 0,
                      fake_gpu_bytes=FAKE_GPU_BYTES)
@@ -313,9 +385,13 @@ def _start(cfg: PPOConfig, console: RunConsole, lock: RunDirLock, actor_cls, cri
         # alone. A trainer holds the run's state: its death stops the job, to be resumed
         # from the last checkpoint with --load, unless --max-trainer-restarts lets the driver
         # bring it back from that checkpoint itself (ppo.recovery).
-        scorers = [sup.spawn(f"reward-{i}", RewardScorer, cfg.reward.rm_type, cfg.reward.custom_rm_path,
-                             cfg.reward.reward_timeout, restart="one_for_one", env=ROLE_ENV)
-                   for i in range(plan.num_reward_workers)]
+        scorers = [sup.spawn(f"reward-{i}", RewardScorer, **scorer_settings(cfg), restart="one_for_one", env=ROLE_ENV)
+                   for i in range(plan.num_reward_workers if uses_rule_reward(cfg) else 0)]
+        # one rank per GPU, built offloaded; stateless, so a dead rank restarts alone and scores again
+        reward_models = [sup.spawn(f"reward-model-{i}", RewardModelScorer, cfg.reward.reward_model_path, dtype=dtype,
+                                   max_tokens=cfg.reward.reward_model_max_tokens_per_gpu, gpus=[g],
+                                   restart="one_for_one", env=ROLE_ENV)
+                         for i, g in enumerate(plan.reward_model_gpus)]
         t0 = time.monotonic()
         # Trainers are rank groups, one process per GPU (roles.trainer.group); they die as one.
         actor = TrainerGroup.spawn(sup, "actor", actor_cls,
@@ -356,5 +432,9 @@ def _start(cfg: PPOConfig, console: RunConsole, lock: RunDirLock, actor_cls, cri
                critic=critic,
                critic_tenant=(trainer_tenant(critic, tuple(plan.critic_gpus), frees=C.train_offload_tags(cfg))
                               if critic else None),
-               scorers=scorers, eval_sets=eval_sets,
+               scorers=scorers, eval_sets=eval_sets, reward_models=reward_models,
+               # on the engines' GPUs a rank offloads its weights when it gives its GPU up; on its own it stays
+               reward_model_tenants=[trainer_tenant(rm, (g,), frees=() if cfg.reward.reward_model_num_gpus
+                                                    else ("weights",))
+                                     for rm, g in zip(reward_models, plan.reward_model_gpus)],
                colocation=Colocation(sup.leases, holding=tuple(t.name for t in engine_tenants)))

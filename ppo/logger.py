@@ -100,4 +100,6 @@ def write_samples(path: Path, samples: list[dict]) -> None:
         for s in samples:
             f.write(json.dumps({k: s[k] for k in ("index", "group_index", "prompt", "response", "label",
                                                   "reward", "reward_status", "finish_reason",
-                                                  "weight_version")}) + "\n")
+                                                  "weight_version")}
+                               # the reward's parts, when a reward model or a post-process made it (ppo.rewards)
+                               | {k: s[k] for k in ("rm_score", "raw_reward") if k in s}) + "\n")

@@ -4,7 +4,8 @@ Colocated, every GPU is held by one role at a time (docs/architecture.md):
 
     1. engines generate; reward scorers score as each engine finishes (with dynamic
        sampling, rounds of prompts until enough groups pass the filter: ppo.dynamic_sampling)
-    2. engines release weights and KV cache
+    2. engines release weights and KV cache; a reward model scores on their GPUs, and the
+       rewards are combined and post-processed (ppo.rewards)
     3. actor: old log-probs (and reference log-probs only when a KL term is on); the driver
        compares them with the engine's (TIS weights, mismatch metrics)
     4. critic: values; the driver computes rewards (reward-level KL possible here), GAE
@@ -13,8 +14,9 @@ Colocated, every GPU is held by one role at a time (docs/architecture.md):
     7. engines take their weights back; the actor streams new weights bucket by bucket
        (sglang engines lose their weights at the release: they get them after every step)
     8. engines take the KV cache back
-    9. every --eval-interval rollouts, the engines evaluate the new weights (ppo.evaluation);
-       next iteration
+    9. every --eval-interval rollouts, the engines evaluate the new weights (ppo.evaluation)
+   10. every --save-interval rollouts, the engines lend the GPUs to the trainers, which save
+       with their state on them (ppo.handoffs, ppo.checkpoint); next iteration
 
 With --train-async (miles' train_async.py) the same steps run, but the rollout of step k + 1
 is generated while steps 2-6 of step k train (ppo.rollout_ahead): step 1 takes the rollout
@@ -25,12 +27,12 @@ samples are one version old, and decoupled PPO corrects for it (mismatch_correct
 
 from __future__ import annotations
 
-import contextlib
 import time
 
 import torch
 
-from ppo import checkpoint, evaluation, recovery
+from ppo import checkpoint, evaluation, recovery, rewards
+from ppo.handoffs import engines_take_back, recover, release_engines, sync_engines
 from ppo import config as C
 from ppo.algorithms import (compute_advantages, kl_estimate, masked_whiten, mismatch_metrics, reduce_metrics,
                             token_level_rewards, truncated_is)
@@ -46,7 +48,7 @@ from ppo.rollout_ahead import Rollouts
 from ppo.signals import SignalStops
 from ppo.trace import TraceWriter
 from roles.reward.custom import load_function
-from runtime import ActorDied, gather
+from runtime import ActorDied
 
 
 class TrainerDied(RuntimeError):
@@ -56,7 +58,8 @@ class TrainerDied(RuntimeError):
 def train(cfg: PPOConfig, console: RunConsole | None = None) -> list[dict]:
     """Run the job the config describes; returns the per-rollout metrics. `console` prints
     (default: as cfg.logging asks); RUN_DIR/trace.json follows the run's events."""
-    user_functions(cfg)  # a bad --dynamic-sampling-filter-path or --custom-tis-function-path fails before any role starts
+    user_functions(cfg)  # a bad --dynamic-sampling-filter-path, --custom-tis-function-path or
+    # --custom-reward-post-process-path fails before any role starts
     with SignalStops(cfg) as stops:  # Ctrl-C, SIGTERM, SIGUSR1: ppo.signals
         job = start_job(cfg, console)
         trace = TraceWriter(job.run_dir)
@@ -73,8 +76,6 @@ def run(job: Job, stops: SignalStops | None = None) -> list[dict]:
     # --load: trainers, data position, driver RNG and the engines' weights as the checkpoint left them
     start = (checkpoint.resume(job, job.data) if cfg.checkpoint.load is not None
              else checkpoint.ResumePoint(step=0, version=0))
-    if start.step and cfg.engine.check_weight_update_equal:
-        check_weights_equal(job)
     log = RunLogger(job.run_dir, num_rollout=cfg.rollout.num_rollout, publish=job.sup.publish,
                     use_tensorboard=cfg.logging.use_tensorboard, use_wandb=cfg.logging.use_wandb,
                     wandb_project=cfg.logging.wandb_project, dump_samples=cfg.logging.dump_samples,
@@ -103,8 +104,6 @@ def run(job: Job, stops: SignalStops | None = None) -> list[dict]:
                     start = recovery.recover(job, log, e, ckpt, step=log.step,
                                              trainer_restarts=counters.trainer_restarts + 1,
                                              rewound_steps=counters.rewound_steps)
-                    if cfg.engine.check_weight_update_equal:
-                        check_weights_equal(job)
                 except (ActorDied, checkpoint.CheckpointError) as again:  # the recovery failed: stop
                     raise trainer_died(cfg, group, e, recoveries, why=f"recovery {recoveries} failed: {again}") from again
     finally:
@@ -119,7 +118,7 @@ def steps(job: Job, log: RunLogger, start: checkpoint.ResumePoint, stops: Signal
     actor, critic = job.actor, job.critic
     data = job.data
     skipped_samples = data.num_skipped  # lines of --prompt-data left out; logged as rollout/skipped_samples
-    _, tis_function = user_functions(cfg)
+    _, tis_function, post_process = user_functions(cfg)
     critic_only_steps = C.num_critic_only_steps(cfg)
     version = start.version
     counters = start.counters  # counts over the run, a resumed run's earlier part included
@@ -138,11 +137,15 @@ def steps(job: Job, log: RunLogger, start: checkpoint.ResumePoint, stops: Signal
         # step, and the next starts now
         with perf.phase("rollout"):
             samples, sampling_metrics = rollouts.take(step, version)
+
+        # 2. engines release the GPUs (ahead, they keep them generating); a reward model scores,
+        # and the rewards are final (weighted, post-processed: ppo.rewards)
+        if not rollouts.ahead:
+            release_engines(job, version)
+        reward_metrics = rewards.finish(job, samples, perf, post_process)
         batch = build_batch(samples, pad_id=job.tok.pad_token_id)
 
-        # 2-3. engines hand the GPUs to the actor (ahead, they keep them): old and reference log-probs
-        if not rollouts.ahead:
-            engine_handoff(job, lambda: colo.vacate(job.engine_tenants, ["kv_cache", "weights"]), version)
+        # 3. the actor takes the GPUs: old and reference log-probs
         colo.occupy([job.actor_tenant], ["params"])
         with perf.phase("log_probs"):
             batch["old_log_probs"] = actor.compute_log_probs(select(batch))["log_probs"]
@@ -180,15 +183,8 @@ def steps(job: Job, log: RunLogger, start: checkpoint.ResumePoint, stops: Signal
             version += 1
             rollouts.wait_generated(version)  # ahead: weights change between rollouts only
             sync_engines(job, version, perf)  # 7. weight sync
-        elif C.engines_discard_weights(cfg):
-            # 7'. weights unchanged, but sglang threw the engines' copy away at the release
-            # (no CPU backup: docs/architecture.md): the actor pushes them again, same version
-            colo.occupy([job.actor_tenant], ["params"])
-            colo.vacate([job.actor_tenant], ["params"], keep="params")
-            sync_engines(job, version, perf)
-        else:
-            # 8. weights unchanged: engines take back everything they released
-            engine_handoff(job, lambda: colo.occupy(job.engine_tenants, ["weights", "kv_cache"]), version)
+        else:  # 7'. weights unchanged: engines take back what they released (sglang's from the actor)
+            engines_take_back(job, version, perf)
 
         # 9. eval on the engines, which hold the new weights and their KV cache again
         if evaluation.due_after(cfg, step):
@@ -200,7 +196,7 @@ def steps(job: Job, log: RunLogger, start: checkpoint.ResumePoint, stops: Signal
         perf["perf/offload_time"] = colo.take_time()
         perf["perf/step_time"] = time.monotonic() - t_step
         log.dump_samples(step, samples)
-        log.log(step, {**rollout_metrics(batch, samples), **sampling_metrics, **mismatch,
+        log.log(step, {**rollout_metrics(batch, samples), **sampling_metrics, **reward_metrics, **mismatch,
                        "rollout/engine_restarts": engine_restarts,
                        "rollout/skipped_samples": skipped_samples,
                        "rollout/scorer_restarts": scorer_restarts,
@@ -213,6 +209,7 @@ def steps(job: Job, log: RunLogger, start: checkpoint.ResumePoint, stops: Signal
                        **{f"train/critic-{k}": v for k, v in critic_metrics.items()},
                        "rollout/weight_version": version, **perf})
         counters.skipped_updates, counters.skipped_samples = skipped, skipped_samples
+        # 10. checkpoint: the trainers save with their state on the GPUs the engines lend them
         saved = checkpoint.save_if_due(job, step, data=rollouts.data_position(), version=version, counters=counters,
                                        force=stops is not None and stops.save_requested)
         if stops is not None:  # SIGUSR1 (or SIGTERM with --save-on-signal): saved, now stop
@@ -234,27 +231,12 @@ def trainer_died(cfg: PPOConfig, group, e: ActorDied, recoveries: int, why: str 
                        f"Error file: {e.error_file or 'none (killed without a traceback)'}; {resume}")
 
 
-def sync_engines(job: Job, version: int, perf) -> None:
-    """The weight sync: engines take their weights back, the actor (holding its weights, not
-    its lease) streams buckets, the actor frees its weights, engines take the KV cache back.
-    A restarted engine needs no sync of its own while its weights come back: this one follows."""
-    colo = job.colocation
-    engine_handoff(job, lambda: colo.occupy(job.engine_tenants, ["weights"]), 0)
-    with colo.sending_weights(job.actor_tenant, job.engine_tenants), perf.phase("weight_sync"):
-        job.actor.sync_weights(job.engines, job.cfg.engine.update_weight_buffer_size, version,
-                               engine_gpus=job.placement.engines)
-    if job.cfg.engine.check_weight_update_equal:
-        check_weights_equal(job)
-    colo.drop_residual(job.actor_tenant, ["params"])
-    engine_handoff(job, lambda: colo.occupy(job.engine_tenants, ["kv_cache"]), version)
-
-
 def rollout_source(job: Job) -> Rollouts:
     """Step 1 of the loop: each step's samples, generated then or one step ahead (--train-async).
     An engine or scorer that dies is replaced; an engine is brought to the actor's version."""
     cfg, tok = job.cfg, job.tok
     sampling = sampling_params(cfg, tok.eos_token_id)
-    dynamic_sampling, _ = user_functions(cfg)
+    dynamic_sampling, _, _ = user_functions(cfg)
 
     def generate(prompts: list[dict], step: int, sampling_round: int) -> list[dict]:
         return generate_and_score(job.engines, job.scorers, prompts, sampling, step, decode=tok.decode,
@@ -272,11 +254,13 @@ def rollout_source(job: Job) -> Rollouts:
     return rollouts
 
 
-def user_functions(cfg: PPOConfig) -> tuple[DynamicSampling, object]:
-    """Dynamic sampling (its filter loaded) and the TIS function, loaded as --custom-rm-path is."""
+def user_functions(cfg: PPOConfig) -> tuple[DynamicSampling, object, object]:
+    """Dynamic sampling (its filter loaded), the TIS function and the reward post-process (or
+    None), loaded as --custom-rm-path is."""
     path = cfg.ppo.custom_tis_function_path
     return (DynamicSampling.from_config(cfg),
-            load_function(path, "custom_tis_function_path") if path else truncated_is)
+            load_function(path, "custom_tis_function_path") if path else truncated_is,
+            rewards.load_post_process(cfg))
 
 
 def run_eval(job: Job, log: RunLogger, perf, tag: int, version: int) -> None:
@@ -289,43 +273,15 @@ def run_eval(job: Job, log: RunLogger, perf, tag: int, version: int) -> None:
     log.log_eval(tag, {**metrics, "eval/weight_version": version}, samples)
 
 
-def engine_handoff(job: Job, handoff, version: int) -> None:
-    """Run a memory handoff of the engines (`colo.vacate`/`colo.occupy`); an engine found
-    dead in it (killed just before, or during its release/resume) is waited for and
-    brought to `version` (0: no sync), and the handoff runs again: its steps are idempotent
-    (releasing what is released or taking what is resident costs nothing, leases already
-    taken are kept)."""
-    while True:
-        try:
-            return handoff()
-        except ActorDied as e:
-            engine = next((x for x in job.engines if x.name == e.role), None)
-            if engine is None:
-                raise
-            recover(job, engine, e.incarnation, version)
-
-
 def restarts_since(job: Job, before: dict[str, int]) -> tuple[int, int]:
-    """(engine, scorer) restarts since `before` (a `sup.restart_counts()`). The supervisor counts
-    each at the death, so one the loop never saw (a scorer killed idle and back before its next
-    call) counts, and one seen by two calls counts once."""
+    """(engine, scorer) restarts since `before` (a `sup.restart_counts()`); scorers are the rule
+    scorers and the reward model's ranks. The supervisor counts each at the death, so one the
+    loop never saw (a scorer killed idle and back before its next call) counts, and one seen by
+    two calls counts once."""
     now = job.sup.restart_counts()
     def since(roles):
         return sum(now.get(r.name, 0) - before.get(r.name, 0) for r in roles)
-    return since(job.engines), since(job.scorers)
-
-
-def recover(job: Job, role, dead_incarnation: int, version: int) -> None:
-    """Wait for a restarted engine or scorer; bring an engine to the current policy version."""
-    job.sup.wait_restarted(role.name, dead_incarnation)
-    if role.name.startswith("rollout-") and version > 0:
-        gpus = job.placement.engines[job.engines.index(role)]
-        # Disaggregated, the actor's GPUs are idle during a rollout: it takes them to send
-        # (a resident actor allocates its bucket buffers there). Colocated it is offloaded.
-        sending = (job.colocation.sending_weights(job.actor_tenant, []) if not job.cfg.placement.colocate
-                   else contextlib.nullcontext())
-        with sending:
-            job.actor.sync_weights([role], job.cfg.engine.update_weight_buffer_size, version, engine_gpus=[gpus])
+    return since(job.engines), since([*job.scorers, *job.reward_models])
 
 
 def check_skipped(cfg: PPOConfig, skipped: float) -> float:
@@ -405,14 +361,3 @@ def rollout_metrics(batch: dict, samples: list[dict]) -> dict[str, float]:
         "rollout/advantages": (batch["advantages"] * mask).sum().item() / n_tok.item(),
         "rollout/returns": (batch["returns"] * mask).sum().item() / n_tok.item(),
     }
-
-
-def check_weights_equal(job: Job) -> None:
-    """--check-weight-update-equal: every engine's weights equal the actor's, bit for bit."""
-    want = job.actor.weights_checksum()
-    for engine, got in zip(job.engines, gather([e.weights_checksum.call() for e in job.engines])):
-        bad = sorted(k for k in want if got.get(k) != want[k]) + sorted(set(got) - set(want))
-        if bad:
-            raise RuntimeError(f"weight sync check failed: {engine.name} differs from the actor on "
-                               f"{len(bad)} tensors, e.g. {bad[:5]}")
-

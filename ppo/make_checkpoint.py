@@ -1,6 +1,7 @@
 """Write an UNTRAINED checkpoint of a named architecture, and math prompts, with no model hub.
 
     python -m ppo.make_checkpoint --arch qwen3-4b OUT_DIR
+    python -m ppo.make_checkpoint --arch qwen3-4b-rm OUT_DIR    # a reward model (--reward-model-path)
 
 OUT_DIR becomes an ordinary Hugging Face checkpoint directory (config.json,
 generation_config.json, model.safetensors, tokenizer files with a chat template, and a
@@ -16,7 +17,9 @@ measuring the pipeline (memory, handoffs, throughput), not for learning curves. 
 tokenizer is a byte-level BPE trained on the generated prompts (every text encodes; fewer
 tokens than Qwen's own). `--override key=value` changes the architecture's config (tests
 write a small model through this same code); `parameter_count` sizes an architecture on
-the meta device without allocating its weights.
+the meta device without allocating its weights. The `-rm` architectures are reward models:
+a sequence classifier with one label (a score head in place of the LM head), as
+`--reward-model-path` reads them (roles.reward.model); untrained, their scores are noise too.
 """
 
 from __future__ import annotations
@@ -30,10 +33,13 @@ from pathlib import Path
 import torch
 import transformers
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-from transformers import AutoModelForCausalLM, GenerationConfig, PreTrainedTokenizerFast, Qwen3Config
+from transformers import (AutoModelForCausalLM, AutoModelForSequenceClassification, GenerationConfig,
+                          PreTrainedTokenizerFast, Qwen3Config)
 
 from ppo.dapo_prompts import dapo_math_records, write_dapo_math_prompts
 from roles.model_spec import ModelSpec
+
+TOKENIZER_VOCAB = 8192  # the BPE tokenizer's size, its specials included
 
 # Qwen3-4B's config.json as Qwen publishes it (the fields that shape the model).
 ARCHS: dict[str, dict] = {
@@ -41,13 +47,18 @@ ARCHS: dict[str, dict] = {
                      num_key_value_heads=8, head_dim=128, vocab_size=151936, max_position_embeddings=40960,
                      rope_theta=1_000_000.0, rms_norm_eps=1e-6, tie_word_embeddings=True),
 }
+ARCHS["qwen3-4b-rm"] = dict(ARCHS["qwen3-4b"], tie_word_embeddings=False)  # no LM head to tie
+# a reward model small enough for a test or a CPU run, with the BPE tokenizer's vocabulary
+ARCHS["qwen3-tiny-rm"] = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                              num_key_value_heads=2, head_dim=16, vocab_size=TOKENIZER_VOCAB,
+                              max_position_embeddings=4096, rope_theta=1_000_000.0, rms_norm_eps=1e-6)
+REWARD_MODELS = frozenset({"qwen3-4b-rm", "qwen3-tiny-rm"})  # one-label sequence classifiers
 # Qwen's special tokens; <|im_end|> ends a chat turn, and so a response.
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>")
 PAD_TOKEN, EOS_TOKEN = "<|endoftext|>", "<|im_end|>"
 CHAT_TEMPLATE = (
     "{%- for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] "
     "+ '<|im_end|>\\n' }}{%- endfor %}{%- if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{%- endif %}")
-TOKENIZER_VOCAB = 8192
 PROMPTS_FILE = "dapo_math_prompts.jsonl"
 
 
@@ -61,6 +72,8 @@ def arch_config(arch: str, overrides: dict | None = None) -> Qwen3Config:
     if unknown:
         raise ValueError(f"--override {unknown[0]}: not a field of Qwen3Config")
     config = Qwen3Config(**fields)
+    if arch in REWARD_MODELS:
+        config.num_labels = 1
     try:
         ModelSpec.from_hf(config)
     except ValueError as e:
@@ -68,10 +81,15 @@ def arch_config(arch: str, overrides: dict | None = None) -> Qwen3Config:
     return config
 
 
+def model_class(config: Qwen3Config):
+    """A reward model's (one label) sequence-classifier class, else the causal LM's."""
+    return AutoModelForSequenceClassification if config.num_labels == 1 else AutoModelForCausalLM
+
+
 def parameter_count(config: Qwen3Config) -> int:
     """Parameters of the model (tied weights once), built on the meta device: no memory."""
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config)
+        model = model_class(config).from_config(config)
     return sum(p.numel() for p in model.parameters())
 
 
@@ -104,8 +122,9 @@ def write_checkpoint(out_dir: str | os.PathLike, *, arch: str, overrides: dict |
     config.eos_token_id, config.pad_token_id, config.bos_token_id = eos, pad, None
     with torch.random.fork_rng(devices=[]), torch.device(device):
         torch.manual_seed(seed)
-        model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype))
-    model.generation_config = GenerationConfig(eos_token_id=eos, pad_token_id=pad)
+        model = model_class(config).from_config(config, dtype=getattr(torch, dtype))
+    if model.can_generate():
+        model.generation_config = GenerationConfig(eos_token_id=eos, pad_token_id=pad)
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out, safe_serialization=True)
     tokenizer.save_pretrained(out)

@@ -4,7 +4,9 @@ GPU ids are global: GPU `g` is local device `g % num_gpus_per_node` of node
 `g // num_gpus_per_node`. The actor takes its GPUs node by node; the critic, when there is
 one, sits on exactly the actor's GPUs with the actor's parallelism (as in miles). Colocated
 engines tile the actor's GPUs; otherwise they take the free GPUs after the actor's, never
-straddling a node. Reward scorers are CPU processes.
+straddling a node. Rule reward scorers are CPU processes; a reward model has one scorer rank
+per GPU, on the engines' GPUs (taking its turn in the memory handoff) or, with
+--reward-model-num-gpus N, on N free GPUs of its own.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ class Placement:
     critic_gpus: list[int]  # [] without a critic, else the actor's
     engines: list[list[int]]  # one GPU list per rollout engine
     num_reward_workers: int  # CPU processes, no GPU
+    reward_model_gpus: list[int]  # reward-model rank i runs on reward_model_gpus[i]; [] without one
     num_nodes: int
     num_gpus_per_node: int
     fake_gpus: bool
@@ -45,11 +48,18 @@ def plan_placement(cfg: PPOConfig) -> Placement:
     else:
         engines = _engines_after(set(actor), num_engines(cfg), per_engine, per_node)
     used = actor + [g for engine in engines for g in engine]
+    reward_model = []
+    if cfg.reward.reward_model_path is not None:
+        n = cfg.reward.reward_model_num_gpus
+        reward_model = (sorted({g for engine in engines for g in engine}) if n == 0 else
+                        [g for gpus in _engines_after(set(used), n, 1, per_node) for g in gpus])
+        used += reward_model
     return Placement(
         actor_gpus=actor,
         critic_gpus=list(actor) if uses_critic(cfg) else [],
         engines=engines,
         num_reward_workers=cfg.reward.num_reward_workers,
+        reward_model_gpus=reward_model,
         num_nodes=max(used) // per_node + 1,
         num_gpus_per_node=per_node,
         fake_gpus=p.fake_gpus,
@@ -90,12 +100,14 @@ def format_placement(plan: Placement) -> str:
     if plan.critic_gpus:
         rows.append(("critic", plan.critic_gpus, format_ranks(plan, plan.critic_gpus)))
     rows += [(f"engine {i}", gpus, "") for i, gpus in enumerate(plan.engines)]
+    if plan.reward_model_gpus:
+        rows.append(("reward model", plan.reward_model_gpus, f"{len(plan.reward_model_gpus)} ranks"))
     kind = "fake GPUs" if plan.fake_gpus else "GPUs"
-    lines = [f"{'role':<12}{kind:<24}{'nodes':<8}processes"]
+    lines = [f"{'role':<14}{kind:<24}{'nodes':<8}processes"]
     for role, gpus, ranks in rows:
         nodes = sorted({plan.node_of(g) for g in gpus})
-        lines.append(f"{role:<12}{_span(gpus):<24}{_span(nodes):<8}{ranks or '1'}".rstrip())
-    lines.append(f"{'reward':<12}{f'cpu x {plan.num_reward_workers}':<24}-")
+        lines.append(f"{role:<14}{_span(gpus):<24}{_span(nodes):<8}{ranks or '1'}".rstrip())
+    lines.append(f"{'reward':<14}{f'cpu x {plan.num_reward_workers}':<24}-")
     lines.append(f"{plan.num_nodes} node(s) x {plan.num_gpus_per_node} {kind}")
     return "\n".join(lines)
 

@@ -56,10 +56,9 @@ def recover(job: Job, log: RunLogger, died: ActorDied, ckpt: checkpoint.Checkpoi
         sup.respawn_group(group.name, reason)  # returns once the old ranks are gone
         colo.evict(tenant)
     # As at the job's start, the trainers build beside no engine memory (megatron builds on
-    # the GPU), then the engines hold their GPUs, weights and KV cache, as a --load resume finds them.
+    # the GPU); the restore then loads them and syncs the engines (ppo.checkpoint.restore).
     colo.vacate(job.engine_tenants, ["kv_cache", "weights"])
     sup.wait_ready([rank.name for group, _ in groups for rank in group.ranks])
-    colo.occupy(job.engine_tenants, ["weights", "kv_cache"])
     point = checkpoint.restore(job, job.data, ckpt)
     log.rewind(ckpt.step)
     sup.publish("rewind", from_step=step, to_step=point.step, checkpoint=str(ckpt.actor_dir), role=died.role,

@@ -3,8 +3,9 @@
 Requests are spread evenly over the engines; each engine's results go to a reward scorer
 (round robin) as soon as that engine returns, so scoring overlaps the slower engines'
 generation. Every request carries its own seed, derived from (rollout seed, step, sample
-index, and the dynamic-sampling round after the first): a sample does not depend on which engine
-produced it or what it was batched with.
+index, and the dynamic-sampling round after the first): where the engine is batch invariant (the
+torch engine in fp32; roles/rollout/torch_engine/sampler.py says what holds in bf16), a sample
+does not depend on which engine produced it or what it was batched with.
 """
 
 from __future__ import annotations
@@ -61,7 +62,8 @@ def generate_and_score(engines: list[ActorHandle], scorers: list[ActorHandle], p
     An engine or scorer that dies mid-call is replaced (`recover(handle, dead_incarnation)`
     waits for the restarted incarnation and, for an engine, syncs it to the current policy), and its
     unfinished work is issued again. Requests carry their own seeds, so a re-issued request
-    yields the sample it would have yielded the first time; results are keyed by request
+    yields the sample it would have yielded the first time (where the engine is batch
+    invariant; else one of the same distribution); results are keyed by request
     id, so nothing is counted twice. (Restarts are counted by the supervisor, at each death.)
     """
     requests = make_requests(prompts, params, step, sampling_round)
@@ -101,6 +103,10 @@ def generate_and_score(engines: list[ActorHandle], scorers: list[ActorHandle], p
                 samples[r["id"]] = s
                 scored.append({k: s[k] for k in ("index", "group_index", "prompt", "response", "label",
                                                  "metadata")})
+            if not scorers:  # a reward model alone: it scores the whole rollout after generation (ppo.rewards)
+                for x in scored:
+                    samples[x["index"]].update(reward=0.0, reward_status="ok")
+                continue
             # one scoring call per engine result; spread over the scorers round robin
             key = next_scorer
             next_scorer += 1
@@ -126,6 +132,7 @@ def _sample(r: dict, group: int, prompt: dict, decode, eos_id: int) -> dict:
     text_ids = ids[:-1] if ids and ids[-1] == eos_id else ids
     return {"index": r["id"], "group_index": group,
             "prompt": prompt["prompt"], "prompt_ids": list(prompt["prompt_ids"]), "label": prompt.get("label"),
+            "messages": prompt.get("messages"),  # the chat before its template, for a reward model
             "metadata": prompt.get("metadata") or {}, "response_ids": ids,
             "rollout_log_probs": r["logprobs"], "finish_reason": r["finish_reason"],
             "weight_version": r["weight_version"], "response": decode(text_ids)}

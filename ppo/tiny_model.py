@@ -26,12 +26,16 @@ from transformers import (
     PreTrainedTokenizerFast,
     Qwen3Config,
     Qwen3ForCausalLM,
+    Qwen3ForSequenceClassification,
 )
 
 # Ids 0..3 are fixed so tests and recipes can name them without loading the tokenizer.
 SPECIAL_TOKENS = ("<pad>", "<eos>", "<bos>", "<unk>")
 PAD_ID, EOS_ID, BOS_ID, UNK_ID = range(len(SPECIAL_TOKENS))
 TOKEN_CHARS = string.digits + "+-*=() " + string.ascii_lowercase
+# A reward model reads the conversation through its chat template; the tiny one's uses only
+# characters of the vocabulary: "u 1+1= a 2 ".
+TINY_CHAT_TEMPLATE = "{%- for m in messages %}{{ m['role'][0] + ' ' + m['content'] + ' ' }}{%- endfor %}"
 
 
 def tiny_vocab() -> dict[str, int]:
@@ -69,8 +73,11 @@ def build_tiny_checkpoint(
     intermediate_size: int = 128,
     max_position_embeddings: int = 64,
     tie_word_embeddings: bool = False,
+    reward_model: bool = False,
 ) -> str:
     """Write a randomly initialised Qwen3 causal LM and its tokenizer to `out_dir`; return the path.
+    With `reward_model`, a Qwen3 sequence classifier with one label (an untrained Bradley-Terry
+    reward model, roles.reward.model) whose tokenizer has a chat template.
 
     The same `seed` and sizes always give byte-identical weights. The global torch RNG is
     left untouched. Weights are stored in float32; pick the compute dtype when loading.
@@ -96,9 +103,12 @@ def build_tiny_checkpoint(
         eos_token_id=EOS_ID,
         dtype="float32",
     )
+    if reward_model:
+        config.num_labels = 1
+        tokenizer.chat_template = TINY_CHAT_TEMPLATE
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model = Qwen3ForCausalLM(config)
+        model = (Qwen3ForSequenceClassification if reward_model else Qwen3ForCausalLM)(config)
     model.generation_config = GenerationConfig(
         bos_token_id=BOS_ID, eos_token_id=EOS_ID, pad_token_id=PAD_ID
     )

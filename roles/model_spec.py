@@ -16,11 +16,21 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any, Container, Iterable, Mapping
 
 from roles.rope import ROPE_TYPES, Rope, yarn_mscale
 
 SUPPORTED_MODEL_TYPES = ("qwen3", "qwen2", "llama", "mistral")
+
+# Checkpoint tensors that a model built from the spec has no place for and may drop, each with
+# why (`ModelSpec.ignores`); any other tensor without a place (q/k/v biases on an arch without
+# them, a reward head) means the checkpoint is not the model its config describes, and every
+# loader refuses it by name (`ModelSpec.refuse_unplaced`, megatron's mapper.unplaced_problem):
+#   *.rotary_emb.inv_freq   RoPE's inverse frequencies, a buffer older exports saved; roles.rope
+#                           computes them (transformers skips them too, modeling_utils.py)
+#   lm_head.weight (tied)   with tied embeddings the output projection is the embedding (HF's
+#                           tie_weights replaces a stored copy the same way)
+IGNORED_TENSOR_SUFFIXES = (".rotary_emb.inv_freq",)
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -116,6 +126,19 @@ class ModelSpec:
                 "(uneven pipeline stages are not built)"
             )
 
+    def ignores(self, name: str) -> bool:
+        """Whether checkpoint tensor `name` is one a model of this spec drops (IGNORED_TENSOR_SUFFIXES)."""
+        return name.endswith(IGNORED_TENSOR_SUFFIXES) or (self.tied_embeddings and name == "lm_head.weight")
+
+    def refuse_unplaced(self, names: Iterable[str], placed: Container[str], *, loader: str) -> None:
+        """Refuse the first checkpoint tensor of `names` that the loader's model has no place for
+        (not in `placed`, not one it `ignores`): dropping it would run another model than the
+        checkpoint's, e.g. attention biases that config.json does not declare."""
+        for name in names:
+            if name not in placed and not self.ignores(name):
+                raise ValueError(f"{loader}: checkpoint tensor {name!r} has no place in the {self.model_type} model "
+                                 "that config.json describes; fix the config or the checkpoint")
+
     def check_plain_rope(self, backend: str) -> None:
         """Refuse RoPE scaling for a backend that builds plain RoPE only (megatron: with
         transformer-engine its own RotaryEmbedding takes nothing but rotary_base)."""
@@ -193,3 +216,4 @@ def rope_from_hf(cfg: dict) -> Rope:
                 original_max_position_embeddings=original, beta_fast=float(params.get("beta_fast") or 32),
                 beta_slow=float(params.get("beta_slow") or 1), truncate=bool(params.get("truncate", True)),
                 attention_factor=float(attention_factor))
+

@@ -440,8 +440,8 @@ class Supervisor:
             poller = zmq.Poller()
             poller.register(self._control, zmq.POLLIN)
             poller.register(self._wake_fd, zmq.POLLIN)
-            with self._lock:
-                live = {c.process.sentinel: c for c in self._children.values()
+            with self._lock:  # the incarnation too: the driver may restart the child before we handle it
+                live = {c.process.sentinel: (c, c.incarnation) for c in self._children.values()
                         if c.state != "dead" and c.process is not None and c.spec.group not in self._respawning}
             for fd in live:
                 poller.register(fd, zmq.POLLIN)
@@ -451,7 +451,8 @@ class Supervisor:
                 elif sock == self._wake_fd:
                     os.eventfd_read(self._wake_fd)
                 elif sock in live and not self._stopping:
-                    self._on_death(live[sock], reason=exit_reason(live[sock].process))
+                    child, incarnation = live[sock]
+                    self._on_death(child, incarnation, reason=exit_reason(child.process))
             if self._stopping:
                 break
             self._check_heartbeats()
@@ -495,20 +496,22 @@ class Supervisor:
     def _check_heartbeats(self) -> None:
         now = time.monotonic()
         with self._lock:
-            children = [c for c in self._children.values()
+            children = [(c, c.incarnation) for c in self._children.values()
                         if c.state != "dead" and c.spec.group not in self._respawning]
-        for c in children:
+        for c, incarnation in children:
+            if c.incarnation != incarnation:  # restarted since: its new process is not the one we judged
+                continue
             if c.last_beat is not None and now - c.last_beat > self.heartbeat_timeout:
                 self.bus.publish("hung", role=c.spec.name, incarnation=c.incarnation, pid=c.process.pid,
                                  silent_s=round(now - c.last_beat, 3))
                 kill_tree(c.process.pid)
                 c.process.join(timeout=5)
-                self._on_death(c, reason=f"hung: no heartbeat for {now - c.last_beat:.1f} s "
+                self._on_death(c, incarnation, reason=f"hung: no heartbeat for {now - c.last_beat:.1f} s "
                                          f"(heartbeat_timeout={self.heartbeat_timeout} s); killed")
             elif c.last_beat is None and now - c.started_at > self.ready_timeout_s:
                 kill_tree(c.process.pid)
                 c.process.join(timeout=5)
-                self._on_death(c, reason=f"did not start within ready_timeout_s={self.ready_timeout_s}")
+                self._on_death(c, incarnation, reason=f"did not start within ready_timeout_s={self.ready_timeout_s}")
 
     def _publish_stats(self) -> None:
         roles = {}
@@ -528,9 +531,13 @@ class Supervisor:
         self.bus.publish("role_stats", roles=roles)
 
     # -- death and restarts ---------------------------------------------------------------
-    def _on_death(self, child: _Child, reason: str) -> None:
+    def _on_death(self, child: _Child, incarnation: int, reason: str) -> None:
+        """The death of `child`'s `incarnation`: nothing if a later one runs already (the
+        watch thread saw the sentinel of a rank that respawn_group stopped and started again;
+        taking it for the new one's death failed a megatron recovery on the H200)."""
         with self._lock:
-            if child.state == "dead" or child.spec.group in self._respawning:  # respawn_group stops it
+            if (child.state == "dead" or child.incarnation != incarnation
+                    or child.spec.group in self._respawning):  # respawn_group stops it
                 return
             child.state = "dead"
         spec = child.spec

@@ -2,6 +2,7 @@
 trainer RNG and HF exports, and a resumed run that repeats the uninterrupted one."""
 
 import errno
+import contextlib
 import json
 import re
 import os
@@ -41,9 +42,16 @@ def trainer_config(hf, **overrides):
                 keep_ref=False, **overrides)
 
 
+def resident(trainer):
+    """A trainer with its weights and optimizer on the device, as the driver's checkpoint
+    windows leave it for a save or a load (ppo.handoffs)."""
+    trainer.onload(["params", "optimizer"])
+    return trainer
+
+
 @pytest.fixture(scope="module")
 def trainers(hf):
-    return ActorTrainer(trainer_config(hf)), CriticTrainer(trainer_config(hf))
+    return resident(ActorTrainer(trainer_config(hf))), resident(CriticTrainer(trainer_config(hf)))
 
 
 @pytest.fixture
@@ -273,7 +281,7 @@ def test_checkpoint_of_another_model_or_a_critic_folder_is_refused(tmp_path, tra
     with pytest.raises(ck.CheckpointError, match=r"missing \['driver_state.json'\] \(this looks like a critic folder"):
         locate(tmp_path, hf, load="save_critic")
     # the trainer's own check, for a checkpoint whose driver state was not consulted
-    small = ActorTrainer(trainer_config(other))
+    small = resident(ActorTrainer(trainer_config(other)))
     with pytest.raises(ValueError, match=r"does not match the model"):
         small.load(str(tmp_path / "save" / "rollout_00001"))
 
@@ -311,7 +319,7 @@ def test_trainer_load_restores_its_rng_state(tmp_path, trainers, hf):
     actor.save(str(tmp_path / "a"))
     after_save = torch.rand(3)
     torch.manual_seed(99)
-    ActorTrainer(trainer_config(hf)).load(str(tmp_path / "a"))
+    resident(ActorTrainer(trainer_config(hf))).load(str(tmp_path / "a"))
     assert torch.equal(torch.rand(3), after_save)
 
 
@@ -471,8 +479,11 @@ def test_a_full_disk_stops_the_save_in_one_line_and_keeps_the_last_checkpoint(tm
                                                                                 monkeypatch, remote):
     save(tmp_path, trainers, data, 1, hf)
     cfg = override(tiny_ppo(), save=str(tmp_path / "save"), save_interval=1, num_rollout=4)
-    job = SimpleNamespace(cfg=cfg, actor=FullDiskActor(remote), critic=None, hf_checkpoint=hf,
+    job = SimpleNamespace(cfg=cfg, actor=FullDiskActor(remote), critic=None, hf_checkpoint=hf, actor_tenant=None,
                           sup=SimpleNamespace(publish=lambda *a, **k: None))
+    # no engines to lend GPUs, a trainer without memory tags: the save itself, straight
+    monkeypatch.setattr(ck, "lent_to_trainers", lambda job, version: contextlib.nullcontext())
+    monkeypatch.setattr(ck, "OnGPUs", lambda job, group, tenant: group)
     if remote:  # the role said nothing of space: the free space of the folder's filesystem does
         monkeypatch.setattr(ck, "_free_bytes", lambda path: 4096)
     with pytest.raises(ck.SaveFailed) as failed:
@@ -495,3 +506,19 @@ def test_a_checkpoint_from_before_manifests_is_taken_unverified_with_a_warning(t
     assert locate(tmp_path, hf).step == 1
     warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
     assert len(warnings) == 2 and all("has no MANIFEST.json (an older checkpoint)" in w for w in warnings)
+
+
+def test_a_trainer_saves_and_loads_only_with_its_state_on_the_device(tmp_path, trainers, hf):
+    """Every backend holds megatron's contract (it can do no other), so that the driver's
+    checkpoint windows (ppo.handoffs) are exercised by every CPU run, not only on a GPU."""
+    actor = ActorTrainer(trainer_config(hf))  # built offloaded
+    for call in (actor.save, actor.load):
+        with pytest.raises(RuntimeError, match=r"\['params', 'optimizer'\] offloaded; call onload"):
+            call(str(tmp_path / "a"))
+    trainers[0].save(str(tmp_path / "a"))
+    actor.onload(["params"])
+    with pytest.raises(RuntimeError, match=r"\['optimizer'\] offloaded"):
+        actor.load(str(tmp_path / "a"))
+    actor.onload(["optimizer"])
+    actor.load(str(tmp_path / "a"))
+    assert actor.weights_checksum() == trainers[0].weights_checksum()

@@ -221,8 +221,16 @@ def test_recompute_flags_reach_the_trainer_configs():
     for critic in (False, True):
         mt = MegatronTrainerConfig.from_dict(trainer_config(cfg, "ckpt", critic=critic, dtype="bfloat16"))
         assert (mt.recompute_granularity, mt.recompute_method, mt.recompute_num_layers) == ("full", "block", 6)
-    assert MegatronTrainerConfig.from_dict(trainer_config(
-        parse_args(["--recipe", "qwen3_4b_ppo", *one_gpu_layout]), "ckpt", critic=False, dtype="bfloat16")).recompute_granularity is None
+    plain = MegatronTrainerConfig.from_dict(trainer_config(
+        parse_args(["--recipe", "qwen3_4b_ppo", *one_gpu_layout]), "ckpt", critic=False, dtype="bfloat16"))
+    assert plain.recompute_granularity is None and plain.transformer_impl == "local"
+    assert plain.offload_tags == ("params", "grads", "optimizer")  # the tags the plan offloads each iteration
+    keep_weights = parse_args(["--recipe", "qwen3_4b_ppo", *one_gpu_layout, "--offload-train-level", "optimizer"])
+    assert MegatronTrainerConfig.from_dict(trainer_config(keep_weights, "ckpt", critic=False, dtype="bfloat16")
+                                           ).offload_tags == ("grads", "optimizer")
+    te = parse_args(["--recipe", "qwen3_4b_ppo", *one_gpu_layout, "--transformer-impl", "transformer_engine"])
+    assert MegatronTrainerConfig.from_dict(trainer_config(te, "ckpt", critic=True, dtype="bfloat16")
+                                           ).transformer_impl == "transformer_engine"
 
     torch_flags = ["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"]
     for argv, expected in (([], False), (torch_flags, True)):

@@ -89,6 +89,7 @@ FIELD_RULES = [
      ["--recompute-method 'all'", "training.recompute_method", "one of: uniform, block"]),
     ({"recompute_num_layers": 0, "recompute_granularity": "full", "recompute_method": "block"},
      ["--recompute-num-layers 0", "training.recompute_num_layers", ">= 1"]),
+    ({"transformer_impl": "te"}, ["--transformer-impl 'te'", "one of: local, transformer_engine"]),
 ]
 
 
@@ -109,6 +110,18 @@ CROSS_RULES = [
      ["--prompt-data 'generated:poetry'", "generated:arithmetic"]),
     (TINY, {"rm_type": "gsm8k"}, ["--rm-type 'gsm8k'", "reward.rm_type", "one of: deepscaler"]),
     (TINY, {"rm_type": None}, ["--rm-type", "is not set", "--custom-rm-path"]),
+    (TINY, {"rm_type": "remote_rm"}, ["--rm-type remote_rm needs", "Please add --rm-url http://"]),
+    (TINY, {"rm_url": "http://h:1/r"},
+     ["--rm-url 'http://h:1/r' (reward.rm_url) is set but --rm-type is not remote_rm",
+      "Please add --rm-type remote_rm"]),
+    (TINY, {"rm_type": "remote_rm", "rm_url": "h:1"}, ["--rm-url 'h:1'", "http://HOST[:PORT]/PATH"]),
+    (TINY, {"rm_max_concurrency": 0}, ["--rm-max-concurrency 0", "reward.rm_max_concurrency"]),
+    (TINY, {"reward_model_num_gpus": 1}, ["--reward-model-num-gpus 1", "is set but --reward-model-path is not"]),
+    (TINY, {"reward_model_path": "/rm", "advantage_estimator": "grpo", "num_critic_only_steps": 0,
+            "dynamic_sampling_filter_path": "ppo.dynamic_sampling.check_reward_nonzero_std"},
+     ["--dynamic-sampling-filter-path", "so is --reward-model-path", "before the reward model scores"]),
+    (TINY, {"reward_model_path": "/rm", "rm_type": None},
+     ["--eval-prompt-data", "eval sets are graded by rules", "--rule-reward-coef 0"]),
     (TINY, {"rollout_top_k": 0},
      ["--rollout-top-k 0", "rollout.rollout_top_k", "-1 (off) or >= 1"]),
     (TINY, {"use_kl_loss": False, "kl_loss_coef": 0.1},
@@ -205,6 +218,8 @@ CROSS_RULES = [
     (QWEN, {"colocate": False, "rollout_num_gpus": 4, "advantage_estimator": "grpo",
             "num_critic_only_steps": 0, "offload_train_level": "optimizer"},
      ["--offload-train-level 'optimizer'", "--offload-train is off"]),
+    (TINY, {"transformer_impl": "transformer_engine"},
+     ["--transformer-impl 'transformer_engine' (training.transformer_impl)", "needs --train-backend megatron"]),
     (TINY, {"use_wandb": True},
      ["--use-wandb is set but --wandb-project", "Please add --wandb-project"]),
 ]
@@ -238,6 +253,16 @@ def test_grpo_gspo_and_the_new_algorithms_run_on_the_recipe_with_no_other_flag()
 
 def test_custom_reward_function_replaces_rm_type():
     assert problems_of(TINY, rm_type="not-registered", custom_rm_path="my.rewards:score") == []
+
+
+def test_a_reward_model_may_score_alone_or_beside_a_rule():
+    assert problems_of(TINY, reward_model_path="/rm", reward_model_coef=0.5, reward_model_num_gpus=2) == []
+    assert problems_of(TINY, reward_model_path="/rm", rm_type=None, eval_prompt_data=None, eval_interval=None) == []
+
+
+def test_remote_rm_is_an_rm_type_beside_the_registry():
+    assert problems_of(TINY, rm_type="remote_rm", rm_url="http://127.0.0.1:8000/reward", reward_key="score",
+                       custom_reward_post_process_path="my.rewards:post") == []
 
 
 def test_rm_types_come_from_the_registry_passed_in():

@@ -8,7 +8,8 @@ from ppo.config import PPOConfig
 from ppo.config.serialize import override
 from ppo.config.validate import ensure_valid
 from ppo.job import start_job
-from ppo.loop import check_weights_equal, run, train
+from ppo.handoffs import check_weights_equal
+from ppo.loop import run, train
 from ppo.recipes import tiny_ppo
 from roles.weight_checksum import checksum_named_tensors
 from runtime.fakegpu import FakeDevice, check_no_overlap

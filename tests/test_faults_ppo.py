@@ -171,11 +171,11 @@ def test_an_engine_found_dead_at_a_handoff_is_recovered_and_the_handoff_rerun(mo
     engine is recovered there and the handoff runs again (the supervisor counts the restart)."""
     from types import SimpleNamespace
 
-    import ppo.loop
+    import ppo.handoffs
     from runtime import ActorDied
 
     recovered, calls = [], []
-    monkeypatch.setattr(ppo.loop, "recover", lambda job, role, dead, version: recovered.append((role.name, dead)))
+    monkeypatch.setattr(ppo.handoffs, "recover", lambda job, role, dead, version: recovered.append((role.name, dead)))
     job = SimpleNamespace(engines=[SimpleNamespace(name="rollout-0")])
 
     def handoff():
@@ -183,14 +183,14 @@ def test_an_engine_found_dead_at_a_handoff_is_recovered_and_the_handoff_rerun(mo
         if len(calls) == 1:
             raise ActorDied("rollout-0", 2, "killed")
 
-    ppo.loop.engine_handoff(job, handoff, 5)
+    ppo.handoffs.engine_handoff(job, handoff, 5)
     assert (recovered, len(calls)) == ([("rollout-0", 2)], 2)
 
     def trainer_dies():
         raise ActorDied("actor.0", 1, "killed")
 
     with pytest.raises(ActorDied):  # not an engine: the handoff does not own it
-        ppo.loop.engine_handoff(job, trainer_dies, 5)
+        ppo.handoffs.engine_handoff(job, trainer_dies, 5)
     assert recovered == [("rollout-0", 2)]
 
 
@@ -200,6 +200,8 @@ def test_step_restarts_are_the_supervisors_counts_since_the_step_began():
     from ppo.loop import restarts_since
 
     names = lambda *n: [SimpleNamespace(name=x) for x in n]  # noqa: E731
-    sup = SimpleNamespace(restart_counts=lambda: {"rollout-0": 3, "rollout-1": 1, "reward-0": 2, "actor.0": 5})
-    job = SimpleNamespace(sup=sup, engines=names("rollout-0", "rollout-1"), scorers=names("reward-0", "reward-1"))
-    assert restarts_since(job, {"rollout-0": 2, "reward-0": 2}) == (2, 0)
+    sup = SimpleNamespace(restart_counts=lambda: {"rollout-0": 3, "rollout-1": 1, "reward-0": 2, "actor.0": 5,
+                                                  "reward-model-1": 1})
+    job = SimpleNamespace(sup=sup, engines=names("rollout-0", "rollout-1"), scorers=names("reward-0", "reward-1"),
+                          reward_models=names("reward-model-0", "reward-model-1"))
+    assert restarts_since(job, {"rollout-0": 2, "reward-0": 2}) == (2, 1)

@@ -133,6 +133,23 @@ def test_a_layout_the_model_cannot_split_stops_before_anything_starts(ckpt):
         "num_hidden_layers=2 (uneven pipeline stages are not built)")
 
 
+def test_a_checkpoint_tensor_the_model_has_no_place_for_stops_before_anything_starts(ckpt, tmp_path):
+    """A q bias in a checkpoint whose config has none (another architecture's tensors): named
+    from the safetensors headers before start, as the trainers' loader would refuse it."""
+    import shutil
+
+    import torch
+    from safetensors.torch import save_file
+
+    from ppo.job import trainer_layout_problem
+
+    model = shutil.copytree(ckpt, tmp_path / "model")
+    save_file({"model.layers.1.self_attn.q_proj.bias": torch.zeros(4)}, str(model / "extra.safetensors"))
+    problem = trainer_layout_problem(override(qwen3_4b_ppo(), hf_checkpoint=str(model)))
+    assert problem.startswith(f"--hf-checkpoint {model}: checkpoint tensor 'model.layers.1.self_attn.q_proj.bias' "
+                              "has no place in the qwen3 model its config describes"), problem
+
+
 def test_an_unreadable_model_config_is_named_as_such_not_as_a_layout(tmp_path):
     from ppo.job import trainer_layout_problem
 

@@ -24,7 +24,7 @@ def batch():
 def test_tis_weights_and_metrics_reach_the_batch_and_the_log():
     cfg = override(tiny_ppo(), use_tis=True, tis_clip=1.5, get_mismatch_metrics=True)
     b = batch()
-    _, tis = user_functions(cfg)
+    _, tis, _ = user_functions(cfg)
     metrics = mismatch_correction(cfg, b, tis)
     want = (b["old_log_probs"] - b["rollout_log_probs"]).exp().clamp(0, 1.5) * b["loss_mask"]
     torch.testing.assert_close(b["tis_weights"], want)
@@ -46,7 +46,7 @@ def test_metrics_alone_leave_the_loss_unweighted_and_rollout_logprobs_replace_th
 def test_custom_tis_function_by_path_and_its_contract(tmp_path):
     cfg = override(tiny_ppo(), use_tis=True, custom_tis_function_path="ppo.algorithms.mismatch:masked_is")
     b = batch()
-    _, fn = user_functions(cfg)
+    _, fn, _ = user_functions(cfg)
     assert fn is masked_is
     mismatch_correction(cfg, b, fn)
     assert (b["tis_weights"] == 0).any()

@@ -63,3 +63,18 @@ def test_writes_an_untrained_checkpoint_that_loads_and_says_so(tmp_path, capsys)
           *[a for o in SMALL for a in ("--override", o)]])
     assert (again / "model.safetensors").read_bytes() == (out / "model.safetensors").read_bytes()
     assert json.loads((again / "config.json").read_text()) == json.loads((out / "config.json").read_text())
+
+
+def test_reward_model_archs_write_a_one_label_classifier_the_scorer_accepts(tmp_path):
+    from transformers import AutoModelForSequenceClassification
+
+    from roles.reward.model import checkpoint_problem
+
+    # Qwen3-4B's backbone with a one-label score head in place of its tied LM head
+    assert parameter_count(arch_config("qwen3-4b-rm")) == 4_022_468_096 + 2560
+    out = tmp_path / "tiny-rm"
+    assert main(["--arch", "qwen3-tiny-rm", str(out), "--num-prompts", "64"]) == 0
+    assert checkpoint_problem(str(out)) is None
+    model = AutoModelForSequenceClassification.from_pretrained(out)
+    assert model.config.num_labels == 1 and model.score.weight.shape == (1, 64)
+    assert AutoTokenizer.from_pretrained(out).chat_template  # the conversation it scores

@@ -179,3 +179,25 @@ def test_unsupported_shapes_are_refused_with_the_field():
         megatron_spec(qwen3_config()).check_parallel(tp_size=1, pp_size=3)
     with pytest.raises(ValueError, match="model_type='gpt2' is not supported"):
         megatron_spec({"model_type": "gpt2"})
+
+
+def test_a_checkpoint_tensor_with_no_place_is_refused_by_name_unless_the_arch_drops_it():
+    """A Qwen2-style q bias in a Qwen3 checkpoint (no biases) is refused with its name, not
+    dropped; RoPE's saved inv_freq and a tied checkpoint's stored lm_head copy are on the
+    list of tensors the architecture ignores (roles.model_spec.ModelSpec.ignores)."""
+    config = qwen3_config()
+    shape = megatron_spec(config)
+    hf = hf_state(config)
+    hf["model.layers.0.self_attn.rotary_emb.inv_freq"] = torch.ones(4)
+    hf["lm_head.weight"] = hf["model.embed_tokens.weight"].clone()
+    stage = dict(tp_rank=0, tp_size=1, pp_rank=0, pp_size=2)  # layers 0 and 1
+    assert set(hf_to_megatron(hf, shape, **stage)) == set(megatron_names(shape, pp_rank=0, pp_size=2))
+    hf["model.layers.3.self_attn.q_proj.bias"] = torch.zeros(64)
+    with pytest.raises(ValueError, match=r"checkpoint tensor 'model\.layers\.3\.self_attn\.q_proj\.bias' has no "
+                                         r"place in the qwen3 model .*qkv_bias=False"):
+        hf_to_megatron(hf, shape, **stage)  # a stage without layer 3 refuses it too: the whole model has none
+    untied = qwen3_config(tied=False)
+    hf = hf_state(untied)
+    hf["score.weight"] = torch.zeros(1, 32)
+    with pytest.raises(ValueError, match=r"'score\.weight' has no place"):
+        hf_to_megatron(hf, megatron_spec(untied), tp_rank=0, tp_size=1, pp_rank=0, pp_size=1)

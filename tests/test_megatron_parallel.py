@@ -22,15 +22,16 @@ from runtime.rendezvous import host_store
 VOCAB, HIDDEN, ROWS = 23, 16, 37  # vocab 23 pads to 24 on 2 TP ranks: the last shard has a padding row
 
 
-def run_gloo_ranks(target, tmp_path, world_size: int = 2) -> list[dict]:
+def run_gloo_ranks(target, tmp_path, world_size: int = 2, backend: str = "gloo") -> list[dict]:
     """target(rank, group) -> dict on `world_size` gloo processes (spawned: `target` must be
-    importable); the dicts, by rank. Used by tests/test_megatron_attention.py and
-    tests/test_megatron_export.py too."""
+    importable); the dicts, by rank. `backend` "staged": tests/staged_collectives.py over gloo.
+    Used by tests/test_megatron_attention.py, tests/test_megatron_export.py and
+    tests/test_staged_collectives.py too."""
     ctx = mp.get_context("spawn")
     store = host_store("127.0.0.1", world_size)  # held until the ranks are done
     port = store.port
     paths = [str(tmp_path / f"rank{r}.pt") for r in range(world_size)]
-    procs = [ctx.Process(target=_entry, args=(target, r, world_size, port, paths[r])) for r in range(world_size)]
+    procs = [ctx.Process(target=_entry, args=(target, r, world_size, port, paths[r], backend)) for r in range(world_size)]
     for p in procs:
         p.start()
     try:
@@ -45,13 +46,15 @@ def run_gloo_ranks(target, tmp_path, world_size: int = 2) -> list[dict]:
     return [torch.load(p) for p in paths]
 
 
-def _entry(target, rank: int, world_size: int, port: int, path: str) -> None:
+def _entry(target, rank: int, world_size: int, port: int, path: str, backend: str) -> None:
     import torch.distributed as dist
 
     from roles.trainer.distributed import init_from_env
+    from tests import staged_collectives
 
+    staged_collectives.register()
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size))
-    init_from_env("gloo")
+    init_from_env(backend)
     try:
         torch.save(target(rank, dist.group.WORLD), path)
     finally:

@@ -39,6 +39,27 @@ def test_recompute_flags_validated_and_mapped():
     assert sel["recompute_granularity"] == "selective" and "recompute_method" not in sel
 
 
+def test_transformer_engine_is_used_only_when_asked_for(monkeypatch, caplog):
+    """transformer-engine importable does not switch its layers on: --transformer-impl does
+    (default local), and the choice is logged; asked for where it does not import, refused."""
+    import logging
+
+    from roles.trainer.megatron import model
+
+    assert MegatronTrainerConfig(**BASE).transformer_impl == "local"
+    with pytest.raises(ValueError, match="transformer_impl='te', expected one of"):
+        MegatronTrainerConfig(**BASE, transformer_impl="te")
+    monkeypatch.setattr(model, "transformer_engine_available", lambda: True)
+    with caplog.at_level(logging.INFO, logger=model.__name__):
+        assert model.use_transformer_engine(MegatronTrainerConfig(**BASE).transformer_impl) is False
+        assert model.use_transformer_engine("transformer_engine") is True
+    assert [r.getMessage().split(" (")[0] for r in caplog.records] == [
+        "megatron layers: local spec, built-in SDPA/varlen attention", "megatron layers: transformer-engine's spec"]
+    monkeypatch.setattr(model, "transformer_engine_available", lambda: False)
+    with pytest.raises(RuntimeError, match="--transformer-impl transformer_engine, but transformer_engine does not"):
+        model.use_transformer_engine("transformer_engine")
+
+
 def test_qwen3_4b_config_maps_to_megatron_fields():
     shape = megatron_spec(Qwen3Config(**QWEN3_4B))
     assert (shape.num_kv_heads, shape.head_dim, shape.qk_norm, shape.tied_embeddings) == (8, 128, True, True)
@@ -130,6 +151,31 @@ def test_offloader_frees_storages_restores_views_and_accounts():
     assert off.offload("grads")["bytes"] == 0  # grads are freed, not copied
     off.onload("grads")
     assert torch.equal(grads, torch.zeros(4))
+
+
+def test_a_tag_registered_keep_first_keeps_its_construction_time_block():
+    """The params of a run that offloads them every iteration keep the host block of the
+    construction-time offload (their sizes never change); without keep_first it is freed."""
+    kept, freed = torch.arange(8.0), torch.arange(8.0)
+    off = TaggedOffloader(DeviceMemory("actor"))
+    off.register("params", lambda: [kept], keep_first=True)
+    off.register("optimizer", lambda: [freed])
+    for tag in ("params", "optimizer"):
+        off.offload(tag)
+    first = off._host["params"]
+    for tag in ("params", "optimizer"):
+        off.onload(tag)
+    assert off._host["params"] is first and "optimizer" not in off._host
+    with torch.no_grad():
+        kept += 1
+    off.offload("params")
+    assert off._host["params"] is first  # written again, not reallocated
+    off.onload("params")
+    assert torch.equal(kept, torch.arange(8.0) + 1)
+    cfg = MegatronTrainerConfig.from_dict({**BASE, "offload_tags": ["params", "grads"]})  # a list off the wire
+    assert cfg.offload_tags == ("params", "grads")
+    with pytest.raises(ValueError, match=r"offload_tags=\('weights',\), expected tags among"):
+        MegatronTrainerConfig(**BASE, offload_tags=("weights",))
 
 
 def test_offloader_replaces_its_host_block_when_new_state_appears():

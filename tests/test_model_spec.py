@@ -92,6 +92,17 @@ def test_backend_refusals_name_the_numbers():
         spec.check_parallel(tp_size=1, pp_size=3)
 
 
+def test_unplaced_checkpoint_tensors_are_refused_by_name_but_the_ignored_ones():
+    spec, placed = ModelSpec.from_hf(BASE), {"model.norm.weight"}
+    spec.refuse_unplaced(["model.norm.weight", "model.layers.3.self_attn.rotary_emb.inv_freq"], placed,
+                         loader="L")
+    with pytest.raises(ValueError, match=r"L: checkpoint tensor 'model.layers.0.mlp.up_proj.bias' has no place "
+                                         r"in the llama model"):
+        spec.refuse_unplaced(["model.norm.weight", "model.layers.0.mlp.up_proj.bias"], placed, loader="L")
+    with pytest.raises(ValueError, match="'model.rotary_emb.inv_freq_extra'"):  # the list is exact names
+        spec.refuse_unplaced(["model.rotary_emb.inv_freq_extra"], placed, loader="L")
+
+
 def test_from_checkpoint_reads_config_and_generation_eos(tmp_path):
     ckpt = build_tiny_checkpoint(str(tmp_path / "tiny"))
     spec = ModelSpec.from_checkpoint(ckpt)

@@ -191,6 +191,35 @@ def test_longest_max_new_tokens_are_admitted_first_so_the_tail_is_short(ckpt, en
     assert [r["token_ids"] for r in out] == [engine.generate([r])[0]["token_ids"] for r in reqs]
 
 
+def test_decode_steps_are_built_once_per_graph_key_and_hold_only_static_buffers(ckpt):
+    """A CUDA graph replays the addresses its capture read: a decode step may hold no tensor of its
+    own (one freed after the capture is read freed), only views of the slot state, the KV cache, the
+    weights and the rope tables, and each key's step is built once and kept with its graph. On the
+    CPU the same steps run, uncaptured."""
+    eng = RolloutEngine(ckpt, dtype="float32", max_batch_size=2)
+    backend, built = eng._backend, []
+    build = backend.scheduler._step
+    backend.scheduler._step = lambda key: built.append(key) or build(key)
+    for sampling in ({"temperature": 0}, {"temperature": 0}, {"temperature": 1.0, "top_p": 0.9}):
+        eng.generate(_reqs(PROMPTS[:2], max_new_tokens=6, ignore_eos=True, seed=1, **sampling))
+    kept = backend.graphs._graphs
+    assert len(built) == len(set(built)) == len(kept) >= 2  # many sync rounds, one build per key
+    state, decoder = backend.scheduler.state, backend.scheduler.decoder
+    static = [*vars(state).values(), *vars(state.rows).values(), backend.cache._buffer,
+              *backend.weights.storages.values(), decoder.cos, decoder.sin]
+    static = {t.untyped_storage().data_ptr() for t in static if isinstance(t, torch.Tensor)}
+    for step, _ in kept.values():
+        held = [t for t in map(_cell_value, step.__closure__) if isinstance(t, torch.Tensor)]
+        assert held and all(t.untyped_storage().data_ptr() in static for t in held)
+
+
+def _cell_value(cell):
+    try:
+        return cell.cell_contents
+    except ValueError:  # a variable of the branch not taken (the fused kernels' on the CPU)
+        return None
+
+
 def test_syncing_every_few_steps_changes_nothing(ckpt, engine):
     # On a GPU the host looks at the decode only every `sync_every` steps: rows that stopped
     # meanwhile run on as garbage, idle slots run too. Results must not show it, call after call.
@@ -218,15 +247,27 @@ def test_counter_rng_is_uniform_and_keyed_by_seed_and_position():
     assert torch.equal(uniform(torch.tensor([7, 7]), torch.tensor([3, 3])), uniform(torch.tensor([7]), torch.tensor([3])).repeat(2))
 
 
-def test_blocked_cdf_inversion_equals_the_full_scan():
-    from roles.rollout.torch_engine.sampler import _invert, _invert_blocked
+def _invert(probs, u):
+    """Slow twin of the sampler's blocked CDF inversion: one scan over the whole row."""
+    cdf = probs.cumsum(-1)
+    return torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True)[:, 0].clamp(max=cdf.shape[-1] - 1)
+
+
+def test_blocked_cdf_inversion_equals_the_full_scan_and_never_draws_a_zero():
+    from roles.rollout.torch_engine.sampler import _invert_blocked
 
     g = torch.Generator().manual_seed(0)
     probs = torch.softmax(3 * torch.randn(2000, 1000, generator=g), -1)  # 1000: not a multiple of 128
     u = torch.rand(2000, generator=g)
-    full, blocked = _invert(probs.cumsum(-1), u), _invert_blocked(probs, u)
+    full, blocked = _invert(probs, u), _invert_blocked(probs, u)
     assert (full == blocked).float().mean() > 0.999  # only float-rounding ties may differ
     assert int(blocked.max()) < 1000
+    # cut rows: most tokens zeroed, and u at the ends of [0, 1), where rounding bites
+    cut = probs.masked_fill(torch.rand(2000, 1000, generator=g) < 0.97, 0.0)
+    cut[:, 0] = 0.0
+    for edge in (torch.zeros(2000), torch.full((2000,), 1 - 2**-24), u):
+        drawn = _invert_blocked(cut, edge)
+        assert bool((cut.gather(1, drawn[:, None]) > 0).all())
 
 
 def test_tied_embeddings_checkpoint_matches_hf(tmp_path):
@@ -323,3 +364,22 @@ def test_constructor_validates(ckpt, monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(ValueError, match="on the CPU give kv_cache_bytes"):
         RolloutEngine(ckpt, mem_fraction=0.5)
+
+
+def test_a_checkpoint_tensor_without_a_place_is_refused_by_name_unless_ignored(ckpt, tmp_path, model):
+    import shutil
+
+    from safetensors.torch import save_file
+
+    for extra, refused in (("model.layers.0.self_attn.q_proj.bias", True),  # a Qwen2 bias in a Qwen3
+                           ("model.layers.1.self_attn.rotary_emb.inv_freq", False)):  # old checkpoints keep it
+        copy = shutil.copytree(ckpt, tmp_path / extra)
+        save_file({extra: torch.ones(8)}, str(copy / "zz-extra.safetensors"))
+        if refused:
+            with pytest.raises(ValueError, match=rf"backend 'torch': checkpoint tensor '{extra}' has no place in "
+                                                 r"the qwen3 model that config.json describes"):
+                RolloutEngine(str(copy), dtype="float32")
+        else:
+            out = RolloutEngine(str(copy), dtype="float32").generate(_reqs([PROMPTS[0]], max_new_tokens=4,
+                                                                           temperature=0))
+            assert out[0]["token_ids"] == _greedy_reference(model, PROMPTS[0], 4)

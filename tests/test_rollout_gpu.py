@@ -63,6 +63,25 @@ def test_fp32_greedy_and_logprobs_equal_hf_with_graphs(ckpts):
             torch.testing.assert_close(torch.tensor(r["logprobs"]), expected, atol=1e-4, rtol=0)
 
 
+@pytest.mark.parametrize("triton", [False, True])
+def test_repeated_calls_of_one_mode_replay_graphs_equal_to_hf(ckpts, triton):
+    # Every call after the first replays the graphs of the first (same key). Between calls the
+    # small blocks the allocator has free are taken and filled with positions past any slot, so
+    # a graph that read a tensor freed after its capture (issue 22) would attend to nothing.
+    eng = RolloutEngine(ckpts[0], dtype="float32", options={"triton": triton})
+    graphs = eng._backend.graphs
+    model = load_causal_lm(ckpts[0], "float32").cuda()
+    want = [_greedy(model, p, 12) for p in PROMPTS]
+    clutter = []
+    for call in range(4):
+        out = eng.generate(_reqs(temperature=0))
+        assert [r["token_ids"] for r in out] == want, f"call {call}"
+        if call == 0:
+            captures = graphs.num_captures
+        assert graphs.num_captures == captures > 0  # replayed, not captured again
+        clutter[:] = [torch.full((n,), 1 << 40, device="cuda") for n in (64, 128, 256) for _ in range(128)]
+
+
 def test_fp32_seeded_samples_do_not_depend_on_the_batch(ckpts):
     eng = RolloutEngine(ckpts[0], dtype="float32", max_batch_size=4)
     alone = [eng.generate(_reqs([p], first_id=i, temperature=1.0))[0] for i, p in enumerate(PROMPTS)]

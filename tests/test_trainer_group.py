@@ -280,3 +280,24 @@ def test_megatron_backend_is_refused_before_anything_starts_where_it_cannot_run(
     with pytest.raises(JobSetupError, match=r"--train-backend megatron cannot run here: .*--train-backend torch"):
         start_job(cfg)
     assert not (tmp_path / "run").exists()  # refused before the run dir was made
+
+
+@pytest.mark.timeout(60)
+def test_the_death_of_a_respawned_ranks_old_incarnation_is_not_taken_for_the_new_ones(sup):
+    """respawn_group stops a live rank and starts it again; the watch thread may hold the old
+    process's sentinel from before and see it fire after the restart. Found on the H200: a
+    megatron recovery failed with "critic.0 (incarnation 1) died: exited with code 0", the
+    exit of incarnation 0 that respawn_group had stopped."""
+    from tests.actors import Echo
+
+    sup.spawn_group("grp", Echo, gpus=[0])
+    sup.wait_ready(timeout=30)
+    child = sup._children["grp.0"]
+    old, old_process = child.incarnation, child.process
+    sup.respawn_group("grp", "a test")
+    sup.wait_ready(timeout=30)
+    assert child.incarnation == old + 1 and not old_process.is_alive()
+    sup._on_death(child, old, reason="exited with code 0")  # what the watch thread did with the stale sentinel
+    rank = sup.handle("grp.0")
+    assert rank.env("RANK") == {"RANK": "0"}  # the new incarnation still serves
+    assert child.state != "dead"

@@ -22,7 +22,8 @@ RECOVERY_METRICS = ("train/trainer_restarts_total",)
 
 
 def tiny(tmp_path, name, **values):
-    return ensure_valid(override(tiny_ppo(), run_dir=str(tmp_path / name), num_rollout=4, rollout_batch_size=16,
+    values = {"num_rollout": 4, **values}
+    return ensure_valid(override(tiny_ppo(), run_dir=str(tmp_path / name), rollout_batch_size=16,
                                  save=str(tmp_path / name / "ckpt"), save_interval=1, **values))
 
 
@@ -85,11 +86,6 @@ def test_max_trainer_restarts_needs_save_and_a_count():
 
 
 @pytest.mark.gpu
-@pytest.mark.xfail(strict=True, raises=Exception, reason=(
-    "found on the H200 2026-12-04: the first checkpoint fails before any kill, "
-    "MegatronCore.save refuses a trainer whose params and optimizer are offloaded, as the loop "
-    "leaves them (SaveFailed: '... offloaded; call onload first'); in-loop --save with megatron "
-    "trainers was never run before. Remove this mark with the fix."))
 def test_a_killed_megatron_actor_is_recovered_on_a_gpu(tmp_path):
     """The megatron backend, once on a GPU (`bash .ci/gpu -k recovered`): the same recovery, one
     rank on one real GPU. Bit-for-bit equality is not asked of CUDA kernels; the engines are
@@ -116,3 +112,24 @@ def test_a_refused_or_failed_recovery_says_why_in_the_stop_line():
     failed = str(trainer_died(cfg, actor, died, 1, why="recovery 1 failed: the new rank died"))
     assert "the run stopped (recovery 1 failed: the new rank died)" in failed and "--load /tmp/ck" in failed
     assert "(before its first checkpoint: nothing to recover from)" in str(trainer_died(cfg, actor, died, 0))
+
+
+@pytest.mark.gpu
+def test_megatron_trainers_save_export_and_resume_in_the_loop_on_a_gpu(tmp_path):
+    """`--save`, `--save-hf` and `--load` with megatron trainers on one GPU (`bash .ci/gpu -k
+    in_the_loop`): the trainers save and load inside the driver's checkpoint windows
+    (ppo.handoffs), the HF export loads in transformers, and the resumed run's engines hold
+    the actor's weights after its sync (--check-weight-update-equal)."""
+    pytest.importorskip("megatron.core")
+    from transformers import AutoModelForCausalLM
+
+    gpu = dict(train_backend="megatron", fake_gpus=False, actor_num_gpus_per_node=1, num_gpus_per_node=1,
+               check_weight_update_equal=True)
+    cfg = tiny(tmp_path, "first", num_rollout=2, save_hf=str(tmp_path / "hf_{rollout_id}"), **gpu)
+    history, _ = run_job(cfg)
+    assert [h["step"] for h in history] == [0, 1]
+    assert AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf_1")).config.num_hidden_layers > 0
+    resumed = tiny(tmp_path, "resumed", num_rollout=3, load=str(tmp_path / "first" / "ckpt"), **gpu)
+    history, _ = run_job(resumed)
+    assert [h["step"] for h in history] == [2]
+    assert history[-1]["rollout/weight_version"] == 2  # the critic warmed up alone at rollout 0

@@ -44,7 +44,7 @@ def test_listings_of_a_tied_model_have_one_canonical_name_set(tmp_path):
 def test_weight_check_holds_after_a_real_sync_of_a_tied_model(tmp_path):
     """Qwen3-4B ties its embeddings: the trainer lists the shared weight once, the engine's
     state_dict twice; --check-weight-update-equal must still hold after a sync."""
-    from ppo.loop import check_weights_equal
+    from ppo.handoffs import check_weights_equal
     from ppo.tiny_model import build_tiny_checkpoint
     from roles.rollout import RolloutEngine
     from roles.trainer.torch import ActorTrainer

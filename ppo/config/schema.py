@@ -28,12 +28,15 @@ ROLLOUT_BACKENDS = ("torch", "sglang")
 # Activation recompute, as megatron's TransformerConfig takes it (miles' flags).
 RECOMPUTE_GRANULARITIES = ("full", "selective")
 RECOMPUTE_METHODS = ("uniform", "block")
+# megatron's layer implementation (miles' and Megatron-LM's --transformer-impl)
+TRANSFORMER_IMPLS = ("local", "transformer_engine")
 # What an offloading trainer / engine frees when it hands its GPUs over (ppo.config.derived).
 OFFLOAD_TRAIN_LEVELS = ("all", "optimizer")
 OFFLOAD_ROLLOUT_LEVELS = ("all", "kv_cache")
 # Reward functions known when no registry is passed to `validate`; the reward role owns the
 # implementations and passes its own registry keys.
 RM_TYPES = ("deepscaler", "dapo", "math", "tiny_exact")
+REMOTE_RM = "remote_rm"  # miles' --rm-type of a reward service at --rm-url (roles.reward.remote)
 
 # `generated:NAME` in --hf-checkpoint / --prompt-data asks the launcher to build a tiny
 # random-init model / a synthetic task instead of reading a path (no hub on CPU machines).
@@ -134,11 +137,35 @@ class RolloutConfig:
 
 @dataclass(frozen=True, kw_only=True)
 class RewardConfig:
-    rm_type: str | None = knob(None, "built-in reward function (required unless --custom-rm-path)")
+    rm_type: str | None = knob(None, "built-in reward function, or remote_rm: a reward service at --rm-url "
+                               "(required unless --custom-rm-path)")
     custom_rm_path: str | None = knob(None, "import path of a custom reward function; replaces "
                                       "--rm-type")
+    rm_url: str | None = knob(None, "--rm-type remote_rm: the reward service's http URL; one POST of "
+                              "{prompt, response, label} per sample, answered by a JSON number or object "
+                              "(miles' format)")
+    rm_max_retries: int = knob(2, "remote_rm: tries after a failed request (no connection, --reward-timeout "
+                               "passed, HTTP 5xx or 429), with backoff; then the sample scores 0", ge=0)
+    rm_max_concurrency: int = knob(32, "remote_rm: requests in flight at once, per scorer process", ge=1)
+    reward_key: str | None = knob(None, "a reward function or service that answers with a dict: the key "
+                                  "of the reward in it (miles)")
+    custom_reward_post_process_path: str | None = knob(
+        None, "function given the rollout's scored samples (a list of sample dicts with 'reward') that "
+        "returns one reward per sample, named as --custom-rm-path names one (miles' flag; miles' "
+        "function also gets args and returns raw and processed rewards)")
+    reward_model_path: str | None = knob(
+        None, "HF sequence-classification checkpoint with one label (a Bradley-Terry reward model) that "
+        "scores each rollout on GPUs, beside or instead of --rm-type (verl: reward_model.model.path)")
+    reward_model_coef: float = knob(1.0, "the reward is --rule-reward-coef x the rule's (or --custom-rm-path's, "
+                                    "or the service's) + this x the reward model's score")
+    rule_reward_coef: float = knob(1.0, "weight of the rule reward when a reward model scores too")
+    reward_model_num_gpus: int = knob(
+        0, "GPUs of the reward model's own, one scorer rank each; 0: a rank on each of the engines' GPUs, "
+        "where it takes its turn in the memory handoff", ge=0)
+    reward_model_max_tokens_per_gpu: int = knob(
+        8192, "padded tokens per reward-model micro-batch (verl: reward_model.forward_max_token_len_per_gpu)", ge=1)
     num_reward_workers: int = knob(1, "reward scorer processes (CPU)", ge=1)
-    reward_timeout: float = knob(30.0, "seconds allowed to score one sample", gt=0.0)
+    reward_timeout: float = knob(30.0, "seconds allowed to score one sample (remote_rm: one request)", gt=0.0)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -214,6 +241,10 @@ class TrainingConfig:
         choices=RECOMPUTE_METHODS)
     recompute_num_layers: int | None = knob(None, "layers per recompute unit (uniform) or "
                                             "recomputed per stage (block)", ge=1)
+    transformer_impl: str = knob(
+        "local", "megatron's layers: local (megatron's local spec with the built-in SDPA/varlen "
+        "attention) or transformer_engine (its fused layers; needs transformer-engine installed)",
+        choices=TRANSFORMER_IMPLS)
     seed: int = knob(1234, "seed of model init and training")
     max_skipped_updates: int = knob(
         10, "stop the run when more optimizer steps than this were skipped for a non-finite "

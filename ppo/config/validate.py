@@ -21,6 +21,7 @@ from ppo.config.schema import (
     GENERATED_EVAL_DATASETS,
     GENERATED_MODELS,
     GENERATED_PREFIX,
+    REMOTE_RM,
     RM_TYPES,
     ConfigError,
     FieldSpec,
@@ -38,7 +39,8 @@ def validate(cfg: PPOConfig, *, rm_types: Sequence[str] = RM_TYPES) -> list[str]
     if any(not _type_ok(FIELDS[n].kind, _value(cfg, FIELDS[n]), FIELDS[n].item) for n in broken):
         return problems  # the rules below would compare a string with a number
     problems += (_required(cfg, rm_types) + _sampling(cfg) + _algorithm(cfg) + _optimizer(cfg)
-                 + _backends(cfg) + _outputs(cfg) + _evaluation(cfg, rm_types) + _asynchronous(cfg))
+                 + _backends(cfg) + _outputs(cfg) + _evaluation(cfg, rm_types) + _reward_model(cfg)
+                 + _asynchronous(cfg))
     if not broken & _DIVISORS:  # these rules divide by those fields
         problems += _placement(cfg) + _batches(cfg)
     return problems
@@ -149,11 +151,20 @@ def _required(cfg: PPOConfig, rm_types: Sequence[str]) -> list[str]:
         out += _generated("prompt_data", cfg.rollout.prompt_data, GENERATED_DATASETS)
     r = cfg.reward
     if r.custom_rm_path is None:  # a custom reward function replaces --rm-type
-        if r.rm_type is None:
+        if r.rm_type is None and r.reward_model_path is None:
             out.append("--rm-type (reward.rm_type) is not set. Please add --rm-type "
-                       f"(one of: {', '.join(rm_types)}) or --custom-rm-path")
-        elif r.rm_type not in rm_types:
-            out.append(_bad("rm_type", r.rm_type, f"must be one of: {', '.join(rm_types)}"))
+                       f"(one of: {', '.join(rm_types)}), --custom-rm-path or --reward-model-path")
+        elif r.rm_type is not None and r.rm_type not in (*rm_types, REMOTE_RM):
+            out.append(_bad("rm_type", r.rm_type, f"must be one of: {', '.join((*rm_types, REMOTE_RM))}"))
+    remote = r.custom_rm_path is None and r.rm_type == REMOTE_RM
+    if remote and r.rm_url is None:
+        out.append("--rm-type remote_rm needs the service's URL. Please add --rm-url http://HOST:PORT/PATH")
+    elif r.rm_url is not None and not remote:
+        out.append(_set_but("rm_url", r.rm_url, "--rm-type is not remote_rm"
+                            f"{' (--custom-rm-path replaces it)' if r.custom_rm_path else ''}. "
+                            "Please add --rm-type remote_rm"))
+    elif remote and not r.rm_url.startswith("http://"):
+        out.append(_bad("rm_url", r.rm_url, "must be an http://HOST[:PORT]/PATH URL"))
     return out
 
 
@@ -225,6 +236,9 @@ def _asynchronous(cfg: PPOConfig) -> list[str]:
     elif d.offload_rollout(cfg):
         out.append(_bad("offload_rollout", True, "with --train-async the engines generate while the trainers "
                         "train and keep their memory. Please remove --offload-rollout"))
+    if cfg.reward.reward_model_path is not None and not cfg.reward.reward_model_num_gpus:
+        out.append(_set_but("train_async", True, "so is --reward-model-path on the engines' GPUs, which the engines "
+                            "keep while they generate ahead. Please add --reward-model-num-gpus N (GPUs of its own)"))
     return out
 
 
@@ -264,6 +278,8 @@ def _backends(cfg: PPOConfig) -> list[str]:
                 out.append(_bad(name, size, "needs --train-backend megatron "
                                 "(the torch backend is data parallel only)"))
     out += _recompute(t)
+    if t.train_backend == "torch" and t.transformer_impl != "local":
+        out.append(_bad("transformer_impl", t.transformer_impl, "needs --train-backend megatron"))
     if cfg.engine.rollout_backend == "torch" and cfg.engine.rollout_num_gpus_per_engine != 1:
         out.append(_bad("rollout_num_gpus_per_engine", cfg.engine.rollout_num_gpus_per_engine,
                         "must be 1 with --rollout-backend torch (a torch engine is one device)"))
@@ -426,6 +442,25 @@ def _outputs(cfg: PPOConfig) -> list[str]:
     if cfg.logging.quiet and cfg.logging.log_format != "auto":
         out.append(f"--quiet is set and so is --log-format {cfg.logging.log_format} (logging.log_format); "
                    "quiet prints nothing but errors. Please remove one of them")
+    return out
+
+
+def _reward_model(cfg: PPOConfig) -> list[str]:
+    """A reward model scores after generation, on the GPUs, and only the training rollouts."""
+    r, out = cfg.reward, []
+    if r.reward_model_path is None:
+        if r.reward_model_num_gpus:
+            out.append(_set_but("reward_model_num_gpus", r.reward_model_num_gpus,
+                                "--reward-model-path is not. Please add --reward-model-path DIR"))
+        return out
+    if cfg.rollout.dynamic_sampling_filter_path is not None:
+        out.append(_set_but("dynamic_sampling_filter_path", cfg.rollout.dynamic_sampling_filter_path,
+                            "so is --reward-model-path: the filter runs while the engines generate, before the "
+                            "reward model scores. Please remove one"))
+    if r.rm_type is None and r.custom_rm_path is None and cfg.evaluation.eval_prompt_data is not None:
+        out.append(_set_but("eval_prompt_data", cfg.evaluation.eval_prompt_data,
+                            "--rm-type is not: eval sets are graded by rules, not by the reward model. Please add "
+                            "--rm-type RULE (with --rule-reward-coef 0 to train on the reward model alone)"))
     return out
 
 

@@ -6,21 +6,15 @@ from roles.reward.scorer import Scorer
 
 
 class RewardScorer(Actor):
-    """Scores samples by rule or custom function; see ``Scorer`` for the contract.
+    """Scores samples by rule, custom function or reward service; see ``Scorer`` for the contract.
 
     Its worker processes die with it (death signal and closed pipes), so a restarted
     scorer starts clean.
     """
 
-    def __init__(
-        self,
-        rm_type: str,
-        custom_rm_path: str | None = None,
-        timeout_s: float = 10.0,
-        group_rm: bool = False,
-        num_workers: int | None = None,
-    ):
-        self._scorer = Scorer(rm_type, custom_rm_path, timeout_s, group_rm, num_workers)
+    def __init__(self, *args, **kwargs):
+        """``Scorer``'s arguments."""
+        self._scorer = Scorer(*args, **kwargs)
 
     lifecycle = {"starting": frozenset({"ready"}), "ready": frozenset({"scoring"}),
                  "scoring": frozenset({"ready"})}
@@ -36,7 +30,7 @@ class RewardScorer(Actor):
 
     @endpoint
     def stats(self) -> dict:
-        """``{"num_scored", "num_errors", "num_timeouts", "num_worker_restarts"}`` since start."""
+        """``Scorer.stats``: ``{"num_scored", "num_errors", "num_timeouts", ...}`` since start."""
         return self._scorer.stats()
 
     def close(self) -> None:

@@ -93,6 +93,9 @@ class WorkerPool:
         """One result per payload, in order. Raises RuntimeError only if workers cannot start."""
         return self._guarded_run(payloads, until_ready=False)
 
+    def stats(self) -> dict:
+        return {"num_worker_restarts": self.num_restarts}
+
     def _guarded_run(self, payloads: list, *, until_ready: bool) -> list[JobResult]:
         if self._closed:
             raise RuntimeError("the reward worker pool is closed")

@@ -1,9 +1,10 @@
-"""Scores rollout samples with a rule or a custom function, never letting one sample take the scorer down.
+"""Scores rollout samples with a rule, a custom function or a remote reward service, never letting
+one sample take the scorer down.
 
 A sample whose reward function raises, returns a non-float, kills its worker or runs past
-``timeout_s`` gets reward 0.0 with status ``"error"``/``"timeout"`` and a message; the
-counts are in ``stats()``. Only mistakes of the caller (a malformed sample list) or a
-configuration that cannot start raise.
+``timeout_s`` (a service: fails or runs past it on every attempt) gets reward 0.0 with status
+``"error"``/``"timeout"`` and a message; the counts are in ``stats()``. Only mistakes of the
+caller (a malformed sample list) or a configuration that cannot start raise.
 """
 
 import os
@@ -12,10 +13,12 @@ from collections import Counter
 
 from roles.reward.custom import load_reward_function
 from roles.reward.pool import JobResult, WorkerPool
+from roles.reward.remote import RemoteReward
 from roles.reward.rules import REWARD_RULES
 from roles.reward.worker import JobConfig
 
 _MAX_DEFAULT_WORKERS = 4
+REMOTE_RM = "remote_rm"  # miles' --rm-type of a reward service at --rm-url
 
 
 class Scorer:
@@ -23,10 +26,14 @@ class Scorer:
 
     ``rm_type`` names a rule in ``REWARD_RULES`` unless ``custom_rm_path`` is given, in
     which case the custom function scores every sample (as ``--custom-rm-path`` in
-    miles). With ``group_rm`` the custom function gets each group's samples at once
-    (samples sharing ``group_index``, in the order given) and the timeout covers the whole
-    group call; a built-in rule still scores samples one by one. ``num_workers`` worker
-    processes score in parallel (default: CPU count, at most 4).
+    miles). ``rm_type="remote_rm"`` posts each sample to the service at ``rm_url``
+    (``remote.RemoteReward``: ``timeout_s`` per attempt, ``max_retries``, at most
+    ``max_concurrency`` requests at once). A custom function or a service may answer with a
+    dict, from which ``reward_key`` picks the reward (``values.reward_value``). With
+    ``group_rm`` the custom function gets each group's samples at once (samples sharing
+    ``group_index``, in the order given) and the timeout covers the whole group call; a
+    built-in rule still scores samples one by one. ``num_workers`` worker processes score in
+    parallel (default: CPU count, at most 4).
     """
 
     def __init__(
@@ -36,11 +43,16 @@ class Scorer:
         timeout_s: float = 10.0,
         group_rm: bool = False,
         num_workers: int | None = None,
+        *,
+        rm_url: str | None = None,
+        max_retries: int = 2,
+        max_concurrency: int = 32,
+        reward_key: str | None = None,
     ):
-        if custom_rm_path is None and rm_type not in REWARD_RULES:
+        if custom_rm_path is None and rm_type not in (*REWARD_RULES, REMOTE_RM):
             raise ValueError(
-                f"rm_type={rm_type!r} is not a reward rule; choose one of {sorted(REWARD_RULES)} "
-                "or set custom_rm_path"
+                f"rm_type={rm_type!r} is not a reward rule; choose one of {sorted(REWARD_RULES)}, "
+                f"{REMOTE_RM!r} (with rm_url) or set custom_rm_path"
             )
         if not timeout_s > 0:
             raise ValueError(f"timeout_s={timeout_s} must be > 0 (seconds per sample)")
@@ -51,10 +63,18 @@ class Scorer:
         if custom_rm_path is not None:
             load_reward_function(custom_rm_path)  # a wrong path fails here, with its own message
         self._group_rm = group_rm and custom_rm_path is not None
-        config = JobConfig(
-            rm_type=rm_type, custom_rm_path=custom_rm_path, group_rm=self._group_rm, sys_path=tuple(sys.path)
-        )
-        self._pool = WorkerPool(config, num_workers=num_workers, timeout_s=timeout_s)
+        self._pool: WorkerPool | RemoteReward
+        if custom_rm_path is None and rm_type == REMOTE_RM:
+            if rm_url is None:
+                raise ValueError(f"rm_type={REMOTE_RM!r} needs rm_url, the reward service's URL")
+            if max_retries < 0 or max_concurrency < 1:
+                raise ValueError(f"max_retries={max_retries} must be >= 0, max_concurrency={max_concurrency} >= 1")
+            self._pool = RemoteReward(rm_url, timeout_s=timeout_s, max_retries=max_retries,
+                                      max_concurrency=max_concurrency, reward_key=reward_key)
+        else:
+            config = JobConfig(rm_type=rm_type, custom_rm_path=custom_rm_path, group_rm=self._group_rm,
+                               reward_key=reward_key, sys_path=tuple(sys.path))
+            self._pool = WorkerPool(config, num_workers=num_workers, timeout_s=timeout_s)
         self._counts: Counter[str] = Counter()
 
     def score(self, samples: list[dict]) -> list[dict]:
@@ -85,12 +105,13 @@ class Scorer:
         ]
 
     def stats(self) -> dict:
-        """Counts since start; ``num_scored`` counts every sample returned, whatever its status."""
+        """Counts since start; ``num_scored`` counts every sample returned, whatever its status.
+        Rules and functions add ``num_worker_restarts``, a service ``num_retries``."""
         return {
             "num_scored": sum(self._counts.values()),
             "num_errors": self._counts["error"],
             "num_timeouts": self._counts["timeout"],
-            "num_worker_restarts": self._pool.num_restarts,
+            **self._pool.stats(),
         }
 
     def close(self) -> None:

@@ -10,8 +10,6 @@ payload)`` is answered ``(job_id, "ok", value)`` or ``(job_id, "error", text)``.
 import asyncio
 import ctypes
 import inspect
-import math
-import numbers
 import os
 import signal
 import sys
@@ -20,6 +18,7 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection
 
 from roles.reward.custom import load_reward_function
+from roles.reward.values import reward_value
 
 _PR_SET_PDEATHSIG = 1
 
@@ -29,6 +28,7 @@ class JobConfig:
     rm_type: str
     custom_rm_path: str | None
     group_rm: bool
+    reward_key: str | None = None  # a function that returns dicts: the key of the reward (values.reward_value)
     sys_path: tuple[str, ...]  # the parent's, so custom modules import the same way
 
 
@@ -59,14 +59,17 @@ class JobEvaluator:
             return self._rule_reward(payload)
         result = self._resolve(self._function(payload))
         if not self._config.group_rm:
-            return _as_reward(result, self._config.custom_rm_path)
+            return self._reward(result)
         if not isinstance(result, (list, tuple)) or len(result) != len(payload):
             got = f"{len(result)} values" if isinstance(result, (list, tuple)) else type(result).__name__
             raise TypeError(
                 f"group reward function {self._config.custom_rm_path!r} must return one reward per sample "
                 f"({len(payload)} floats), got {got}"
             )
-        return [_as_reward(value, self._config.custom_rm_path) for value in result]
+        return [self._reward(value) for value in result]
+
+    def _reward(self, result) -> float:
+        return reward_value(result, self._config.reward_key, f"reward function {self._config.custom_rm_path!r}")
 
     def _rule_reward(self, sample: dict) -> float:
         # As in miles, a sample's metadata may name its own rule (mixed-task datasets).
@@ -82,15 +85,6 @@ class JobEvaluator:
         if inspect.isawaitable(result):
             return self._loop.run_until_complete(result)
         return result
-
-
-def _as_reward(value, source: str) -> float:
-    if not isinstance(value, numbers.Real):
-        raise TypeError(f"reward function {source!r} returned {type(value).__name__} {value!r}, expected a float")
-    value = float(value)
-    if not math.isfinite(value):
-        raise ValueError(f"reward function {source!r} returned {value}, expected a finite float")
-    return value
 
 
 def _describe(error: BaseException) -> str:

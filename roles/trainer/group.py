@@ -253,5 +253,5 @@ def _merge_checksums(results: list[dict]) -> dict:
         for name, digest in sums.items():
             if merged.setdefault(name, digest) != digest:
                 raise RuntimeError(f"weights_checksum: rank {rank} holds a different {name!r} than an earlier rank: "
-                                   "the data-parallel replicas diverged")
+                                   "the data-parallel replicas (or a tied embedding's pipeline-stage copies) diverged")
     return merged

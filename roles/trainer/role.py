@@ -58,9 +58,10 @@ class TrainerRole(Actor):
         ctx = self.context
         return DeviceMemory(default if ctx is None else ctx.group or ctx.name)
 
-    def _started(self) -> None:
-        """Call at the end of __init__: a new trainer holds nothing on the device."""
-        self.set_state("offloaded")
+    def _started(self, **fields) -> None:
+        """Call at the end of __init__: a new trainer holds nothing on the device. `fields` go
+        into the state event (how the backend was built)."""
+        self.set_state("offloaded", **fields)
 
     @endpoint
     def offload(self, tags: list[str]) -> dict:
@@ -86,12 +87,17 @@ class TrainerRole(Actor):
     @endpoint
     def save(self, path: str) -> dict:
         """Weights, optimizer state, step and RNG state, written atomically (the core's save says
-        which ranks write what)."""
+        which ranks write what). Every backend saves and loads with its weights and optimizer
+        on the device (megatron can do no other: ppo.handoffs), so the driver's windows for
+        it are exercised by every run."""
+        self._core.require_onloaded("params", "optimizer")
         return self._core.save(path)
 
     @endpoint
     def load(self, path: str) -> dict:
-        """Weights, optimizer state, step and RNG state from a `save` directory."""
+        """Weights, optimizer state, step and RNG state from a `save` directory, into a
+        trainer with its weights and optimizer on the device, as `save`."""
+        self._core.require_onloaded("params", "optimizer")
         return self._core.load(path)
 
     def _settle(self) -> None:

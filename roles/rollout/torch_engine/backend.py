@@ -32,8 +32,15 @@ from roles.rollout.torch_engine.scheduler import Scheduler
 # there; off: torch ops and SDPA). sync_every: decode steps between host
 # syncs (default 16 on a GPU, 1 elsewhere). load_format: "safetensors" (the checkpoint's
 # weights) or "dummy" (random weights of the checkpoint's shapes, for benchmarks that load
-# real ones through update_weights, as vLLM/sglang's load_format="dummy").
-TORCH_OPTIONS = {"cuda_graphs": bool, "compile": bool, "triton": bool, "sync_every": int, "load_format": str}
+# real ones through update_weights, as vLLM/sglang's load_format="dummy"). batch_invariant
+# (default off): one prompt per prefill forward, decode over every slot at every step, decode
+# attention unsplit, so each matmul and reduction of a request's forward has the shapes (and
+# the rounding) it has in any other batch: its tokens and log-probs are bitwise the same alone
+# and in any batch, in bf16 too, with the Triton kernels, as long as every call gets the same
+# number of slots (the KV budget holds max_batch_size of them). The torch attention (triton off,
+# and the CPU) still attends over a span that follows the batch. Cost: bench.rollout --batch-invariant.
+TORCH_OPTIONS = {"cuda_graphs": bool, "compile": bool, "triton": bool, "sync_every": int, "load_format": str,
+                 "batch_invariant": bool}
 LOAD_FORMATS = ("safetensors", "dummy")
 
 
@@ -74,7 +81,8 @@ class TorchBackend:
         self.scheduler = Scheduler(self.decoder, self.cache, self.graphs,
                                    sync_every=options.get("sync_every", 16 if on_gpu else 1),
                                    slot_quantum=64 if on_gpu else 1, span_quantum=64 if on_gpu else 1,
-                                   fused=on_gpu and options.get("triton", True))
+                                   fused=on_gpu and options.get("triton", True),
+                                   batch_invariant=options.get("batch_invariant", False))
 
     @property
     def weights_bytes(self) -> int:
@@ -104,7 +112,6 @@ class TorchBackend:
     def release(self, tags: list[str]) -> None:
         """Free the tagged memory. The engine adds "cuda_graph" to any release of the other two."""
         if "cuda_graph" in tags:  # first: graphs point into the weights and the cache
-            self.graphs.free()
             self.scheduler.drop_state()
         if "weights" in tags:
             self._move_weights("cpu")

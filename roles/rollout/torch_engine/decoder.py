@@ -97,11 +97,10 @@ class Weights:
         with torch.no_grad():
             for fname in files:
                 with safe_open(os.path.join(hf_checkpoint, fname), framework="pt") as f:
+                    self.spec.refuse_unplaced(f.keys(), self._layout, loader="backend 'torch'")
                     for name in f.keys():
                         if name not in self._layout:
-                            if name.endswith("rotary_emb.inv_freq"):
-                                continue  # old checkpoints store the rope buffer; we compute it
-                            raise ValueError(f"backend 'torch': checkpoint tensor {name!r} has no place in the decoder")
+                            continue  # one the architecture ignores (ModelSpec.ignores)
                         tensor = f.get_tensor(name)
                         target = self.named[name]
                         if tuple(tensor.shape) != tuple(target.shape):

@@ -2,12 +2,16 @@
 
 A decode step reads and writes only preallocated tensors (the slot state, the KV cache,
 the weights' storages), so its graph is replayed as is: new tokens come in through the
-state tensors, new weights through in-place copies into the same storages. Anything that
-changes those addresses (releasing the weights or the KV cache) must `free()` the graphs
-first; they are captured again lazily, at the first step that needs each batch size.
+state tensors, new weights through in-place copies into the same storages. A replay reads
+the addresses the capture saw, so the step is built once per key and kept with its graph:
+whatever it holds lives as long as the graph does (a step built again each round would
+free what the cached graph still reads). Anything that changes those addresses (releasing
+the weights or the KV cache) must `free()` the graphs first; they are captured again
+lazily, at the first step that needs each batch size.
 
 All graphs share one memory pool, accounted under the "cuda_graph" tag. Off on the CPU
-and on fake GPUs: `run` then simply calls the step.
+and on fake GPUs: `run` then calls the step it built for the key, the same path without
+the capture.
 
 At most `max_graphs` are kept; the least recently replayed one is dropped to make room.
 A key holds the batch size, the cache geometry (slot length: each generate call's longest
@@ -40,31 +44,35 @@ class DecodeGraphs:
         self.memory = memory
         self.enabled = enabled and memory.kind == "cuda"
         self.max_graphs = max_graphs
-        self._graphs: OrderedDict[Hashable, torch.cuda.CUDAGraph] = OrderedDict()  # oldest use first
+        # key -> (the step, its graph: None when disabled); oldest use first
+        self._graphs: OrderedDict[Hashable, tuple[Callable[[], None], torch.cuda.CUDAGraph | None]] = OrderedDict()
         self._pool = None
         self._reserved_before: int | None = None
         self.num_captures = 0
 
-    def run(self, key: Hashable, step: Callable[[], None], state: list[torch.Tensor]) -> None:
-        """Run `step` once: replay its graph for `key`, capturing it first if needed.
+    def run(self, key: Hashable, build: Callable[[], Callable[[], None]], state: list[torch.Tensor]) -> None:
+        """Run the decode step of `key` once: replay its graph, building the step by `build()`
+        and capturing it first if `key` has none.
 
-        `state` lists the tensors `step` updates in place; the warm-up run before a capture
+        `state` lists the tensors the step updates in place; the warm-up run before a capture
         is undone on them so that capturing does not advance the decode.
         """
-        if not self.enabled:
-            step()
-            return
-        graph = self._graphs.get(key)
-        if graph is None:
+        entry = self._graphs.get(key)
+        if entry is None:
             if len(self._graphs) >= self.max_graphs:
-                torch.cuda.synchronize()  # the oldest graph may still be replaying
+                if self.enabled:
+                    torch.cuda.synchronize()  # the oldest graph may still be replaying
                 while len(self._graphs) >= self.max_graphs:
                     self._graphs.popitem(last=False)
-            graph = self._capture(step, state)
-            self._graphs[key] = graph
+            step = build()
+            entry = self._graphs[key] = (step, self._capture(step, state) if self.enabled else None)
         else:
             self._graphs.move_to_end(key)
-        graph.replay()
+        step, graph = entry
+        if graph is None:
+            step()
+        else:
+            graph.replay()
 
     def _capture(self, step: Callable[[], None], state: list[torch.Tensor]) -> torch.cuda.CUDAGraph:
         if self._pool is None:
@@ -86,7 +94,7 @@ class DecodeGraphs:
         return graph
 
     def free(self) -> None:
-        """Drop every graph and its pool; memory goes back to the driver."""
+        """Drop every step, its graph and the pool; memory goes back to the driver."""
         had = bool(self._graphs) or self._pool is not None
         self._graphs.clear()
         self._pool = None

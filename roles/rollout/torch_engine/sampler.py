@@ -3,11 +3,20 @@
 Semantics are those of roles/rollout/sampling.py (greedy below GREEDY_EPS, top-k then
 top-p on the temperature-scaled distribution, log-prob of the sampled token BEFORE the
 cut). The random draw is one uniform per (request seed, position of the sampled token),
-computed by hashing those two integers: no generator state, so a request's tokens do not
-depend on which rows share its batch or when it was scheduled, and the whole step runs
-inside a CUDA graph (seeds and positions are tensors the graph reads).
+computed by hashing those two integers: no generator state, so the whole step runs inside a
+CUDA graph (seeds and positions are tensors the graph reads).
 
-A token is drawn by inverting the CDF of the (cut) distribution at that uniform.
+A token is drawn by inverting the CDF of the (cut) distribution, in vocabulary order, at that
+uniform. Given a row's logits, its token does not depend on the other rows of the call, nor
+on the mode the call runs in (`sample`); nor does its log-prob, bit for bit on the CPU, to an
+ulp or two on a GPU (CUDA's reductions over the vocabulary depend on the call's rows: the
+H200 showed 1 ulp). Whether the logits depend on the batch is
+the forward's matter: in fp32 they do not, so a seeded request's tokens are the same alone and
+in any batch, whatever its sampling modes (tests/test_rollout_batch_invariance.py, CPU and
+GPU); in bf16 on a GPU the batch changes the matmul and attention shapes, hence the rounding,
+and a near tie may flip (9 of 64 requests in issue 22's probe, batch 64 against alone), unless
+the backend's batch_invariant option fixes those shapes (backend.py; the same test file holds
+it to bitwise equality on the GPU).
 """
 
 from __future__ import annotations
@@ -61,8 +70,8 @@ MODES = ("greedy", "plain", "cut")
 def sampling_mode(params: list[SamplingParams]) -> str:
     """The cheapest `sample` mode that serves every request of a call.
 
-    "greedy": all rows greedy (one max and one exp-sum over the vocabulary); "cut": some
-    row uses top-k/top-p (the sampler sorts the vocabulary); "plain": neither.
+    "greedy": all rows greedy (no draw); "cut": some row uses top-k/top-p (the sampler sorts
+    the vocabulary); "plain": neither.
     """
     if all(p.greedy for p in params):
         return "greedy"
@@ -76,35 +85,35 @@ def sample(
     *,
     mode: str,  # sampling_mode of the rows
 ) -> tuple[torch.Tensor, torch.Tensor]:  # tokens [B] int64, logprobs [B] float32
-    if mode == "greedy":  # log_softmax at the argmax: -log(sum(exp(logits - max)))
-        top, tokens = logits.max(dim=-1)
-        return tokens, -(logits - top[:, None]).exp().sum(dim=-1).log()
-    logprobs = torch.log_softmax(logits / rows.temperature[:, None], dim=-1)  # [B, V]
-    probs = logprobs.exp()
-    u = uniform(rows.seed, positions)  # [B]
-    if mode == "cut":
-        vocab = probs.shape[-1]
-        sorted_probs, order = probs.sort(dim=-1, descending=True)
-        mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
-        rank = torch.arange(vocab, device=probs.device)[None, :]
-        drop = (rank >= rows.top_k[:, None]) | (mass_before > rows.top_p[:, None])
-        cdf = sorted_probs.masked_fill(drop, 0.0).cumsum(dim=-1)
-        index = _invert(cdf, u)
-        drawn = order.gather(1, index[:, None])[:, 0]
-    else:
-        drawn = _invert_blocked(probs, u)
-    tokens = torch.where(rows.greedy, logits.argmax(dim=-1), drawn)
+    """Each row's token and log-prob are computed the same way in every mode that serves it,
+    so they do not depend on the other rows of the call: a greedy row's by the argmax and the
+    log-softmax at T = 1 (dividing by 1 changes no bit); a sampling row's by inverting its CDF
+    in vocabulary order, after zeroing what its top-k/top-p cuts ("cut" mode; a row that cuts
+    nothing keeps its probabilities as they are, so it draws the token "plain" mode draws)."""
+    scaled = logits if mode == "greedy" else logits / rows.temperature[:, None]  # T = 1 on greedy rows
+    logprobs = torch.log_softmax(scaled, dim=-1)  # [B, V]
+    tokens = logits.argmax(dim=-1)
+    if mode != "greedy":
+        probs = logprobs.exp()
+        if mode == "cut":
+            probs = probs.masked_fill(_cut(probs, rows), 0.0)
+        tokens = torch.where(rows.greedy, tokens, _invert_blocked(probs, uniform(rows.seed, positions)))
     return tokens, logprobs.gather(1, tokens[:, None])[:, 0]
 
 
-def _invert(cdf: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-    """First index whose cumulative mass exceeds u * total (zero-mass tokens are never hit)."""
-    target = (u * cdf[:, -1]).unsqueeze(1).contiguous()
-    return torch.searchsorted(cdf, target, right=True)[:, 0].clamp_(max=cdf.shape[-1] - 1)
+def _cut(probs: torch.Tensor, rows: SamplingRows) -> torch.Tensor:
+    """[B, V] bool in vocabulary order: the tokens top-k, then top-p, leave out."""
+    sorted_probs, order = probs.sort(dim=-1, descending=True)
+    mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
+    rank = torch.arange(probs.shape[-1], device=probs.device)[None, :]
+    drop = (rank >= rows.top_k[:, None]) | (mass_before > rows.top_p[:, None])
+    return torch.empty_like(drop).scatter_(1, order, drop)
 
 
 def _invert_blocked(probs: torch.Tensor, u: torch.Tensor, block: int = 128) -> torch.Tensor:
-    """`_invert(probs.cumsum(-1), u)` in two levels: block sums, then one block's prefix.
+    """The first index whose cumulative mass exceeds u * total, in two levels: block sums,
+    then one block's prefix. Zero-mass tokens (cut ones, the padding) are never drawn, even
+    where the two levels' sums round apart.
 
     A scan over the whole vocabulary is one slow kernel (0.25 ms a decode step at Qwen's
     152k vocabulary and batch 64); sums of 128-token blocks and two short scans are not.
@@ -117,8 +126,10 @@ def _invert_blocked(probs: torch.Tensor, u: torch.Tensor, block: int = 128) -> t
     b = torch.searchsorted(block_cdf, target, right=True).clamp_(max=block_cdf.shape[-1] - 1)  # [B, 1]
     before = torch.where(b > 0, block_cdf.gather(1, (b - 1).clamp(min=0)), torch.zeros_like(target))
     inner = blocks.gather(1, b[:, :, None].expand(rows, 1, block))[:, 0].cumsum(dim=-1)  # [B, block]
-    i = torch.searchsorted(inner, (target - before).contiguous(), right=True).clamp_(max=block - 1)
-    return (b * block + i)[:, 0].clamp_(max=vocab - 1)
+    last = (inner < inner[:, -1:]).sum(dim=-1, keepdim=True)  # [B, 1]: the block's last token of mass > 0
+    within = (target - before).clamp(min=0).contiguous()  # >= 0: a leading zero-mass token is passed over
+    i = torch.searchsorted(inner, within, right=True).minimum(last)
+    return (b * block + i)[:, 0]
 
 
 def uniform(seeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:

@@ -4,15 +4,16 @@ One `generate` call runs this loop until every request is done:
 
 1. admit: waiting requests take the free slots (lowest first), those with the most
    max_new_tokens first (the only length known ahead: it shortens the tail in which the
-   last long requests run in a mostly idle batch; results do not depend on the order,
-   since each request's draws are keyed by its own seed); their prompts are packed
-   into prefill forwards of at most PREFILL_TOKENS tokens, and each one's first token is
-   sampled from its last prompt position.
+   last long requests run in a mostly idle batch; each request's draws are keyed by its own
+   seed, so the order changes no result where the forward is batch invariant: in fp32, see
+   sampler.py); their prompts are packed into prefill forwards of at most PREFILL_TOKENS
+   tokens (one prompt each under `batch_invariant`), and each one's first token is sampled
+   from its last prompt position.
 2. decode: `n` steps over the slots [0, B) (B: the graph batch size covering the highest
-   busy slot), entirely on the device: each step feeds every slot's last token, writes its
-   K/V at its position, attends, samples, and appends (token, log-prob) to a ring of `sync_every`
-   rows. `n` is at most `sync_every` and at most the fewest tokens any busy row still may
-   take, so length finishes are never overrun.
+   busy slot; every slot under `batch_invariant`), entirely on the device: each step feeds
+   every slot's last token, writes its K/V at its position, attends, samples, and appends
+   (token, log-prob) to a ring of `sync_every` rows. `n` is at most `sync_every` and at most
+   the fewest tokens any busy row still may take, so length finishes are never overrun.
 3. sync: the ring comes to the host once; finishes are decided there (max_new_tokens first,
    then stop ids, as sampling.py says) and freed slots are refilled at step 1 of the same
    call, so a long tail does not idle the batch.
@@ -41,7 +42,7 @@ PREFILL_TOKENS = 16384  # packed prompt tokens per prefill forward (activations 
 class SlotState:
     """The per-slot tensors a decode step reads and updates in place ([max_slots] each)."""
 
-    def __init__(self, num_slots: int, sync_every: int, vocab: int, device: torch.device):
+    def __init__(self, num_slots: int, sync_every: int, vocab: int, max_slot_len: int, device: torch.device):
         self.tokens = torch.zeros(num_slots, dtype=torch.long, device=device)  # last token of each slot
         self.positions = torch.zeros(num_slots, dtype=torch.long, device=device)  # that token's position
         self.rows = SamplingRows.empty(num_slots, vocab, device)
@@ -49,6 +50,7 @@ class SlotState:
         self.ring_logprobs = torch.zeros(sync_every, num_slots, dtype=torch.float32, device=device)
         self.ring_index = torch.zeros(1, dtype=torch.long, device=device)
         self.slot_ids = torch.arange(num_slots, device=device)
+        self.key_positions = torch.arange(max_slot_len, device=device)  # cache positions (torch attention's mask)
 
     def mutable(self) -> list[torch.Tensor]:
         """What a decode step changes (restored after a graph's warm-up run)."""
@@ -57,7 +59,7 @@ class SlotState:
 
 class Scheduler:
     def __init__(self, decoder: Decoder, cache: KVCache, graphs: DecodeGraphs, *, sync_every: int,
-                 slot_quantum: int, span_quantum: int, fused: bool):
+                 slot_quantum: int, span_quantum: int, fused: bool, batch_invariant: bool = False):
         self.decoder = decoder
         self.spec = decoder.spec
         self.cache = cache
@@ -68,11 +70,18 @@ class Scheduler:
         # fused: decode by the Triton kernels (kernels.py): they read lengths on the device, so
         # the attended span is not part of a graph's key
         self.fused = fused
+        # batch_invariant: a request's forward has the same shapes in any batch (one prompt per
+        # prefill, decode over every slot, attention unsplit), so the same rounding (backend.py)
+        self.batch_invariant = batch_invariant
+        # the longest slot a call can shape (_geometry: prompt + max_new_tokens <= max_positions)
+        self.max_slot_len = self.spec.max_positions + sync_every + slot_quantum
         self.state: SlotState | None = None
         self.last_stats: dict = {}
 
     def drop_state(self) -> None:
-        """Forget the device state (the KV cache or weights are going away)."""
+        """Forget the device state and the decode steps (graphs) that read it (the KV cache or
+        weights are going away)."""
+        self.graphs.free()
         self.state = None
         self.decoder.drop_rope()
 
@@ -83,8 +92,9 @@ class Scheduler:
         self.cache.shape(geometry)
         if self.state is None:
             device = self.cache.memory.device
-            self.state = SlotState(self.cache.max_slots, self.sync_every, self.spec.vocab_size, device)
-            self.decoder.build_rope(self.spec.max_positions + self.sync_every + self.slot_quantum, device)
+            self.state = SlotState(self.cache.max_slots, self.sync_every, self.spec.vocab_size, self.max_slot_len,
+                                   device)
+            self.decoder.build_rope(self.max_slot_len, device)
         self.state.positions.zero_()  # slots idle from the last call restart from 0
         mode = sampling_mode([r.sampling for r in requests])
         eos = frozenset(self.spec.eos_ids)
@@ -115,7 +125,7 @@ class Scheduler:
         while True:
             while waiting and None in slot_request:  # 1. admit
                 free = [s for s, r in enumerate(slot_request) if r is None]
-                admitted = self._pack(list(islice(waiting, len(free))), requests)
+                admitted = self._pack(list(islice(waiting, 1 if self.batch_invariant else len(free))), requests)
                 for _ in admitted:
                     waiting.popleft()
                 slots = free[:len(admitted)]
@@ -128,7 +138,8 @@ class Scheduler:
             busy = [s for s, r in enumerate(slot_request) if r is not None]
             if not busy:
                 break
-            batch = batch_bucket(busy[-1] + 1, geometry.num_slots)  # 2. decode
+            # 2. decode
+            batch = geometry.num_slots if self.batch_invariant else batch_bucket(busy[-1] + 1, geometry.num_slots)
             steps = min([self.sync_every] + [requests[slot_request[s]].sampling.max_new_tokens
                                              - len(tokens[slot_request[s]]) for s in busy])
             # attention reads only the cache positions these steps can reach (rounded, so graphs repeat)
@@ -136,9 +147,8 @@ class Scheduler:
             span = None if self.fused else min(geometry.slot_len,
                                                -(-(reach + steps) // self.span_quantum) * self.span_quantum)
             key = (batch, geometry, mode, span)
-            step = self._step(key)
             for _ in range(steps):
-                self.graphs.run(key, step, self.state.mutable())
+                self.graphs.run(key, lambda: self._step(key), self.state.mutable())
             ring_tokens = self.state.ring_tokens[:steps, :batch].tolist()  # 3. sync (one transfer each)
             ring_logprobs = self.state.ring_logprobs[:steps, :batch].tolist()
             self.state.ring_index.zero_()
@@ -241,20 +251,21 @@ class Scheduler:
 
     # -- decode -----------------------------------------------------------------------
     def _step(self, key: tuple[int, Geometry, str, int | None]):
-        """The decode step over slots [0, batch): only preallocated tensors, so it can be graphed.
-        Torch attention reads cache positions [0, span); the fused kernels read each row's own length.
-        Built once per sync round; a captured graph of the same key replays instead of calling it."""
+        """The decode step over slots [0, batch): it reads only the state, the cache, the weights
+        and the rope tables (views of them), so a graph of it replays correctly for as long as
+        those live. Torch attention reads cache positions [0, span); the fused kernels read each
+        row's own length. Built once per key (DecodeGraphs keeps it with its graph)."""
         batch, geometry, mode, span = key
         st, s = self.state, self.spec
         device = st.tokens.device
         if self.fused:
             from roles.rollout.torch_engine.kernels import decode_attention, num_splits
 
-            splits = num_splits(batch, s.num_kv_heads, geometry.slot_len,
-                                torch.cuda.get_device_properties(device).multi_processor_count)
+            sms = torch.cuda.get_device_properties(device).multi_processor_count
+            splits = 1 if self.batch_invariant else num_splits(batch, s.num_kv_heads, geometry.slot_len, sms)
         else:
             group = s.num_heads // s.num_kv_heads
-            key_positions = torch.arange(span, device=device)
+            key_positions = st.key_positions[:span]
 
         def step() -> None:
             tokens, positions, rows = st.tokens[:batch], st.positions[:batch], st.rows.head(batch)

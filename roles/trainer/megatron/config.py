@@ -16,6 +16,8 @@ from dataclasses import dataclass
 from roles.trainer.config import TrainerConfig
 from roles.trainer.megatron.shape import check_recompute
 
+TRANSFORMER_IMPLS = ("local", "transformer_engine")
+MEMORY_TAGS = ("params", "grads", "optimizer")
 PARALLEL_SIZES = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size")
 
 
@@ -29,6 +31,12 @@ class MegatronTrainerConfig(TrainerConfig):
     recompute_num_layers: int | None = None
     use_distributed_optimizer: bool = True  # megatron's ZeRO-1 over data-parallel ranks
     logits_chunk_tokens: int = 2048  # response rows per fp32 logits chunk
+    # megatron's layers: "local" (local spec, roles.trainer.megatron.attention) or
+    # "transformer_engine"; never chosen because transformer-engine happens to import
+    transformer_impl: str = "local"
+    # the memory tags the run offloads every iteration (ppo.config.derived.train_offload_tags):
+    # the params' host block is then kept from construction on (roles.trainer.megatron.offload)
+    offload_tags: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -37,5 +45,13 @@ class MegatronTrainerConfig(TrainerConfig):
             if size < 1:
                 raise ValueError(f"megatron trainer config: {name}={size}, expected >= 1")
         check_recompute(self.recompute_granularity, self.recompute_method, self.recompute_num_layers)
+        if self.transformer_impl not in TRANSFORMER_IMPLS:
+            raise ValueError(f"megatron trainer config: transformer_impl={self.transformer_impl!r}, "
+                             f"expected one of {TRANSFORMER_IMPLS}")
+        object.__setattr__(self, "offload_tags", tuple(self.offload_tags))  # a list off the wire (msgpack)
+        bad = [t for t in self.offload_tags if t not in MEMORY_TAGS]
+        if bad:
+            raise ValueError(f"megatron trainer config: offload_tags={self.offload_tags!r}, expected tags among "
+                             f"{MEMORY_TAGS}")
         if self.logits_chunk_tokens < 1:
             raise ValueError(f"megatron trainer config: logits_chunk_tokens={self.logits_chunk_tokens}, expected >= 1")

@@ -49,7 +49,7 @@ import torch.distributed as dist
 from roles.device import DeviceMemory
 from roles.model_spec import ModelSpec
 from roles.trainer.batching import check_batch, response_mask, scatter_rows, sequences
-from roles.trainer.megatron.config import MegatronTrainerConfig
+from roles.trainer.megatron.config import MEMORY_TAGS, MegatronTrainerConfig
 from roles.trainer.megatron.cp import CPSlice, cp_slice, gather_rows
 from roles.trainer.megatron.env import (
     compile_in_process,
@@ -60,13 +60,12 @@ from roles.trainer.megatron.env import (
 )
 from roles.trainer.megatron.export import all_gather_shards, model_hf_weights
 from roles.trainer.megatron.mapper import hf_to_megatron
-from roles.trainer.megatron.model import build_gpt_model, transformer_engine_available
+from roles.trainer.megatron.model import build_gpt_model, use_transformer_engine
 from roles.trainer.megatron.offload import TaggedOffloader
 from roles.trainer.megatron.packing import PackedMicroBatch, pack, plan_packed
 from roles.trainer.megatron.shape import megatron_spec, transformer_config_kwargs
 from roles.trainer.steps import LOSS, sum_metrics, train_pass
 
-MEMORY_TAGS = ("params", "grads", "optimizer")
 # Above this much device memory outside the tags a report lists the largest blocks: below it
 # (the fused Adam's step counters, norms' flags) listing costs a snapshot and says nothing.
 UNTRACKED_NOTE = 1 << 20
@@ -112,7 +111,7 @@ class MegatronCore:
         self.pp_group = ps.get_pipeline_model_parallel_group() if self.pp_size > 1 else None
         self._sync_views: tuple | None = None  # (storages, named_hf_weights(views=True)) at TP1, one stage
         self.last_stage = ps.is_pipeline_last_stage()
-        self.use_te = transformer_engine_available()
+        self.use_te = use_transformer_engine(config.transformer_impl)
         self.spec = "te" if self.use_te else "local"
         tconfig = TransformerConfig(
             **transformer_config_kwargs(
@@ -152,7 +151,8 @@ class MegatronCore:
         self.schedule = config.lr_schedule_fn
         self.step = 0
         self.offloader = TaggedOffloader(memory)
-        self.offloader.register("params", self._param_tensors)
+        # the params' sizes never change: a run that offloads them every iteration keeps their first block
+        self.offloader.register("params", self._param_tensors, keep_first="params" in config.offload_tags)
         self.offloader.register("grads", lambda: [b.grad_data for b in self.ddp.buffers], keep=False)
         self.offloader.register("optimizer", self._optimizer_tensors)
         # The actor's reference policy is its initial weights: a CPU copy, swapped in for ref log-probs.
@@ -220,6 +220,20 @@ class MegatronCore:
                                 tp_size=self.tp_size, tp_shards=lambda name, t: all_gather_shards(t, self.tp_group),
                                 pp_group=self.pp_group, pp_rank=self.pp_rank, pp_size=self.pp_size, spec=self.spec,
                                 critic=self.critic, device=self.device, views=views)
+
+    def tied_embedding_copy(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """On the last stage of a pipelined model with tied embeddings, its copy of the
+        embedding (the output layer's weight, which megatron keeps equal to stage 0's by an
+        all-reduce of their grads), TP shards all-gathered, as the HF embedding; elsewhere
+        nothing. The export leaves it out (the engines load one embedding), so this is how a
+        check sees the two copies drift apart. A collective over the TP group."""
+        if self.pp_group is None or not self.last_stage or not self.shape.tied_embeddings or self.critic:
+            return
+        from roles.trainer.megatron.mapper import to_hf
+
+        weight = self.module.output_layer.weight.detach()
+        yield from to_hf("embedding.word_embeddings.weight", all_gather_shards(weight, self.tp_group), self.shape,
+                         layer_offset=0, spec=self.spec)
 
     def _param_tensors(self) -> list[torch.Tensor]:
         """DDP's flat param buffers (distributed optimizer), else the parameters themselves."""

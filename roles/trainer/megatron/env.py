@@ -50,13 +50,28 @@ def load_hf_state(path: str) -> dict[str, torch.Tensor]:
     """Every tensor of an HF checkpoint directory's safetensors files, on the CPU."""
     from safetensors.torch import load_file
 
+    state: dict[str, torch.Tensor] = {}
+    for f in _safetensors_files(path):
+        state.update(load_file(f))
+    return state
+
+
+def hf_tensor_names(path: str) -> list[str]:
+    """The tensor names of an HF checkpoint directory, read from the files' headers only."""
+    from safetensors import safe_open
+
+    names: list[str] = []
+    for f in _safetensors_files(path):
+        with safe_open(f, framework="pt") as st:
+            names += list(st.keys())
+    return names
+
+
+def _safetensors_files(path: str) -> list[str]:
     files = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
     if not files:
         raise FileNotFoundError(f"{path}: no .safetensors files (the megatron trainer loads HF safetensors)")
-    state: dict[str, torch.Tensor] = {}
-    for f in files:
-        state.update(load_file(os.path.join(path, f)))
-    return state
+    return [os.path.join(path, f) for f in files]
 
 
 def use_fused_adam(optimizers: list) -> None:

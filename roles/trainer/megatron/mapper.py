@@ -214,10 +214,28 @@ def layer_offset(shape: ModelSpec, *, pp_rank: int, pp_size: int) -> int:
     return pp_rank * (shape.num_layers // pp_size)
 
 
+def unplaced_problem(names, shape: ModelSpec, *, critic: bool = False) -> str | None:
+    """Which HF tensor among `names` no parameter of the whole model is made of (those the
+    architecture drops aside: ModelSpec.ignores), as a sentence; None if none."""
+    placed = {src for name in megatron_names(shape, pp_rank=0, pp_size=1, critic=critic)
+              for src in hf_sources(name, shape, layer_offset=0, critic=critic)}
+    unplaced = sorted(n for n in names if n not in placed and not shape.ignores(n))
+    if not unplaced:
+        return None
+    more = f" and {len(unplaced) - 1} more" if len(unplaced) > 1 else ""
+    return (f"checkpoint tensor {unplaced[0]!r}{more} has no place in the {shape.model_type} model its config "
+            f"describes (qkv_bias={shape.qkv_bias}, qk_norm={shape.qk_norm}, tied_embeddings={shape.tied_embeddings}): "
+            "the checkpoint and its config.json disagree")
+
+
 def hf_to_megatron(hf: Mapping[str, torch.Tensor], shape: ModelSpec, *, tp_rank: int, tp_size: int,
                    pp_rank: int, pp_size: int, spec: str = "local", critic: bool = False) -> dict[str, torch.Tensor]:
-    """The state dict of one (TP rank, PP stage) GPTModel from a full HF state dict."""
+    """The state dict of one (TP rank, PP stage) GPTModel from a full HF state dict. A tensor
+    the model has no place for is refused by name rather than dropped (unplaced_problem)."""
     shape.check_parallel(tp_size=tp_size, pp_size=pp_size)
+    problem = unplaced_problem(hf, shape, critic=critic)
+    if problem:
+        raise ValueError(problem)
     offset = layer_offset(shape, pp_rank=pp_rank, pp_size=pp_size)
     return {
         name: to_megatron(name, hf, shape, tp_rank=tp_rank, tp_size=tp_size, layer_offset=offset, spec=spec,

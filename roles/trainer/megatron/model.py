@@ -6,6 +6,8 @@ Python 3.11 without megatron-core; building a model needs megatron-core (Python 
 
 from __future__ import annotations
 
+import logging
+
 import torch
 from torch import nn
 
@@ -13,6 +15,8 @@ from roles.model_spec import ModelSpec
 
 # The critic's value head init, as miles' LinearForLastLayer: normal(0, 0.02), bias 0.
 VALUE_HEAD_INIT_STD = 0.02
+
+logger = logging.getLogger(__name__)
 
 
 def transformer_engine_available() -> bool:
@@ -23,8 +27,23 @@ def transformer_engine_available() -> bool:
     return True
 
 
+def use_transformer_engine(transformer_impl: str) -> bool:
+    """Whether the layers are transformer-engine's: only when asked for (MegatronTrainerConfig
+    .transformer_impl, --transformer-impl), never because the package happens to import (its
+    layers change the numerics, the parameter names and the RoPE path). Asked for and not
+    importable is an error; the choice is logged."""
+    use_te = transformer_impl == "transformer_engine"
+    if use_te and not transformer_engine_available():
+        raise RuntimeError("--transformer-impl transformer_engine, but transformer_engine does not import here: "
+                           "install transformer-engine or use --transformer-impl local")
+    logger.info("megatron layers: %s (--transformer-impl %s)",
+                "transformer-engine's spec" if use_te else "local spec, built-in SDPA/varlen attention",
+                transformer_impl)
+    return use_te
+
+
 def layer_spec(shape: ModelSpec, *, use_te: bool):
-    """transformer-engine's layer spec when it is installed (megatron applies its fused RoPE),
+    """transformer-engine's layer spec when asked for (megatron applies its fused RoPE),
     else megatron's local spec with roles.trainer.megatron.attention.SDPACoreAttention as core
     attention, which applies the spec's RoPE itself (roles.rope; the model then has none of its own)."""
     from megatron.core.models.gpt.gpt_layer_specs import (

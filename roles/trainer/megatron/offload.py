@@ -21,7 +21,13 @@ nothing:
   block is freed at the following onload. The state changes shape at the first step, and
   a tag that a one-GPU plan keeps resident (`--offload-train-level optimizer` keeps the
   weights) is never offloaded again. From the second offload on, a tag moves every
-  iteration and keeps its block.
+  iteration and keeps its block;
+- except a tag registered with `keep_first`: one whose sizes never change (the params) and
+  that the run offloads every iteration keeps its construction-time block. On the H200 the
+  params read back from that block at 0.98x the pinned rate and from every block made later,
+  at the first full offload beside the optimizer's, at 0.53-0.62x (docs/benchmarks.md, the
+  cause unexplained: the same copy, the same kind of block); keeping it also spares the
+  ~2 s that making the later block took (3.8 GB/s at the first full offload).
 
 Every move reports bytes and GB/s per tag; accounting goes through roles.device.DeviceMemory
 (account before allocating on onload, after freeing on offload) so the lease checks hold.
@@ -58,16 +64,20 @@ class TaggedOffloader:
         self.memory = memory
         self._tensors: dict[str, Callable[[], list[torch.Tensor]]] = {}
         self._keep: dict[str, bool] = {}
+        self._keep_first: dict[str, bool] = {}
         self._freed: dict[str, list[tuple[torch.UntypedStorage, int]]] = {}
         self._host: dict[str, HostBlock] = {}
         self._offloads: dict[str, int] = {}  # offloads of each tag so far
         self.offloaded: set[str] = set()
 
-    def register(self, tag: str, tensors: Callable[[], list[torch.Tensor]], *, keep: bool = True) -> None:
+    def register(self, tag: str, tensors: Callable[[], list[torch.Tensor]], *, keep: bool = True,
+                 keep_first: bool = False) -> None:
         """`tensors()` lists the tag's device tensors (called at each offload: an optimizer's
-        state appears at its first step). keep=False: the content is not kept across offload."""
+        state appears at its first step). keep=False: the content is not kept across offload.
+        keep_first: the construction-time host block is kept (module note)."""
         self._tensors[tag] = tensors
         self._keep[tag] = keep
+        self._keep_first[tag] = keep_first
 
     def nbytes(self, tag: str) -> int:
         """Device bytes of the tag's storages (the last offloaded size while offloaded)."""
@@ -116,7 +126,7 @@ class TaggedOffloader:
         seconds = time.perf_counter() - start
         del views
         self.offloaded.discard(tag)
-        if self._offloads[tag] == 1 and tag in self._host:  # the construction-time offload
+        if self._offloads[tag] == 1 and tag in self._host and not self._keep_first[tag]:  # the construction-time one
             self._host.pop(tag).free()
         return {**_report(moved, seconds), "alloc_seconds": alloc_s}
 

@@ -26,6 +26,7 @@ from roles.trainer.megatron.logprobs import vocab_parallel_log_probs, vocab_shar
 from roles.trainer.megatron.packing import PackedMicroBatch
 from roles.trainer.objectives import policy_objective, value_objective
 from roles.trainer.role import TrainerRole
+from roles.weight_checksum import checksum_named_tensors
 from runtime import endpoint
 
 
@@ -41,7 +42,7 @@ class _MegatronRole(TrainerRole):
         self.config = _config(config)
         torch.manual_seed(self.config.seed)
         self._core = MegatronCore(self.config, critic=critic, memory=self._device_memory(role), hf_state=hf_state)
-        self._started()
+        self._started(transformer_impl=self.config.transformer_impl)  # the choice, in the run's events
 
     @endpoint
     def rank_layout(self) -> dict:
@@ -131,8 +132,13 @@ class MegatronActorTrainer(_MegatronRole, ActorRole):
     def weights_checksum(self) -> dict[str, str]:
         """HF name -> digest (ActorRole.weights_checksum) from each rank that gathers the
         weights: on pipeline stage 0 the whole model (rank 0 and its TP peers, all equal), on
-        a later stage its own part; other ranks {}. The group merges them (a union)."""
-        return ActorRole.weights_checksum(self) if self._core.gathers_weights else {}
+        a later stage its own part; other ranks {}. The last stage of a pipelined model with
+        tied embeddings adds its copy of the embedding under the embedding's name
+        (MegatronCore.tied_embedding_copy). The group merges them (a union that refuses two
+        digests for one name: a copy that drifted from stage 0's fails the check)."""
+        if not self._core.gathers_weights:
+            return {}
+        return {**ActorRole.weights_checksum(self), **checksum_named_tensors(self._core.tied_embedding_copy())}
 
     @endpoint
     def sync_weights(self, *args, **kwargs) -> dict:
