@@ -209,6 +209,11 @@ def test_async_config_rules_name_the_flag_and_the_fix():
     [offloading] = validate(tiny(**ASYNC, offload_rollout=True))
     assert "--offload-rollout (placement.offload_rollout)" in offloading and "Please remove --offload-rollout" in offloading
     assert any("--max-weight-staleness 0" in p for p in validate(tiny(**ASYNC, max_weight_staleness=0)))
+    # a reward model on the engines' GPUs would wait for engines that generate ahead
+    [shared_rm] = validate(tiny(**ASYNC, reward_model_path="/rm"))
+    assert "--train-async" in shared_rm and "Please add --reward-model-num-gpus N" in shared_rm
+    assert validate(tiny(**ASYNC, reward_model_path="/rm", reward_model_num_gpus=1,
+                         num_gpus_per_node=3)) == []
 
 
 def test_async_weights_the_loss_by_tis_unless_the_ratio_takes_the_engines_log_probs():
