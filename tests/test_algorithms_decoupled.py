@@ -70,7 +70,7 @@ def test_decoupled_ppo_through_driver_and_trainer_equals_a_float64_reference(mod
              "response_lens": torch.full((n,), width)}
 
     cfg = override(tiny_ppo(), **ASYNC)
-    _, tis = user_functions(cfg)
+    _, tis, _ = user_functions(cfg)
     mismatch_correction(cfg, batch, tis)
     sent = actor_batch(cfg, batch)  # what the actor trains on
     assert torch.equal(sent["old_log_probs"], prox)
