@@ -199,6 +199,8 @@ def engine_settings(cfg: PPOConfig) -> dict:
         settings = {"max_batch_size": C.samples_per_rollout(cfg)}
         if torch.cuda.is_available() and not cfg.placement.fake_gpus and e.sglang_mem_fraction_static:
             settings["mem_fraction"] = e.sglang_mem_fraction_static
+        if e.sglang_enable_deterministic_inference:  # the built-in engine's batch-invariant decode
+            settings["options"] = {"batch_invariant": True}
         return settings
     options = {"tp_size": e.rollout_num_gpus_per_engine}
     if C.offload_rollout(cfg):  # release/resume_memory_occupation work only with the memory saver
