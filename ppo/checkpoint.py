@@ -48,7 +48,8 @@ from ppo import config as C
 from ppo.config import PPOConfig
 from ppo.config.serialize import to_dict
 from ppo.data import PromptDataset
-from ppo.handoffs import OnGPUs, lent_to_trainers, on_gpus, release_engines, sync_engines
+from ppo.handoffs import (OnGPUs, engines_share_trainer_gpus, lent_to_trainers, on_gpus, release_engines,
+                          sync_engines)
 from ppo.manifest import MANIFEST_FILE, damage, write_manifest
 from roles.trainer.checkpoint import TRAINER_FILES, replace_dir, sync_dir
 from roles.trainer.rng import capture_rng, restore_rng
@@ -417,7 +418,8 @@ def restore(job: RunJob, data: PromptDataset, ckpt: Checkpoint) -> ResumePoint:
     version = ckpt.state["weight_version"]
     # The trainers load with their state on the GPUs (ppo.handoffs), the actor keeping its
     # weights for the sync: the engines loaded --hf-checkpoint, the actor now holds the checkpoint's policy.
-    release_engines(job, 0)
+    if engines_share_trainer_gpus(job):
+        release_engines(job, 0)
     if job.critic is not None:
         with on_gpus(job, job.critic_tenant):
             job.critic.load(str(ckpt.critic_dir))

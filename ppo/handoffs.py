@@ -5,9 +5,12 @@ engines lend their GPUs to the trainers.
 A trainer saves and loads with all its state on its GPUs: megatron reads and writes only
 device state (its parameters are views into DDP's buffers, which offloading frees), and its
 export gathers tensor-parallel shards and pipeline stages over the device's collectives.
-So a checkpoint is written, and one is loaded, inside a window where the engines have
-released their GPUs and each trainer in turn holds its lease with its weights and optimizer
-on the device (colocated trainers share a lease, so they take turns).
+So a checkpoint is written, and one is loaded, inside a window where the engines sharing the
+trainers' GPUs have released them and each trainer in turn holds its lease with its weights
+and optimizer on the device (colocated trainers share a lease, so they take turns). Engines
+on GPUs of their own are not asked. The windows have no try/finally: an error inside one
+either stops the run (SaveFailed) or is a trainer death, whose recovery evicts the trainers
+and syncs the engines anew (ppo.recovery); one caught and survived would need it.
 
 An engine found dead in a handoff is waited for and brought to the current policy version,
 and the handoff runs again (`engine_handoff`).
@@ -95,13 +98,17 @@ def engines_take_back(job, version: int, perf=None) -> None:
 def lent_to_trainers(job, version: int, perf=None) -> Iterator[None]:
     """The engines lend their GPUs to the trainers for the body (a checkpoint's save, each
     trainer in `on_gpus`), then take back what they released. Engines on GPUs of their own
-    lend nothing and are not called (with --train-async they are generating meanwhile)."""
-    shared = bool(set(job.placement.actor_gpus) & {g for gpus in job.placement.engines for g in gpus})
+    lend nothing and are not called (with --train-async they may be generating)."""
+    shared = engines_share_trainer_gpus(job)
     if shared:
         release_engines(job, version)
     yield
     if shared:
         engines_take_back(job, version, perf)
+
+
+def engines_share_trainer_gpus(job) -> bool:
+    return bool(set(job.placement.actor_gpus) & {g for gpus in job.placement.engines for g in gpus})
 
 
 @contextlib.contextmanager

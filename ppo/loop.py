@@ -183,8 +183,8 @@ def steps(job: Job, log: RunLogger, start: checkpoint.ResumePoint, stops: Signal
             version += 1
             rollouts.wait_generated(version)  # ahead: weights change between rollouts only
             sync_engines(job, version, perf)  # 7. weight sync
-        else:  # 7'. weights unchanged: engines take back what they released (sglang's from the actor)
-            engines_take_back(job, version, perf)
+        elif not rollouts.ahead:  # 7'. weights unchanged: engines take back what they released
+            engines_take_back(job, version, perf)  # (sglang's from the actor; ahead, they released nothing)
 
         # 9. eval on the engines, which hold the new weights and their KV cache again
         if evaluation.due_after(cfg, step):

@@ -9,10 +9,10 @@ Here the driver, within its budget of N recoveries:
    store: runtime.Supervisor.respawn_group), the live one too: both must go back to the
    checkpoint, and a fresh group loaded from it is exactly what `--load` resumes from;
 2. forgets the leases and memory the old trainers held (ppo.colocation.Colocation.evict);
-3. waits for the new trainers (the engines' memory released, as at the job's start), then
-   gives the engines their GPUs back, weights and KV cache, as at the start of a step;
+3. waits for the new trainers (the engines' memory released, as at the job's start);
 4. reloads the trainers, data position and driver RNG from the checkpoint and syncs the
-   engines' weights (ppo.checkpoint.restore, the machinery of --load), drops the metrics
+   engines, which take their GPUs, weights and KV cache back (ppo.checkpoint.restore, the
+   machinery of --load, through ppo.handoffs' checkpoint window), drops the metrics
    of the steps after it (RunLogger.rewind), and publishes a `rewind` event for the trace.
 
 A run resumed this way repeats an uninterrupted run's metrics, as a --load resume does; its

@@ -26,7 +26,10 @@ dies: its recovery (`recover`) brings the restarted engine to the current policy
 the actor and the lease table, which the driver's thread uses while it trains. `lock`
 keeps them apart: the driver's thread holds it except while it waits in `take` and
 `wait_generated`, where the actor holds no lease and `version` (given to both) is the
-actor's, so a restarted engine is brought to the weights the actor holds.
+actor's, so a restarted engine is brought to the weights the actor holds. It lets go in
+`close` too, after a trainer died mid-step, when a trainer may still hold its GPUs: a
+recovery's sync there may fail, and `close` drops that error, because the trainers'
+recovery or the run's stop syncs or ends every engine anyway.
 
 A checkpoint written while a rollout is ahead records the data position before that
 rollout's prompts (`data_position`): a resumed run generates it again, on its weights.

@@ -496,21 +496,23 @@ class Supervisor:
     def _check_heartbeats(self) -> None:
         now = time.monotonic()
         with self._lock:
-            children = [(c, c.incarnation) for c in self._children.values()
+            # each with its incarnation and process: a restart meanwhile must not have its new
+            # process judged, or killed, by what we read of the old one
+            children = [(c, c.incarnation, c.process) for c in self._children.values()
                         if c.state != "dead" and c.spec.group not in self._respawning]
-        for c, incarnation in children:
-            if c.incarnation != incarnation:  # restarted since: its new process is not the one we judged
+        for c, incarnation, process in children:
+            if c.incarnation != incarnation:  # restarted since
                 continue
             if c.last_beat is not None and now - c.last_beat > self.heartbeat_timeout:
-                self.bus.publish("hung", role=c.spec.name, incarnation=c.incarnation, pid=c.process.pid,
+                self.bus.publish("hung", role=c.spec.name, incarnation=incarnation, pid=process.pid,
                                  silent_s=round(now - c.last_beat, 3))
-                kill_tree(c.process.pid)
-                c.process.join(timeout=5)
+                kill_tree(process.pid)
+                process.join(timeout=5)
                 self._on_death(c, incarnation, reason=f"hung: no heartbeat for {now - c.last_beat:.1f} s "
                                          f"(heartbeat_timeout={self.heartbeat_timeout} s); killed")
             elif c.last_beat is None and now - c.started_at > self.ready_timeout_s:
-                kill_tree(c.process.pid)
-                c.process.join(timeout=5)
+                kill_tree(process.pid)
+                process.join(timeout=5)
                 self._on_death(c, incarnation, reason=f"did not start within ready_timeout_s={self.ready_timeout_s}")
 
     def _publish_stats(self) -> None:
@@ -546,14 +548,14 @@ class Supervisor:
             # it failed before child_main ran (which creates the file): say what usually causes that
             Path(err_file).write_text(describe_silent_start(spec.name, spec.cls, reason))
         err_text = read_text(err_file)
-        err = ActorDied(spec.name, child.incarnation, reason, err_file if err_text else None, err_text)
-        self.directory.mark_dead(spec.name, child.incarnation, err)
-        self.caller.fail_destination(spec.name, child.incarnation, err)
+        err = ActorDied(spec.name, incarnation, reason, err_file if err_text else None, err_text)
+        self.directory.mark_dead(spec.name, incarnation, err)
+        self.caller.fail_destination(spec.name, incarnation, err)
         self.caller.forget_endpoint(child.endpoint)
-        self._notify_children({"what": "died", "name": spec.name, "inc": child.incarnation,
+        self._notify_children({"what": "died", "name": spec.name, "inc": incarnation,
                                "reason": reason, "endpoint": child.endpoint,
                                "error_file": err_file if err_text else None})
-        self.bus.publish("died", role=spec.name, incarnation=child.incarnation, pid=child.process.pid,
+        self.bus.publish("died", role=spec.name, incarnation=incarnation, pid=child.process.pid,
                          gpus=list(spec.gpus), reason=reason, error_file=err_file if err_text else None)
         if self._stopping:
             return
