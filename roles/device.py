@@ -40,6 +40,28 @@ Movable = nn.Module | list[torch.Tensor]
 CUDA_BLOCK = 512  # torch's CUDA caching allocator rounds every allocation up to this
 
 
+def tenant_lifecycle(busy: str) -> dict[str, frozenset[str]]:
+    """The state machine of a tenant of the memory handoff (a trainer, a reward model):
+
+        starting -> offloaded <-> onloaded <-> BUSY
+
+    built offloaded so that it starts while another role holds the GPU lease."""
+    return {
+        "starting": frozenset({"offloaded"}),
+        "ready": frozenset({"offloaded"}),  # an in-process object starts "ready" (runtime.actor)
+        "offloaded": frozenset({"onloaded"}),
+        "onloaded": frozenset({"offloaded", busy}),
+        busy: frozenset({"onloaded"}),
+    }
+
+
+def check_memory_tags(tags: list[str], allowed: tuple[str, ...]) -> None:
+    """Refuse memory tags a role does not have, naming them and the allowed ones."""
+    bad = [t for t in tags if t not in allowed]
+    if bad:
+        raise ValueError(f"memory tags {bad} unknown; allowed: {list(allowed)}")
+
+
 def nbytes_of(obj: Movable, block: int = 1) -> int:
     """Bytes of a module's parameters and buffers, or of a list of tensors; shared storage
     counted once; each storage rounded up to a multiple of `block` (CUDA_BLOCK gives what

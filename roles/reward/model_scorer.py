@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import time
 
-from roles.device import DeviceMemory
+from roles.device import DeviceMemory, check_memory_tags, tenant_lifecycle
 from roles.reward.model import RewardModel
 from runtime import Actor, endpoint
 
@@ -21,13 +21,7 @@ MEMORY_TAGS = ("weights",)
 
 
 class RewardModelScorer(Actor):
-    lifecycle = {
-        "starting": frozenset({"offloaded"}),
-        "ready": frozenset({"offloaded"}),  # an in-process object starts "ready" (runtime.actor)
-        "offloaded": frozenset({"onloaded"}),
-        "onloaded": frozenset({"offloaded", "scoring"}),
-        "scoring": frozenset({"onloaded"}),
-    }
+    lifecycle = tenant_lifecycle("scoring")
 
     def __init__(self, path: str, *, dtype: str, max_tokens: int):
         """`path`: an HF sequence-classification checkpoint with one label (roles.reward.model);
@@ -63,9 +57,7 @@ class RewardModelScorer(Actor):
         return self._move(tags, "cpu")
 
     def _move(self, tags: list[str], where: str) -> dict:
-        bad = [t for t in tags if t not in MEMORY_TAGS]
-        if bad:
-            raise ValueError(f"memory tags {bad} unknown; allowed: {list(MEMORY_TAGS)}")
+        check_memory_tags(tags, MEMORY_TAGS)
         t0, before, was_onloaded = time.time(), self._model.memory.bytes_in_use(), self._model.onloaded
         if tags and where == "device":
             self._model.onload()

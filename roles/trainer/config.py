@@ -13,6 +13,7 @@ from ppo.algorithms import AGG_MODES, KL_KINDS, RATIO_LEVELS
 from roles.trainer.schedule import LR_SCHEDULES, LRSchedule
 
 DTYPES = ("float32", "bfloat16", "float16")
+MEMORY_TAGS = ("params", "grads", "optimizer")  # what a trainer offloads and onloads, by name
 
 
 @dataclass(kw_only=True, frozen=True)

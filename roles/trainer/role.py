@@ -14,7 +14,7 @@ from typing import Protocol
 
 import torch
 
-from roles.device import DeviceMemory
+from roles.device import DeviceMemory, tenant_lifecycle
 from roles.trainer.distributed import Rank, init_from_env
 from runtime import Actor, endpoint
 
@@ -38,13 +38,7 @@ class TrainerCore(Protocol):
 
 
 class TrainerRole(Actor):
-    lifecycle = {
-        "starting": frozenset({"offloaded"}),
-        "ready": frozenset({"offloaded"}),  # an in-process object starts "ready" (runtime.actor)
-        "offloaded": frozenset({"onloaded"}),
-        "onloaded": frozenset({"offloaded", "training"}),
-        "training": frozenset({"onloaded"}),
-    }
+    lifecycle = tenant_lifecycle("training")
     _core: TrainerCore
     _rank: Rank = Rank(0, 1)
 

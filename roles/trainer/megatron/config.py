@@ -13,11 +13,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from roles.trainer.config import TrainerConfig
+from roles.trainer.config import MEMORY_TAGS, TrainerConfig
 from roles.trainer.megatron.shape import check_recompute
 
 TRANSFORMER_IMPLS = ("local", "transformer_engine")
-MEMORY_TAGS = ("params", "grads", "optimizer")
 PARALLEL_SIZES = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size")
 
 

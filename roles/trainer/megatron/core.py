@@ -46,7 +46,7 @@ from typing import Callable, Iterator, Protocol
 import torch
 import torch.distributed as dist
 
-from roles.device import DeviceMemory
+from roles.device import DeviceMemory, check_memory_tags
 from roles.model_spec import ModelSpec
 from roles.trainer.batching import check_batch, response_mask, scatter_rows, sequences
 from roles.trainer.megatron.config import MEMORY_TAGS, MegatronTrainerConfig
@@ -274,9 +274,7 @@ class MegatronCore:
         return self._place(tags, self.offloader.onload)
 
     def _place(self, tags: list[str], move) -> dict:
-        bad = [t for t in tags if t not in MEMORY_TAGS]
-        if bad:
-            raise ValueError(f"memory tags {bad} unknown; allowed: {list(MEMORY_TAGS)}")
+        check_memory_tags(tags, MEMORY_TAGS)
         moves = {tag: move(tag) for tag in tags}
         drop_rotary_cache()
         torch.cuda.empty_cache()

@@ -33,7 +33,7 @@ from typing import Callable, Iterator
 import torch
 from torch import nn
 
-from roles.device import DeviceMemory
+from roles.device import DeviceMemory, check_memory_tags
 from roles.model_spec import ModelSpec
 from roles.phase_memory import micro_batch_bytes, model_config
 from roles.trainer.batching import (
@@ -46,13 +46,12 @@ from roles.trainer.batching import (
     sequences,
 )
 from roles.trainer.checkpoint import load_checkpoint, save_checkpoint
-from roles.trainer.config import TrainerConfig
+from roles.trainer.config import MEMORY_TAGS, TrainerConfig
 from roles.trainer.distributed import all_reduce_floats, all_reduce_sum_, is_rank_zero
 from roles.trainer.torch.optim import build_adamw, clip_grad_norm, is_state_tensor, optimizer_state_bytes, set_lr
 from roles.trainer.rng import capture_rng, restore_rng
 from roles.trainer.steps import LOSS, sum_metrics, train_pass
 
-MEMORY_TAGS = ("params", "grads", "optimizer")
 
 # (micro-batch, aggregation counts of its mini-batch) -> (loss, metrics). Metrics must be
 # scaled so that summing them over the micro-batches of a mini-batch gives its value.
@@ -86,9 +85,7 @@ class TrainCore:
         return self._place(tags, "device")
 
     def _place(self, tags: list[str], where: str) -> dict:
-        bad = [t for t in tags if t not in MEMORY_TAGS]
-        if bad:
-            raise ValueError(f"memory tags {bad} unknown; allowed: {list(MEMORY_TAGS)}")
+        check_memory_tags(tags, MEMORY_TAGS)
         # "grads" has nothing to move: grads exist only inside train (see the module note).
         for tag in ("params", "optimizer"):
             if tag not in tags:
