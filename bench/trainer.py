@@ -21,8 +21,8 @@ MFU counts model FLOPs only (no recompute).
 
 The megatron actor also reports: offload/onload GB/s per tag against the pinned-copy rate
 (the trainers are told that the run offloads every tag, as `--offload-train-level all` does,
-so the params keep their construction-time host block), and the params onloaded after the
-other tags instead of before;
+so the params keep their construction-time host block; the trainer onloads the zeroed grads
+first), and the params onloaded alone right after a full offload, the log-prob phase's move;
 its Adam step alone (torch AdamW as megatron runs it without apex, foreach vs fused); the
 weight sync from its tensors (megatron -> HF names -> flat 1 GiB buckets) without and with an
 in-process receiver that copies every tensor by name, against a device memcpy of the same
@@ -297,15 +297,15 @@ def bench_megatron(ckpt, shape, tokens_list, plan, peak_tflops, results, deadlin
     offload = actor.offload(["params", "grads", "optimizer"])["moves"]
     onload2 = actor.onload(["params", "grads", "optimizer"])["moves"]
     actor.offload(["params", "grads", "optimizer"])
-    # the params onloaded last, not first after the offload returned 56 GB to the driver: whether a
-    # slow params onload is the move that comes first or the block it reads
-    params_last = actor.onload(["optimizer", "grads", "params"])["moves"]["params"]
-    actor.offload(["params", "grads", "optimizer"])
+    # the params alone right after the offload returned 72 GB to the driver (the log-prob phase's
+    # move): the case the onload order cannot help (roles/trainer/megatron/offload.py)
+    params_alone = actor.onload(["params"])["moves"]["params"]
+    actor.offload(["params"])
     blocks = {tag: {"huge_pages": huge_page_share(block.views[0].data_ptr()),
                     "numa": numa_pages(block.views[0].data_ptr())}
               for tag, block in actor._core.offloader._host.items() if block.views}
     memory = {"offload_first": offload_first, "offload": offload, "onload_first": onload, "onload": onload2,
-              "onload_params_last": params_last,
+              "onload_params_alone": params_alone,
               "adam": adam, "sync": sync, "host_blocks": blocks,
               "bytes_in_use_after_offload": actor._core.memory.bytes_in_use()}
     del actor
@@ -378,9 +378,9 @@ def markdown(report: dict) -> str:
             lines.append(f"| {tag} | {off['gb_per_s']:.1f} | {off['gb_per_s'] / pinned['d2h']:.2f}x | "
                          f"{on['gb_per_s']:.1f} | {on['gb_per_s'] / pinned['h2d']:.2f}x | {on['alloc_seconds']:.3f} | "
                          f"{off['bytes'] / 1e9:.1f} | {first['gb_per_s']:.1f} |")
-        last = mem["onload_params_last"]
-        lines.append(f"params onloaded after the other tags: {last['gb_per_s']:.1f} GB/s "
-                     f"({last['gb_per_s'] / pinned['h2d']:.2f}x h2d)")
+        alone = mem["onload_params_alone"]
+        lines.append(f"params onloaded alone right after a full offload: {alone['gb_per_s']:.1f} GB/s "
+                     f"({alone['gb_per_s'] / pinned['h2d']:.2f}x h2d)")
         lines += [f"host block of {tag}: {b['numa']} pages per NUMA node, "
                   + ("?" if b["huge_pages"] is None else f"{b['huge_pages']:.0%}") + " in huge pages"
                   for tag, b in mem.get("host_blocks", {}).items()]

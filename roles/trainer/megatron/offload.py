@@ -23,11 +23,16 @@ nothing:
   weights) is never offloaded again. From the second offload on, a tag moves every
   iteration and keeps its block;
 - except a tag registered with `keep_first`: one whose sizes never change (the params) and
-  that the run offloads every iteration keeps its construction-time block. On the H200 the
-  params read back from that block at 0.98x the pinned rate and from every block made later,
-  at the first full offload beside the optimizer's, at 0.53-0.62x (docs/benchmarks.md, the
-  cause unexplained: the same copy, the same kind of block); keeping it also spares the
-  ~2 s that making the later block took (3.8 GB/s at the first full offload).
+  that the run offloads every iteration keeps its construction-time block, which spares the
+  ~2 s that making a later block took (3.8 GB/s at the first full offload).
+
+Onload order: right after a process returns a lot of device memory to the driver (a full
+offload: 72 GB), host-to-device copies into newly allocated memory run at half the pinned
+rate for a while (on the H200: the first ~2.5 GB of an 8 GB copy at 26 GB/s, then 53 GB/s;
+~1 GB slow after freeing 8 GB). Waiting 3 s, or allocating and zeroing another tag first,
+avoids it; zeroing the copy's own destination first does not (docs/benchmarks.md, the
+onload probe). So `onload_order` puts the tags that are only zeroed (grads) before the
+copied ones.
 
 Every move reports bytes and GB/s per tag; accounting goes through roles.device.DeviceMemory
 (account before allocating on onload, after freeing on offload) so the lease checks hold.
@@ -78,6 +83,10 @@ class TaggedOffloader:
         self._tensors[tag] = tensors
         self._keep[tag] = keep
         self._keep_first[tag] = keep_first
+
+    def onload_order(self, tags: list[str]) -> list[str]:
+        """`tags` with the zeroed-only ones first (module note), otherwise in the given order."""
+        return sorted(tags, key=lambda tag: self._keep.get(tag, True))
 
     def nbytes(self, tag: str) -> int:
         """Device bytes of the tag's storages (the last offloaded size while offloaded)."""
