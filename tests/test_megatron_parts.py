@@ -151,9 +151,6 @@ def test_offloader_frees_storages_restores_views_and_accounts():
     assert off.offload("grads")["bytes"] == 0  # grads are freed, not copied
     off.onload("grads")
     assert torch.equal(grads, torch.zeros(4))
-    # the zeroed-only tags come first: a copy right after a large free runs at half rate (offload.py)
-    assert off.onload_order(["params", "grads"]) == ["grads", "params"]
-    assert off.onload_order(["params"]) == ["params"]
 
 
 def test_a_tag_registered_keep_first_keeps_its_construction_time_block():

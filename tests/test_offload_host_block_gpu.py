@@ -3,7 +3,8 @@
 A block registered with cudaHostRegister, its pages touched first (the default) or not,
 reports pinned and copies both ways; free() and a block dropped without free() both
 unregister it (a trainer torn down must not leave its pages locked, nor a stale registration
-that a later block at the same address would hit).
+that a later block at the same address would hit). host_to_device copies out of a block through
+SMs and a copy engine, bit for bit, at any share, size and alignment.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import gc
 import pytest
 import torch
 
-from roles.device import HostBlock
+from roles.device import HostBlock, host_to_device
 
 pytestmark = pytest.mark.gpu
 
@@ -42,3 +43,18 @@ def test_host_block_pins_copies_and_unpins_when_freed_or_dropped(touch):
     again = HostBlock(sizes, pin=True, touch=touch)  # registering the same pages again must not fail
     assert again._flat.is_pinned()
     again.free()
+
+
+@pytest.mark.parametrize("share", [0.0, 0.5, 1.0])
+def test_host_to_device_is_bitwise_at_any_share_size_and_alignment(share):
+    sizes = [(1 << 20) + 3, 5, (3 << 20) + 8, 4 << 20]  # odd sizes put later views off 8-byte alignment
+    block = HostBlock(sizes, pin=True)
+    for view in block.views:
+        view.copy_(torch.randint(0, 256, (view.numel(),), dtype=torch.uint8))
+        dst = torch.empty(view.numel() + 1, dtype=torch.uint8, device="cuda")[1:]  # an unaligned destination too
+        host_to_device(dst, view, share)
+        torch.cuda.synchronize()
+        assert torch.equal(dst.cpu(), view)
+    with pytest.raises(ValueError, match=r"sm_share=1.5 must be in \[0, 1\]"):
+        host_to_device(dst, block.views[-1], 1.5)
+    block.free()

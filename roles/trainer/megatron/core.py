@@ -271,7 +271,7 @@ class MegatronCore:
         return self._place(tags, self.offloader.offload)
 
     def onload(self, tags: list[str]) -> dict:
-        return self._place(self.offloader.onload_order(tags), self.offloader.onload)
+        return self._place(tags, self.offloader.onload)
 
     def _place(self, tags: list[str], move) -> dict:
         check_memory_tags(tags, MEMORY_TAGS)

@@ -26,13 +26,9 @@ nothing:
   that the run offloads every iteration keeps its construction-time block, which spares the
   ~2 s that making a later block took (3.8 GB/s at the first full offload).
 
-Onload order: right after a process returns a lot of device memory to the driver (a full
-offload: 72 GB), host-to-device copies into newly allocated memory run at half the pinned
-rate for a while (on the H200: the first ~2.5 GB of an 8 GB copy at 26 GB/s, then 53 GB/s;
-~1 GB slow after freeing 8 GB). Waiting 3 s, or allocating and zeroing another tag first,
-avoids it; zeroing the copy's own destination first does not (docs/benchmarks.md, the
-onload probe). So `onload_order` puts the tags that are only zeroed (grads) before the
-copied ones.
+Onloads copy through roles.device.host_to_device: half through the SMs, half through a copy
+engine, since copy-engine copies right after a large free (by this or another process) run
+at half rate.
 
 Every move reports bytes and GB/s per tag; accounting goes through roles.device.DeviceMemory
 (account before allocating on onload, after freeing on offload) so the lease checks hold.
@@ -45,7 +41,7 @@ from typing import Callable
 
 import torch
 
-from roles.device import DeviceMemory, HostBlock
+from roles.device import DeviceMemory, HostBlock, host_to_device
 
 
 def _storages(tensors: list[torch.Tensor]) -> list[torch.UntypedStorage]:
@@ -83,10 +79,6 @@ class TaggedOffloader:
         self._tensors[tag] = tensors
         self._keep[tag] = keep
         self._keep_first[tag] = keep_first
-
-    def onload_order(self, tags: list[str]) -> list[str]:
-        """`tags` with the zeroed-only ones first (module note), otherwise in the given order."""
-        return sorted(tags, key=lambda tag: self._keep.get(tag, True))
 
     def nbytes(self, tag: str) -> int:
         """Device bytes of the tag's storages (the last offloaded size while offloaded)."""
@@ -127,7 +119,7 @@ class TaggedOffloader:
             st.resize_(nbytes)
             alloc_s += time.perf_counter() - t0  # the allocator's share (cudaMalloc when its cache is empty)
             if self._keep[tag]:
-                _as_bytes(st).copy_(views[i], non_blocking=True)
+                host_to_device(_as_bytes(st), views[i])
                 moved += nbytes
             else:
                 _as_bytes(st).zero_()
