@@ -22,7 +22,7 @@ MFU counts model FLOPs only (no recompute).
 The megatron actor also reports: offload/onload GB/s per tag against the pinned-copy rate
 (the trainers are told that the run offloads every tag, as `--offload-train-level all` does,
 so the params keep their construction-time host block), and the params onloaded alone right
-after a full offload, the log-prob phase's move, for several SM shares of the copy
+after a full offload, the log-prob phase's move, copied by a copy engine and by SMs
 (roles.device.host_to_device);
 its Adam step alone (torch AdamW as megatron runs it without apex, foreach vs fused); the
 weight sync from its tensors (megatron -> HF names -> flat 1 GiB buckets) without and with an
@@ -56,7 +56,6 @@ SAMPLE_LEN, PROMPT_LEN = 1024, 512
 RECOMPUTE = {"full": ("full", "uniform", 1), "none": (None, None, None)}  # plus block:N
 RUNS = 3  # timed runs per row: a row reports their median and spread
 ALL_TAGS = ("params", "grads", "optimizer")
-SM_SHARES = (0.0, 0.5, 1.0)  # the params onload alone, split between a copy engine and SMs
 
 
 def recompute_setting(name: str) -> tuple[str | None, str | None, int | None]:
@@ -301,13 +300,13 @@ def bench_megatron(ckpt, shape, tokens_list, plan, peak_tflops, results, deadlin
     onload2 = actor.onload(["params", "grads", "optimizer"])["moves"]
     actor.offload(["params", "grads", "optimizer"])
     # the params alone right after the offload returned 72 GB to the driver (the log-prob phase's
-    # move), with the copy split between SMs and a copy engine in several shares
+    # move), copied by a copy engine and by SMs
     params_alone = {}
-    for share in SM_SHARES:
-        with mock.patch("roles.device.SM_COPY_SHARE", share):
+    for how, through_sms in (("copy engine", False), ("SMs", True)):
+        with mock.patch("roles.device.SM_COPIES", through_sms):
             actor.onload(["params", "grads", "optimizer"])
             actor.offload(["params", "grads", "optimizer"])
-            params_alone[share] = actor.onload(["params"])["moves"]["params"]
+            params_alone[how] = actor.onload(["params"])["moves"]["params"]
             actor.offload(["params"])
     blocks = {tag: {"huge_pages": huge_page_share(block.views[0].data_ptr()),
                     "numa": numa_pages(block.views[0].data_ptr())}
@@ -386,8 +385,8 @@ def markdown(report: dict) -> str:
             lines.append(f"| {tag} | {off['gb_per_s']:.1f} | {off['gb_per_s'] / pinned['d2h']:.2f}x | "
                          f"{on['gb_per_s']:.1f} | {on['gb_per_s'] / pinned['h2d']:.2f}x | {on['alloc_seconds']:.3f} | "
                          f"{off['bytes'] / 1e9:.1f} | {first['gb_per_s']:.1f} |")
-        lines += [f"params onloaded alone right after a full offload, SM share {share}: {m['gb_per_s']:.1f} GB/s "
-                  f"({m['gb_per_s'] / pinned['h2d']:.2f}x h2d)" for share, m in mem["onload_params_alone"].items()]
+        lines += [f"params onloaded alone right after a full offload, by {how}: {m['gb_per_s']:.1f} GB/s "
+                  f"({m['gb_per_s'] / pinned['h2d']:.2f}x h2d)" for how, m in mem["onload_params_alone"].items()]
         lines += [f"host block of {tag}: {b['numa']} pages per NUMA node, "
                   + ("?" if b["huge_pages"] is None else f"{b['huge_pages']:.0%}") + " in huge pages"
                   for tag, b in mem.get("host_blocks", {}).items()]

@@ -242,42 +242,31 @@ class HostBlock:
         self.views, self._flat = [], torch.empty(0, dtype=torch.uint8)
 
 
-# Share of a host-to-device copy that SMs do (the rest goes to a copy engine); see host_to_device.
-SM_COPY_SHARE = 0.5
+# Whether host_to_device copies through SMs (True) or a copy engine.
+SM_COPIES = True
 
 
-def host_to_device(dst: torch.Tensor, src: torch.Tensor, sm_share: float | None = None) -> None:
-    """dst.copy_(src) for a contiguous uint8 device tensor and a page-locked host view of
-    the same size, asynchronous on the current stream, split between a copy engine and SMs.
+def host_to_device(dst: torch.Tensor, src: torch.Tensor, through_sms: bool | None = None) -> None:
+    """dst.copy_(src) for a contiguous uint8 device tensor and a page-locked host view of the
+    same size, asynchronous on the current stream; on a GPU done by SMs, not a copy engine.
 
     Why: right after device memory is returned to the driver, by this process or another,
     copy-engine copies to the device run at half the pinned rate for a while (on the H200:
-    27 GB/s for a whole 8 GB copy after another process freed 64 GB; the first ~2.5 GB
+    27.5 GB/s for a whole 8 GB copy after another process freed 64 GB; the first ~2.5 GB
     after this process freed 72 GB), which is exactly when a colocated trainer onloads. An
     elementwise kernel reading the page-locked pages through their device mapping (CUDA's
-    unified addressing maps registered host memory) is not slowed (49.5 GB/s, 0.9x pinned)
-    and the two share the PCIe link: `sm_share` of the bytes go through the kernel on a side
-    stream while the copy engine moves the rest (docs/benchmarks.md, the onload probes).
-    On the CPU, or with sm_share 0, a plain copy. None: SM_COPY_SHARE."""
-    sm_share = SM_COPY_SHARE if sm_share is None else sm_share
-    if not 0.0 <= sm_share <= 1.0:
-        raise ValueError(f"sm_share={sm_share} must be in [0, 1]")
-    split = int(dst.numel() * sm_share) // 8 * 8  # the kernel moves whole int64 words
-    mapped = _device_view(src[:split]) if dst.is_cuda and split else None
+    unified addressing maps registered host memory) is not slowed: 49.1-49.5 GB/s (0.89x
+    pinned) in every case measured, where the copy engine gives 27.5-55 GB/s. Splitting a
+    copy between the two is worse than either (36 GB/s at half and half after a free:
+    docs/benchmarks.md, the onload probes). None: SM_COPIES. On the CPU, a plain copy."""
+    through_sms = SM_COPIES if through_sms is None else through_sms
+    mapped = _device_view(src) if dst.is_cuda and through_sms and src.numel() else None
     if mapped is None:
         dst.copy_(src, non_blocking=True)
-        return
-    main = torch.cuda.current_stream(dst.device)
-    side = _side_stream(dst.device)
-    side.wait_stream(main)
-    with torch.cuda.stream(side):
-        head = dst[:split]
-        if head.data_ptr() % 8 == 0 and mapped.data_ptr() % 8 == 0:
-            torch.bitwise_or(mapped.view(torch.int64), 0, out=head.view(torch.int64))
-        else:  # byte-wise: the same copy, more instructions
-            torch.bitwise_or(mapped, 0, out=head)
-    dst[split:].copy_(src[split:], non_blocking=True)
-    main.wait_stream(side)
+    elif dst.data_ptr() % 8 == 0 and mapped.data_ptr() % 8 == 0 and dst.numel() % 8 == 0:
+        torch.bitwise_or(mapped.view(torch.int64), 0, out=dst.view(torch.int64))
+    else:  # byte-wise: the same copy, more instructions
+        torch.bitwise_or(mapped, 0, out=dst)
 
 
 class _CudaArray:
@@ -296,16 +285,6 @@ def _device_view(host: torch.Tensor) -> torch.Tensor | None:
         return torch.as_tensor(_CudaArray(host.data_ptr(), host.numel()), device="cuda")
     except (RuntimeError, TypeError, ValueError):
         return None
-
-
-_SIDE_STREAMS: dict[int, torch.cuda.Stream] = {}
-
-
-def _side_stream(device: torch.device) -> torch.cuda.Stream:
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    if index not in _SIDE_STREAMS:
-        _SIDE_STREAMS[index] = torch.cuda.Stream(device)
-    return _SIDE_STREAMS[index]
 
 
 TOUCH_THREADS = min(16, os.cpu_count() or 1)

@@ -26,9 +26,8 @@ nothing:
   that the run offloads every iteration keeps its construction-time block, which spares the
   ~2 s that making a later block took (3.8 GB/s at the first full offload).
 
-Onloads copy through roles.device.host_to_device: half through the SMs, half through a copy
-engine, since copy-engine copies right after a large free (by this or another process) run
-at half rate.
+Onloads copy through roles.device.host_to_device, by SMs rather than a copy engine: copy-engine
+copies right after a large free (by this or another process) run at half rate.
 
 Every move reports bytes and GB/s per tag; accounting goes through roles.device.DeviceMemory
 (account before allocating on onload, after freeing on offload) so the lease checks hold.
