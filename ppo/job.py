@@ -30,6 +30,7 @@ from ppo.evaluation import EvalSet, load_eval_sets
 from ppo.generated import resolve_eval_paths, resolve_paths
 from ppo.placement import Placement, plan_placement
 from ppo.rundir import RunDirError, RunDirLock, claim
+from ppo.user_functions import UserFunctions, load_user_functions
 from roles.reward.actor import RewardScorer
 from roles.reward.model_scorer import RewardModelScorer
 from roles.rollout.engine import RolloutEngine
@@ -70,6 +71,7 @@ class Job:
     console: RunConsole  # what the run prints (ppo.console)
     run_dir_lock: RunDirLock  # held until the job is closed (ppo.rundir)
     resume_from: Checkpoint | None  # the intact --load checkpoint to resume, if any (ppo.checkpoint.locate)
+    functions: UserFunctions  # the user's dynamic-sampling filter, TIS function, reward post-process
     eval_sets: list[EvalSet] = field(default_factory=list)  # --eval-prompt-data, loaded (ppo.evaluation)
 
     def close(self) -> None:
@@ -338,19 +340,21 @@ def start_job(cfg: PPOConfig, console: RunConsole | None = None) -> Job:
         raise JobSetupError(problems[0] if len(problems) == 1 else
                             f"{len(problems)} problems stop this run (nothing was started):\n"
                             + "\n".join(f"  - {p}" for p in problems))
+    functions = load_user_functions(cfg)  # a bad path fails before anything is written
     actor_cls, critic_cls = trainer_classes(cfg.training.train_backend)
     try:
         lock = claim(cfg)  # before anything is written: a live run's folder is refused untouched
     except RunDirError as e:
         raise JobSetupError(str(e)) from None
     try:
-        return _start(cfg, console, lock, actor_cls, critic_cls)
+        return _start(cfg, console, lock, actor_cls, critic_cls, functions)
     except BaseException:
         lock.release()
         raise
 
 
-def _start(cfg: PPOConfig, console: RunConsole, lock: RunDirLock, actor_cls, critic_cls) -> Job:
+def _start(cfg: PPOConfig, console: RunConsole, lock: RunDirLock, actor_cls, critic_cls,
+           functions: UserFunctions) -> Job:
     run_dir = lock.run_dir
     (run_dir / "config.json").write_text(json.dumps(to_dict(cfg), indent=2))
     transformers.logging.set_verbosity_error()  # the driver loads tokenizers and builds tiny models too
@@ -428,7 +432,7 @@ def _start(cfg: PPOConfig, console: RunConsole, lock: RunDirLock, actor_cls, cri
         sup.shutdown()
         raise
     return Job(cfg=cfg, run_dir=run_dir, hf_checkpoint=hf_checkpoint, tok=tok, data=data, sup=sup, console=console,
-               run_dir_lock=lock, resume_from=resume_from,
+               run_dir_lock=lock, resume_from=resume_from, functions=functions,
                placement=plan, engines=engines, engine_tenants=engine_tenants, actor=actor,
                actor_tenant=trainer_tenant(actor, tuple(plan.actor_gpus), frees=C.train_offload_tags(cfg)),
                critic=critic,

@@ -35,19 +35,18 @@ from ppo import checkpoint, evaluation, recovery, rewards
 from ppo.handoffs import engines_take_back, recover, release_engines, sync_engines
 from ppo import config as C
 from ppo.algorithms import (compute_advantages, kl_estimate, masked_whiten, mismatch_metrics, reduce_metrics,
-                            token_level_rewards, truncated_is)
+                            token_level_rewards)
 from ppo.batch import build_batch, select
 from ppo.config import PPOConfig
 from ppo.config.serialize import to_dict
 from ppo.job import Job, start_job
 from ppo.console import RunConsole
-from ppo.dynamic_sampling import DynamicSampling, sample_batch
+from ppo.dynamic_sampling import sample_batch
 from ppo.logger import RunLogger
 from ppo.rollout import SamplingParams, generate_and_score
 from ppo.rollout_ahead import Rollouts
 from ppo.signals import SignalStops
 from ppo.trace import TraceWriter
-from roles.reward.custom import load_function
 from runtime import ActorDied
 
 
@@ -58,8 +57,6 @@ class TrainerDied(RuntimeError):
 def train(cfg: PPOConfig, console: RunConsole | None = None) -> list[dict]:
     """Run the job the config describes; returns the per-rollout metrics. `console` prints
     (default: as cfg.logging asks); RUN_DIR/trace.json follows the run's events."""
-    user_functions(cfg)  # a bad --dynamic-sampling-filter-path, --custom-tis-function-path or
-    # --custom-reward-post-process-path fails before any role starts
     with SignalStops(cfg) as stops:  # Ctrl-C, SIGTERM, SIGUSR1: ppo.signals
         job = start_job(cfg, console)
         trace = TraceWriter(job.run_dir)
@@ -118,7 +115,7 @@ def steps(job: Job, log: RunLogger, start: checkpoint.ResumePoint, stops: Signal
     actor, critic = job.actor, job.critic
     data = job.data
     skipped_samples = data.num_skipped  # lines of --prompt-data left out; logged as rollout/skipped_samples
-    _, tis_function, post_process = user_functions(cfg)
+    tis_function, post_process = job.functions.tis_function, job.functions.post_process
     critic_only_steps = C.num_critic_only_steps(cfg)
     version = start.version
     counters = start.counters  # counts over the run, a resumed run's earlier part included
@@ -236,7 +233,6 @@ def rollout_source(job: Job) -> Rollouts:
     An engine or scorer that dies is replaced; an engine is brought to the actor's version."""
     cfg, tok = job.cfg, job.tok
     sampling = sampling_params(cfg, tok.eos_token_id)
-    dynamic_sampling, _, _ = user_functions(cfg)
 
     def generate(prompts: list[dict], step: int, sampling_round: int) -> list[dict]:
         return generate_and_score(job.engines, job.scorers, prompts, sampling, step, decode=tok.decode,
@@ -247,20 +243,11 @@ def rollout_source(job: Job) -> Rollouts:
             recover(job, role, dead, rollouts.version)
 
     rollouts = Rollouts(lambda step: sample_batch(lambda prompts, rnd: generate(prompts, step, rnd),
-                                                  job.data.next_batch, dynamic_sampling),
+                                                  job.data.next_batch, job.functions.dynamic_sampling),
                         generate, data=job.data, ahead=cfg.rollout.train_async, num_rollout=cfg.rollout.num_rollout,
                         n_samples_per_prompt=cfg.rollout.n_samples_per_prompt,
                         max_staleness=cfg.rollout.max_weight_staleness)
     return rollouts
-
-
-def user_functions(cfg: PPOConfig) -> tuple[DynamicSampling, object, object]:
-    """Dynamic sampling (its filter loaded), the TIS function and the reward post-process (or
-    None), loaded as --custom-rm-path is."""
-    path = cfg.ppo.custom_tis_function_path
-    return (DynamicSampling.from_config(cfg),
-            load_function(path, "custom_tis_function_path") if path else truncated_is,
-            rewards.load_post_process(cfg))
 
 
 def run_eval(job: Job, log: RunLogger, perf, tag: int, version: int) -> None:

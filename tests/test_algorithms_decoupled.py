@@ -17,7 +17,8 @@ import pytest
 import torch
 
 from ppo.config import override
-from ppo.loop import actor_batch, mismatch_correction, user_functions
+from ppo.loop import actor_batch, mismatch_correction
+from ppo.user_functions import load_user_functions
 from ppo.recipes import tiny_ppo
 from roles.trainer.config import TrainerConfig
 from roles.trainer.objectives import policy_objective
@@ -70,7 +71,7 @@ def test_decoupled_ppo_through_driver_and_trainer_equals_a_float64_reference(mod
              "response_lens": torch.full((n,), width)}
 
     cfg = override(tiny_ppo(), **ASYNC)
-    _, tis, _ = user_functions(cfg)
+    tis = load_user_functions(cfg).tis_function
     mismatch_correction(cfg, batch, tis)
     sent = actor_batch(cfg, batch)  # what the actor trains on
     assert torch.equal(sent["old_log_probs"], prox)

@@ -6,7 +6,8 @@ import torch
 
 from ppo.algorithms import masked_is
 from ppo.config import override
-from ppo.loop import actor_batch, mismatch_correction, user_functions
+from ppo.loop import actor_batch, mismatch_correction
+from ppo.user_functions import load_user_functions
 from ppo.recipes import tiny_ppo
 
 
@@ -24,7 +25,7 @@ def batch():
 def test_tis_weights_and_metrics_reach_the_batch_and_the_log():
     cfg = override(tiny_ppo(), use_tis=True, tis_clip=1.5, get_mismatch_metrics=True)
     b = batch()
-    _, tis, _ = user_functions(cfg)
+    tis = load_user_functions(cfg).tis_function
     metrics = mismatch_correction(cfg, b, tis)
     want = (b["old_log_probs"] - b["rollout_log_probs"]).exp().clamp(0, 1.5) * b["loss_mask"]
     torch.testing.assert_close(b["tis_weights"], want)
@@ -38,7 +39,7 @@ def test_tis_weights_and_metrics_reach_the_batch_and_the_log():
 def test_metrics_alone_leave_the_loss_unweighted_and_rollout_logprobs_replace_the_old_ones():
     cfg = override(tiny_ppo(), get_mismatch_metrics=True, use_rollout_logprobs=True)
     b = batch()
-    metrics = mismatch_correction(cfg, b, user_functions(cfg)[1])
+    metrics = mismatch_correction(cfg, b, load_user_functions(cfg).tis_function)
     assert "tis_weights" not in b and not any(k.startswith("train/tis") for k in metrics)
     assert torch.equal(actor_batch(cfg, b)["old_log_probs"], b["rollout_log_probs"])
 
@@ -46,7 +47,7 @@ def test_metrics_alone_leave_the_loss_unweighted_and_rollout_logprobs_replace_th
 def test_custom_tis_function_by_path_and_its_contract(tmp_path):
     cfg = override(tiny_ppo(), use_tis=True, custom_tis_function_path="ppo.algorithms.mismatch:masked_is")
     b = batch()
-    _, fn, _ = user_functions(cfg)
+    fn = load_user_functions(cfg).tis_function
     assert fn is masked_is
     mismatch_correction(cfg, b, fn)
     assert (b["tis_weights"] == 0).any()
@@ -54,6 +55,16 @@ def test_custom_tis_function_by_path_and_its_contract(tmp_path):
     bad.write_text("def tis(**kw):\n    return kw['mask'][:, :2], {}\n")
     cfg = override(cfg, custom_tis_function_path=f"{bad}:tis")
     with pytest.raises(ValueError, match=r"bad_tis.py:tis returned weights of shape .*expected \(4, 5\)"):
-        mismatch_correction(cfg, batch(), user_functions(cfg)[1])
+        mismatch_correction(cfg, batch(), load_user_functions(cfg).tis_function)
     with pytest.raises(ValueError, match=r"custom_tis_function_path=.*has no attribute 'nope'"):
-        user_functions(override(cfg, custom_tis_function_path=f"{bad}:nope"))
+        load_user_functions(override(cfg, custom_tis_function_path=f"{bad}:nope"))
+
+
+def test_a_bad_user_function_stops_the_job_before_anything_is_written(tmp_path):
+    """start_job loads the user's functions once, first: a bad path leaves no run dir behind."""
+    from ppo.job import start_job
+
+    cfg = override(tiny_ppo(), run_dir=str(tmp_path / "run"), custom_tis_function_path="ppo.nothere:f")
+    with pytest.raises(ValueError, match=r"custom_tis_function_path='ppo.nothere:f': cannot import"):
+        start_job(cfg)
+    assert not (tmp_path / "run").exists()

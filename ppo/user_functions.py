@@ -1,0 +1,29 @@
+"""The functions a run loads from the user's files by path (as --custom-rm-path is): the
+dynamic-sampling filter, the TIS function and the reward post-process. Loaded once per job,
+by ppo.job.start_job before anything is written or started, so a bad path fails first and
+the user's module runs once."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from ppo import rewards
+from ppo.algorithms import truncated_is
+from ppo.config import PPOConfig
+from ppo.dynamic_sampling import DynamicSampling
+from roles.reward.custom import load_function
+
+
+@dataclass(frozen=True)
+class UserFunctions:
+    dynamic_sampling: DynamicSampling  # with --dynamic-sampling-filter-path's filter, if given
+    tis_function: Callable  # --custom-tis-function-path, else ppo.algorithms.truncated_is
+    post_process: Callable | None  # --custom-reward-post-process-path
+
+
+def load_user_functions(cfg: PPOConfig) -> UserFunctions:
+    path = cfg.ppo.custom_tis_function_path
+    return UserFunctions(dynamic_sampling=DynamicSampling.from_config(cfg),
+                         tis_function=load_function(path, "custom_tis_function_path") if path else truncated_is,
+                         post_process=rewards.load_post_process(cfg))
