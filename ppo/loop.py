@@ -45,6 +45,7 @@ from ppo.dynamic_sampling import DynamicSampling, sample_batch
 from ppo.logger import RunLogger
 from ppo.rollout import SamplingParams, generate_and_score
 from ppo.rollout_ahead import Rollouts
+from ppo.side_by_side import SmPartition
 from ppo.signals import SignalStops
 from ppo.trace import TraceWriter
 from roles.reward.custom import load_function
@@ -55,13 +56,16 @@ class TrainerDied(RuntimeError):
     """A trainer process died: the run stops (its state cannot be rebuilt without a checkpoint)."""
 
 
-def train(cfg: PPOConfig, console: RunConsole | None = None) -> list[dict]:
+def train(cfg: PPOConfig, console: RunConsole | None = None, sm: SmPartition | None = None) -> list[dict]:
     """Run the job the config describes; returns the per-rollout metrics. `console` prints
-    (default: as cfg.logging asks); RUN_DIR/trace.json follows the run's events."""
+    (default: as cfg.logging asks); RUN_DIR/trace.json follows the run's events. `sm`: the
+    launcher's SM split of a side-by-side run (ppo.side_by_side.choose), logged as an event."""
     user_functions(cfg)  # a bad --dynamic-sampling-filter-path, --custom-tis-function-path or
     # --custom-reward-post-process-path fails before any role starts
     with SignalStops(cfg) as stops:  # Ctrl-C, SIGTERM, SIGUSR1: ppo.signals
-        job = start_job(cfg, console)
+        job = start_job(cfg, console, role_env=sm.role_env() if sm else None)
+        if sm is not None:
+            job.sup.publish("sm_partition", **sm.event())
         trace = TraceWriter(job.run_dir)
         try:
             return run(job, stops)
