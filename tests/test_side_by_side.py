@@ -148,3 +148,37 @@ def test_an_engine_killed_mid_step_side_by_side_restarts_at_once_and_loses_no_sa
     events = read_events(tmp_path / "run")
     assert not any(e["event"] == "restart_deferred" for e in events)
     assert check_no_overlap(FakeDevice(tmp_path / "run" / "fakegpu", 0).history()) == []
+
+
+@pytest.mark.gpu
+@pytest.mark.timeout(900)
+def test_side_by_side_async_on_one_cuda_gpu_under_mps(tmp_path):
+    """On one real GPU (`bash .ci/gpu -k side_by_side`): megatron trainers and the built-in engine
+    resident at once, each in its budget, the SMs split by MPS; skipped where MPS cannot start."""
+    import json
+
+    from ppo.side_by_side import choose
+
+    pytest.importorskip("megatron.core")
+    num_rollout = 4
+    cfg = side(tmp_path, num_rollout=num_rollout, rollout_batch_size=16, train_backend="megatron", fake_gpus=False,
+               eval_interval=None, eval_prompt_data=None, check_weight_update_equal=True)
+    sm = choose(cfg)
+    if sm.fallback:
+        pytest.skip(sm.fallback)
+    try:
+        history = train(sm.cfg, sm=sm)
+    finally:
+        sm.close()
+    assert [h["step"] for h in history] == list(range(num_rollout))
+    trainer_version = 0  # the actor's version while step k trains: the one synced after step k - 1
+    for k, h in enumerate(history):
+        rows = (tmp_path / "run" / "samples" / f"rollout_{k:05d}.jsonl").read_text().splitlines()
+        assert all(trainer_version - json.loads(r)["weight_version"] <= cfg.rollout.max_weight_staleness for r in rows)
+        trainer_version = h["rollout/weight_version"]
+    events = read_events(tmp_path / "run")
+    [partition] = [e for e in events if e["event"] == "sm_partition"]
+    assert partition["mps"] and partition["engine_sm_percentage"] == 25 and partition["trainer_sm_percentage"] == 75
+    # the ledger: the engine held its budget throughout; the trainers' releases passed its checks
+    assert [e["action"] for e in events if e["event"] == "lease" and e["holder"] == "rollout-0"] == ["acquire"]
+    assert {e.get("budget") for e in events if e["event"] == "lease"} == {"engine", "trainers"}
