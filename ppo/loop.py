@@ -21,7 +21,8 @@ Colocated, every GPU is held by one role at a time (docs/architecture.md):
 With --train-async (miles' train_async.py) the same steps run, but the rollout of step k + 1
 is generated while steps 2-6 of step k train (ppo.rollout_ahead): step 1 takes the rollout
 made during the last step and starts the next; the engines keep their GPUs (step 2 moves
-nothing); step 7 waits for the next rollout to finish before the weights change. The
+nothing; with --colocate they share them side by side, each role in its memory budget:
+ppo.side_by_side); step 7 waits for the next rollout to finish before the weights change. The
 samples are one version old, and decoupled PPO corrects for it (mismatch_correction).
 """
 

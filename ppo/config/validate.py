@@ -226,7 +226,7 @@ def _mismatch(cfg: PPOConfig) -> list[str]:
 def _asynchronous(cfg: PPOConfig) -> list[str]:
     """--train-async generates while the trainers train, so the engines keep their memory: on
     GPUs of their own, or (--colocate) side by side with the trainers, in a memory budget."""
-    r, p, out = cfg.rollout, cfg.placement, []
+    r, out = cfg.rollout, []
     if not r.train_async:
         return out
     if d.side_by_side(cfg):
