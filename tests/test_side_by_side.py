@@ -6,6 +6,7 @@ back at once (it still holds its budget) and no sample is lost."""
 import pytest
 
 from bench.faults import after_first_rollout
+from ppo.checkpoint import rollout_dir_name
 from ppo.config import ConfigError, derived_values
 from ppo.config.serialize import override
 from ppo.config.validate import ensure_valid
@@ -108,8 +109,12 @@ def test_side_by_side_is_the_colocated_async_config_with_a_budget_and_resident_t
 @pytest.mark.timeout(300)
 def test_side_by_side_async_on_one_fake_gpu_keeps_the_engine_resident_in_its_budget(tmp_path):
     num_rollout = 4
+    # a checkpoint after rollout 1, with rollout 2 generating: the trainers save in their budget,
+    # the engine lends nothing
     history = train(side(tmp_path, num_rollout=num_rollout, rollout_batch_size=16, eval_interval=None,
-                         eval_prompt_data=None, check_weight_update_equal=True))
+                         eval_prompt_data=None, check_weight_update_equal=True, save=str(tmp_path / "ckpt"),
+                         save_interval=2))
+    assert (tmp_path / "ckpt" / rollout_dir_name(1)).is_dir() and (tmp_path / "ckpt_critic" / rollout_dir_name(1)).is_dir()
     assert [h["step"] for h in history] == list(range(num_rollout))
     assert all(h["rollout/staleness"] <= 1 for h in history)
     assert history[-1]["rollout/weight_version"] == num_rollout - 1  # one critic-only step, then a sync a step
