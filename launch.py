@@ -41,8 +41,13 @@ def main(argv: list[str] | None = None) -> None:
         print("tandem: interrupted before the run started; nothing was written", file=sys.stderr)
         sys.exit(130)
 
+    from ppo.side_by_side import choose
+
+    sm = choose(cfg)  # side by side: MPS splits the SMs, or the synchronous plan runs, said in one line
+    if sm is not None and sm.fallback:
+        print(f"tandem: {sm.fallback}", file=sys.stderr)
     try:
-        train(cfg)
+        train(cfg if sm is None else sm.cfg, sm=sm)
     except JobSetupError as err:  # bad --prompt-data, --load, --run-dir or --save: nothing was started
         print(f"tandem: {err}", file=sys.stderr)
         sys.exit(2)
@@ -58,6 +63,9 @@ def main(argv: list[str] | None = None) -> None:
             if stop.checkpoint else ""
         print(f"tandem: {stop}{resume}", file=sys.stderr)
         sys.exit(stop.exit_code)
+    finally:
+        if sm is not None:  # stops the MPS daemon if we started it
+            sm.close()
 
 
 if __name__ == "__main__":

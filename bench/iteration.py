@@ -29,7 +29,12 @@ metrics.jsonl, it prints per rollout:
   train calls, eval), that is
   the handoffs, the weight sync, messaging and waiting.
 
-Everything also goes to DIR/iteration.json.
+Everything also goes to DIR/iteration.json. `--against OTHER_DIR` (another run's --out, e.g.
+the synchronous plan beside a side-by-side one) adds the ratio of their steady iterations.
+
+A side-by-side config (--train-async --colocate) runs as the launcher runs it
+(ppo.side_by_side.choose): under MPS, or the synchronous plan, said in one line. MPS is
+chosen before this process touches the GPU (the copy-rate probe and the memory sampler).
 """
 
 from __future__ import annotations
@@ -197,6 +202,21 @@ def _state_spans(events: list[dict], state: str) -> dict[str, list[tuple[float, 
     return spans
 
 
+def steady_ratio(steps: list[dict], other: list[dict], *, name: str) -> str:
+    """This run's steady iteration against `other`'s: the mean step time over steps 1 .. n-2 of
+    both (step 0 generates without a rollout ahead; with --train-async the last step has none
+    generating beside it)."""
+    def steady(rows: list[dict]) -> list[float]:
+        return [s["step_s"] for s in rows[1:-1]]
+
+    mine, theirs = steady(steps), steady(other)
+    if not mine or not theirs:
+        return f"steady iteration against {name}: needs 3 steps in each run ({len(steps)} and {len(other)} ran)"
+    a, b = sum(mine) / len(mine), sum(theirs) / len(theirs)
+    return (f"steady iteration (steps 1..n-2): {a:.2f} s here, {b:.2f} s in {name}: "
+            f"{a / b:.2f}x")
+
+
 def report(steps: list[dict], rates: dict[str, float]) -> str:
     lines = [f"pinned copy peer: D2H {rates['d2h']:.1f} GB/s, H2D {rates['h2d']:.1f} GB/s"]
     for s in steps:
@@ -248,12 +268,18 @@ def main(argv: list[str] | None = None) -> int:
     split = argv.index("--") if "--" in argv else len(argv)
     parser = argparse.ArgumentParser(prog="python -m bench.iteration", description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", required=True, help="directory for iteration.json")
+    parser.add_argument("--against", help="another run's --out: print the ratio of the steady iterations")
     args = parser.parse_args(argv[:split])
     from ppo.cli import build_parser, parse_cli
     from ppo.config import samples_per_rollout
     from ppo.loop import train
+    from ppo.side_by_side import choose
 
     cfg, _ = parse_cli(build_parser(prog="launch.py"), argv[split + 1:])
+    sm = choose(cfg)
+    if sm is not None:
+        print(f"side by side: {sm.fallback or f'under MPS ({sm.event()})'}", flush=True)
+        cfg = sm.cfg
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     rates = pinned_copy_rates()
@@ -263,10 +289,13 @@ def main(argv: list[str] | None = None) -> int:
     sampler.start()
     error = None
     try:
-        train(cfg)
+        train(cfg, sm=sm)
     except BaseException as e:  # the measurements of what ran are still wanted
         error = "".join(traceback.format_exception(e))
         print(error, file=sys.stderr, flush=True)
+    finally:
+        if sm is not None:
+            sm.close()
     samples = sampler.stop()
     run_dir = Path(cfg.logging.run_dir)
     prompts = {}
@@ -276,6 +305,9 @@ def main(argv: list[str] | None = None) -> int:
         prompts = prompt_tokens(run_dir, resolve_paths(cfg, run_dir)[0])
     steps = analyse(run_dir, samples, rates, samples_per_rollout(cfg), prompts)
     print(report(steps, rates), flush=True)
+    if args.against:
+        other = json.loads((Path(args.against) / "iteration.json").read_text())["steps"]
+        print(steady_ratio(steps, other, name=Path(args.against).name), flush=True)
     (out / "iteration.json").write_text(json.dumps(
         {"pinned_gb_per_s": rates, "steps": steps, "error": error,
          "memory_samples": [(round(t, 3), g, h) for t, g, h in samples]}, indent=1))

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # qwen3_4b_ppo_1gpu (qwen3_4b_ppo scaled to one GPU), measured by bench.iteration (docs/benchmarks.md).
 #
-#   [PLANS="ppo grpo" PPO_ROLLOUTS=3 GRPO_ROLLOUTS=2 GRPO_S=130 RESPONSE_LEN=2048 EVAL=0 RM=0 ASYNC=0] \
+#   [PLANS="ppo grpo" PPO_ROLLOUTS=3 GRPO_ROLLOUTS=2 GRPO_S=130 RESPONSE_LEN=2048 EVAL=0 RM=0 ASYNC=0 SIDE=0] \
 #     bash bench/qwen3_4b_one_gpu.sh OUT_DIR [BUDGET_S]
 #
 # EVAL=1 adds the eval of ppo.evaluation: 256 prompts the run does not train on x 4 samples at
@@ -52,7 +52,7 @@ else
   GRPO_PLAN=(--advantage-estimator grpo "${PPO_PLAN[@]}")
 fi
 # ASYNC=1 (2 GPUs: the nvidia-h200-x2 kind; 2048 tokens): the same plans with --train-async, the
-# trainers on GPU 0 and the engine alone on GPU 1 (side by side on one GPU is not built), so the
+# trainers on GPU 0 and the engine alone on GPU 1 (SIDE=1 is the one-GPU async plan), so the
 # next rollout generates while the step trains; ppo.rollout_ahead. Its steady steps (the second
 # on) against a run without it show the overlap; bench.iteration prints the engine's time
 # generating within each step.
@@ -60,6 +60,17 @@ if [ "${ASYNC:-0}" = 1 ]; then
   ASYNC_PLAN=(--train-async --no-colocate --num-gpus-per-node 2 --actor-num-gpus-per-node 1 --rollout-num-gpus 1)
   PPO_PLAN+=("${ASYNC_PLAN[@]}")
   GRPO_PLAN+=("${ASYNC_PLAN[@]}")
+fi
+
+# SIDE=1 (one GPU, 2048 tokens; one plan a call: PLANS=ppo or PLANS=grpo): the plan runs twice
+# in the call, as above (synchronous, colocated) and side by side (--train-async: the engine and
+# the trainers resident at once, each in its memory budget, the SMs split by MPS 25/75:
+# ppo.side_by_side), that one analysed --against the first, so its table ends with the ratio
+# of their steady iterations (goal: GRPO <= 0.7x, PPO <= 0.8x). The rollouts default to 3
+# (steady: step 1). `SIDE=1 PLANS=grpo bash bench/qwen3_4b_one_gpu.sh OUT 570` fits one call.
+if [ "${SIDE:-0}" = 1 ] && [ "${PLANS:-}" != ppo ] && [ "${PLANS:-}" != grpo ]; then
+  echo "SIDE=1 runs one plan a call: add PLANS=ppo or PLANS=grpo" >&2
+  exit 2
 fi
 
 step() {  # NAME SECONDS CMD...: run CMD under a limit (SIGINT first: bench.iteration still reports)
@@ -84,7 +95,7 @@ if [ "${RM:-0}" = 1 ]; then
   RM_ARGS=(--reward-model-path /tmp/qwen3-4b-rm-random)
 fi
 
-if [ "$BUDGET" -ge 520 ] && [ "${EVAL:-0}" != 1 ]; then  # below that the two full-size runs need all of it
+if [ "$BUDGET" -ge 520 ] && [ "${EVAL:-0}" != 1 ] && [ "${SIDE:-0}" != 1 ]; then  # below that the two full-size runs need all of it
 step tiny_checkpoint 45 python3 -m ppo.make_checkpoint --arch qwen3-4b --device cuda --num-prompts 256 \
   --override num_hidden_layers=2 --override hidden_size=256 --override intermediate_size=512 \
   --override num_attention_heads=4 --override num_key_value_heads=2 --override head_dim=64 "$TINY" || exit 1
@@ -107,6 +118,19 @@ if [ "${EVAL:-0}" = 1 ]; then  # the other 256 prompts are the eval set
   tail -n 256 "$CK/dapo_math_prompts.jsonl" > "$CK/eval_prompts.jsonl"
   FULL+=(--eval-prompt-data dapo_eval "$CK/eval_prompts.jsonl" --eval-interval "${EVAL_INTERVAL:-2}"
          --skip-eval-before-train --n-samples-per-eval-prompt 4 --eval-max-response-len "$LEN")
+fi
+if [ "${SIDE:-0}" = 1 ]; then
+  if [ "$PLANS" = ppo ]; then PLAN=("${PPO_PLAN[@]}"); else PLAN=("${GRPO_PLAN[@]}"); fi
+  N=${SIDE_ROLLOUTS:-3}
+  step "$PLANS" $(( ($(left) - 5) / 2 )) python3 -m bench.iteration --out "$RUNS/$PLANS" -- "${COMMON[@]}" \
+    "${PLAN[@]}" "${FULL[@]}" --num-rollout "$N" --run-dir "$RUNS/$PLANS/run"
+  keep "$PLANS"
+  step "${PLANS}_side" $(( $(left) - 5 )) python3 -m bench.iteration --out "$RUNS/${PLANS}_side" \
+    --against "$RUNS/$PLANS" -- "${COMMON[@]}" "${PLAN[@]}" --train-async "${FULL[@]}" --num-rollout "$N" \
+    --run-dir "$RUNS/${PLANS}_side/run"
+  keep "${PLANS}_side"
+  grep -h "side by side\|steady iteration" "$OUT/${PLANS}_side.log"
+  exit 0
 fi
 if [ "${PLANS:-ppo grpo}" != grpo ]; then
   step ppo $(( $(left) - ${GRPO_S:-130} )) python3 -m bench.iteration --out "$RUNS/ppo" -- "${COMMON[@]}" \

@@ -132,12 +132,13 @@ class Colocation:
     def sending_weights(self, sender: Tenant, receivers: list[Tenant]) -> Iterator[None]:
         """The weight sync: the sender allocates its bucket buffers, so it holds its GPUs.
 
-        Receivers on the sender's GPUs (colocated engines, their weights already taken back)
-        hand those leases over keeping their memory: loading a bucket copies into weights
-        they hold and grows nothing. On exit the sender gives its leases up again keeping
-        all it holds; `drop_residual` frees its weights after.
+        Receivers that share the sender's leases (colocated engines, their weights already
+        taken back) hand them over keeping their memory: loading a bucket copies into weights
+        they hold and grows nothing. Side by side they hold a budget of their own and keep it.
+        On exit the sender gives its leases up again keeping all it holds; `drop_residual`
+        frees its weights after.
         """
-        shared = [r for r in receivers if set(r.gpus) & set(sender.gpus)]
+        shared = [r for r in receivers if self.shares_lease(r, sender)]
         t0 = time.monotonic()
         for r, rep in zip(shared, gather([r.report() for r in shared])):
             if r.name in self.holding:
@@ -153,6 +154,11 @@ class Colocation:
         self.leases.release_all(list(sender.gpus), sender.name, per_gpu(sender, rep), may_keep=per_gpu(sender, rep))
         self.holding.discard(sender.name)
         self.seconds += time.monotonic() - t0
+
+    def shares_lease(self, a: Tenant, b: Tenant) -> bool:
+        """Whether `a` and `b` take turns on a GPU (colocated) rather than hold it at once
+        (GPUs of their own, or side by side in budgets of their own)."""
+        return any(self.leases.same_lease(g, a.name, b.name) for g in set(a.gpus) & set(b.gpus))
 
     def drop_residual(self, tenant: Tenant, tags: list[str]) -> None:
         """A tenant without the lease frees those of `tags` it frees (the actor's weights

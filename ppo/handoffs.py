@@ -50,11 +50,12 @@ def recover(job, role, dead_incarnation: int, version: int) -> None:
     """Wait for a restarted engine or scorer; bring an engine to the current policy version."""
     job.sup.wait_restarted(role.name, dead_incarnation)
     if role.name.startswith("rollout-") and version > 0:
-        gpus = job.placement.engines[job.engines.index(role)]
-        # Disaggregated, the actor's GPUs are idle during a rollout: it takes them to send
-        # (a resident actor allocates its bucket buffers there). Colocated it is offloaded.
-        sending = (job.colocation.sending_weights(job.actor_tenant, []) if not job.cfg.placement.colocate
-                   else contextlib.nullcontext())
+        index = job.engines.index(role)
+        gpus = job.placement.engines[index]
+        # Disaggregated or side by side, the actor's lease is free during a rollout: it takes it
+        # to send (a resident actor allocates its bucket buffers there). Colocated it is offloaded.
+        sending = (contextlib.nullcontext() if job.colocation.shares_lease(job.actor_tenant, job.engine_tenants[index])
+                   else job.colocation.sending_weights(job.actor_tenant, []))
         with sending:
             job.actor.sync_weights([role], job.cfg.engine.update_weight_buffer_size, version, engine_gpus=[gpus])
 
@@ -97,8 +98,9 @@ def engines_take_back(job, version: int, perf=None) -> None:
 @contextlib.contextmanager
 def lent_to_trainers(job, version: int, perf=None) -> Iterator[None]:
     """The engines lend their GPUs to the trainers for the body (a checkpoint's save, each
-    trainer in `on_gpus`), then take back what they released. Engines on GPUs of their own
-    lend nothing and are not called (with --train-async they may be generating)."""
+    trainer in `on_gpus`), then take back what they released. Engines on GPUs of their own,
+    or side by side in a budget of their own, lend nothing and are not called (with
+    --train-async they may be generating)."""
     shared = engines_share_trainer_gpus(job)
     if shared:
         release_engines(job, version)
@@ -108,7 +110,9 @@ def lent_to_trainers(job, version: int, perf=None) -> Iterator[None]:
 
 
 def engines_share_trainer_gpus(job) -> bool:
-    return bool(set(job.placement.actor_gpus) & {g for gpus in job.placement.engines for g in gpus})
+    """Whether the engines take turns with the trainers on their GPUs (colocated; side by side
+    each holds a budget of its own and lends nothing)."""
+    return any(job.colocation.shares_lease(job.actor_tenant, e) for e in job.engine_tenants)
 
 
 @contextlib.contextmanager

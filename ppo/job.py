@@ -30,6 +30,7 @@ from ppo.evaluation import EvalSet, load_eval_sets
 from ppo.generated import resolve_eval_paths, resolve_paths
 from ppo.placement import Placement, plan_placement
 from ppo.rundir import RunDirError, RunDirLock, claim
+from ppo.side_by_side import memory_budgets
 from ppo.user_functions import UserFunctions, load_user_functions
 from roles.reward.actor import RewardScorer
 from roles.reward.model_scorer import RewardModelScorer
@@ -331,9 +332,11 @@ def context_problem(cfg: PPOConfig, hf_checkpoint: str) -> str | None:
     return None
 
 
-def start_job(cfg: PPOConfig, console: RunConsole | None = None) -> Job:
+def start_job(cfg: PPOConfig, console: RunConsole | None = None,
+              role_env: dict[str, dict[str, str]] | None = None) -> Job:
     """Build the run dir and start the roles; `console` (default: as cfg.logging asks) prints
-    each start-up stage and its time."""
+    each start-up stage and its time; `role_env`: {"engine"|"trainer": environment} added to
+    those roles' (their MPS share side by side: ppo.side_by_side)."""
     console = console or RunConsole.for_config(cfg)
     problems = setup_problems(cfg)
     if problems:  # checked before anything is written or started
@@ -347,14 +350,14 @@ def start_job(cfg: PPOConfig, console: RunConsole | None = None) -> Job:
     except RunDirError as e:
         raise JobSetupError(str(e)) from None
     try:
-        return _start(cfg, console, lock, actor_cls, critic_cls, functions)
+        return _start(cfg, console, lock, actor_cls, critic_cls, functions, role_env or {})
     except BaseException:
         lock.release()
         raise
 
 
 def _start(cfg: PPOConfig, console: RunConsole, lock: RunDirLock, actor_cls, critic_cls,
-           functions: UserFunctions) -> Job:
+           functions: UserFunctions, role_env: dict[str, dict[str, str]]) -> Job:
     run_dir = lock.run_dir
     (run_dir / "config.json").write_text(json.dumps(to_dict(cfg), indent=2))
     transformers.logging.set_verbosity_error()  # the driver loads tokenizers and builds tiny models too
@@ -384,7 +387,15 @@ def _start(cfg: PPOConfig, console: RunConsole, lock: RunDirLock, actor_cls, cri
     num_gpus = plan.num_gpus_per_node * plan.num_nodes
     sup = Supervisor(run_dir, gpus=range(num_gpus), fake_gpus=num_gpus if cfg.placement.fake_gpus else 0,
                      fake_gpu_bytes=FAKE_GPU_BYTES)
+    engine_env, trainer_env = ({**ROLE_ENV, **role_env.get(kind, {})} for kind in ("engine", "trainer"))
     try:
+        if C.side_by_side(cfg):  # each shared GPU split into the engine's and the trainers' budgets
+            capacity = FAKE_GPU_BYTES if cfg.placement.fake_gpus else gpu_capacity_bytes()
+            if capacity is None:
+                raise JobSetupError("side by side (--train-async --colocate) splits each GPU's memory, and "
+                                    "nvidia-smi did not say how much GPU 0 has")
+            for g, budgets in memory_budgets(cfg, plan, capacity).items():
+                sup.leases.split(g, budgets)
         console.begin("spawning the roles")
         # Restart policy: engines and scorers hold no state a restart loses (the driver
         # re-syncs a restarted engine's weights and re-issues its work), so they restart
@@ -402,12 +413,12 @@ def _start(cfg: PPOConfig, console: RunConsole, lock: RunDirLock, actor_cls, cri
         # Trainers are rank groups, one process per GPU (roles.trainer.group); they die as one.
         actor = TrainerGroup.spawn(sup, "actor", actor_cls,
                                    trainer_config(cfg, hf_checkpoint, critic=False, dtype=dtype),
-                                   gpus=plan.actor_gpus, env=ROLE_ENV)
+                                   gpus=plan.actor_gpus, env=trainer_env)
         critic = None
         if C.uses_critic(cfg):
             critic = TrainerGroup.spawn(sup, "critic", critic_cls,
                                         trainer_config(cfg, hf_checkpoint, critic=True, dtype=dtype),
-                                        gpus=plan.critic_gpus, env=ROLE_ENV)
+                                        gpus=plan.critic_gpus, env=trainer_env)
         if cfg.training.train_backend == "megatron":
             # megatron builds its buffers on the GPU and offloads them at the end of its
             # construction: it must be done before the engines take their memory (on one GPU,
@@ -422,7 +433,7 @@ def _start(cfg: PPOConfig, console: RunConsole, lock: RunDirLock, actor_cls, cri
             engines.append(sup.spawn(
                 name, RolloutEngine, hf_checkpoint, backend=cfg.engine.rollout_backend, engine_index=i,
                 seed=cfg.rollout.rollout_seed, dtype=dtype, gpus=gpus, restart="one_for_one",
-                **engine_settings(cfg), env=ROLE_ENV))
+                **engine_settings(cfg), env=engine_env))
             engine_tenants.append(engine_tenant(engines[-1], tuple(gpus), frees=C.rollout_offload_tags(cfg)))
         console.begin("waiting for the roles to load their weights")
         sup.wait_ready()

@@ -21,7 +21,8 @@ Colocated, every GPU is held by one role at a time (docs/architecture.md):
 With --train-async (miles' train_async.py) the same steps run, but the rollout of step k + 1
 is generated while steps 2-6 of step k train (ppo.rollout_ahead): step 1 takes the rollout
 made during the last step and starts the next; the engines keep their GPUs (step 2 moves
-nothing); step 7 waits for the next rollout to finish before the weights change. The
+nothing; with --colocate they share them side by side, each role in its memory budget:
+ppo.side_by_side); step 7 waits for the next rollout to finish before the weights change. The
 samples are one version old, and decoupled PPO corrects for it (mismatch_correction).
 """
 
@@ -45,6 +46,7 @@ from ppo.dynamic_sampling import sample_batch
 from ppo.logger import RunLogger
 from ppo.rollout import SamplingParams, generate_and_score
 from ppo.rollout_ahead import Rollouts
+from ppo.side_by_side import SmPartition
 from ppo.signals import SignalStops
 from ppo.trace import TraceWriter
 from runtime import ActorDied
@@ -54,11 +56,14 @@ class TrainerDied(RuntimeError):
     """A trainer process died: the run stops (its state cannot be rebuilt without a checkpoint)."""
 
 
-def train(cfg: PPOConfig, console: RunConsole | None = None) -> list[dict]:
+def train(cfg: PPOConfig, console: RunConsole | None = None, sm: SmPartition | None = None) -> list[dict]:
     """Run the job the config describes; returns the per-rollout metrics. `console` prints
-    (default: as cfg.logging asks); RUN_DIR/trace.json follows the run's events."""
+    (default: as cfg.logging asks); RUN_DIR/trace.json follows the run's events. `sm`: the
+    launcher's SM split of a side-by-side run (ppo.side_by_side.choose), logged as an event."""
     with SignalStops(cfg) as stops:  # Ctrl-C, SIGTERM, SIGUSR1: ppo.signals
-        job = start_job(cfg, console)
+        job = start_job(cfg, console, role_env=sm.role_env() if sm else None)
+        if sm is not None:
+            job.sup.publish("sm_partition", **sm.event())
         trace = TraceWriter(job.run_dir)
         try:
             return run(job, stops)

@@ -17,6 +17,11 @@ Several role processes write the same device, and the fault-injection tests SIGK
 them at arbitrary points, so a change is written ahead to the history and then
 committed by atomically replacing gpu<N>.json. A history line whose seq is above the
 committed seq belongs to a writer that died mid-change and is ignored.
+
+A device split into budgets (runtime.memory.LeaseTable.split: side by side) has one lease
+holder per budget; a holder with a budget grows only while it holds its budget's lease and
+while its budget's holders together keep at most the budget (BudgetExceeded otherwise).
+Its history lines carry the budget, and `check_no_overlap` checks each budget on its own.
 """
 
 from __future__ import annotations
@@ -27,9 +32,12 @@ import json
 import os
 import time
 from pathlib import Path
-from typing import Iterator
+from typing import TYPE_CHECKING, Iterator
 
 from runtime.units import format_bytes
+
+if TYPE_CHECKING:
+    from runtime.memory import Budget
 
 FAKE_GPU_DIR_ENV = "TANDEM_FAKE_GPU_DIR"
 
@@ -40,6 +48,10 @@ class LeaseViolation(RuntimeError):
 
 class FakeOutOfMemory(RuntimeError):
     """A change would push a fake device past its capacity."""
+
+
+class BudgetExceeded(FakeOutOfMemory):
+    """A change would push a holder's budget on a split fake device past its bytes."""
 
 
 def create_fake_devices(dir: str | os.PathLike, num_gpus: int, capacity_bytes: int) -> list[FakeDevice]:
@@ -108,13 +120,23 @@ class FakeDevice:
             raise ValueError(f"nbytes={nbytes} must be >= 0 (holder {holder!r}, tag {tag!r})")
         with self._transaction() as state:
             old = state["usage"].get(holder, {}).get(tag, 0)
-            if nbytes > old and holder != state["lease_holder"]:
-                actual = state["lease_holder"]
-                actual = "nobody" if actual is None else repr(actual)
+            budget = _budget_of(state, holder)
+            lease = state["budgets"][budget]["lease_holder"] if budget else state["lease_holder"]
+            if nbytes > old and holder != lease:
+                actual = "nobody" if lease is None else repr(lease)
+                of = f"the lease of budget {budget!r}" if budget else "the lease"
                 raise LeaseViolation(
                     f"fake gpu {self.index}: {holder!r} tried to grow {tag!r} from "
-                    f"{format_bytes(old)} to {format_bytes(nbytes)} but the lease is held by {actual}; "
+                    f"{format_bytes(old)} to {format_bytes(nbytes)} but {of} is held by {actual}; "
                     f"only the lease holder may grow memory, others may only shrink")
+            if budget and nbytes > old:
+                b = state["budgets"][budget]
+                used = sum(_by_holder(state).get(h, 0) for h in b["holders"]) - old + nbytes
+                if used > b["nbytes"]:
+                    raise BudgetExceeded(
+                        f"fake gpu {self.index}: {holder!r} growing {tag!r} to {format_bytes(nbytes)} would "
+                        f"keep {format_bytes(used)} in its budget {budget!r} of {format_bytes(b['nbytes'])} "
+                        f"(holders {', '.join(b['holders'])})")
             total = _total(state) - old + nbytes
             if nbytes > old and total > state["capacity"]:
                 by_holder = ", ".join(f"{h}={format_bytes(b)}" for h, b in _by_holder(state).items())
@@ -129,7 +151,7 @@ class FakeDevice:
                 if not tags:
                     del state["usage"][holder]
             self._append(state, {"kind": "usage", "holder": holder, "tag": tag, "nbytes": nbytes,
-                                 "total": total})
+                                 "total": total}, budget)
 
     def forget(self, holder: str) -> None:
         """Free everything `holder` keeps here: its processes died, and their memory with them
@@ -138,17 +160,32 @@ class FakeDevice:
             tags = state["usage"].pop(holder, {})
             for tag in sorted(tags):
                 self._append(state, {"kind": "usage", "holder": holder, "tag": tag, "nbytes": 0,
-                                     "total": _total(state)})
+                                     "total": _total(state)}, _budget_of(state, holder))
 
-    def set_lease_holder(self, holder: str | None) -> None:
-        """Record who may grow memory here from now on (called by runtime.memory.LeaseTable)."""
+    def set_budgets(self, budgets: list[Budget]) -> None:
+        """Split this device into budgets, each with its own lease (called by LeaseTable.split)."""
         with self._transaction() as state:
-            state["lease_holder"] = holder
-            self._append(state, {"kind": "lease", "holder": holder, "tag": None,
-                                 "nbytes": _by_holder(state).get(holder, 0), "total": _total(state)})
+            total = sum(b.nbytes for b in budgets)
+            if total > state["capacity"]:
+                raise ValueError(f"fake gpu {self.index}: budgets of {format_bytes(total)} exceed its capacity "
+                                 f"{format_bytes(state['capacity'])}")
+            state["budgets"] = {b.name: {"nbytes": b.nbytes, "holders": list(b.holders), "lease_holder": None}
+                                for b in budgets}
 
-    def lease_holder(self) -> str | None:
-        return self._read()["lease_holder"]
+    def set_lease_holder(self, holder: str | None, budget: str | None = None) -> None:
+        """Record who may grow memory here (in `budget`, on a split device) from now on
+        (called by runtime.memory.LeaseTable)."""
+        with self._transaction() as state:
+            if budget:
+                state["budgets"][budget]["lease_holder"] = holder
+            else:
+                state["lease_holder"] = holder
+            self._append(state, {"kind": "lease", "holder": holder, "tag": None,
+                                 "nbytes": _by_holder(state).get(holder, 0), "total": _total(state)}, budget)
+
+    def lease_holder(self, budget: str | None = None) -> str | None:
+        state = self._read()
+        return state["budgets"][budget]["lease_holder"] if budget else state["lease_holder"]
 
     def usage(self, holder: str | None = None, tag: str | None = None) -> int:
         """Bytes in use, filtered by holder and/or tag (None means all)."""
@@ -188,9 +225,11 @@ class FakeDevice:
             yield state  # an exception here leaves the state file untouched
             _write_state(self._paths.state, state)
 
-    def _append(self, state: dict, change: dict) -> None:
+    def _append(self, state: dict, change: dict, budget: str | None = None) -> None:
         state["seq"] += 1
-        entry = {"seq": state["seq"], "ts": time.time(), **change, "lease_holder": state["lease_holder"]}
+        entry = {"seq": state["seq"], "ts": time.time(), **change,
+                 "lease_holder": state["budgets"][budget]["lease_holder"] if budget else state["lease_holder"],
+                 **({"budget": budget} if budget else {})}
         with open(self._paths.history, "a+b") as f:
             if f.tell() > 0:
                 f.seek(-1, os.SEEK_END)
@@ -213,7 +252,14 @@ def check_no_overlap(history: list[dict]) -> list[str]:
        the device at once. Given rule 1 this can only happen with a wrong lease_holder
        record; it also catches interleaving in histories that carry no lease records.
     Shrinking is never reported: a previous holder may free its residual at any time.
+    The budgets of a split device are checked each on its own: their holders grow side by side.
     """
+    budgets = sorted({entry.get("budget") or "" for entry in history})
+    return [p for budget in budgets for p in _check_lease([e for e in history if (e.get("budget") or "") == budget])]
+
+
+def _check_lease(history: list[dict]) -> list[str]:
+    """check_no_overlap for the history of one lease."""
     problems: list[str] = []
     current: dict[tuple[str, str], int] = {}
     tenure_growers: list[str] = []  # holders that grew in the current tenure, in order
@@ -269,6 +315,11 @@ def _write_state(path: Path, state: dict) -> None:
     tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
     tmp.write_text(json.dumps(state))
     os.replace(tmp, path)
+
+
+def _budget_of(state: dict, holder: str | None) -> str | None:
+    """The budget `holder` draws on, on a split device; None on a whole one."""
+    return next((name for name, b in state.get("budgets", {}).items() if holder in b["holders"]), None)
 
 
 def _by_holder(state: dict) -> dict[str, int]:

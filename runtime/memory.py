@@ -14,6 +14,12 @@ previous holder frees it. A residual can never grow: only the lease holder grows
 With fake GPUs (runtime.fakegpu) the table mirrors each lease into the fake device, so
 the device refuses growth by anyone else, and checks every reported byte count against
 the device's exact ledger.
+
+Side by side (--train-async --colocate: docs/architecture.md) a GPU is *split* into
+budgets: one lease per budget, each with its holders (the engine's; the trainers', which
+the actor and the critic take in turn). Two tenants of different budgets hold the GPU at
+once; each grows only within its budget, which the fake device checks byte by byte and a
+release or report checks for what stays. A GPU not split has one lease, as above.
 """
 
 from __future__ import annotations
@@ -30,6 +36,19 @@ if TYPE_CHECKING:
 
 class LeaseError(RuntimeError):
     """A lease was granted, released or reported against the colocation rules."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Budget:
+    """A share of one split GPU: its own lease, taken in turn by `holders`, who together keep
+    at most `nbytes` there."""
+    name: str
+    nbytes: int
+    holders: tuple[str, ...]
+
+
+WHOLE = ""  # the name of the one lease of a GPU not split into budgets
+Slot = tuple[int, str]  # (gpu, budget name or WHOLE): one lease
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -60,25 +79,70 @@ class LeaseTable:
         unknown = sorted(set(fake_devices or {}) - set(gpus))
         if unknown:
             raise ValueError(f"fake_devices has gpus {unknown} that are not in gpus={gpus}")
-        self._holders: dict[int, str | None] = {gpu: None for gpu in gpus}
-        self._residuals: dict[int, dict[str, int]] = {gpu: {} for gpu in gpus}
+        self._gpus = set(gpus)
+        self._holders: dict[Slot, str | None] = {(gpu, WHOLE): None for gpu in gpus}
+        self._residuals: dict[Slot, dict[str, int]] = {(gpu, WHOLE): {} for gpu in gpus}
+        self._budgets: dict[int, dict[str, Budget]] = {}  # split GPUs: {gpu: {holder: its budget}}
         self._on_event = on_event
         self._fake_devices = dict(fake_devices or {})
         self._lock = threading.RLock()
 
-    def holder(self, gpu: int) -> str | None:
+    def split(self, gpu: int, budgets: list[Budget]) -> None:
+        """Split `gpu`'s lease into one lease per budget (side by side); before anyone holds
+        or keeps memory there. On a fake GPU the device checks the budgets as it grows."""
         with self._lock:
             self._check_gpu(gpu)
-            return self._holders[gpu]
+            holders = [h for b in budgets for h in b.holders]
+            if len(holders) != len(set(holders)) or len({b.name for b in budgets}) != len(budgets) \
+                    or WHOLE in {b.name for b in budgets}:
+                raise ValueError(f"gpu {gpu}: budgets {budgets} must have distinct non-empty names and holders")
+            if gpu in self._budgets or self._holders[(gpu, WHOLE)] is not None or self._residuals[(gpu, WHOLE)]:
+                raise LeaseError(f"gpu {gpu} cannot be split: it is split already, held or kept memory on")
+            del self._holders[(gpu, WHOLE)], self._residuals[(gpu, WHOLE)]
+            self._budgets[gpu] = {h: b for b in budgets for h in b.holders}
+            for b in budgets:
+                self._holders[(gpu, b.name)], self._residuals[(gpu, b.name)] = None, {}
+            if gpu in self._fake_devices:
+                self._fake_devices[gpu].set_budgets(budgets)
+
+    def holder(self, gpu: int, *, like: str | None = None) -> str | None:
+        """Who holds `gpu`'s lease; on a split GPU, the lease that `like` takes."""
+        with self._lock:
+            self._check_gpu(gpu)
+            return self._holders[self._slot(gpu, like)]
+
+    def holds(self, gpu: int, holder: str) -> bool:
+        """Whether `holder` holds its lease on `gpu` (its budget's, on a split GPU; False
+        when it has none there)."""
+        with self._lock:
+            self._check_gpu(gpu)
+            if holder not in self._budgets.get(gpu, {holder: None}):
+                return False
+            return self._holders[self._slot(gpu, holder)] == holder
+
+    def same_lease(self, gpu: int, a: str, b: str) -> bool:
+        """Whether `a` and `b` take turns with one lease on `gpu` (not budgets side by side)."""
+        with self._lock:
+            self._check_gpu(gpu)
+            return self._slot(gpu, a) == self._slot(gpu, b)
 
     def snapshot(self) -> dict[int, dict]:
-        """{gpu: {"holder": str | None, "residuals": {holder: bytes}}}."""
+        """{gpu: {"holder": str | None, "residuals": {holder: bytes}}}; a split GPU has
+        {"budgets": {name: {"nbytes", "holder", "residuals"}}} instead."""
         with self._lock:
-            return {gpu: {"holder": self._holders[gpu], "residuals": dict(self._residuals[gpu])}
-                    for gpu in self._holders}
+            out: dict[int, dict] = {}
+            for (gpu, name), holder in sorted(self._holders.items()):
+                lease = {"holder": holder, "residuals": dict(self._residuals[(gpu, name)])}
+                if name == WHOLE:
+                    out[gpu] = lease
+                else:
+                    budget = next(b for b in self._budgets[gpu].values() if b.name == name)
+                    out.setdefault(gpu, {"budgets": {}})["budgets"][name] = {"nbytes": budget.nbytes, **lease}
+            return out
 
     def acquire(self, gpu: int, holder: str) -> Grant:
-        """Grant `gpu`'s lease to `holder`; a lease that is held (by anyone) is a LeaseError."""
+        """Grant `gpu`'s lease (its budget's, split) to `holder`; a lease that is held (by
+        anyone) is a LeaseError."""
         with self._lock:
             self._check_gpu(gpu)
             error = self._acquire_error(gpu, holder)
@@ -89,8 +153,9 @@ class LeaseTable:
     def release(self, gpu: int, holder: str, bytes_left: int, *, may_keep: int = 0) -> None:
         """End `holder`'s lease on `gpu`, which still keeps `bytes_left` there.
 
-        LeaseError, and the lease stays with `holder`, when `holder` does not hold it or
-        bytes_left exceeds may_keep. The bytes left become a residual of `holder`.
+        LeaseError, and the lease stays with `holder`, when `holder` does not hold it,
+        bytes_left exceeds may_keep or (split) its budget. The bytes left become a residual
+        of `holder`.
         """
         with self._lock:
             self._check_gpu(gpu)
@@ -103,23 +168,24 @@ class LeaseTable:
         """Update the residual `holder` keeps on `gpu` after releasing it; it may only shrink."""
         with self._lock:
             self._check_gpu(gpu)
-            if self._holders[gpu] == holder:
+            slot = self._slot(gpu, holder)
+            if self._holders[slot] == holder:
                 raise LeaseError(f"{holder!r} holds gpu {gpu}: report() tracks the residual of a "
                                  f"released lease; end the lease with release()")
-            residual = self._residuals[gpu].get(holder, 0)
+            residual = self._residuals[slot].get(holder, 0)
             if nbytes > residual:
                 raise LeaseError(
                     f"{holder!r} reported {format_bytes(nbytes)} on gpu {gpu}, more than its "
                     f"residual {format_bytes(residual)}: only the lease holder "
-                    f"({self._holders[gpu]!r}) may grow memory")
+                    f"({self._holders[slot]!r}) may grow memory")
             error = self._ledger_error(gpu, holder, nbytes)
             if error:
                 raise LeaseError(error)
             if nbytes:
-                self._residuals[gpu][holder] = nbytes
+                self._residuals[slot][holder] = nbytes
             else:
-                self._residuals[gpu].pop(holder, None)
-            self._emit(gpu, holder, "report", nbytes)
+                self._residuals[slot].pop(holder, None)
+            self._emit(slot, holder, "report", nbytes)
 
     def acquire_all(self, gpus: list[int], holder: str) -> list[Grant]:
         """Grant every lease in `gpus` to `holder`, or none of them (LeaseError naming each conflict)."""
@@ -158,18 +224,19 @@ class LeaseTable:
             for gpu in gpus:
                 if gpu in self._fake_devices:
                     self._fake_devices[gpu].forget(holder)
-                held = self._holders[gpu] == holder
-                if not held and holder not in self._residuals[gpu]:
+                slot = self._slot(gpu, holder)
+                held = self._holders[slot] == holder
+                if not held and holder not in self._residuals[slot]:
                     continue
-                self._residuals[gpu].pop(holder, None)
+                self._residuals[slot].pop(holder, None)
                 if held:
                     self._end(gpu, holder, 0)
                 else:
-                    self._emit(gpu, holder, "report", 0)
+                    self._emit(slot, holder, "report", 0)
 
     def _check_gpu(self, gpu: int) -> None:
-        if gpu not in self._holders:
-            raise ValueError(f"gpu={gpu} has no lease; leased gpus: {sorted(self._holders)}")
+        if gpu not in self._gpus:
+            raise ValueError(f"gpu={gpu} has no lease; leased gpus: {sorted(self._gpus)}")
 
     def _check_group(self, gpus: list[int]) -> None:
         if len(set(gpus)) != len(gpus):
@@ -177,16 +244,30 @@ class LeaseTable:
         for gpu in gpus:
             self._check_gpu(gpu)
 
+    def _slot(self, gpu: int, holder: str | None) -> Slot:
+        """The lease `holder` takes on `gpu`: the GPU's one lease, or its budget's on a split GPU."""
+        budgets = self._budgets.get(gpu)
+        if budgets is None:
+            return gpu, WHOLE
+        if holder not in budgets:
+            raise LeaseError(f"gpu {gpu} is split into budgets ("
+                             + ", ".join(sorted({f"{b.name}: {', '.join(b.holders)}" for b in budgets.values()}))
+                             + f") and {holder!r} has none")
+        return gpu, budgets[holder].name
+
     def _acquire_error(self, gpu: int, holder: str) -> str | None:
-        current = self._holders[gpu]
+        slot = self._slot(gpu, holder)
+        current = self._holders[slot]
         if current is None:
             return None
+        where = f"gpu {gpu}" + (f" (budget {slot[1]!r})" if slot[1] else "")
         if current == holder:
-            return f"cannot grant gpu {gpu} to {holder!r}: {holder!r} already holds it"
-        return f"cannot grant gpu {gpu} to {holder!r}: it is held by {current!r}"
+            return f"cannot grant {where} to {holder!r}: {holder!r} already holds it"
+        return f"cannot grant {where} to {holder!r}: it is held by {current!r}"
 
     def _release_error(self, gpu: int, holder: str, bytes_left: int, may_keep: int) -> str | None:
-        current = self._holders[gpu]
+        slot = self._slot(gpu, holder)
+        current = self._holders[slot]
         if current != holder:
             held = "nobody holds it" if current is None else f"it is held by {current!r}"
             return f"{holder!r} cannot release gpu {gpu}: {held}"
@@ -196,6 +277,13 @@ class LeaseTable:
         if bytes_left > may_keep:
             return (f"{holder} released gpu {gpu} with {format_bytes(bytes_left)} still allocated "
                     f"(allowed {format_bytes(may_keep)}): its offload missed something")
+        if slot[1]:
+            budget = self._budgets[gpu][holder]
+            others = {h: b for h, b in self._residuals[slot].items() if h != holder}
+            if bytes_left + sum(others.values()) > budget.nbytes:
+                return (f"{holder} released gpu {gpu} keeping {format_bytes(bytes_left)}, which with "
+                        + (", ".join(f"{h}'s {format_bytes(b)}" for h, b in others.items()) or "nothing else")
+                        + f" is over its budget {budget.name!r} of {format_bytes(budget.nbytes)}")
         return None
 
     def _ledger_error(self, gpu: int, holder: str, nbytes: int) -> str | None:
@@ -209,22 +297,25 @@ class LeaseTable:
                 f"ledger shows {_exact(actual)}: its memory report is wrong")
 
     def _grant(self, gpu: int, holder: str) -> Grant:
-        self._holders[gpu] = holder
-        self._residuals[gpu].pop(holder, None)  # memory it kept is held memory again
+        slot = self._slot(gpu, holder)
+        self._holders[slot] = holder
+        self._residuals[slot].pop(holder, None)  # memory it kept is held memory again
         if gpu in self._fake_devices:
-            self._fake_devices[gpu].set_lease_holder(holder)
-        self._emit(gpu, holder, "acquire", None)
-        return Grant(gpu=gpu, holder=holder, residuals=dict(self._residuals[gpu]))
+            self._fake_devices[gpu].set_lease_holder(holder, budget=slot[1] or None)
+        self._emit(slot, holder, "acquire", None)
+        return Grant(gpu=gpu, holder=holder, residuals=dict(self._residuals[slot]))
 
     def _end(self, gpu: int, holder: str, bytes_left: int) -> None:
-        self._holders[gpu] = None
+        slot = self._slot(gpu, holder)
+        self._holders[slot] = None
         if bytes_left:
-            self._residuals[gpu][holder] = bytes_left
+            self._residuals[slot][holder] = bytes_left
         if gpu in self._fake_devices:
-            self._fake_devices[gpu].set_lease_holder(None)
-        self._emit(gpu, holder, "release", bytes_left)
+            self._fake_devices[gpu].set_lease_holder(None, budget=slot[1] or None)
+        self._emit(slot, holder, "release", bytes_left)
 
-    def _emit(self, gpu: int, holder: str, action: str, bytes_left: int | None) -> None:
+    def _emit(self, slot: Slot, holder: str, action: str, bytes_left: int | None) -> None:
         if self._on_event is not None:
+            gpu, budget = slot
             self._on_event("lease", gpu=gpu, holder=holder, action=action, bytes_left=bytes_left,
-                           residuals=dict(self._residuals[gpu]))
+                           residuals=dict(self._residuals[slot]), **({"budget": budget} if budget else {}))

@@ -188,11 +188,9 @@ class Supervisor:
                 "inc": 0, "deadline": None}, [list(args), kwargs])
         except (TypeError, ValueError, wire.WireError) as e:
             raise StartupError(f"role {name!r}: cannot send the arguments of {cls.__name__}(...): {e}") from e
-        leases = self.leases.snapshot()
         spec = ChildSpec(name, cls, [bytes(f) for f in init.frames], tuple(int(g) for g in gpus),
                          restart, group, dict(env or {}),
-                         lease_to_start=bool(gpus) and all(leases.get(int(g), {}).get("holder") == name
-                                                           for g in gpus))
+                         lease_to_start=bool(gpus) and all(self._holds(int(g), name) for g in gpus))
         with self._lock:
             if name in self._children:
                 raise ValueError(f"an actor named {name!r} already exists")
@@ -601,9 +599,16 @@ class Supervisor:
         return True
 
     def _lease_wait(self, spec: ChildSpec) -> dict[str, str | None]:
-        """{gpu: holder} of the child's GPUs whose lease it does not hold."""
-        leases = self.leases.snapshot()
-        return {str(g): leases[g]["holder"] for g in spec.gpus if leases[g]["holder"] != spec.name}
+        """{gpu: holder} of the child's GPUs whose lease it does not hold (side by side, an
+        engine never gives up its budget's lease: its restart never waits)."""
+        return {str(g): self.leases.holder(g, like=spec.name) for g in spec.gpus if not self.leases.holds(g, spec.name)}
+
+    def _holds(self, gpu: int, name: str) -> bool:
+        """Whether `name` holds `gpu`'s lease; False for a GPU without a lease (fake GPUs numbered past them)."""
+        try:
+            return self.leases.holds(gpu, name)
+        except ValueError:
+            return False
 
     def _defer_restart(self, child: _Child, reason: str) -> bool:
         """A child that allocates on its GPUs while starting, dead while it does not hold

@@ -3,7 +3,7 @@ pinned-copy peer and the memory sampler, run on the device only)."""
 
 import pytest
 
-from bench.iteration import COMPUTE_PHASES, analyse, prompt_tokens, report
+from bench.iteration import COMPUTE_PHASES, analyse, prompt_tokens, report, steady_ratio
 from ppo.config.serialize import override
 from ppo.config.validate import ensure_valid
 from ppo.loop import train
@@ -85,3 +85,10 @@ def test_a_move_rate_counts_the_bytes_copied_not_the_grads_only_freed():
     assert "nothing copied" in line(freed) and "pinned" not in line(freed)
     unknown = _move({**e, "phase": "release", "copied": None, "untracked": []}, RATES)  # an sglang engine
     assert unknown["gb_per_s"] is None and "? GB copied" in line(unknown) and "pinned" not in line(unknown)
+
+
+def test_the_steady_ratio_compares_steps_1_to_n_minus_2_of_both_runs():
+    side = [{"step_s": s} for s in (50.0, 20.0, 22.0, 9.0)]  # the last: no rollout ahead beside it
+    sync = [{"step_s": s} for s in (60.0, 30.0, 30.0, 30.0)]
+    assert steady_ratio(side, sync, name="grpo") == "steady iteration (steps 1..n-2): 21.00 s here, 30.00 s in grpo: 0.70x"
+    assert "needs 3 steps in each run (2 and 4 ran)" in steady_ratio(side[:2], sync, name="grpo")

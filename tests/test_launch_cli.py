@@ -85,7 +85,7 @@ def test_dry_run_without_a_recipe_resolves_tiny_ppo(capsys):
 def test_without_dry_run_the_config_goes_to_ppo_loop_train(monkeypatch):
     received = []
     loop = types.ModuleType("ppo.loop")
-    loop.train = received.append
+    loop.train = lambda cfg, sm=None: received.append(cfg)
     loop.TrainerDied = RuntimeError
     job = types.ModuleType("ppo.job")
     job.JobSetupError = ValueError

@@ -204,8 +204,10 @@ ASYNC = dict(train_async=True, colocate=False, actor_num_gpus_per_node=1, rollou
 
 def test_async_config_rules_name_the_flag_and_the_fix():
     assert validate(tiny(**ASYNC)) == []
-    [colocated] = validate(tiny(train_async=True))
-    assert "--colocate (placement.colocate)" in colocated and "Please add --no-colocate" in colocated
+    # colocated, side by side: the engine's memory budget and the trainers' resident weights
+    # (tests/test_side_by_side.py)
+    budget, level = validate(tiny(train_async=True))
+    assert "Please add --sglang-mem-fraction-static F" in budget and "Please add --offload-train-level optimizer" in level
     [offloading] = validate(tiny(**ASYNC, offload_rollout=True))
     assert "--offload-rollout (placement.offload_rollout)" in offloading and "Please remove --offload-rollout" in offloading
     assert any("--max-weight-staleness 0" in p for p in validate(tiny(**ASYNC, max_weight_staleness=0)))

@@ -34,6 +34,7 @@ from ppo.config.derived import (
     rollout_num_gpus,
     rollout_offload_tags,
     samples_per_rollout,
+    side_by_side,
     train_offload_tags,
     use_tis,
     uses_critic,
@@ -68,6 +69,6 @@ __all__ = [
     "critic_save", "data_parallel_size", "derived_values", "engines_discard_weights", "ensure_valid", "eps_clip_high",
     "from_dict", "global_batch_size", "model_parallel_size", "needs_ref", "num_critic_only_steps",
     "num_engines", "offload_rollout", "offload_train", "over_sampling_batch_size", "override",
-    "ratio_level", "rollout_num_gpus", "rollout_offload_tags", "samples_per_rollout", "to_dict", "train_offload_tags",
+    "ratio_level", "rollout_num_gpus", "rollout_offload_tags", "samples_per_rollout", "side_by_side", "to_dict", "train_offload_tags",
     "use_tis", "uses_critic", "validate",
 ]

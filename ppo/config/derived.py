@@ -110,8 +110,17 @@ def offload_train(cfg: PPOConfig) -> bool:
 
 
 def offload_rollout(cfg: PPOConfig) -> bool:
+    """Engines release their memory for the trainers: by default when colocated, but not side
+    by side, where they keep it and generate while the trainers train."""
     p = cfg.placement
-    return p.colocate if p.offload_rollout is None else p.offload_rollout
+    return p.colocate and not side_by_side(cfg) if p.offload_rollout is None else p.offload_rollout
+
+
+def side_by_side(cfg: PPOConfig) -> bool:
+    """--train-async --colocate: engines and trainers resident on the same GPUs at once, each in
+    its memory budget (the engine's --sglang-mem-fraction-static of the GPU, the trainers' the
+    rest), the SMs split by MPS (docs/architecture.md, "Side by side on one GPU")."""
+    return cfg.rollout.train_async and cfg.placement.colocate
 
 
 def train_offload_tags(cfg: PPOConfig) -> tuple[str, ...]:
@@ -199,6 +208,7 @@ def derived_values(cfg: PPOConfig) -> dict:
         "ratio_level": ratio_level(cfg),
         "offload_train": offload_train(cfg),
         "offload_rollout": offload_rollout(cfg),
+        "side_by_side": side_by_side(cfg),
         "train_offload_tags": list(train_offload_tags(cfg)),
         "rollout_offload_tags": list(rollout_offload_tags(cfg)),
         "engines_discard_weights": engines_discard_weights(cfg),

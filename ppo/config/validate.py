@@ -224,21 +224,34 @@ def _mismatch(cfg: PPOConfig) -> list[str]:
 
 
 def _asynchronous(cfg: PPOConfig) -> list[str]:
-    """--train-async generates while the trainers train, so the engines keep their own GPUs
-    (miles' train_async.py asserts --colocate is off; side by side on one GPU is not built)."""
-    r, p, out = cfg.rollout, cfg.placement, []
+    """--train-async generates while the trainers train, so the engines keep their memory: on
+    GPUs of their own, or (--colocate) side by side with the trainers, in a memory budget."""
+    r, out = cfg.rollout, []
     if not r.train_async:
         return out
-    if p.colocate:
-        out.append(_bad("colocate", True, "--train-async generates the next rollout while the trainers "
-                        "train, so the engines need GPUs of their own. Please add --no-colocate "
-                        "--rollout-num-gpus N, or remove --train-async"))
-    elif d.offload_rollout(cfg):
+    if d.side_by_side(cfg):
+        out += _side_by_side(cfg)
+    if d.offload_rollout(cfg):
         out.append(_bad("offload_rollout", True, "with --train-async the engines generate while the trainers "
                         "train and keep their memory. Please remove --offload-rollout"))
     if cfg.reward.reward_model_path is not None and not cfg.reward.reward_model_num_gpus:
         out.append(_set_but("train_async", True, "so is --reward-model-path on the engines' GPUs, which the engines "
                             "keep while they generate ahead. Please add --reward-model-num-gpus N (GPUs of its own)"))
+    return out
+
+
+def _side_by_side(cfg: PPOConfig) -> list[str]:
+    """Side by side, the engine's memory budget is --sglang-mem-fraction-static of each GPU and
+    the trainers' the rest; they take turns only with their optimizer state."""
+    p, out = cfg.placement, []
+    if cfg.engine.sglang_mem_fraction_static is None:
+        out.append(_set_but("train_async", True, "so is --colocate (side by side), where the engine's memory "
+                            "budget is its fraction of the GPU. Please add --sglang-mem-fraction-static F "
+                            "(e.g. 0.4: weights and KV cache; the trainers get the rest)"))
+    if d.offload_train(cfg) and p.offload_train_level != "optimizer":
+        out.append(_bad("offload_train_level", p.offload_train_level, "side by side (--train-async --colocate) "
+                        "the trainers keep their weights beside the engine and take turns with their optimizer "
+                        "state. Please add --offload-train-level optimizer"))
     return out
 
 

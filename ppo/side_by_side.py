@@ -1,0 +1,90 @@
+"""Side by side on one GPU (--train-async --colocate): each shared GPU's memory budgets, and
+its SMs split between the roles by MPS.
+
+Memory. Each GPU an engine shares with the trainers is split into two budgets, each with a
+lease of its own (runtime.memory.LeaseTable.split): the engine's, --sglang-mem-fraction-static
+of the GPU (sglang's meaning: weights and KV cache), which it holds from its spawn on and never
+gives up; and the trainers' (the rest), which the actor and the critic take in turn as they do
+a whole GPU colocated, keeping their weights and moving only their optimizer state
+(--offload-train-level optimizer). An engine that dies still holds its budget, so its restart
+never waits on the trainers.
+
+SMs. Under MPS each role process gets a share of the SMs (--engine-sm-percentage,
+--trainer-sm-percentage). `choose` is the launcher's: where MPS cannot start it says so in one
+line and the run is the synchronous colocated plan, the same config without --train-async. On
+fake GPUs (the CPU computes: no SMs) that is the launcher's answer too; `ppo.loop.train`, given a
+side-by-side config and no partition, runs side by side without one (the CPU tests of the
+budgets and the loop).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ppo import config as C
+from ppo.config import PPOConfig
+from ppo.config.serialize import override
+from ppo.config.validate import ensure_valid
+from ppo.placement import Placement
+from runtime import mps
+from runtime.memory import Budget
+
+ENGINE_BUDGET, TRAINER_BUDGET = "engine", "trainers"
+
+
+def memory_budgets(cfg: PPOConfig, plan: Placement, capacity: int) -> dict[int, list[Budget]]:
+    """{gpu: its budgets} for every GPU an engine shares with the trainers (all of them, side
+    by side); `capacity`: one GPU's bytes."""
+    engine = int(cfg.engine.sglang_mem_fraction_static * capacity)
+    trainers = ("actor", "critic") if plan.critic_gpus else ("actor",)
+    return {g: [Budget(name=ENGINE_BUDGET, nbytes=engine, holders=(f"rollout-{i}",)),
+                Budget(name=TRAINER_BUDGET, nbytes=capacity - engine, holders=trainers)]
+            for i, gpus in enumerate(plan.engines) for g in gpus if g in plan.actor_gpus}
+
+
+@dataclass(frozen=True, kw_only=True)
+class SmPartition:
+    """The run's SM split: `daemon` gives each role its share; None where there is none
+    (`fallback` then says why the run is the synchronous plan)."""
+    cfg: PPOConfig  # the config to run
+    daemon: mps.MpsDaemon | None
+    fallback: str | None
+
+    def role_env(self) -> dict[str, dict[str, str]]:
+        """{"engine": env, "trainer": env} for the role processes; {} without a daemon."""
+        if self.daemon is None:
+            return {}
+        p = self.cfg.placement
+        return {"engine": self.daemon.client_env(percentage=p.engine_sm_percentage),
+                "trainer": self.daemon.client_env(percentage=p.trainer_sm_percentage)}
+
+    def event(self) -> dict:
+        """The `sm_partition` event's fields."""
+        p = self.cfg.placement
+        return {"mps": self.daemon is not None, "started_daemon": bool(self.daemon and self.daemon.started),
+                "engine_sm_percentage": p.engine_sm_percentage if self.daemon else None,
+                "trainer_sm_percentage": p.trainer_sm_percentage if self.daemon else None,
+                "fallback": self.fallback}
+
+    def close(self) -> None:
+        """Stop the daemon if we started it."""
+        if self.daemon is not None:
+            self.daemon.stop()
+
+
+def choose(cfg: PPOConfig) -> SmPartition | None:
+    """The launcher's decision for a side-by-side config: MPS found or started, or the
+    synchronous colocated plan with the one line that says why (`fallback`). None for any
+    other config."""
+    if not C.side_by_side(cfg):
+        return None
+    if cfg.placement.fake_gpus:
+        why = "fake GPUs have no SMs to split"
+    else:
+        try:
+            return SmPartition(cfg=cfg, daemon=mps.find_or_start(), fallback=None)
+        except mps.MpsUnavailable as e:
+            why = str(e)
+    return SmPartition(cfg=ensure_valid(override(cfg, train_async=False)), daemon=None,
+                       fallback=f"side by side needs MPS to split the GPU's SMs and it cannot start ({why}): "
+                                f"running the synchronous colocated plan (--colocate without --train-async)")

@@ -1,0 +1,127 @@
+"""The MPS daemon found or started (runtime.mps) and the launcher's choice for a side-by-side
+run (ppo.side_by_side.choose), against tests/fakes/mps/nvidia-cuda-mps-control on PATH: a fake
+that starts and stops like the real control program (its docstring says where it differs)."""
+
+import os
+import sys
+import types
+from pathlib import Path
+
+import pytest
+
+import launch
+from ppo.config import ConfigError
+from ppo.config.serialize import override
+from ppo.config.validate import ensure_valid
+from ppo.recipes import tiny_ppo
+from ppo.side_by_side import choose
+from runtime import mps
+
+FAKE_BIN = str(Path(__file__).parent / "fakes" / "mps")
+SIDE = dict(train_async=True, colocate=True, num_gpus_per_node=1, actor_num_gpus_per_node=1,
+            sglang_mem_fraction_static=0.4, offload_train_level="optimizer")
+
+pytestmark = pytest.mark.timeout(60)
+
+
+@pytest.fixture
+def fake_mps(tmp_path, monkeypatch):
+    """The fake control program on PATH, its pipe and log folders under tmp_path, its calls logged."""
+    monkeypatch.setenv("PATH", FAKE_BIN + os.pathsep + os.environ["PATH"])
+    monkeypatch.setenv("CUDA_MPS_PIPE_DIRECTORY", str(tmp_path / "pipe"))
+    monkeypatch.setenv("CUDA_MPS_LOG_DIRECTORY", str(tmp_path / "log"))
+    monkeypatch.setenv("FAKE_MPS_LOG", str(tmp_path / "calls"))
+    yield tmp_path / "calls"
+    mps._command(FAKE_BIN + "/" + mps.CONTROL, str(tmp_path / "pipe"), str(tmp_path / "log"), "quit")
+
+
+def calls(log: Path) -> list[str]:
+    return log.read_text().splitlines() if log.exists() else []
+
+
+def test_a_daemon_we_start_is_stopped_and_one_found_running_is_left_alone(fake_mps, tmp_path):
+    daemon = mps.find_or_start()
+    assert daemon.started and daemon.pipe_dir == str(tmp_path / "pipe") and daemon.log_dir == str(tmp_path / "log")
+    assert calls(fake_mps) == ["get_server_list", "-d", "get_server_list"]  # asked, started, answered
+    found = mps.find_or_start()
+    assert not found.started
+    found.stop()  # not ours: nothing sent
+    assert calls(fake_mps)[-1] == "get_server_list"
+    assert mps._answers(daemon.control, daemon.pipe_dir, daemon.log_dir)
+    daemon.stop()
+    assert calls(fake_mps)[-1] == "quit"
+    assert not mps._answers(daemon.control, daemon.pipe_dir, daemon.log_dir)
+
+
+def test_each_role_gets_its_share_of_the_sms(fake_mps, tmp_path):
+    daemon = mps.find_or_start()
+    assert daemon.client_env(percentage=25) == {"CUDA_MPS_PIPE_DIRECTORY": str(tmp_path / "pipe"),
+                                                "CUDA_MPS_LOG_DIRECTORY": str(tmp_path / "log"),
+                                                "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": "25"}
+    with pytest.raises(ValueError, match="must be in 1..100"):
+        daemon.client_env(percentage=0)
+    daemon.stop()
+
+
+def test_no_control_program_or_a_refused_start_says_why(tmp_path, monkeypatch):
+    path = os.environ["PATH"]
+    monkeypatch.setenv("PATH", str(tmp_path))  # no nvidia-cuda-mps-control there
+    with pytest.raises(mps.MpsUnavailable, match="nvidia-cuda-mps-control is not on PATH"):
+        mps.find_or_start(pipe_dir=str(tmp_path / "pipe"))
+    monkeypatch.setenv("PATH", FAKE_BIN + os.pathsep + path)
+    monkeypatch.setenv("FAKE_MPS_REFUSE", "1")
+    with pytest.raises(mps.MpsUnavailable, match="-d` exited with 1 \\(not permitted\\?\\): fake MPS: cannot start "
+                                                 "the control daemon: permission denied"):
+        mps.find_or_start(pipe_dir=str(tmp_path / "pipe"), log_dir=str(tmp_path / "log"))
+
+
+def side(**values):
+    return ensure_valid(override(tiny_ppo(), **{**SIDE, **values}))
+
+
+def test_the_sm_shares_are_flags_in_1_to_100():
+    assert side().placement.engine_sm_percentage == 25 and side().placement.trainer_sm_percentage == 75
+    with pytest.raises(ConfigError, match="engine_sm_percentage"):
+        side(engine_sm_percentage=0)
+    with pytest.raises(ConfigError, match="trainer_sm_percentage"):
+        side(trainer_sm_percentage=101)
+
+
+def test_on_gpus_the_launcher_runs_side_by_side_under_mps_with_each_roles_share(fake_mps):
+    cfg = side(fake_gpus=False, engine_sm_percentage=30, trainer_sm_percentage=70)
+    sm = choose(cfg)
+    assert sm.cfg == cfg and sm.fallback is None and sm.daemon.started
+    env = sm.role_env()
+    assert env["engine"]["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] == "30"
+    assert env["trainer"]["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] == "70"
+    assert sm.event() == {"mps": True, "started_daemon": True, "engine_sm_percentage": 30,
+                          "trainer_sm_percentage": 70, "fallback": None}
+    sm.close()
+    assert calls(fake_mps)[-1] == "quit"
+    assert choose(override(cfg, train_async=False)) is None  # not side by side: nothing to decide
+
+
+def test_where_mps_cannot_start_the_launcher_runs_the_synchronous_colocated_plan(tmp_path, monkeypatch):
+    monkeypatch.setenv("PATH", str(tmp_path))
+    sm = choose(side(fake_gpus=False))
+    assert not sm.cfg.rollout.train_async and sm.cfg.placement.colocate and sm.daemon is None
+    assert sm.fallback == ("side by side needs MPS to split the GPU's SMs and it cannot start (nvidia-cuda-mps-control "
+                           "is not on PATH (the NVIDIA driver's MPS tools are not installed)): running the synchronous "
+                           "colocated plan (--colocate without --train-async)")
+    assert sm.role_env() == {} and sm.event()["fallback"] == sm.fallback and not sm.event()["mps"]
+    assert "fake GPUs have no SMs to split" in choose(side()).fallback
+
+
+def test_the_launcher_says_so_in_one_line_and_trains_the_synchronous_plan(monkeypatch, capsys):
+    received = []
+    loop = types.ModuleType("ppo.loop")
+    loop.train = lambda cfg, sm=None: received.append((cfg, sm))
+    loop.TrainerDied = RuntimeError
+    monkeypatch.setitem(sys.modules, "ppo.loop", loop)
+    launch.main(["--train-async", "--num-gpus-per-node", "1", "--actor-num-gpus-per-node", "1",
+                 "--sglang-mem-fraction-static", "0.4",
+                 "--offload-train-level", "optimizer"])  # tiny_ppo: colocated, fake GPUs
+    [(cfg, sm)] = received
+    assert not cfg.rollout.train_async and sm.fallback
+    err = capsys.readouterr().err.splitlines()
+    assert err == [f"tandem: {sm.fallback}"]
