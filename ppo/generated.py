@@ -33,9 +33,10 @@ def resolve_paths(cfg: PPOConfig, run_dir: Path,
     """(hf_checkpoint dir, prompt jsonl) for the run, generating them when asked; `begin(stage)`
     is told of each generation step (ppo.console times start-up)."""
     data = cfg.rollout.prompt_data
-    task_prompts = None
+    task_prompts, answer_digits = None, 1
     if data.startswith(GENERATED_PREFIX):
         task = data.removeprefix(GENERATED_PREFIX)
+        answer_digits = TASKS[task].answer_digits
         begin(f"writing the {task} task ({NUM_TASK_PROMPTS} prompts)")
         data = TASKS[task].write(run_dir / "data" / f"{task}.jsonl", num_prompts=NUM_TASK_PROMPTS,
                                  seed=cfg.rollout.rollout_seed)
@@ -49,7 +50,7 @@ def resolve_paths(cfg: PPOConfig, run_dir: Path,
             # reports bad ones by file and line)
             prompts = task_prompts or [f"{a}+{b}=" for a in range(5) for b in range(5)]
             begin(f"building the tiny model ({WARM_START_STEPS} warm-start steps)")
-            _build_tiny_model(ckpt, prompts, seed=cfg.training.seed)
+            _build_tiny_model(ckpt, prompts, answer_digits=answer_digits, seed=cfg.training.seed)
     return ckpt, data
 
 
@@ -65,17 +66,18 @@ def resolve_eval_paths(cfg: PPOConfig, run_dir: Path) -> list[tuple[str, str]]:
     return out
 
 
-def _build_tiny_model(path: str, prompts: list[str], *, seed: int) -> None:
+def _build_tiny_model(path: str, prompts: list[str], *, answer_digits: int, seed: int) -> None:
     from ppo.tiny_model import build_tiny_checkpoint, load_causal_lm, load_tokenizer
 
     build_tiny_checkpoint(path, seed=seed)
     model, tok = load_causal_lm(path, "float32"), load_tokenizer(path)
-    _teach_answer_format(model, tok, prompts, seed=seed)
+    _teach_answer_format(model, tok, prompts, answer_digits=answer_digits, seed=seed)
     model.save_pretrained(path, safe_serialization=True)
 
 
-def _teach_answer_format(model, tok, prompts: list[str], *, seed: int, batch: int = 32) -> None:
-    """Teacher-force "prompt -> random digit, EOS" (answers are random: format only)."""
+def _teach_answer_format(model, tok, prompts: list[str], *, answer_digits: int, seed: int,
+                         batch: int = 32) -> None:
+    """Teacher-force "prompt -> `answer_digits` random digits, EOS" (answers are random: format only)."""
     rng = random.Random(seed)
     digits = [tok.convert_tokens_to_ids(str(d)) for d in range(10)]
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
@@ -86,10 +88,11 @@ def _teach_answer_format(model, tok, prompts: list[str], *, seed: int, batch: in
         torch.manual_seed(seed)
         for _ in range(WARM_START_STEPS):
             rows = [tok.encode(rng.choice(prompts), add_special_tokens=False)
-                    + [rng.choice(digits), tok.eos_token_id] for _ in range(batch)]
-            ids = torch.tensor(rows)  # all prompts have the same length: "a+b="
+                    + [rng.choice(digits) for _ in range(answer_digits)] + [tok.eos_token_id]
+                    for _ in range(batch)]
+            ids = torch.tensor(rows)  # all prompts of a task have the same length: "a+b=", "ab+cd="
             labels = torch.full_like(ids, -100)
-            labels[:, -2:] = ids[:, -2:]
+            labels[:, -answer_digits - 1:] = ids[:, -answer_digits - 1:]
             loss = model(input_ids=ids, labels=labels).loss
             opt.zero_grad()
             loss.backward()

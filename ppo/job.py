@@ -100,8 +100,9 @@ def trainer_config(cfg: PPOConfig, hf_checkpoint: str, *, critic: bool, dtype: s
         "eps_clip": p.eps_clip, "eps_clip_high": p.eps_clip_high, "eps_clip_c": p.eps_clip_c,
         "ratio_level": C.ratio_level(cfg),
         "value_clip": p.value_clip, "loss_agg_mode": p.loss_agg_mode,
-        # a KL loss at weight 0 changes nothing: skip the reference model entirely then
-        "use_kl_loss": p.use_kl_loss and p.kl_loss_coef != 0, "kl_loss_coef": p.kl_loss_coef,
+        # a KL loss at weight 0 changes nothing: skip the reference model entirely then; the
+        # critic has no policy to hold near a reference (and keeps no reference copy)
+        "use_kl_loss": not critic and p.use_kl_loss and p.kl_loss_coef != 0, "kl_loss_coef": p.kl_loss_coef,
         "kl_loss_type": p.kl_loss_type, "entropy_coef": p.entropy_coef, "log_entropy": True,
         "temperature": cfg.rollout.rollout_temperature,
         "keep_ref": not critic and C.needs_ref(cfg),

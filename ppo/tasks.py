@@ -9,6 +9,10 @@ the label and then EOS. Its text uses only ``ARITHMETIC_CHARSET`` — the digits
 ``-``, ``*`` and ``=`` (a label is negative only with ``-``) — so a character-level
 tokenizer of those characters plus its specials (BOS/EOS/pad) covers every prompt and
 every correct answer.
+
+The column-sum task, e.g. ``{"prompt": "23+41=", "label": "64"}``: two-digit sums without a
+carry, so each answer digit is a one-digit sum of its column. It is graded digit by digit
+(``tiny_digits``) and its held-out sums combine columns that training sees only in other sums.
 """
 
 import functools
@@ -72,6 +76,48 @@ def write_arithmetic_table(path: str | Path, *, held_out: bool, max_operand: int
     return _write_lines(path, lines)
 
 
+def is_held_out_column_sum(a: int, b: int) -> bool:
+    """Whether the two-digit sum ``a+b`` is held out: each of its columns is a held-out pair
+    of ``is_held_out`` (tens digits 1..4 as 0..3, units 0..4). Training sees every column
+    pair, held-out ones included, but never these combinations of them."""
+    return is_held_out(a // 10 - 1, b // 10 - 1, 3) and is_held_out(a % 10, b % 10, 4)
+
+
+def column_sums() -> list[tuple[int, int]]:
+    """Every two-digit sum without a carry whose operands have tens digits 1..4 and units
+    0..4, in table order: 400 sums, every answer two digits."""
+    operands = [10 * t + u for t in range(1, 5) for u in range(5)]
+    return [(a, b) for a in operands for b in operands]
+
+
+def write_column_sum_task(path: str | Path, *, num_prompts: int, seed: int) -> str:
+    """``num_prompts`` lines ``{"prompt": "23+41=", "label": "64"}`` drawn with
+    ``random.Random(seed)`` from the 380 sums of ``column_sums`` that are not held out: an
+    answer uniformly, then one of its sums."""
+    if num_prompts < 1:
+        raise ValueError(f"num_prompts={num_prompts} must be >= 1")
+    rng = random.Random(seed)
+    by_answer: dict[int, list[tuple[int, int]]] = {}
+    for a, b in column_sums():
+        if not is_held_out_column_sum(a, b):
+            by_answer.setdefault(a + b, []).append((a, b))
+    # Every answer is as likely, so no constant guess beats chance: drawn with the table's own
+    # frequencies, PPO settles on "54" for every prompt (the mode of each column) and stalls.
+    answers = sorted(by_answer)
+    return _write_sums(path, [rng.choice(by_answer[rng.choice(answers)]) for _ in range(num_prompts)])
+
+
+def write_column_sum_table(path: str | Path, *, held_out: bool) -> str:
+    """The 20 held-out column sums (``held_out=True``), or their swapped twins, which training
+    sees (a twin's units are ``b = a + 3`` modulo 5, not a held-out pair)."""
+    held = [(a, b) for a, b in column_sums() if is_held_out_column_sum(a, b)]
+    return _write_sums(path, held if held_out else [(b, a) for a, b in held])
+
+
+def _write_sums(path: str | Path, pairs: list[tuple[int, int]]) -> str:
+    return _write_lines(path, [json.dumps({"prompt": f"{a}+{b}=", "label": str(a + b)}) for a, b in pairs])
+
+
 def _write_lines(path: str | Path, lines: list[str]) -> str:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -87,6 +133,7 @@ class GeneratedTask:
     write: Callable[..., str]  # write(path, *, num_prompts, seed) -> path
     rm_type: str  # the rule in roles.reward.rules.REWARD_RULES that grades it
     charset: str  # every character of its prompts and correct responses
+    answer_digits: int  # the length of every answer, which the tiny model's warm start teaches
 
 
 TASKS: dict[str, GeneratedTask] = {
@@ -94,11 +141,17 @@ TASKS: dict[str, GeneratedTask] = {
     # (ppo/generated.py), so what PPO must learn is the sums themselves (20 of the 25: the
     # other 5 are the held-out eval set, EVAL_TASKS["arithmetic_heldout"])
     "arithmetic": GeneratedTask(write=functools.partial(write_arithmetic_task, max_operand=4, exclude_held_out=True),
-                                rm_type="tiny_exact", charset=ARITHMETIC_CHARSET),
+                                rm_type="tiny_exact", charset=ARITHMETIC_CHARSET, answer_digits=1),
+    # two-digit sums without carries, each answer digit a one-digit sum: the held-out ones share
+    # every column with trained ones (docs/evaluation.md: what RL generalises on this task)
+    "column_sums": GeneratedTask(write=write_column_sum_task, rm_type="tiny_digits", charset=ARITHMETIC_CHARSET,
+                                 answer_digits=2),
 }
 # `generated:NAME` eval sets (--eval-prompt-data): write(path) -> path. The held-out sums
 # measure generalisation; the seen ones, beside them, what training taught.
 EVAL_TASKS: dict[str, Callable[[str | Path], str]] = {
     "arithmetic_heldout": functools.partial(write_arithmetic_table, held_out=True, max_operand=4),
     "arithmetic_seen": functools.partial(write_arithmetic_table, held_out=False, max_operand=4),
+    "column_sums_heldout": functools.partial(write_column_sum_table, held_out=True),
+    "column_sums_seen": functools.partial(write_column_sum_table, held_out=False),
 }

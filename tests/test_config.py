@@ -144,6 +144,19 @@ def test_needs_ref_only_when_a_kl_term_is_on(use_kl_loss, kl_loss_coef, kl_coef,
     assert needs_ref(cfg) is expected
 
 
+def test_only_the_actor_takes_the_kl_loss_and_keeps_a_reference():
+    """A KL loss at a weight above 0 once started the critic with use_kl_loss and no
+    reference copy, which its config refuses: every PPO run with --kl-loss-coef died at start."""
+    from ppo.job import trainer_config
+    from roles.trainer.config import TrainerConfig
+
+    cfg = override(tiny_ppo(), kl_loss_coef=0.01)
+    actor, critic = (TrainerConfig.from_dict(trainer_config(cfg, "ckpt", critic=c, dtype="float32"))
+                     for c in (False, True))
+    assert actor.use_kl_loss and actor.keep_ref
+    assert not critic.use_kl_loss and not critic.keep_ref
+
+
 def test_uses_critic_follows_the_estimator():
     assert uses_critic(tiny_ppo())
     assert not uses_critic(override(tiny_ppo(), advantage_estimator="grpo"))

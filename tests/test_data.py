@@ -1,6 +1,7 @@
 """PromptDataset (jsonl prompts, errors with line numbers, seeded resumable epochs) and generated tasks."""
 
 import json
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -229,6 +230,23 @@ def test_arithmetic_task_loads_and_grades(tmp_path):
     for sample in data.next_batch(20):
         assert rule(sample["label"], sample["label"]) == 1.0
         assert rule(sample["label"] + "1", sample["label"]) == 0.0
+
+
+def test_column_sum_task_draws_answers_evenly_and_grades_digit_by_digit(tmp_path):
+    task = TASKS["column_sums"]
+    path = task.write(tmp_path / "c.jsonl", num_prompts=3000, seed=1)
+    assert Path(path).read_text() == Path(task.write(tmp_path / "d.jsonl", num_prompts=3000, seed=1)).read_text()
+    records = [json.loads(line) for line in Path(path).read_text().splitlines()]
+    for record in records:
+        a, b = (int(x) for x in record["prompt"].removesuffix("=").split("+"))
+        assert 10 <= a <= 44 and 10 <= b <= 44 and a % 10 + b % 10 <= 8  # no carry
+        assert record["label"] == str(a + b) and len(record["label"]) == task.answer_digits
+        assert set(record["prompt"] + record["label"]) <= set(task.charset)
+    counts = Counter(r["label"] for r in records)
+    assert len(counts) == 7 * 9  # tens 2..8, units 0..8
+    assert max(counts.values()) < 2 * min(counts.values())  # each answer about 3000 / 63 times
+    rule = REWARD_RULES[task.rm_type]
+    assert [rule(x, "64") for x in ("64", "65", "15", "6")] == [1.0, 0.5, 0.0, 0.0]
 
 
 @pytest.mark.parametrize(

@@ -113,6 +113,19 @@ def test_the_held_out_sums_are_never_trained_on(tmp_path):
         assert f"{b}+{a}=" in trained and int(h["label"]) == int(a) + int(b)
 
 
+def test_the_held_out_column_sums_are_never_trained_on_but_each_of_their_columns_is(tmp_path):
+    train = TASKS["column_sums"].write(tmp_path / "train.jsonl", num_prompts=20000, seed=3)
+    trained = {json.loads(x)["prompt"] for x in open(train)}
+    held_out = [json.loads(x) for x in open(EVAL_TASKS["column_sums_heldout"](tmp_path / "eval.jsonl"))]
+    seen = [json.loads(x)["prompt"] for x in open(EVAL_TASKS["column_sums_seen"](tmp_path / "seen.jsonl"))]
+    assert len(trained) == 380 and len(held_out) == 20 and len(seen) == 20
+    assert not trained & {h["prompt"] for h in held_out} and set(seen) <= trained
+    tens, units = ({(p[i], p[i + 3]) for p in trained} for i in (0, 1))  # "23+41=": ("2", "4"), ("3", "1")
+    for h in held_out:
+        a, b = h["prompt"].removesuffix("=").split("+")
+        assert (a[0], b[0]) in tens and (a[1], b[1]) in units and int(h["label"]) == int(a) + int(b)
+
+
 def test_load_eval_sets_reads_every_line_in_order_with_its_keys_and_rule(tmp_path):
     from ppo.tiny_model import build_tiny_checkpoint, load_tokenizer
 

@@ -33,7 +33,7 @@ def test_fixture_covers_both_outcomes_of_every_rule():
 
 
 def test_registry_names_match_config_rm_types():
-    assert set(REWARD_RULES) == {"deepscaler", "dapo", "math", "tiny_exact"}
+    assert set(REWARD_RULES) == {"deepscaler", "dapo", "math", "tiny_exact", "tiny_digits"}
 
 
 @pytest.mark.parametrize(
@@ -42,6 +42,15 @@ def test_registry_names_match_config_rm_types():
 )
 def test_tiny_exact_compares_stripped_response(response, label, expected):
     assert REWARD_RULES["tiny_exact"](response, label) == expected
+
+
+@pytest.mark.parametrize(
+    ("response", "label", "expected"),
+    [("64", "64", 1.0), (" 64\n", "64", 1.0), ("54", "64", 0.5), ("63", "64", 0.5), ("46", "64", 0.0),
+     ("6", "64", 0.0), ("640", "64", 0.0), ("", "", 0.0), ("7", "7", 1.0)],
+)
+def test_tiny_digits_credits_each_digit_in_place_only_at_the_labels_length(response, label, expected):
+    assert REWARD_RULES["tiny_digits"](response, label) == expected
 
 
 @pytest.mark.parametrize(

@@ -1,6 +1,7 @@
 """The tiny checkpoint is a normal HF directory: it loads through the Auto* paths and generates."""
 
 import hashlib
+import json
 import os
 
 import pytest
@@ -79,3 +80,21 @@ def test_tied_embeddings_and_bad_heads(tmp_path):
     assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
     with pytest.raises(ValueError, match="num_kv_heads"):
         build_tiny_checkpoint(str(tmp_path / "bad"), num_heads=4, num_kv_heads=3)
+
+
+@pytest.mark.parametrize(("task", "digits"), [("arithmetic", 1), ("column_sums", 2)])
+def test_the_warm_start_teaches_answers_of_the_tasks_length_and_no_more(tmp_path, task, digits):
+    """ppo.generated's warm start: a generated task's prompts get `answer_digits` digits, then EOS."""
+    from ppo.config import override
+    from ppo.generated import resolve_paths
+    from ppo.recipes import tiny_ppo
+
+    ckpt, data = resolve_paths(override(tiny_ppo(), prompt_data=f"generated:{task}"), tmp_path)
+    model, tok = load_causal_lm(ckpt, "float32"), load_tokenizer(ckpt)
+    prompt = json.loads(open(data).readline())["prompt"]
+    ids = torch.tensor([tok.encode(prompt, add_special_tokens=False)] * 64)
+    torch.manual_seed(0)
+    out = model.generate(ids, max_new_tokens=digits + 2, do_sample=True, pad_token_id=PAD_ID)[:, ids.shape[1]:]
+    answers = [row.tolist()[:digits + 1] for row in out]
+    assert sum(a[-1] == EOS_ID and all(tok.decode([t]).isdigit() for t in a[:-1]) for a in answers) >= 60
+    assert len({tuple(a) for a in answers}) >= 6  # the digits are still a guess

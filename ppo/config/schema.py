@@ -35,16 +35,16 @@ OFFLOAD_TRAIN_LEVELS = ("all", "optimizer")
 OFFLOAD_ROLLOUT_LEVELS = ("all", "kv_cache")
 # Reward functions known when no registry is passed to `validate`; the reward role owns the
 # implementations and passes its own registry keys.
-RM_TYPES = ("deepscaler", "dapo", "math", "tiny_exact")
+RM_TYPES = ("deepscaler", "dapo", "math", "tiny_exact", "tiny_digits")
 REMOTE_RM = "remote_rm"  # miles' --rm-type of a reward service at --rm-url (roles.reward.remote)
 
 # `generated:NAME` in --hf-checkpoint / --prompt-data asks the launcher to build a tiny
 # random-init model / a synthetic task instead of reading a path (no hub on CPU machines).
 GENERATED_PREFIX = "generated:"
 GENERATED_MODELS = ("tiny-qwen3",)
-GENERATED_DATASETS = ("arithmetic",)
+GENERATED_DATASETS = ("arithmetic", "column_sums")
 # Sets for --eval-prompt-data (ppo.tasks.EVAL_TASKS): the sums the training task leaves out, and the rest.
-GENERATED_EVAL_DATASETS = ("arithmetic_heldout", "arithmetic_seen")
+GENERATED_EVAL_DATASETS = ("arithmetic_heldout", "arithmetic_seen", "column_sums_heldout", "column_sums_seen")
 # What the run prints (ppo.console): "auto" is a progress bar on a terminal and one plain line
 # per rollout otherwise (a file, a pipe, nohup, Slurm); "json" is one JSON object per line.
 LOG_FORMATS = ("auto", "rich", "plain", "json")

@@ -1,6 +1,6 @@
 """Reward scorer role: rule rewards, custom reward functions, killable worker processes.
 
-- ``roles.reward.rules.REWARD_RULES``: deepscaler, dapo, math, tiny_exact
+- ``roles.reward.rules.REWARD_RULES``: deepscaler, dapo, math, tiny_exact, tiny_digits
 - ``roles.reward.custom.load_reward_function``: ``--custom-rm-path`` loading
 - ``roles.reward.scorer.Scorer``: batch scoring with per-sample timeouts
 - ``roles.reward.actor.RewardScorer``: the actor that serves a ``Scorer``

@@ -6,6 +6,7 @@
 | ``dapo`` | the last ``Answer:`` line in the last 300 characters | +1 / -1 |
 | ``math`` | the last ``\\boxed{}`` anywhere in the response | 1 / 0 |
 | ``tiny_exact`` | the whole response, whitespace-stripped | 1 / 0 |
+| ``tiny_digits`` | the same, character by character | share in place, 0 at another length |
 """
 
 from collections.abc import Callable
@@ -47,6 +48,17 @@ def tiny_exact_reward(response: str, label: str) -> float:
     return 1.0 if response.strip() == label.strip() else 0.0
 
 
+def tiny_digits_reward(response: str, label: str) -> float:
+    """The share of the label's characters the response has in place, 0 unless the two
+    (whitespace-stripped) have the same length: partial credit for the generated tiny tasks
+    whose answers have several digits, so each digit is learned from its own signal; 1.0
+    only for an exact answer, as ``tiny_exact``."""
+    response, label = response.strip(), label.strip()
+    if not label or len(response) != len(label):
+        return 0.0
+    return sum(r == l for r, l in zip(response, label)) / len(label)
+
+
 def _boxed_answer_reward(solution: str, label: str) -> float:
     answer = extract_boxed(solution)
     if answer is None:
@@ -62,4 +74,5 @@ REWARD_RULES: dict[str, RewardRule] = {
     "dapo": dapo_reward,
     "math": math_reward,
     "tiny_exact": tiny_exact_reward,
+    "tiny_digits": tiny_digits_reward,
 }
