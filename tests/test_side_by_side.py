@@ -176,6 +176,9 @@ def test_side_by_side_async_on_one_cuda_gpu_under_mps(tmp_path):
     finally:
         sm.close()
     assert [h["step"] for h in history] == list(range(num_rollout))
+    # every update ran: the first Qwen3-4B GRPO run side by side on the H200 skipped them all as
+    # non-finite (pg_loss, entropy NaN; docs/benchmarks.md, side by side)
+    assert [h["train/skipped_nonfinite"] for h in history] == [0] * num_rollout
     trainer_version = 0  # the actor's version while step k trains: the one synced after step k - 1
     for k, h in enumerate(history):
         rows = (tmp_path / "run" / "samples" / f"rollout_{k:05d}.jsonl").read_text().splitlines()
