@@ -40,6 +40,7 @@ import logging
 import os
 import re
 import shutil
+import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Protocol
@@ -162,6 +163,7 @@ def save_if_due(job: RunJob, step: int, *, data: PromptDataset, version: int,
     if not (due or force):
         return None
     name = None
+    t0 = time.monotonic()
     actor = OnGPUs(job, job.actor, job.actor_tenant)
     with lent_to_trainers(job, version):
         if cfg.checkpoint.save is not None:
@@ -175,8 +177,11 @@ def save_if_due(job: RunJob, step: int, *, data: PromptDataset, version: int,
             path = cfg.checkpoint.save_hf.replace("{rollout_id}", str(step))
             with save_errors(path, "the HF export"):
                 actor.save_hf(path)
+    # the step's metrics are logged before its save (a checkpoint never claims an unlogged
+    # step), so the window's time is the checkpoint event's, not the next step's offload_time
     job.sup.publish("checkpoint", step=step, save=cfg.checkpoint.save,
-                    save_hf=cfg.checkpoint.save_hf if due else None)
+                    save_hf=cfg.checkpoint.save_hf if due else None, seconds=round(time.monotonic() - t0, 3),
+                    handoff_seconds=round(job.colocation.take_time(), 3))
     return name
 
 

@@ -23,6 +23,7 @@ from ppo.data import PromptDataset
 from ppo.manifest import write_manifest
 from ppo.recipes import tiny_ppo
 from ppo.tiny_model import build_tiny_checkpoint
+from runtime.events import read_events
 from roles.trainer.rng import capture_rng, restore_rng
 from roles.trainer.torch import ActorTrainer, CriticTrainer
 
@@ -362,6 +363,9 @@ def test_resumed_run_repeats_the_uninterrupted_one(tmp_path):
     cfg = ensure_valid(override(tiny_ppo(), rollout_batch_size=16, num_rollout=4, save=str(tmp_path / "a"),
                                 save_interval=2, run_dir=str(tmp_path / "run")))
     straight = train(cfg)
+    # the save window's handoffs are the checkpoint's time, not the next step's offload_time
+    saves = [e for e in read_events(tmp_path / "run") if e["event"] == "checkpoint"]
+    assert [e["step"] for e in saves] == [1, 3] and all(e["seconds"] >= e["handoff_seconds"] > 0 for e in saves)
     for folder in ("a", "a_critic"):  # "the run stopped after rollout 1": its checkpoint, in a new folder
         shutil.copytree(tmp_path / folder / "rollout_00001", tmp_path / folder.replace("a", "b") / "rollout_00001")
         ck.write_tracker(str(tmp_path / folder.replace("a", "b")), "rollout_00001")
