@@ -20,18 +20,17 @@ from runtime.fakegpu import FakeDevice, check_no_overlap
 NUM_ROLLOUT = 30
 
 DISAGGREGATED = dict(colocate=False, actor_num_gpus_per_node=1, rollout_num_gpus=1)
-ONE_GPU = dict(num_gpus_per_node=1, actor_num_gpus_per_node=1)
 MODES = {
     "disaggregated": DISAGGREGATED,
     "disaggregated-resident-trainers-offloading-engines": dict(
         DISAGGREGATED, offload_train=False, offload_rollout=True),
     # no critic: the actor alone on its GPU stays resident by default (miles' disaggregated GRPO)
     "disaggregated-grpo": dict(DISAGGREGATED, advantage_estimator="grpo", num_critic_only_steps=0),
-    # the one-GPU plans of qwen3_4b_ppo (docs/benchmarks.md), on one GPU: trainers keep their
-    # weights and swap optimizers, the engine keeps its weights and KV cache; GRPO keeps everything
-    "colocated-resident-weights": dict(ONE_GPU, offload_train_level="optimizer", offload_rollout=False),
-    "colocated-kv-cache-only": dict(ONE_GPU, offload_train_level="optimizer", offload_rollout_level="kv_cache"),
-    "colocated-grpo-resident": dict(ONE_GPU, advantage_estimator="grpo", num_critic_only_steps=0,
+    # the one-GPU plans of qwen3_4b_ppo (docs/benchmarks.md): trainers keep their weights and
+    # swap optimizers, the engine keeps its weights and KV cache; GRPO keeps everything
+    "colocated-resident-weights": dict(offload_train_level="optimizer", offload_rollout=False),
+    "colocated-kv-cache-only": dict(offload_train_level="optimizer", offload_rollout_level="kv_cache"),
+    "colocated-grpo-resident": dict(advantage_estimator="grpo", num_critic_only_steps=0,
                                     offload_train=False, offload_rollout=False),
 }
 
@@ -43,8 +42,7 @@ def run_mode(tmp_path, mode: str) -> tuple[list[dict], dict[int, list[dict]], in
                                 check_weight_update_equal=True, rollout_batch_size=64, eval_prompt_data=None,
                                 eval_interval=None, **MODES[mode]))
     history = train(cfg)
-    devices = {g: FakeDevice(tmp_path / "run" / "fakegpu", g).history()
-               for g in range(cfg.placement.num_gpus_per_node)}
+    devices = {g: FakeDevice(tmp_path / "run" / "fakegpu", g).history() for g in (0, 1)}
     return history, devices, num_critic_only_steps(cfg)
 
 
