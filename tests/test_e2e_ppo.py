@@ -27,11 +27,7 @@ def test_colocated_iterations_never_overlap_and_weights_match_after_every_sync(t
     assert [h["rollout/weight_version"] for h in history] == [0, 1, 2]
     assert "train/pg_loss" not in history[0] and "train/pg_loss" in history[1]  # warm-up step
     assert all(h["rollout/log_probs_diff"] < 1e-4 for h in history)  # engines run the actor's policy
-    for gpu in (0, 1):
-        hist = FakeDevice(tmp_path / "run" / "fakegpu", gpu).history()
-        assert check_no_overlap(hist) == []
-        growers = {h["holder"] for h in hist if h.get("kind") == "usage" and h["nbytes"]}
-        assert {"actor", "critic", f"rollout-{gpu}"} <= growers  # the handoff really happened
+    assert_colocated_ledgers(tmp_path / "run")
     from runtime.events import read_events
     moves = [(e["role"], e["new"]) for e in read_events(tmp_path / "run") if e["event"] == "state"]
     # trainers are rank groups (one process per GPU); each rank publishes its lifecycle
@@ -101,8 +97,24 @@ def test_weight_check_names_the_engine_and_tensors():
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_tiny_ppo_learns(tmp_path):
-    """A shorter, seeded version of the README bar: reward rises from chance level."""
-    assert_learns(train(tiny(tmp_path, num_rollout=40)))
+    """A shorter, seeded version of the README bar: reward rises from chance level. It is also
+    the colocated case of tests/test_placement_modes.py: synced after every step past the
+    warm-up, the engines' weights checked after each sync, and the ledgers exact."""
+    history = train(tiny(tmp_path, num_rollout=40, check_weight_update_equal=True, eval_prompt_data=None,
+                         eval_interval=None))
+    assert [h["rollout/weight_version"] for h in history] == [max(0, s) for s in range(40)]  # one warm-up step
+    assert_learns(history)
+    assert_colocated_ledgers(tmp_path / "run")
+
+
+def assert_colocated_ledgers(run_dir) -> None:
+    """Each fake GPU's ledger: no two holders ever overlapped, and actor, critic and the GPU's
+    engine each grew there (the handoff really happened)."""
+    for gpu in (0, 1):
+        hist = FakeDevice(run_dir / "fakegpu", gpu).history()
+        assert check_no_overlap(hist) == []
+        growers = {h["holder"] for h in hist if h.get("kind") == "usage" and h["nbytes"]}
+        assert {"actor", "critic", f"rollout-{gpu}"} <= growers
 
 
 def assert_learns(history: list[dict]) -> None:

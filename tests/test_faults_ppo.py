@@ -67,7 +67,9 @@ def test_reward_scorer_killed_is_replaced_and_its_samples_rescored_once(tmp_path
 
 
 def test_trainer_killed_stops_the_run_naming_the_role_and_how_to_resume(tmp_path):
-    cfg = tiny(tmp_path, num_rollout=5, rollout_batch_size=16, save=str(tmp_path / "ckpt"), save_interval=1)
+    # GRPO: no critic ranks to start, and the actor trains (and dies) from rollout 0
+    cfg = tiny(tmp_path, num_rollout=5, rollout_batch_size=16, save=str(tmp_path / "ckpt"), save_interval=1,
+               advantage_estimator="grpo")
     job_holder = {}
 
     import ppo.loop as loop

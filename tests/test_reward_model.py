@@ -217,7 +217,8 @@ def test_a_reward_model_rank_killed_around_its_scoring_is_restarted_and_the_roll
 
     history, inj = run_with_fault(tmp_path, "reward-model-0", after_first_rollout("reward-model-0", "onloaded"),
                                   num_rollout=3, rollout_batch_size=16, reward_model_path=rm_path,
-                                  eval_prompt_data=None, eval_interval=None)
+                                  eval_prompt_data=None, eval_interval=None,
+                                  advantage_estimator="grpo")  # no critic ranks to start: scoring is the test
     assert inj.fired_at and len(history) == 3
     assert sum(h["rollout/scorer_restarts"] for h in history) == 1  # counted with the scorers'
     events = read_events(tmp_path / "run")

@@ -29,9 +29,13 @@ def inputs(tmp_path_factory):
 
 
 def args(inputs, run_dir: Path, *more: str) -> list[str]:
+    """A short run on one fake GPU: the signals are the driver's, so one actor rank, one critic
+    rank and one engine show them as two would, and start in half the time (a role process
+    spends seconds importing torch and transformers)."""
     ckpt, prompts = inputs
     return ["--hf-checkpoint", ckpt, "--prompt-data", str(prompts), "--input-key", "prompt", "--label-key", "label",
             "--run-dir", str(run_dir), "--num-rollout", "6", "--num-critic-only-steps", "0",
+            "--num-gpus-per-node", "1", "--actor-num-gpus-per-node", "1",
             "--rollout-batch-size", "8", "--global-batch-size", "64", "--micro-batch-size", "32", "--quiet", *more]
 
 

@@ -70,7 +70,8 @@ def test_a_killed_actor_rank_is_recovered_from_the_checkpoint_and_the_run_repeat
 
 def test_a_second_trainer_death_past_the_limit_stops_the_run(tmp_path):
     with pytest.raises(TrainerDied) as info:
-        run_job(tiny(tmp_path, "twice", max_trainer_restarts=1), victim="actor.1", times=2)
+        # GRPO: no critic ranks to start, and the actor trains (and dies) from rollout 0
+        run_job(tiny(tmp_path, "twice", max_trainer_restarts=1, advantage_estimator="grpo"), victim="actor.1", times=2)
     msg = str(info.value)
     assert "the actor trainer died: its rank 1 (actor.1) died (killed by SIGKILL)" in msg
     assert "(after 1 of --max-trainer-restarts 1 recoveries)" in msg
