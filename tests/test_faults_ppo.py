@@ -75,8 +75,8 @@ def test_trainer_killed_stops_the_run_naming_the_role_and_how_to_resume(tmp_path
     import ppo.loop as loop
     real_start = loop.start_job
 
-    def start_and_arm(c, *args):
-        job = job_holder["job"] = real_start(c, *args)
+    def start_and_arm(c, *args, **kwargs):
+        job = job_holder["job"] = real_start(c, *args, **kwargs)
         # one rank of the actor's group (2 ranks on the 2 fake GPUs) dies mid-update
         Injector(job, "actor.1", after_first_rollout("actor.1", "training")).start()
         return job
