@@ -8,7 +8,6 @@ the engine process and two sglang "TP rank" processes on one GPU, as a colocated
 
 import json
 import multiprocessing as mp
-import os
 import subprocess
 import sys
 import time
