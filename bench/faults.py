@@ -13,7 +13,9 @@ The chaos row kills engines and scorers several times each at seeded random mome
 longer run (`Chaos`) and checks that the run still completes every rollout and reaches the
 learning bar of tests/test_e2e_ppo.py; its times are medians (and maxima) over the kills.
 The chaos-async row does the same with --train-async (engines on their own GPU, the next
-rollout generating while the step trains: ASYNC).
+rollout generating while the step trains: ASYNC), and the chaos-side row side by side (the
+engine and the trainers on one GPU at once, each in its memory budget: SIDE; no MPS on fake
+GPUs, which the CPU computes).
 """
 
 from __future__ import annotations
@@ -84,9 +86,9 @@ class Chaos(threading.Thread):
     A moment is random within the phases where a death is recovered: a scorer at any
     time; an engine early in a generation (replaced, its requests issued again; if the
     generation is over by then, the next handoff recovers it) or while a trainer holds its
-    GPU and the engine holds nothing there (its restart waits for the lease); an engine on
-    a GPU of its own (disaggregated, --train-async) also while the driver is between a
-    rollout and the critic's update (the handoff before the weight sync finds it dead). Not
+    GPU and the engine holds nothing there (its restart waits for the lease); an engine with
+    a lease of its own (a GPU of its own, or side by side a budget) also while the driver is
+    between a rollout and the critic's update (the handoff before the weight sync finds it dead). Not
     during a weight sync: a death inside it still stops the run (docs/reliability.md, known
     limits).
     """
@@ -104,7 +106,9 @@ class Chaos(threading.Thread):
 
     def run(self):
         engine_gpu = {t.name: t.gpus[0] for t in self.job.engine_tenants}
-        trainer_gpus = set(self.job.actor_tenant.gpus)
+        # an engine on a GPU of its own, or side by side in a budget of its own, never takes turns with a trainer
+        own_lease = {t.name: not self.job.colocation.shares_lease(t, self.job.actor_tenant)
+                     for t in self.job.engine_tenants}
         driver_phase = None  # the driver's phase begun last
         devices = {name: FakeDevice(self.job.sup.fake_gpu_dir, g) for name, g in engine_gpu.items()}
         generating_since: dict[str, float] = {}  # engine -> ts of its `generating` event
@@ -131,7 +135,7 @@ class Chaos(threading.Thread):
             time.sleep(self.rng.uniform(0.0, 0.02))
             if victim in engine_gpu and not self._engine_in_window(
                     victim, engine_gpu[victim], devices[victim], generating_since.get(victim),
-                    own_gpu=engine_gpu[victim] not in trainer_gpus, driver_phase=driver_phase):
+                    own_lease=own_lease[victim], driver_phase=driver_phase):
                 continue
             try:
                 self.job.sup.kill(victim, signal.SIGKILL)
@@ -140,20 +144,20 @@ class Chaos(threading.Thread):
             self.kills.append((victim, child.incarnation, time.time()))
             self.moments.append("scorer" if victim not in engine_gpu else
                                 "engine generating" if victim in generating_since else
-                                "engine on its own GPU" if engine_gpu[victim] not in trainer_gpus
+                                "engine in a lease of its own" if own_lease[victim]
                                 else "engine, trainer on its GPU")
             self.plan.pop(0)
             next_ok = time.time() + self.rng.uniform(*self.gap_s)
 
     def _engine_in_window(self, name: str, gpu: int, device: FakeDevice, generating_since: float | None, *,
-                          own_gpu: bool, driver_phase: str | None) -> bool:
+                          own_lease: bool, driver_phase: str | None) -> bool:
         """Generating (its `generating` event is under 40 ms old: a tiny_ppo generation takes
         about 70 ms), or holding nothing on its GPU while a trainer holds the lease (read
         live from the lease table and the fake device's ledger: the weight sync, where the
         actor holds the lease too, finds the engine holding its weights)."""
         if generating_since is not None:
             return time.time() - generating_since < 0.04
-        if own_gpu:
+        if own_lease:
             return driver_phase in ("rollout", "log_probs", "values", "advantages", "critic_train")
         return self.job.sup.leases.holder(gpu) in ("actor", "critic") and device.usage(name) == 0
 
@@ -204,12 +208,16 @@ def learning_bar(history: list[dict]) -> tuple[float, float, bool]:
 
 # --train-async on tiny_ppo's two fake GPUs: the trainers on one, the engine on the other
 ASYNC = dict(train_async=True, colocate=False, actor_num_gpus_per_node=1, rollout_num_gpus=1)
+# --train-async side by side on one fake GPU (ppo.side_by_side)
+SIDE = dict(train_async=True, colocate=True, num_gpus_per_node=1, actor_num_gpus_per_node=1,
+            sglang_mem_fraction_static=0.4, offload_train_level="optimizer")
+CHAOS_ROWS = {"chaos": None, "chaos-async": ASYNC, "chaos-side": SIDE}  # row name: config overrides
 
 
 def run_chaos(workdir: Path, *, num_rollout: int, batch: int, kills_each: int, seed: int = 0,
               gap_s: tuple[float, float] = (1.0, 5.0), values: dict | None = None) -> dict:
     """A tiny_ppo run with engines and scorers killed at random (`Chaos`); its row.
-    `values`: config overrides (ASYNC for the chaos-async row)."""
+    `values`: config overrides (CHAOS_ROWS)."""
     cfg = tiny_job_config(workdir / "run", num_rollout=num_rollout, rollout_batch_size=batch, **(values or {}))
     job = start_job(cfg)
     victims = [e.name for e in job.engines] + [s.name for s in job.scorers]
@@ -228,7 +236,8 @@ def run_chaos(workdir: Path, *, num_rollout: int, batch: int, kills_each: int, s
         job.close()
         chaos.join(timeout=10)
     first, last, reached = learning_bar(history) if len(history) >= 10 else (None, None, False)
-    mode = " (--train-async)" if cfg.rollout.train_async else ""
+    mode = ("" if not cfg.rollout.train_async else " (--train-async, side by side)" if cfg.placement.colocate
+            else " (--train-async)")
     return {"fault": f"chaos{mode}: {', '.join(victims)} killed {kills_each}x each at random (seed {seed})",
             "outcome": outcome, "rollouts": len(history),
             "samples_lost": samples_lost(job, num_rollout, outcome == "completed"),
@@ -291,19 +300,19 @@ def main(argv=None) -> list[dict]:
     ap = argparse.ArgumentParser(prog="python -m bench.faults", description=__doc__.splitlines()[0])
     ap.add_argument("--json", help="write the rows here")
     ap.add_argument("--only", help="run only the scenarios whose name contains this ('chaos': the chaos rows, "
-                    "'chaos-async': the one with --train-async)")
+                    "'chaos-async', 'chaos-side': those with --train-async, disaggregated and side by side)")
     ap.add_argument("--chaos-rollouts", type=int, default=100, help="rollouts of the chaos run")
     ap.add_argument("--chaos-kills", type=int, default=2, help="kills of each engine and scorer in the chaos run")
     ap.add_argument("--seed", type=int, default=0, help="seed of the chaos run's kill order and moments")
     args = ap.parse_args(argv)
     rows = []
-    for name in [*SCENARIOS, "chaos", "chaos-async"]:
+    for name in [*SCENARIOS, *CHAOS_ROWS]:
         if args.only and args.only not in name:
             continue
         with tempfile.TemporaryDirectory(prefix="tdm-faults-") as d:
             if name.startswith("chaos"):
                 row = run_chaos(Path(d), num_rollout=args.chaos_rollouts, batch=32, kills_each=args.chaos_kills,
-                                seed=args.seed, values=ASYNC if name == "chaos-async" else None)
+                                seed=args.seed, values=CHAOS_ROWS[name])
                 row = dict(row, injected=row["kills"], outcome=f"{row['outcome']}, {row['rollouts']} rollouts, "
                            f"learning bar {'reached' if row['learning_bar'] else 'NOT reached'} "
                            f"(reward {fmt(row['reward_first5'])} -> {fmt(row['reward_last5'])})")

@@ -138,13 +138,13 @@ def test_engine_killed_while_the_actor_holds_its_gpu_restarts_when_the_lease_com
     assert all(h["rollout/log_probs_diff"] < 1e-4 for h in history)  # it runs the current policy
 
 
-@pytest.mark.parametrize("train_async", [False, True])
-def test_chaos_kills_engines_and_scorers_at_random_and_the_run_loses_nothing(tmp_path, train_async):
+@pytest.mark.parametrize("row_name", ["chaos", "chaos-async", "chaos-side"])
+def test_chaos_kills_engines_and_scorers_at_random_and_the_run_loses_nothing(tmp_path, row_name):
     """The machinery of bench.faults' chaos rows, on a short run: one kill of each victim."""
-    from bench.faults import ASYNC, run_chaos
+    from bench.faults import CHAOS_ROWS, run_chaos
 
     row = run_chaos(tmp_path, num_rollout=5, batch=16, kills_each=1, seed=1, gap_s=(0.2, 0.5),
-                    values=ASYNC if train_async else None)
+                    values=CHAOS_ROWS[row_name])
     assert row["outcome"] == "completed" and row["rollouts"] == 5
     assert row["samples_lost"] == 0
     assert row["kills"] >= 2 and row["recovered"] == row["kills"]

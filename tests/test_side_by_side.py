@@ -5,7 +5,7 @@ back at once (it still holds its budget) and no sample is lost."""
 
 import pytest
 
-from bench.faults import after_first_rollout
+from bench.faults import SIDE, after_first_rollout
 from ppo.checkpoint import rollout_dir_name
 from ppo.config import ConfigError, derived_values
 from ppo.config.serialize import override
@@ -18,8 +18,6 @@ from runtime.memory import Budget, LeaseError, LeaseTable
 from tests.test_faults_ppo import assert_full_batches, run_with_fault
 
 GiB = 1 << 30
-SIDE = dict(train_async=True, colocate=True, num_gpus_per_node=1, actor_num_gpus_per_node=1,
-            sglang_mem_fraction_static=0.4, offload_train_level="optimizer")
 
 
 def split_gpu(tmp_path) -> tuple[LeaseTable, FakeDevice]:
