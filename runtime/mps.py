@@ -9,9 +9,13 @@ it starts). Without MPS two processes on one GPU are time-sliced: side by side t
     env = daemon.client_env(percentage=25)   # for one role process
     daemon.stop()                            # only a daemon we started is stopped
 
-The daemon is reached through its pipe directory (CUDA_MPS_PIPE_DIRECTORY, default
-/tmp/nvidia-mps) and logs to CUDA_MPS_LOG_DIRECTORY (default /var/log/nvidia-mps, which
-needs root; we start ours with /tmp/nvidia-mps-log unless the variable says otherwise).
+The daemon is reached through its pipe directory: CUDA_MPS_PIPE_DIRECTORY when set, else
+CUDA's default /tmp/nvidia-mps, where a machine's own daemon (an administrator's) answers.
+Where none answers we start ours in a private directory (tempfile, `tandem-mps-*`), not the
+default: a daemon there would make every CUDA process the machine starts afterwards its
+client (other jobs, other tests), where ours serves only the role processes given
+`client_env`. It logs to CUDA_MPS_LOG_DIRECTORY, else a `log` folder beside its pipes (the
+default, /var/log/nvidia-mps, needs root).
 Whether one runs is asked as the control program's own client does: `get_server_list` on
 its standard input exits 0 when a daemon answers.
 """
@@ -21,12 +25,14 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+import tempfile
 import time
 from dataclasses import dataclass
 
 CONTROL = "nvidia-cuda-mps-control"
-DEFAULT_PIPE_DIR = "/tmp/nvidia-mps"
-DEFAULT_LOG_DIR = "/tmp/nvidia-mps-log"
+PRIVATE_PREFIX = "tandem-mps-"
+DEFAULT_PIPE_DIR = "/tmp/nvidia-mps"  # CUDA's, where a machine's own daemon listens
+CUDA_LOG_DIR = "/var/log/nvidia-mps"  # CUDA's default log folder (root's)
 START_TIMEOUT_S = 10.0
 
 
@@ -38,7 +44,7 @@ class MpsUnavailable(RuntimeError):
 class MpsDaemon:
     pipe_dir: str
     log_dir: str
-    started: bool  # by us: stop() ends it; one found running is left alone
+    started: bool  # by us: stop() ends it (and removes its private folder); one found running is left alone
     control: str  # the control program's path
 
     def client_env(self, *, percentage: int) -> dict[str, str]:
@@ -52,22 +58,27 @@ class MpsDaemon:
         """`echo quit | nvidia-cuda-mps-control`, when we started the daemon."""
         if self.started:
             _command(self.control, self.pipe_dir, self.log_dir, "quit")
+            if os.path.basename(self.pipe_dir).startswith(PRIVATE_PREFIX):
+                shutil.rmtree(self.pipe_dir, ignore_errors=True)
 
 
 def find_or_start(*, pipe_dir: str | None = None, log_dir: str | None = None,
                   timeout_s: float = START_TIMEOUT_S) -> MpsDaemon:
-    """The daemon answering at `pipe_dir` (default: $CUDA_MPS_PIPE_DIRECTORY or /tmp/nvidia-mps),
-    or one started there with `nvidia-cuda-mps-control -d`. MpsUnavailable when the program is
-    not on PATH, the start fails (not permitted: the message quotes it) or no daemon answers
-    within `timeout_s`."""
-    pipe_dir = pipe_dir or os.environ.get("CUDA_MPS_PIPE_DIRECTORY") or DEFAULT_PIPE_DIR
-    log_dir = log_dir or os.environ.get("CUDA_MPS_LOG_DIRECTORY") or DEFAULT_LOG_DIR
+    """The daemon answering at `pipe_dir` (default: $CUDA_MPS_PIPE_DIRECTORY, else CUDA's
+    /tmp/nvidia-mps), or one started with `nvidia-cuda-mps-control -d` at `pipe_dir` (default:
+    $CUDA_MPS_PIPE_DIRECTORY, else a new private folder: module note). MpsUnavailable when the
+    program is not on PATH, the start fails (not permitted: the message quotes it) or no
+    daemon answers within `timeout_s`."""
     control = shutil.which(CONTROL)
     if control is None:
         raise MpsUnavailable(f"{CONTROL} is not on PATH (the NVIDIA driver's MPS tools are not installed)")
-    daemon = MpsDaemon(pipe_dir=pipe_dir, log_dir=log_dir, started=False, control=control)
-    if _answers(control, pipe_dir, log_dir):
-        return daemon
+    chosen = pipe_dir or os.environ.get("CUDA_MPS_PIPE_DIRECTORY")
+    found = chosen or DEFAULT_PIPE_DIR
+    log_dir = log_dir or os.environ.get("CUDA_MPS_LOG_DIRECTORY")
+    if _answers(control, found, log_dir or CUDA_LOG_DIR):
+        return MpsDaemon(pipe_dir=found, log_dir=log_dir or CUDA_LOG_DIR, started=False, control=control)
+    pipe_dir = chosen or tempfile.mkdtemp(prefix=PRIVATE_PREFIX)
+    log_dir = log_dir or os.path.join(pipe_dir, "log")
     try:
         os.makedirs(pipe_dir, exist_ok=True)
         os.makedirs(log_dir, exist_ok=True)

@@ -53,6 +53,23 @@ def test_a_daemon_we_start_is_stopped_and_one_found_running_is_left_alone(fake_m
     assert not mps._answers(daemon.control, daemon.pipe_dir, daemon.log_dir)
 
 
+def test_without_a_pipe_folder_named_ours_starts_in_a_private_one_and_removes_it(tmp_path, monkeypatch):
+    """A daemon at CUDA's default folder would make every CUDA process started afterwards on the
+    machine its client: ours goes to a private folder, which only our roles are told of."""
+    monkeypatch.setenv("PATH", FAKE_BIN + os.pathsep + os.environ["PATH"])
+    monkeypatch.delenv("CUDA_MPS_PIPE_DIRECTORY", raising=False)
+    monkeypatch.delenv("CUDA_MPS_LOG_DIRECTORY", raising=False)
+    monkeypatch.setattr(mps, "DEFAULT_PIPE_DIR", str(tmp_path / "default"))  # none answers there
+    monkeypatch.setattr(mps.tempfile, "tempdir", str(tmp_path))
+    daemon = mps.find_or_start()
+    assert daemon.started and Path(daemon.pipe_dir).parent == tmp_path
+    assert Path(daemon.pipe_dir).name.startswith("tandem-mps-") and daemon.log_dir == daemon.pipe_dir + "/log"
+    assert daemon.client_env(percentage=50)["CUDA_MPS_PIPE_DIRECTORY"] == daemon.pipe_dir
+    assert not (tmp_path / "default").exists()
+    daemon.stop()
+    assert not Path(daemon.pipe_dir).exists()
+
+
 def test_each_role_gets_its_share_of_the_sms(fake_mps, tmp_path):
     daemon = mps.find_or_start()
     assert daemon.client_env(percentage=25) == {"CUDA_MPS_PIPE_DIRECTORY": str(tmp_path / "pipe"),
