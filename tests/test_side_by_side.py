@@ -188,3 +188,23 @@ def test_side_by_side_async_on_one_cuda_gpu_under_mps(tmp_path):
     # the ledger: the engine held its budget throughout; the trainers' releases passed its checks
     assert [e["action"] for e in events if e["event"] == "lease" and e["holder"] == "rollout-0"] == ["acquire"]
     assert {e.get("budget") for e in events if e["event"] == "lease"} == {"engine", "trainers"}
+
+
+@pytest.mark.gpu
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("mode", ["side_by_side_without_mps", "synchronous_with_tis"])
+def test_megatron_updates_are_finite_without_mps_or_async_on_a_gpu(tmp_path, mode):
+    """Where the Qwen3-4B side-by-side run's non-finite updates come from (docs/benchmarks.md,
+    side by side), in one `bash .ci/gpu -k side_by_side`: beside the MPS test above, the same
+    tiny megatron run side by side without MPS (async and the budgets, no SM split), and a
+    synchronous colocated one with --use-tis (the TIS weights that async mode adds)."""
+    pytest.importorskip("megatron.core")
+    gpu = dict(num_rollout=3, rollout_batch_size=16, train_backend="megatron", fake_gpus=False,
+               num_gpus_per_node=1, actor_num_gpus_per_node=1, eval_interval=None, eval_prompt_data=None)
+    if mode == "side_by_side_without_mps":
+        cfg = side(tmp_path, **gpu)
+    else:
+        cfg = ensure_valid(override(tiny_ppo(), run_dir=str(tmp_path / "run"), use_tis=True, **gpu))
+    history = train(cfg)  # no SmPartition: no MPS
+    assert [h["train/skipped_nonfinite"] for h in history] == [0] * 3
+    assert all(h["train/pg_loss"] == h["train/pg_loss"] for h in history)  # not NaN
