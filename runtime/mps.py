@@ -78,7 +78,15 @@ def find_or_start(*, pipe_dir: str | None = None, log_dir: str | None = None,
     if _answers(control, found, log_dir or CUDA_LOG_DIR):
         return MpsDaemon(pipe_dir=found, log_dir=log_dir or CUDA_LOG_DIR, started=False, control=control)
     pipe_dir = chosen or tempfile.mkdtemp(prefix=PRIVATE_PREFIX)
-    log_dir = log_dir or os.path.join(pipe_dir, "log")
+    try:
+        return _start(control, pipe_dir, log_dir or os.path.join(pipe_dir, "log"), timeout_s)
+    except MpsUnavailable:
+        if not chosen:  # our private folder: nothing is left behind
+            shutil.rmtree(pipe_dir, ignore_errors=True)
+        raise
+
+
+def _start(control: str, pipe_dir: str, log_dir: str, timeout_s: float) -> MpsDaemon:
     try:
         os.makedirs(pipe_dir, exist_ok=True)
         os.makedirs(log_dir, exist_ok=True)

@@ -68,6 +68,10 @@ def test_without_a_pipe_folder_named_ours_starts_in_a_private_one_and_removes_it
     assert not (tmp_path / "default").exists()
     daemon.stop()
     assert not Path(daemon.pipe_dir).exists()
+    monkeypatch.setenv("FAKE_MPS_REFUSE", "1")  # a refused start leaves no folder behind either
+    with pytest.raises(mps.MpsUnavailable, match="not permitted"):
+        mps.find_or_start()
+    assert not list(tmp_path.glob("tandem-mps-*"))
 
 
 def test_each_role_gets_its_share_of_the_sms(fake_mps, tmp_path):
