@@ -59,7 +59,7 @@ def write_arithmetic_task(
         while exclude_held_out and is_held_out(a, b, max_operand):
             a, b = rng.randint(0, max_operand), rng.randint(0, max_operand)
         op = rng.choice(ops)
-        lines.append(json.dumps({"prompt": f"{a}{op}{b}=", "label": str(_APPLY[op](a, b))}))
+        lines.append(_problem(a, op, b))
     return _write_lines(path, lines)
 
 
@@ -68,8 +68,7 @@ def write_arithmetic_table(path: str | Path, *, held_out: bool, max_operand: int
     """Write every problem of the operand table that is (``held_out=True``: an eval set no
     training file of ``write_arithmetic_task(..., exclude_held_out=True)`` holds a line of) or
     is not (the problems training sees) held out (``is_held_out``), once each, in table order."""
-    lines = [json.dumps({"prompt": f"{a}{op}{b}=", "label": str(_APPLY[op](a, b))})
-             for a in range(max_operand + 1) for b in range(max_operand + 1) for op in ops
+    lines = [_problem(a, op, b) for a in range(max_operand + 1) for b in range(max_operand + 1) for op in ops
              if is_held_out(a, b, max_operand) == held_out]
     if not lines:
         raise ValueError(f"max_operand={max_operand} holds no problem out; it must be >= 2")
@@ -115,7 +114,12 @@ def write_column_sum_table(path: str | Path, *, held_out: bool) -> str:
 
 
 def _write_sums(path: str | Path, pairs: list[tuple[int, int]]) -> str:
-    return _write_lines(path, [json.dumps({"prompt": f"{a}+{b}=", "label": str(a + b)}) for a, b in pairs])
+    return _write_lines(path, [_problem(a, "+", b) for a, b in pairs])
+
+
+def _problem(a: int, op: str, b: int) -> str:
+    """One task line: ``{"prompt": "A<op>B=", "label": "<result>"}``."""
+    return json.dumps({"prompt": f"{a}{op}{b}=", "label": str(_APPLY[op](a, b))})
 
 
 def _write_lines(path: str | Path, lines: list[str]) -> str:

@@ -305,9 +305,10 @@ class PlacementConfig:
         "all", "what an offloading engine releases: all (weights and KV cache), or kv_cache "
         "(the weights stay)", choices=OFFLOAD_ROLLOUT_LEVELS)
     fake_gpus: bool = knob(False, "CPU run: roles compute on the CPU with fake GPU memory ledgers")
-    # Side by side (--train-async --colocate), MPS's CUDA_MPS_ACTIVE_THREAD_PERCENTAGE per role:
-    # 25/75 gave decode 1,408 GB/s beside 477 TFLOP/s of matmuls on the H200, 1.42x their work
-    # in turn; 50/50 gave 1.30x (issue 27's probe)
+    # Side by side (--train-async --colocate), MPS's CUDA_MPS_ACTIVE_THREAD_PERCENTAGE per role.
+    # 25/75 came from issue 27's probe (a matmul loop as decode: 1.42x the work in turn); the
+    # real Qwen3-4B GRPO run at 25/75 took 1.11x the synchronous iteration, its engine at 0.45x
+    # its rate (docs/benchmarks.md, side by side); other shares are not measured yet
     engine_sm_percentage: int = knob(
         25, "side by side: the share of the GPU's SMs (percent) MPS gives each engine", ge=1, le=100)
     trainer_sm_percentage: int = knob(
