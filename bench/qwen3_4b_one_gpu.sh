@@ -64,8 +64,8 @@ fi
 
 # SIDE=1 (one GPU, 2048 tokens; one plan a call: PLANS=ppo or PLANS=grpo): the plan runs twice
 # in the call, as above (synchronous, colocated) and side by side (--train-async: the engine and
-# the trainers resident at once, each in its memory budget, the SMs split by MPS 25/75:
-# ppo.side_by_side), that one analysed --against the first, so its table ends with the ratio
+# the trainers resident at once, each in its memory budget, the SMs split by MPS, 50/50 by
+# default: ppo.side_by_side), that one analysed --against the first, so its table ends with the ratio
 # of their steady iterations (goal: GRPO <= 0.7x, PPO <= 0.8x). The rollouts default to 3
 # (steady: step 1). `SIDE=1 PLANS=grpo bash bench/qwen3_4b_one_gpu.sh OUT 570` fits one call.
 if [ "${SIDE:-0}" = 1 ] && [ "${PLANS:-}" != ppo ] && [ "${PLANS:-}" != grpo ]; then

@@ -10,8 +10,10 @@ a whole GPU colocated, keeping their weights and moving only their optimizer sta
 never waits on the trainers.
 
 SMs. Under MPS each role process gets a share of the SMs (--engine-sm-percentage,
---trainer-sm-percentage). `choose` is the launcher's: where MPS cannot start it says so in one
-line and the run is the synchronous colocated plan, the same config without --train-async. On
+--trainer-sm-percentage), each checked first to compute right: at some shares cuBLAS leaves
+GEMM outputs unwritten without an error (roles.gemm_check). `choose` is the launcher's: where
+MPS cannot start or a share fails the check it says so in one line and the run is the
+synchronous colocated plan, the same config without --train-async. On
 fake GPUs (the CPU computes: no SMs) that is the launcher's answer too; `ppo.loop.train`, given a
 side-by-side config and no partition, runs side by side without one (the CPU tests of the
 budgets and the loop).
@@ -19,7 +21,12 @@ budgets and the loop).
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
 from dataclasses import dataclass
+from typing import Callable
 
 from ppo import config as C
 from ppo.config import PPOConfig
@@ -72,19 +79,60 @@ class SmPartition:
             self.daemon.stop()
 
 
-def choose(cfg: PPOConfig) -> SmPartition | None:
-    """The launcher's decision for a side-by-side config: MPS found or started, or the
-    synchronous colocated plan with the one line that says why (`fallback`). None for any
-    other config."""
+GEMM_CHECK_TIMEOUT_S = 180.0
+Check = Callable[[mps.MpsDaemon, list[int]], str | None]
+
+
+def check_shares(daemon: mps.MpsDaemon, percentages: list[int]) -> str | None:
+    """Run roles.gemm_check in an MPS client at each share, all at once (each pays a CUDA
+    start, ~5-10 s); why the first share that fails cannot be used, or None when all pass."""
+    procs = {p: subprocess.Popen([sys.executable, "-m", "roles.gemm_check"], stdout=subprocess.PIPE,
+                                 stderr=subprocess.PIPE, text=True,
+                                 env={**os.environ, **daemon.client_env(percentage=p)})
+             for p in sorted(set(percentages))}
+    results = {}
+    for p, proc in procs.items():
+        try:
+            results[p] = proc.communicate(timeout=GEMM_CHECK_TIMEOUT_S) + (proc.returncode,)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            results[p] = ("", f"no answer in {GEMM_CHECK_TIMEOUT_S:.0f} s", -9)
+    for p, (out, err, rc) in results.items():
+        if rc == 0:
+            continue
+        try:
+            report = json.loads(out.strip().splitlines()[-1])
+        except (IndexError, json.JSONDecodeError):
+            return f"the GEMM check in an MPS client at {p}% of the SMs failed (exit {rc}): {err.strip()[-300:]}"
+        if "unwritten" not in report:
+            return f"the GEMM check in an MPS client at {p}% of the SMs could not run: {report.get('error')}"
+        m, k, n = report["unwritten"][0]
+        return (f"under MPS at {p}% of the SMs ({report['sms']} SMs) cuBLAS left the output of "
+                f"{len(report['unwritten'])} of {report['checked']} bf16 GEMMs unwritten (the first: "
+                f"{m}x{k} @ {k}x{n}), so every result would be garbage (roles.gemm_check; on the H200 60 and "
+                f"75% fail, 25, 50, 90 and 100% pass): choose other --engine-sm-percentage / "
+                f"--trainer-sm-percentage")
+    return None
+
+
+def choose(cfg: PPOConfig, check: Check = check_shares) -> SmPartition | None:
+    """The launcher's decision for a side-by-side config: MPS found or started, and each role's
+    SM share checked to compute right (`check`), or the synchronous colocated plan with the one
+    line that says why (`fallback`). None for any other config."""
     if not C.side_by_side(cfg):
         return None
-    if cfg.placement.fake_gpus:
-        why = "fake GPUs have no SMs to split"
+    p = cfg.placement
+    if p.fake_gpus:
+        why = "side by side needs MPS to split the GPU's SMs and fake GPUs have none to split"
     else:
         try:
-            return SmPartition(cfg=cfg, daemon=mps.find_or_start(), fallback=None)
+            daemon = mps.find_or_start()
         except mps.MpsUnavailable as e:
-            why = str(e)
+            why = f"side by side needs MPS to split the GPU's SMs and it cannot start ({e})"
+        else:
+            why = check(daemon, [p.engine_sm_percentage, p.trainer_sm_percentage])
+            if why is None:
+                return SmPartition(cfg=cfg, daemon=daemon, fallback=None)
+            daemon.stop()
     return SmPartition(cfg=ensure_valid(override(cfg, train_async=False)), daemon=None,
-                       fallback=f"side by side needs MPS to split the GPU's SMs and it cannot start ({why}): "
-                                f"running the synchronous colocated plan (--colocate without --train-async)")
+                       fallback=f"{why}: running the synchronous colocated plan (--colocate without --train-async)")

@@ -14,7 +14,7 @@ from ppo.config import ConfigError
 from ppo.config.serialize import override
 from ppo.config.validate import ensure_valid
 from ppo.recipes import tiny_ppo
-from ppo.side_by_side import choose
+from ppo.side_by_side import check_shares, choose
 from runtime import mps
 
 FAKE_BIN = str(Path(__file__).parent / "fakes" / "mps")
@@ -101,7 +101,7 @@ def side(**values):
 
 
 def test_the_sm_shares_are_flags_in_1_to_100():
-    assert side().placement.engine_sm_percentage == 25 and side().placement.trainer_sm_percentage == 75
+    assert side().placement.engine_sm_percentage == 50 and side().placement.trainer_sm_percentage == 50
     with pytest.raises(ConfigError, match="engine_sm_percentage"):
         side(engine_sm_percentage=0)
     with pytest.raises(ConfigError, match="trainer_sm_percentage"):
@@ -110,7 +110,9 @@ def test_the_sm_shares_are_flags_in_1_to_100():
 
 def test_on_gpus_the_launcher_runs_side_by_side_under_mps_with_each_roles_share(fake_mps):
     cfg = side(fake_gpus=False, engine_sm_percentage=30, trainer_sm_percentage=70)
-    sm = choose(cfg)
+    checked = []
+    sm = choose(cfg, check=lambda daemon, shares: checked.append(shares))  # every share computes right
+    assert checked == [[30, 70]]
     assert sm.cfg == cfg and sm.fallback is None and sm.daemon.started
     env = sm.role_env()
     assert env["engine"]["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] == "30"
@@ -130,7 +132,26 @@ def test_where_mps_cannot_start_the_launcher_runs_the_synchronous_colocated_plan
                            "is not on PATH (the NVIDIA driver's MPS tools are not installed)): running the synchronous "
                            "colocated plan (--colocate without --train-async)")
     assert sm.role_env() == {} and sm.event()["fallback"] == sm.fallback and not sm.event()["mps"]
-    assert "fake GPUs have no SMs to split" in choose(side()).fallback
+    assert "fake GPUs have none to split" in choose(side()).fallback
+
+
+def test_a_share_where_gemms_come_out_unwritten_stops_our_daemon_and_runs_the_synchronous_plan(fake_mps):
+    why = "under MPS at 75% of the SMs (98 SMs) cuBLAS left the output of 9 of 10 bf16 GEMMs unwritten"
+    sm = choose(side(fake_gpus=False, trainer_sm_percentage=75), check=lambda daemon, shares: why)
+    assert sm.daemon is None and not sm.cfg.rollout.train_async
+    assert sm.fallback == why + ": running the synchronous colocated plan (--colocate without --train-async)"
+    assert calls(fake_mps)[-1] == "quit"  # the daemon we started is stopped
+
+
+def test_the_gemm_check_runs_in_a_client_of_each_share_and_says_when_it_cannot_run(fake_mps):
+    """The real check in its subprocesses, with the fake daemon's environment: on this machine
+    there is no CUDA device, so it cannot run, and says so (its verdicts: tests/test_gemm_check.py)."""
+    daemon = mps.find_or_start()
+    try:
+        why = check_shares(daemon, [50, 50, 25])
+    finally:
+        daemon.stop()
+    assert why == "the GEMM check in an MPS client at 25% of the SMs could not run: no CUDA device in this process"
 
 
 def test_the_launcher_says_so_in_one_line_and_trains_the_synchronous_plan(monkeypatch, capsys):

@@ -306,13 +306,15 @@ class PlacementConfig:
         "(the weights stay)", choices=OFFLOAD_ROLLOUT_LEVELS)
     fake_gpus: bool = knob(False, "CPU run: roles compute on the CPU with fake GPU memory ledgers")
     # Side by side (--train-async --colocate), MPS's CUDA_MPS_ACTIVE_THREAD_PERCENTAGE per role.
-    # 25/75 came from issue 27's probe (a matmul loop as decode: 1.42x the work in turn); the
-    # real Qwen3-4B GRPO run at 25/75 took 1.11x the synchronous iteration, its engine at 0.45x
-    # its rate (docs/benchmarks.md, side by side); other shares are not measured yet
+    # 50/50: on the H200 cuBLAS leaves GEMM outputs unwritten in a client at 60 or 75% (the first
+    # default, 25/75, made every trainer update NaN), right at 25, 50, 90, 100 (roles.gemm_check,
+    # which the launcher runs at each share). Of those pairs a rough model fitted to the one real
+    # run (GRPO at 25/75: 1.11x the synchronous iteration, the engine at 0.45x its rate) favours
+    # the balanced one (~0.83x); its time is not measured yet (docs/benchmarks.md, side by side)
     engine_sm_percentage: int = knob(
-        25, "side by side: the share of the GPU's SMs (percent) MPS gives each engine", ge=1, le=100)
+        50, "side by side: the share of the GPU's SMs (percent) MPS gives each engine", ge=1, le=100)
     trainer_sm_percentage: int = knob(
-        75, "side by side: the share of the GPU's SMs (percent) MPS gives each trainer", ge=1, le=100)
+        50, "side by side: the share of the GPU's SMs (percent) MPS gives each trainer", ge=1, le=100)
 
 
 @dataclass(frozen=True, kw_only=True)
