@@ -14,6 +14,7 @@ import gc
 import pytest
 import torch
 
+import roles.device
 from roles.device import HostBlock, host_to_device
 
 pytestmark = pytest.mark.gpu
@@ -45,15 +46,17 @@ def test_host_block_pins_copies_and_unpins_when_freed_or_dropped(touch):
     again.free()
 
 
-@pytest.mark.parametrize("through_sms", [False, True])
-def test_host_to_device_is_bitwise_at_any_size_and_alignment(through_sms):
-    sizes = [(1 << 20) + 3, 5, (3 << 20) + 8, 4 << 20]  # odd sizes put later views off 8-byte alignment
+@pytest.mark.parametrize("path", ["copy_engine", "sm_triton", "sm_bitwise_or"])
+def test_host_to_device_is_bitwise_at_any_size_and_alignment(path, monkeypatch):
+    if path == "sm_bitwise_or":  # the SM copy where Triton is missing
+        monkeypatch.setattr(roles.device, "_sm_copy_kernel", lambda: None)
+    sizes = [(1 << 20) + 3, 5, (3 << 20) + 8, 4 << 20]  # odd sizes put later views off 4-byte alignment
     block = HostBlock(sizes, pin=True)
-    for view in block.views:  # the last two are 8-byte aligned and sized: the int64 kernel
+    for view in block.views:  # the last two are 4-byte aligned and sized (the word copy), with a partial last program
         view.copy_(torch.randint(0, 256, (view.numel(),), dtype=torch.uint8))
         for offset in (0, 1):  # an aligned destination and an unaligned one
             dst = torch.empty(view.numel() + offset, dtype=torch.uint8, device="cuda")[offset:]
-            host_to_device(dst, view, through_sms)
+            host_to_device(dst, view, path != "copy_engine")
             torch.cuda.synchronize()
             assert torch.equal(dst.cpu(), view)
     block.free()
