@@ -25,6 +25,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from dataclasses import dataclass
 from typing import Callable
 
@@ -86,10 +87,14 @@ Check = Callable[[mps.MpsDaemon, list[int]], str | None]
 def check_shares(daemon: mps.MpsDaemon, percentages: list[int]) -> str | None:
     """Run roles.gemm_check in an MPS client at each share, all at once (each pays a CUDA
     start, ~5-10 s); why the first share that fails cannot be used, or None when all pass."""
+    shares = sorted(set(percentages))
+    what = f"checking bf16 GEMMs in MPS clients at {', '.join(f'{p}%' for p in shares)} of the SMs"
+    print(f"[startup] {what} ...", file=sys.stderr, flush=True)
+    start = time.monotonic()
     procs = {p: subprocess.Popen([sys.executable, "-m", "roles.gemm_check"], stdout=subprocess.PIPE,
                                  stderr=subprocess.PIPE, text=True,
                                  env={**os.environ, **daemon.client_env(percentage=p)})
-             for p in sorted(set(percentages))}
+             for p in shares}
     results = {}
     for p, proc in procs.items():
         try:
@@ -97,6 +102,7 @@ def check_shares(daemon: mps.MpsDaemon, percentages: list[int]) -> str | None:
         except subprocess.TimeoutExpired:
             proc.kill()
             results[p] = ("", f"no answer in {GEMM_CHECK_TIMEOUT_S:.0f} s", -9)
+    print(f"[startup] {what}: done in {time.monotonic() - start:.2f} s", file=sys.stderr, flush=True)
     for p, (out, err, rc) in results.items():
         if rc == 0:
             continue
@@ -109,7 +115,7 @@ def check_shares(daemon: mps.MpsDaemon, percentages: list[int]) -> str | None:
         m, k, n = report["unwritten"][0]
         return (f"under MPS at {p}% of the SMs ({report['sms']} SMs) cuBLAS left the output of "
                 f"{len(report['unwritten'])} of {report['checked']} bf16 GEMMs unwritten (the first: "
-                f"{m}x{k} @ {k}x{n}), so every result would be garbage (roles.gemm_check; on the H200 60 and "
+                f"{m}x{k} @ {k}x{n}), so a role there would compute wrong results (roles.gemm_check; on the H200 60 and "
                 f"75% fail, 25, 50, 90 and 100% pass): choose other --engine-sm-percentage / "
                 f"--trainer-sm-percentage")
     return None

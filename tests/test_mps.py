@@ -143,7 +143,7 @@ def test_a_share_where_gemms_come_out_unwritten_stops_our_daemon_and_runs_the_sy
     assert calls(fake_mps)[-1] == "quit"  # the daemon we started is stopped
 
 
-def test_the_gemm_check_runs_in_a_client_of_each_share_and_says_when_it_cannot_run(fake_mps):
+def test_the_gemm_check_runs_in_a_client_of_each_share_and_says_when_it_cannot_run(fake_mps, capsys):
     """The real check in its subprocesses, with the fake daemon's environment: on this machine
     there is no CUDA device, so it cannot run, and says so (its verdicts: tests/test_gemm_check.py)."""
     daemon = mps.find_or_start()
@@ -152,6 +152,9 @@ def test_the_gemm_check_runs_in_a_client_of_each_share_and_says_when_it_cannot_r
     finally:
         daemon.stop()
     assert why == "the GEMM check in an MPS client at 25% of the SMs could not run: no CUDA device in this process"
+    progress = capsys.readouterr().err.splitlines()
+    assert progress[0] == "[startup] checking bf16 GEMMs in MPS clients at 25%, 50% of the SMs ..."
+    assert progress[1].startswith("[startup] checking bf16 GEMMs in MPS clients at 25%, 50% of the SMs: done in ")
 
 
 def test_the_launcher_says_so_in_one_line_and_trains_the_synchronous_plan(monkeypatch, capsys):
