@@ -22,6 +22,9 @@ class RunLogger:
         self._publish = publish
         self._dump = dump_samples
         self._tb = self._wandb = None
+        # wandb ignores a step lower than one it has seen, and an eval after rollout k is tagged
+        # k + 1 and logged before rollout k's metrics: its wandb record waits for step k + 1's
+        self._wandb_pending: dict[int, dict[str, float]] = {}
         if use_tensorboard:
             from torch.utils.tensorboard import SummaryWriter  # needs the `logging` extra
             self._tb = SummaryWriter(str(run_dir / "tensorboard"))
@@ -56,19 +59,24 @@ class RunLogger:
         Eval lines stay out of `history` (one record per rollout)."""
         metrics = {k: float(v) for k, v in metrics.items()}
         self.eval_history.append({"step": step, **metrics})
-        self._write(step, metrics)
+        self._write(step, metrics, wandb_now=False)
         self.console.eval(step, metrics)
         for name, set_samples in samples.items():
             self.dump_samples(step, set_samples, prefix=f"eval_{name}")
 
-    def _write(self, step: int, metrics: dict[str, float]) -> None:
-        """One line of metrics.jsonl, and tensorboard / wandb."""
+    def _write(self, step: int, metrics: dict[str, float], wandb_now: bool = True) -> None:
+        """One line of metrics.jsonl, and tensorboard / wandb (`wandb_now` False: an eval's,
+        held until rollout `step` is logged, or the run closes)."""
         self._metrics.write(json.dumps({"step": step, **metrics}) + "\n")
         if self._tb is not None:
             for k, v in metrics.items():
                 self._tb.add_scalar(k, v, step)
         if self._wandb is not None:
-            self._wandb.log(metrics, step=step)
+            held = self._wandb_pending.pop(step, {})
+            if wandb_now:
+                self._wandb.log({**held, **metrics}, step=step)
+            else:
+                self._wandb_pending[step] = {**held, **metrics}
 
     def rewind(self, last_step: int) -> None:
         """The run goes back to after `last_step` (ppo.recovery): metrics of later steps are
@@ -78,6 +86,7 @@ class RunLogger:
         self._metrics = open(self.run_dir / "metrics.jsonl", "a", buffering=1)
         self.history = [h for h in self.history if h["step"] <= last_step]
         self.eval_history = [h for h in self.eval_history if h["step"] <= last_step + 1]  # as trim_metrics
+        self._wandb_pending = {k: v for k, v in self._wandb_pending.items() if k <= last_step + 1}
 
     def dump_samples(self, step: int, samples: list[dict], prefix: str = "rollout") -> None:
         if not self._dump:
@@ -89,6 +98,8 @@ class RunLogger:
         if self._tb is not None:
             self._tb.close()
         if self._wandb is not None:
+            for step in sorted(self._wandb_pending):  # evals after the last rollout logged
+                self._wandb.log(self._wandb_pending[step], step=step)
             self._wandb.finish()
         self.console.close(self.history)
 

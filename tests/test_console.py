@@ -149,3 +149,45 @@ def test_an_eval_prints_one_line_per_set_and_a_json_record():
     out = io.StringIO()
     RunConsole("json", out=out).eval(4, metrics)
     assert json.loads(out.getvalue()) == {"type": "eval", "step": 4, "metrics": metrics}
+
+
+class FakeWandb:
+    """wandb's module as RunLogger uses it (init, log, finish). As the real run: a step lower
+    than one already logged is ignored (wandb warns and drops the data). Where it differs:
+    nothing leaves the process; `logged` keeps what was kept."""
+
+    def __init__(self):
+        self.logged: list[tuple[int, dict]] = []
+        self.dropped: list[int] = []
+
+    def init(self, **kwargs):
+        return self
+
+    def log(self, metrics, step):
+        if self.logged and step < self.logged[-1][0]:
+            self.dropped.append(step)
+        else:
+            self.logged.append((step, metrics))
+
+    def finish(self):
+        pass
+
+
+def test_wandb_gets_every_rollout_and_eval_in_step_order(tmp_path, monkeypatch):
+    """The loop logs an eval after rollout k, tagged k + 1, before rollout k's own metrics (its
+    time is in the step's): wandb would drop rollout k's. Each eval waits for its step."""
+    wandb = FakeWandb()
+    monkeypatch.setitem(sys.modules, "wandb", wandb)
+    log = RunLogger(tmp_path, num_rollout=2, publish=lambda e, **f: None, console=RunConsole("quiet", out=io.StringIO()),
+                    dump_samples=False, use_wandb=True)
+    log.log_eval(0, {"eval/heldout/pass@1": 0.1}, {})  # before the first step
+    for step in (0, 1):
+        log.step_phases(step)
+        log.log_eval(step + 1, {"eval/heldout/pass@1": 0.2 + step}, {})  # after the step's update
+        log.log(step, METRICS)
+    log.close()
+    assert wandb.dropped == []
+    assert [s for s, _ in wandb.logged] == [0, 1, 2]
+    assert wandb.logged[0][1] == {"eval/heldout/pass@1": 0.1, **METRICS}
+    assert wandb.logged[1][1] == {"eval/heldout/pass@1": 0.2, **METRICS}
+    assert wandb.logged[2][1] == {"eval/heldout/pass@1": 1.2}  # the eval after the last rollout, at close
