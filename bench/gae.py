@@ -1,4 +1,4 @@
-"""Micro-benchmark: ppo.algorithms.compute_gae against a plain per-time-step loop.
+"""Micro-benchmark: algorithms.compute_gae against a plain per-time-step loop.
 
     python -m bench.gae [--batch 256] [--length 8192] [--repeats 5] [--json FILE]
 
@@ -16,7 +16,7 @@ from collections.abc import Callable
 
 import torch
 
-from ppo.algorithms import compute_gae
+from algorithms import compute_gae
 
 
 def loop_gae(

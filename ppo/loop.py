@@ -32,11 +32,11 @@ import time
 
 import torch
 
+from algorithms import (compute_advantages, kl_estimate, masked_whiten, mismatch_metrics, reduce_metrics,
+                        token_level_rewards)
 from ppo import checkpoint, evaluation, recovery, rewards
 from ppo.handoffs import engines_take_back, recover, release_engines, sync_engines
 from ppo import config as C
-from ppo.algorithms import (compute_advantages, kl_estimate, masked_whiten, mismatch_metrics, reduce_metrics,
-                            token_level_rewards)
 from ppo.batch import build_batch, select
 from ppo.config import PPOConfig
 from ppo.config.serialize import to_dict
@@ -310,7 +310,7 @@ def advantages(cfg: PPOConfig, batch: dict) -> tuple[torch.Tensor, torch.Tensor]
 
 def mismatch_correction(cfg: PPOConfig, batch: dict, tis_function) -> dict[str, float]:
     """Trainer (old_log_probs) against engine (rollout_log_probs) log-probs of the same tokens:
-    with --use-tis, batch["tis_weights"] [N, R] from `tis_function` (ppo.algorithms.mismatch
+    with --use-tis, batch["tis_weights"] [N, R] from `tis_function` (algorithms.mismatch
     states its contract) and their metrics. With --train-async too: decoupled PPO (AReaL), whose
     proximal policy is the trainer's before the update and behaviour policy the engine's one
     version back; the actor's ratio is taken against the proximal one, and the weights carry

@@ -8,8 +8,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from algorithms import truncated_is
 from ppo import rewards
-from ppo.algorithms import truncated_is
 from ppo.config import PPOConfig
 from ppo.dynamic_sampling import DynamicSampling
 from roles.reward.custom import load_function
@@ -18,7 +18,7 @@ from roles.reward.custom import load_function
 @dataclass(frozen=True)
 class UserFunctions:
     dynamic_sampling: DynamicSampling  # with --dynamic-sampling-filter-path's filter, if given
-    tis_function: Callable  # --custom-tis-function-path, else ppo.algorithms.truncated_is
+    tis_function: Callable  # --custom-tis-function-path, else algorithms.truncated_is
     post_process: Callable | None  # --custom-reward-post-process-path
 
 

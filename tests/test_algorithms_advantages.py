@@ -6,7 +6,7 @@ import statistics
 import pytest
 import torch
 
-from ppo.algorithms import ADVANTAGE_ESTIMATORS, compute_advantages, token_level_rewards
+from algorithms import ADVANTAGE_ESTIMATORS, compute_advantages, token_level_rewards
 
 GROUP = 4
 

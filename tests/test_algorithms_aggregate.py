@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from ppo.algorithms import AGG_MODES, aggregate, masked_mean
+from algorithms import AGG_MODES, aggregate, masked_mean
 
 
 def reference_aggregate(values, mask, mode):

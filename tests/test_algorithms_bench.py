@@ -2,8 +2,8 @@
 
 import json
 
+from algorithms import compute_gae
 from bench.gae import loop_gae, main, make_batch
-from ppo.algorithms import compute_gae
 
 
 def test_loop_peer_agrees_with_compute_gae():

@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from ppo.algorithms import compute_gae, masked_discounted_cumsum
-from ppo.algorithms.scan import chunk_length
+from algorithms import compute_gae, masked_discounted_cumsum
+from algorithms.scan import chunk_length
 
 
 def reference_gae(rewards, values, mask, gamma, lam):

@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from ppo.algorithms import KL_KINDS, entropy_from_logits, kl_estimate
+from algorithms import KL_KINDS, entropy_from_logits, kl_estimate
 
 
 def reference_kl(d, kind):

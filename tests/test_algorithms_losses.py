@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from ppo.algorithms import AGG_MODES, aggregate, policy_loss, value_loss
+from algorithms import AGG_MODES, aggregate, policy_loss, value_loss
 
 
 def reference_policy_tokens(logp, old_logp, adv, eps_low, eps_high, eps_c):

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from ppo.algorithms import (
+from algorithms import (
     AGG_MODES,
     masked_is,
     mismatch_metrics,

@@ -5,7 +5,7 @@ import statistics
 import pytest
 import torch
 
-from ppo.algorithms import masked_moments, masked_whiten, whiten_with_moments
+from algorithms import masked_moments, masked_whiten, whiten_with_moments
 
 
 def reference_whiten(x, mask, shift_mean=True, eps=1e-8):

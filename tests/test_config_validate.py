@@ -139,8 +139,8 @@ CROSS_RULES = [
     (TINY, {"use_tis": True, "use_rollout_logprobs": True},
      ["--use-rollout-logprobs (ppo.use_rollout_logprobs)", "Please remove one of --use-tis"]),
     (TINY, {"use_tis": True, "tis_clip_low": 2.0}, ["--tis-clip-low 2.0", "must be < --tis-clip 2.0"]),
-    (TINY, {"custom_tis_function_path": "ppo.algorithms.mismatch:masked_is"},
-     ["--custom-tis-function-path 'ppo.algorithms.mismatch:masked_is'", "Please add --use-tis"]),
+    (TINY, {"custom_tis_function_path": "algorithms.mismatch:masked_is"},
+     ["--custom-tis-function-path 'algorithms.mismatch:masked_is'", "Please add --use-tis"]),
     (TINY, {"over_sampling_batch_size": 128},
      ["--over-sampling-batch-size 128", "--dynamic-sampling-filter-path", "Please add"]),
     (TINY, {"over_sampling_batch_size": 1,
@@ -245,7 +245,7 @@ def test_grpo_gspo_and_the_new_algorithms_run_on_the_recipe_with_no_other_flag()
     assert num_critic_only_steps(tiny_ppo()) == 1  # the miles PPO example's warm-up, with the critic
     assert problems_of(TINY, num_critic_only_steps=0) == []
     assert problems_of(TINY, use_tis=True, get_mismatch_metrics=True,
-                       custom_tis_function_path="ppo.algorithms.mismatch:masked_is") == []
+                       custom_tis_function_path="algorithms.mismatch:masked_is") == []
     assert problems_of(TINY, use_rollout_logprobs=True) == []
     assert problems_of(TINY, advantage_estimator="grpo", over_sampling_batch_size=96,
                        dynamic_sampling_filter_path="ppo.dynamic_sampling.check_reward_nonzero_std") == []

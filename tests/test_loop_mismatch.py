@@ -4,7 +4,7 @@ actor is sent (--use-rollout-logprobs)."""
 import pytest
 import torch
 
-from ppo.algorithms import masked_is
+from algorithms import masked_is
 from ppo.config import override
 from ppo.loop import actor_batch, mismatch_correction
 from ppo.user_functions import load_user_functions
@@ -45,7 +45,7 @@ def test_metrics_alone_leave_the_loss_unweighted_and_rollout_logprobs_replace_th
 
 
 def test_custom_tis_function_by_path_and_its_contract(tmp_path):
-    cfg = override(tiny_ppo(), use_tis=True, custom_tis_function_path="ppo.algorithms.mismatch:masked_is")
+    cfg = override(tiny_ppo(), use_tis=True, custom_tis_function_path="algorithms.mismatch:masked_is")
     b = batch()
     fn = load_user_functions(cfg).tis_function
     assert fn is masked_is

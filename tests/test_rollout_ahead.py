@@ -222,6 +222,6 @@ def test_async_weights_the_loss_by_tis_unless_the_ratio_takes_the_engines_log_pr
     assert use_tis(tiny(**ASYNC)) and not use_tis(tiny())
     assert not use_tis(tiny(**ASYNC, use_rollout_logprobs=True))
     # a custom weighting needs TIS on: --train-async turns it on
-    path = "ppo.algorithms.mismatch:masked_is"
+    path = "algorithms.mismatch:masked_is"
     assert validate(tiny(**ASYNC, custom_tis_function_path=path)) == []
     assert validate(tiny(custom_tis_function_path=path)) != []

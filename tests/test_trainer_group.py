@@ -9,7 +9,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from ppo.algorithms import AGG_MODES, aggregate
+from algorithms import AGG_MODES, aggregate
 from roles.trainer import TrainerGroup, megatron_missing
 from roles.trainer.batching import valid_mask
 from roles.trainer.sharding import aggregation_counts, balance, plan_forward, plan_train, put_rows, take_rows

@@ -20,7 +20,7 @@ BASE = dict(hf_checkpoint="x", seed=0, lr=1e-6, min_lr=0.0, lr_decay_style="cons
 
 def reference_value_loss(values, old_values, returns, valid, clip, mode) -> tuple[torch.Tensor, float]:
     """(loss, clipfrac) token by token in float64: max((v - R)^2, (v_old + clip(v - v_old) - R)^2),
-    then the mode's mean (ppo.algorithms.aggregate's docstring)."""
+    then the mode's mean (algorithms.aggregate's docstring)."""
     rows, tokens, clipped_tokens = [], 0, 0
     for i in range(values.shape[0]):
         row = []

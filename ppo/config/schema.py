@@ -17,7 +17,7 @@ from typing import Any
 
 ADVANTAGE_ESTIMATORS = ("ppo", "grpo", "gspo", "reinforce_plus_plus", "reinforce_plus_plus_baseline")
 KL_LOSS_TYPES = ("k1", "k2", "k3", "low_var_kl")
-# How per-token losses become one number (ppo.algorithms.aggregate): miles' default
+# How per-token losses become one number (algorithms.aggregate): miles' default
 # sum-of-sample-mean (each sample's token mean, summed, over the global batch size), or
 # verl's token-mean, seq-mean-token-mean and seq-mean-token-sum.
 LOSS_AGG_MODES = ("sum-of-sample-mean", "token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
@@ -195,8 +195,8 @@ class PPOAlgoConfig:
     tis_clip_low: float = knob(0.0, "TIS lower bound on the importance weights", ge=0.0)
     custom_tis_function_path: str | None = knob(
         None, "TIS function in place of the truncated one, named as --custom-rm-path names one; "
-        "built in: ppo.algorithms.mismatch:masked_is (icepop: tokens outside the bounds get weight 0) "
-        "and ppo.algorithms.mismatch:sequence_masked_is (whole responses rejected)")
+        "built in: algorithms.mismatch:masked_is (icepop: tokens outside the bounds get weight 0) "
+        "and algorithms.mismatch:sequence_masked_is (whole responses rejected)")
     use_rollout_logprobs: bool = knob(False, "take the PPO ratio against the engine's log-probs "
                                       "instead of the trainer's recomputed ones")
     get_mismatch_metrics: bool = knob(False, "log training-inference mismatch metrics (train/mis_*: "

@@ -9,7 +9,7 @@ from typing import Any, Mapping
 
 import torch
 
-from ppo.algorithms import AGG_MODES, KL_KINDS, RATIO_LEVELS
+from algorithms import AGG_MODES, KL_KINDS, RATIO_LEVELS
 from roles.trainer.schedule import LR_SCHEDULES, LRSchedule
 
 DTYPES = ("float32", "bfloat16", "float16")
@@ -47,11 +47,11 @@ class TrainerConfig:
     micro_batch_size: int | None = None
     max_tokens_per_gpu: int | None = None
 
-    # losses (ppo.algorithms)
+    # losses (algorithms)
     eps_clip: float
     eps_clip_high: float | None = None
     eps_clip_c: float | None = None
-    ratio_level: str = "token"  # "sequence": GSPO (ppo.algorithms.policy_loss)
+    ratio_level: str = "token"  # "sequence": GSPO (algorithms.policy_loss)
     value_clip: float | None  # None: no clipping
     loss_agg_mode: str
     use_kl_loss: bool

@@ -38,7 +38,7 @@ Endpoints every rank implements (names and arguments of the single-process train
         `batch` is the rank's share. `mini_batches` has one entry per optimizer step, in
         order: {"num_samples": the share's rows in that mini-batch (consecutive in the share,
         >= 1), "global_batch_size": G, "global_token_count": T}, where G and T are the whole
-        mini-batch's counts for ppo.algorithms.aggregate(..., global_batch_size=G,
+        mini-batch's counts for algorithms.aggregate(..., global_batch_size=G,
         global_token_count=T), as roles.trainer.sharding.aggregation_counts defines them
         for the loss_agg_mode. Each rank divides its micro-batch losses by these global
         counts, so the ranks' losses sum to the mini-batch's loss, and gradients are

@@ -2,7 +2,7 @@
 
 Each takes the model's outputs on one micro-batch as [n, Rm] rows (a torch backend
 roles.trainer.batching.MicroBatch, or a megatron packed micro-batch turned back into rows)
-and the aggregation counts of the WHOLE mini-batch (ppo.algorithms.aggregate's sharding
+and the aggregation counts of the WHOLE mini-batch (algorithms.aggregate's sharding
 contract), so the micro-batch losses sum to the mini-batch's loss however it was split.
 Metrics are scaled the same way: their sum over a mini-batch's micro-batches is its value.
 `mb` needs only `.response` (response-aligned inputs) and `.valid` (the loss mask).
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from ppo.algorithms import aggregate, kl_estimate, policy_loss, value_loss
+from algorithms import aggregate, kl_estimate, policy_loss, value_loss
 from roles.trainer.config import TrainerConfig
 
 Objective = tuple[torch.Tensor, dict[str, torch.Tensor]]  # (loss, metrics)

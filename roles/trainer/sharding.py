@@ -35,7 +35,7 @@ def row_costs(batch: dict) -> list[int]:
 
 
 def aggregation_counts(valid: torch.Tensor, mode: str) -> dict:
-    """The whole mini-batch's counts for ppo.algorithms.aggregate, given its valid mask [n, R]."""
+    """The whole mini-batch's counts for algorithms.aggregate, given its valid mask [n, R]."""
     if mode == "sum-of-sample-mean":
         rows = valid.shape[0]
     else:  # seq-mean modes count the rows with at least one valid token

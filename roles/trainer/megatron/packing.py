@@ -4,7 +4,7 @@ A packed micro-batch concatenates its samples' tokens without padding (under con
 parallelism each sample is padded at its end to a multiple of 2*cp); attention stays
 inside each sample through cu_seqlens (roles.trainer.megatron.attention), and positions
 restart at 0 per sample. Response-aligned inputs and outputs keep the [n, Rm] layout of
-roles.trainer.batching.MicroBatch, so the PPO and value losses of ppo.algorithms apply
+roles.trainer.batching.MicroBatch, so the PPO and value losses of algorithms apply
 unchanged.
 
 With --use-dynamic-batch-size a micro-batch costs the SUM of its samples' lengths (no

@@ -2,7 +2,7 @@
 
 One `train` call is one pass over a rollout batch (roles.trainer.steps.train_pass): one
 optimizer step per mini-batch, gradients accumulated over micro-batches. Micro-batch losses
-are aggregated with the whole mini-batch's sample and token counts (ppo.algorithms.aggregate's
+are aggregated with the whole mini-batch's sample and token counts (algorithms.aggregate's
 sharding contract), so they sum to the loss of the mini-batch in one piece, however it was
 split.
 

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 from transformers import AutoModel, AutoModelForCausalLM, PreTrainedModel
 
-from ppo.algorithms import entropy_from_logits
+from algorithms import entropy_from_logits
 from roles.trainer.batching import MicroBatch
 
 # The critic's value head init, as miles' LinearForLastLayer (adapted from verl):

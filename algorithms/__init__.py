@@ -5,16 +5,16 @@ tokens that count (tool output and padding are 0), computes in float32 (float64 
 float64 input), and gives finite results on rows that are entirely masked.
 """
 
-from ppo.algorithms.advantages import ADVANTAGE_ESTIMATORS, compute_advantages
-from ppo.algorithms.aggregate import AGG_MODES, aggregate, masked_mean
-from ppo.algorithms.entropy import entropy_from_logits
-from ppo.algorithms.gae import compute_gae
-from ppo.algorithms.kl import KL_KINDS, kl_estimate
-from ppo.algorithms.losses import RATIO_LEVELS, policy_loss, value_loss
-from ppo.algorithms.mismatch import masked_is, mismatch_metrics, reduce_metrics, sequence_masked_is, truncated_is
-from ppo.algorithms.rewards import token_level_rewards
-from ppo.algorithms.scan import masked_discounted_cumsum
-from ppo.algorithms.whiten import masked_moments, masked_whiten, whiten_with_moments
+from algorithms.advantages import ADVANTAGE_ESTIMATORS, compute_advantages
+from algorithms.aggregate import AGG_MODES, aggregate, masked_mean
+from algorithms.entropy import entropy_from_logits
+from algorithms.gae import compute_gae
+from algorithms.kl import KL_KINDS, kl_estimate
+from algorithms.losses import RATIO_LEVELS, policy_loss, value_loss
+from algorithms.mismatch import masked_is, mismatch_metrics, reduce_metrics, sequence_masked_is, truncated_is
+from algorithms.rewards import token_level_rewards
+from algorithms.scan import masked_discounted_cumsum
+from algorithms.whiten import masked_moments, masked_whiten, whiten_with_moments
 
 __all__ = [
     "ADVANTAGE_ESTIMATORS",

@@ -9,11 +9,11 @@ before the tool call.
 
 import torch
 
-from ppo.algorithms._tensors import compute_dtype, masked, valid_tokens
-from ppo.algorithms.gae import check_discount, compute_gae
-from ppo.algorithms.rewards import token_level_rewards
-from ppo.algorithms.scan import masked_discounted_cumsum
-from ppo.algorithms.whiten import masked_whiten
+from algorithms._tensors import compute_dtype, masked, valid_tokens
+from algorithms.gae import check_discount, compute_gae
+from algorithms.rewards import token_level_rewards
+from algorithms.scan import masked_discounted_cumsum
+from algorithms.whiten import masked_whiten
 
 ADVANTAGE_ESTIMATORS = ("ppo", "grpo", "gspo", "reinforce_plus_plus", "reinforce_plus_plus_baseline")
 

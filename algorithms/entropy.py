@@ -2,7 +2,7 @@
 
 import torch
 
-from ppo.algorithms._tensors import compute_dtype
+from algorithms._tensors import compute_dtype
 
 
 def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:

@@ -2,7 +2,7 @@
 
 import torch
 
-from ppo.algorithms._tensors import compute_dtype
+from algorithms._tensors import compute_dtype
 
 KL_KINDS = ("k1", "k2", "k3", "low_var_kl")
 

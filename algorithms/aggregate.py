@@ -2,7 +2,7 @@
 
 import torch
 
-from ppo.algorithms._tensors import compute_dtype, masked, valid_tokens
+from algorithms._tensors import compute_dtype, masked, valid_tokens
 
 AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "sum-of-sample-mean")
 

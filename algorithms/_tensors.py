@@ -1,4 +1,4 @@
-"""Input checks and the dtype rule shared by every function in ppo.algorithms."""
+"""Input checks and the dtype rule shared by every function in algorithms."""
 
 import torch
 

@@ -2,7 +2,7 @@
 
 import torch
 
-from ppo.algorithms._tensors import compute_dtype, masked, valid_tokens
+from algorithms._tensors import compute_dtype, masked, valid_tokens
 
 
 def last_valid_token(valid: torch.Tensor) -> torch.Tensor:

@@ -2,8 +2,8 @@
 
 import torch
 
-from ppo.algorithms._tensors import compute_dtype, masked, valid_tokens
-from ppo.algorithms.scan import masked_discounted_cumsum, next_valid_index
+from algorithms._tensors import compute_dtype, masked, valid_tokens
+from algorithms.scan import masked_discounted_cumsum, next_valid_index
 
 
 def check_discount(gamma: float, lam: float) -> None:

@@ -27,8 +27,8 @@ from __future__ import annotations
 
 import torch
 
-from ppo.algorithms._tensors import compute_dtype, masked, valid_tokens
-from ppo.algorithms.aggregate import aggregate
+from algorithms._tensors import compute_dtype, masked, valid_tokens
+from algorithms.aggregate import aggregate
 
 # exp(20) ~ 5e8: a log-ratio past this is an accident (a token the engine sampled at ~0
 # probability), clamped so that weights and metrics stay finite (miles' SAFETY_BOUND).
@@ -69,7 +69,7 @@ def masked_is(*, train_log_probs: torch.Tensor, rollout_log_probs: torch.Tensor,
               ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Masked IS (miles' icepop_function): w = ratio where tis_clip_low <= ratio <= tis_clip,
     else 0 (the token is rejected). Select with
-    --custom-tis-function-path ppo.algorithms.mismatch:masked_is. Metrics as truncated_is."""
+    --custom-tis-function-path algorithms.mismatch:masked_is. Metrics as truncated_is."""
     _check_bounds(tis_clip, tis_clip_low)
     log_ratio, valid = _log_ratio(train_log_probs, rollout_log_probs, mask)
     ratio = torch.exp(log_ratio)

@@ -9,7 +9,7 @@ Across ranks, all-reduce (SUM) the moments before whitening:
 
 import torch
 
-from ppo.algorithms._tensors import compute_dtype, masked, valid_tokens
+from algorithms._tensors import compute_dtype, masked, valid_tokens
 
 
 def masked_moments(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

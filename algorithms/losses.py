@@ -2,8 +2,8 @@
 
 import torch
 
-from ppo.algorithms._tensors import compute_dtype, masked, valid_tokens
-from ppo.algorithms.aggregate import Count, aggregate, masked_mean
+from algorithms._tensors import compute_dtype, masked, valid_tokens
+from algorithms.aggregate import Count, aggregate, masked_mean
 
 # exp(20) ~ 5e8: a ratio past this is a numerical accident, not a policy change.
 _LOG_RATIO_CLAMP = 20.0
@@ -44,7 +44,7 @@ def policy_loss(
     agg="sum-of-sample-mean" or "seq-mean-token-mean" the loss is the paper's mean over
     responses; other modes weight the responses by length.
 
-    is_weights: per-token importance weights (e.g. TIS, ppo.algorithms.mismatch), treated as
+    is_weights: per-token importance weights (e.g. TIS, algorithms.mismatch), treated as
     constants and multiplied into each token's loss after clipping, as in miles; a 0 drops
     the token from the numerator only, so the denominators stay those of `mask`.
 
