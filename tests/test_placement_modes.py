@@ -5,7 +5,7 @@ colocated (tests/test_e2e_ppo.py runs it at length), disaggregated with miles' d
 resident), and disaggregated with the two offload switches flipped (`--no-offload-train`:
 actor and critic resident side by side; `--offload-rollout`: engines release after each
 rollout), and disaggregated GRPO (no critic: the actor stays resident by default). Every
-mode must learn the generated arithmetic a little within a short run.
+mode must learn the generated sums a little within a short run.
 """
 
 import pytest
