@@ -39,7 +39,7 @@ def run_mode(tmp_path, mode: str) -> tuple[list[dict], dict[int, list[dict]], in
     """(metrics, each fake GPU's ledger history, critic-only warm-up steps) of a run in `mode`."""
     # no evaluation: what a mode changes is where the roles live, not what an eval sees
     cfg = ensure_valid(override(tiny_ppo(), run_dir=str(tmp_path / "run"), num_rollout=NUM_ROLLOUT,
-                                check_weight_update_equal=True, rollout_batch_size=64, eval_prompt_data=None,
+                                check_weight_update_equal=True, eval_prompt_data=None,
                                 eval_interval=None, **MODES[mode]))
     history = train(cfg)
     devices = {g: FakeDevice(tmp_path / "run" / "fakegpu", g).history() for g in (0, 1)}
