@@ -8,6 +8,7 @@ overridden on the command line by its flag.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 
 from ppo.config import (
@@ -141,34 +142,39 @@ def qwen3_4b_ppo_1gpu() -> PPOConfig:
 
 
 def tiny_ppo() -> PPOConfig:
-    """CPU PPO on 2 fake GPUs: a generated tiny Qwen3 learns generated arithmetic.
+    """CPU PPO on 2 fake GPUs: a generated tiny Qwen3 learns generated two-digit sums.
 
-    The same algorithm as qwen3_4b_ppo with torch backends; actor, critic and two one-GPU
-    engines share both fake GPUs. Sizes are tuned for the 2-core CPU machine: the mean
-    reward goes from about 0.1 (chance) to about 0.8 in 100 rollouts, in about 2 minutes.
-    Every 5 rollouts (and before the first) the engines are evaluated, 16 samples per sum, on
-    the 5 sums training never shows (`generated:arithmetic_heldout`) and on the 20 it trains
-    on (`generated:arithmetic_seen`).
+    The algorithm of qwen3_4b_ppo with torch backends, plus a KL loss to the warm start
+    (low_var_kl at 0.1); actor, critic and two one-GPU engines share both fake GPUs. The task
+    is `generated:column_sums_small` (sums without a carry of operands with tens 1..3 and
+    units 0..3, `23+13=` -> `36`, graded digit by digit). Sizes are tuned for the 2-core CPU
+    machine: the mean reward goes from about 0.1 (chance) to 0.5-0.9 by rollout 40 and about
+    0.95 by rollout 100, in 1.5-2 minutes. Every 5 rollouts (and before the first) the
+    engines are evaluated, 16 samples per sum, on the 12 sums training never shows, whose
+    columns it does (`generated:column_sums_small_heldout`), and on 12 it trains on
+    (`generated:column_sums_small_seen`): held-out pass@1 rises from about 0.01 to 0.8-1.0
+    on seeds 0, 1, 2 (docs/evaluation.md).
     """
     return PPOConfig(
         checkpoint=CheckpointConfig(hf_checkpoint="generated:tiny-qwen3"),
         rollout=math_prompts(
-            "generated:arithmetic",
+            "generated:column_sums_small",
             num_rollout=100,
-            rollout_batch_size=64,
+            rollout_batch_size=128,  # at 64 the reward of the default seeds rose 0.22 by rollout 40
             n_samples_per_prompt=8,
             rollout_max_response_len=4,
             rollout_temperature=1.0,
         ),
-        reward=RewardConfig(rm_type="tiny_exact"),
-        ppo=ppo_algorithm(),
-        optimizer=adam(lr=1e-3, critic_lr=1e-3),
+        reward=RewardConfig(rm_type="tiny_digits"),
+        # without the KL loss (and at lr 1e-3) the held-out pass@1 stalls at 0.17 (docs/evaluation.md)
+        ppo=dataclasses.replace(ppo_algorithm(), kl_loss_coef=0.1, kl_loss_type="low_var_kl"),
+        optimizer=adam(lr=2e-3, critic_lr=1e-3),
         training=TrainingConfig(train_backend="torch", global_batch_size=128, micro_batch_size=64),
         engine=EngineConfig(rollout_backend="torch", rollout_num_gpus_per_engine=1),
         placement=PlacementConfig(actor_num_nodes=1, actor_num_gpus_per_node=2,
                                   num_gpus_per_node=2, colocate=True, fake_gpus=True),
-        evaluation=EvalConfig(eval_prompt_data=("arithmetic_heldout", "generated:arithmetic_heldout",
-                                                "arithmetic_seen", "generated:arithmetic_seen"),
+        evaluation=EvalConfig(eval_prompt_data=("column_sums_small_heldout", "generated:column_sums_small_heldout",
+                                                "column_sums_small_seen", "generated:column_sums_small_seen"),
                               eval_interval=5, n_samples_per_eval_prompt=16),
     )
 

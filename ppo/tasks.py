@@ -75,30 +75,36 @@ def write_arithmetic_table(path: str | Path, *, held_out: bool, max_operand: int
     return _write_lines(path, lines)
 
 
-def is_held_out_column_sum(a: int, b: int) -> bool:
+def is_held_out_column_sum(a: int, b: int, max_tens: int = 4, max_units: int = 4) -> bool:
     """Whether the two-digit sum ``a+b`` is held out: each of its columns is a held-out pair
-    of ``is_held_out`` (tens digits 1..4 as 0..3, units 0..4). Training sees every column
-    pair, held-out ones included, but never these combinations of them."""
-    return is_held_out(a // 10 - 1, b // 10 - 1, 3) and is_held_out(a % 10, b % 10, 4)
+    of ``is_held_out`` (tens digits 1..max_tens as 0..max_tens-1, units 0..max_units).
+    Training sees every column pair, held-out ones included, but never these combinations
+    of them."""
+    return is_held_out(a // 10 - 1, b // 10 - 1, max_tens - 1) and is_held_out(a % 10, b % 10, max_units)
 
 
-def column_sums() -> list[tuple[int, int]]:
-    """Every two-digit sum without a carry whose operands have tens digits 1..4 and units
-    0..4, in table order: 400 sums, every answer two digits."""
-    operands = [10 * t + u for t in range(1, 5) for u in range(5)]
+def column_sums(max_tens: int = 4, max_units: int = 4) -> list[tuple[int, int]]:
+    """Every two-digit sum without a carry whose operands have tens digits 1..max_tens and
+    units 0..max_units (both at most 4), in table order: 400 sums with the defaults, 144 with
+    tens 1..3 and units 0..3; every answer two digits."""
+    if not (3 <= max_tens <= 4 and 2 <= max_units <= 4):
+        raise ValueError(f"max_tens={max_tens} must be 3..4 and max_units={max_units} 2..4 "
+                         "(no carry, and a held-out pair in each column)")
+    operands = [10 * t + u for t in range(1, max_tens + 1) for u in range(max_units + 1)]
     return [(a, b) for a in operands for b in operands]
 
 
-def write_column_sum_task(path: str | Path, *, num_prompts: int, seed: int) -> str:
+def write_column_sum_task(path: str | Path, *, num_prompts: int, seed: int, max_tens: int = 4,
+                          max_units: int = 4) -> str:
     """``num_prompts`` lines ``{"prompt": "23+41=", "label": "64"}`` drawn with
-    ``random.Random(seed)`` from the 380 sums of ``column_sums`` that are not held out: an
-    answer uniformly, then one of its sums."""
+    ``random.Random(seed)`` from the sums of ``column_sums`` that are not held out (380 with
+    the defaults, 132 with tens 1..3 and units 0..3): an answer uniformly, then one of its sums."""
     if num_prompts < 1:
         raise ValueError(f"num_prompts={num_prompts} must be >= 1")
     rng = random.Random(seed)
     by_answer: dict[int, list[tuple[int, int]]] = {}
-    for a, b in column_sums():
-        if not is_held_out_column_sum(a, b):
+    for a, b in column_sums(max_tens, max_units):
+        if not is_held_out_column_sum(a, b, max_tens, max_units):
             by_answer.setdefault(a + b, []).append((a, b))
     # Every answer is as likely, so no constant guess beats chance: drawn with the table's own
     # frequencies, PPO settles on "54" for every prompt (the mode of each column) and stalls.
@@ -106,10 +112,12 @@ def write_column_sum_task(path: str | Path, *, num_prompts: int, seed: int) -> s
     return _write_sums(path, [rng.choice(by_answer[rng.choice(answers)]) for _ in range(num_prompts)])
 
 
-def write_column_sum_table(path: str | Path, *, held_out: bool) -> str:
-    """The 20 held-out column sums (``held_out=True``), or their swapped twins, which training
-    sees (a twin's units are ``b = a + 3`` modulo 5, not a held-out pair)."""
-    held = [(a, b) for a, b in column_sums() if is_held_out_column_sum(a, b)]
+def write_column_sum_table(path: str | Path, *, held_out: bool, max_tens: int = 4, max_units: int = 4) -> str:
+    """The held-out column sums (``held_out=True``; 20 with the defaults, 12 with tens 1..3 and
+    units 0..3), or their swapped twins, which training sees (a twin's columns are pairs
+    ``b = a - 2``; in one of them, modulo 3 or 5, that is not a held-out pair)."""
+    held = [(a, b) for a, b in column_sums(max_tens, max_units)
+            if is_held_out_column_sum(a, b, max_tens, max_units)]
     return _write_sums(path, held if held_out else [(b, a) for a, b in held])
 
 
@@ -150,6 +158,11 @@ TASKS: dict[str, GeneratedTask] = {
     # every column with trained ones (docs/evaluation.md: what RL generalises on this task)
     "column_sums": GeneratedTask(write=write_column_sum_task, rm_type="tiny_digits", charset=ARITHMETIC_CHARSET,
                                  answer_digits=2),
+    # tiny_ppo's task: the same with tens 1..3 and units 0..3 (132 sums, 12 held out), small
+    # enough that the reward rises by 0.25 in 40 rollouts and the held-out sums follow the
+    # trained ones (docs/evaluation.md)
+    "column_sums_small": GeneratedTask(write=functools.partial(write_column_sum_task, max_tens=3, max_units=3),
+                                       rm_type="tiny_digits", charset=ARITHMETIC_CHARSET, answer_digits=2),
 }
 # `generated:NAME` eval sets (--eval-prompt-data): write(path) -> path. The held-out sums
 # measure generalisation; the seen ones, beside them, what training taught.
@@ -158,4 +171,6 @@ EVAL_TASKS: dict[str, Callable[[str | Path], str]] = {
     "arithmetic_seen": functools.partial(write_arithmetic_table, held_out=False, max_operand=4),
     "column_sums_heldout": functools.partial(write_column_sum_table, held_out=True),
     "column_sums_seen": functools.partial(write_column_sum_table, held_out=False),
+    "column_sums_small_heldout": functools.partial(write_column_sum_table, held_out=True, max_tens=3, max_units=3),
+    "column_sums_small_seen": functools.partial(write_column_sum_table, held_out=False, max_tens=3, max_units=3),
 }

@@ -48,7 +48,8 @@ def test_recipe_then_flags_override_it():
 
 
 def test_bool_flags_take_positive_and_negative_forms():
-    assert parse_args(["--no-use-kl-loss"]).ppo.use_kl_loss is False
+    # tiny_ppo weighs its KL loss at 0.1: turning the loss off takes its weight with it
+    assert parse_args(["--no-use-kl-loss", "--kl-loss-coef", "0"]).ppo.use_kl_loss is False
     assert parse_args(["--no-use-kl-loss", "--use-kl-loss"]).ppo.use_kl_loss is True
     assert parse_args(["--no-normalize-advantages"]).ppo.normalize_advantages is False
     assert parse_args(["--dump-samples"]).logging.dump_samples is True
@@ -173,10 +174,10 @@ def test_offloading_is_derived_from_colocation_and_the_critic():
 
 
 def test_global_batch_size_and_eps_clip_high_resolve():
-    cfg = tiny_ppo()  # 64 prompts x 8 samples, global batch 128
+    cfg = tiny_ppo()  # 128 prompts x 8 samples, global batch 128
     assert global_batch_size(cfg) == 128
-    assert global_batch_size(override(cfg, global_batch_size=None)) == 512
-    assert global_batch_size(override(cfg, global_batch_size=None, num_steps_per_rollout=4)) == 128
+    assert global_batch_size(override(cfg, global_batch_size=None)) == 1024
+    assert global_batch_size(override(cfg, global_batch_size=None, num_steps_per_rollout=8)) == 128
     assert eps_clip_high(cfg) == 0.2 and eps_clip_high(override(cfg, eps_clip_high=0.28)) == 0.28
     assert data_parallel_size(qwen3_4b_ppo()) == 1  # TP1 x PP2 x CP2 over 4 GPUs
     assert data_parallel_size(override(qwen3_4b_ppo(), num_gpus_per_node=8)) == 2

@@ -148,7 +148,7 @@ CROSS_RULES = [
      ["--over-sampling-batch-size 1", "must be >= --rollout-batch-size"]),
     (TINY, {"num_critic_only_steps": 60},
      ["--num-critic-only-steps 60", "< --num-rollout 60", "never trains"]),
-    (TINY, {"min_lr": 0.01}, ["--min-lr 0.01", "optimizer.min_lr", "<= --lr 0.001"]),
+    (TINY, {"min_lr": 0.01}, ["--min-lr 0.01", "optimizer.min_lr", "<= --lr 0.002"]),
     (TINY, {"lr": 0.01, "min_lr": 0.005}, ["--min-lr 0.005", "<= --critic-lr 0.001"]),
     (TINY, {"use_dynamic_batch_size": True},
      ["--use-dynamic-batch-size is set but --max-tokens-per-gpu", "training.max_tokens_per_gpu"]),

@@ -113,12 +113,15 @@ def test_the_held_out_sums_are_never_trained_on(tmp_path):
         assert f"{b}+{a}=" in trained and int(h["label"]) == int(a) + int(b)
 
 
-def test_the_held_out_column_sums_are_never_trained_on_but_each_of_their_columns_is(tmp_path):
-    train = TASKS["column_sums"].write(tmp_path / "train.jsonl", num_prompts=20000, seed=3)
+@pytest.mark.parametrize(("task", "num_trained", "num_held_out"), [("column_sums", 380, 20),
+                                                                    ("column_sums_small", 132, 12)])
+def test_the_held_out_column_sums_are_never_trained_on_but_each_of_their_columns_is(tmp_path, task, num_trained,
+                                                                                     num_held_out):
+    train = TASKS[task].write(tmp_path / "train.jsonl", num_prompts=20000, seed=3)
     trained = {json.loads(x)["prompt"] for x in open(train)}
-    held_out = [json.loads(x) for x in open(EVAL_TASKS["column_sums_heldout"](tmp_path / "eval.jsonl"))]
-    seen = [json.loads(x)["prompt"] for x in open(EVAL_TASKS["column_sums_seen"](tmp_path / "seen.jsonl"))]
-    assert len(trained) == 380 and len(held_out) == 20 and len(seen) == 20
+    held_out = [json.loads(x) for x in open(EVAL_TASKS[f"{task}_heldout"](tmp_path / "eval.jsonl"))]
+    seen = [json.loads(x)["prompt"] for x in open(EVAL_TASKS[f"{task}_seen"](tmp_path / "seen.jsonl"))]
+    assert len(trained) == num_trained and len(held_out) == num_held_out and len(seen) == num_held_out
     assert not trained & {h["prompt"] for h in held_out} and set(seen) <= trained
     tens, units = ({(p[i], p[i + 3]) for p in trained} for i in (0, 1))  # "23+41=": ("2", "4"), ("3", "1")
     for h in held_out:
@@ -167,12 +170,13 @@ def test_a_run_with_eval_trains_bit_for_bit_as_one_without(tmp_path):
     lines = [json.loads(x) for x in (tmp_path / "eval" / "metrics.jsonl").read_text().splitlines()]
     evals = [x for x in lines if "eval/weight_version" in x]
     assert [(x["step"], x["eval/weight_version"]) for x in evals] == [(0, 0), (1, 0), (2, 1), (3, 2)]
-    assert all(0 <= x["eval/arithmetic_heldout-pass@1"] <= x["eval/arithmetic_heldout-pass@16"] <= 1 for x in evals)
-    assert all(x["eval/response_tokens"] >= 80 + 320 for x in evals)  # 5 + 20 sums x 16 samples
+    held = "eval/column_sums_small_heldout"
+    assert all(0 <= x[f"{held}-pass@1"] <= x[f"{held}-pass@16"] <= 1 for x in evals)
+    assert all(x["eval/response_tokens"] >= 192 + 192 for x in evals)  # 12 + 12 sums x 16 samples
     dumped = sorted(p.name for p in (tmp_path / "eval" / "samples").glob("eval_*.jsonl"))
-    assert dumped == [f"eval_arithmetic_{name}_{s:05d}.jsonl" for name in ("heldout", "seen") for s in range(4)]
+    assert dumped == [f"eval_column_sums_small_{name}_{s:05d}.jsonl" for name in ("heldout", "seen") for s in range(4)]
     rows = [json.loads(x) for x in (tmp_path / "eval" / "samples" / dumped[3]).read_text().splitlines()]
-    assert len(rows) == 80 and rows[0]["weight_version"] == 2 and rows[0]["prompt"] == "0+2="
+    assert len(rows) == 192 and rows[0]["weight_version"] == 2 and rows[0]["prompt"] == "10+32="
 
 
 @pytest.mark.timeout(300)

@@ -5,7 +5,7 @@ colocated (tests/test_e2e_ppo.py runs it at length), disaggregated with miles' d
 resident), and disaggregated with the two offload switches flipped (`--no-offload-train`:
 actor and critic resident side by side; `--offload-rollout`: engines release after each
 rollout), and disaggregated GRPO (no critic: the actor stays resident by default). Every
-mode must learn the generated arithmetic a little within a short run.
+mode must learn the generated sums a little within a short run.
 """
 
 import pytest
@@ -39,7 +39,7 @@ def run_mode(tmp_path, mode: str) -> tuple[list[dict], dict[int, list[dict]], in
     """(metrics, each fake GPU's ledger history, critic-only warm-up steps) of a run in `mode`."""
     # no evaluation: what a mode changes is where the roles live, not what an eval sees
     cfg = ensure_valid(override(tiny_ppo(), run_dir=str(tmp_path / "run"), num_rollout=NUM_ROLLOUT,
-                                check_weight_update_equal=True, rollout_batch_size=64, eval_prompt_data=None,
+                                check_weight_update_equal=True, eval_prompt_data=None,
                                 eval_interval=None, **MODES[mode]))
     history = train(cfg)
     devices = {g: FakeDevice(tmp_path / "run" / "fakegpu", g).history() for g in (0, 1)}

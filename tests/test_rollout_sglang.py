@@ -473,11 +473,11 @@ def test_driver_starts_sglang_engines_with_the_recipes_settings():
     assert engine_settings(cfg)["options"] == {"tp_size": 2, "enable_memory_saver": True,
                                                "disable_cuda_graph": True, "enable_deterministic_inference": True}
     assert engine_settings(cfg)["max_batch_size"] == 64  # unset: one rollout's samples (8 prompts x 8)
-    assert engine_settings(tiny_ppo()) == {"max_batch_size": 512}
+    assert engine_settings(tiny_ppo()) == {"max_batch_size": 1024}
     # the same flag puts the built-in engine in its batch-invariant mode
     tiny = tiny_ppo()
     tiny = replace(tiny, engine=replace(tiny.engine, sglang_enable_deterministic_inference=True))
-    assert engine_settings(tiny) == {"max_batch_size": 512, "options": {"batch_invariant": True}}
+    assert engine_settings(tiny) == {"max_batch_size": 1024, "options": {"batch_invariant": True}}
     assert rollout_backend_problem(tiny_ppo()) is None
 
 

@@ -82,7 +82,7 @@ def test_tied_embeddings_and_bad_heads(tmp_path):
         build_tiny_checkpoint(str(tmp_path / "bad"), num_heads=4, num_kv_heads=3)
 
 
-@pytest.mark.parametrize(("task", "digits"), [("arithmetic", 1), ("column_sums", 2)])
+@pytest.mark.parametrize(("task", "digits"), [("arithmetic", 1), ("column_sums", 2), ("column_sums_small", 2)])
 def test_the_warm_start_teaches_answers_of_the_tasks_length_and_no_more(tmp_path, task, digits):
     """ppo.generated's warm start: a generated task's prompts get `answer_digits` digits, then EOS."""
     from ppo.config import override

@@ -42,9 +42,10 @@ REMOTE_RM = "remote_rm"  # miles' --rm-type of a reward service at --rm-url (rol
 # random-init model / a synthetic task instead of reading a path (no hub on CPU machines).
 GENERATED_PREFIX = "generated:"
 GENERATED_MODELS = ("tiny-qwen3",)
-GENERATED_DATASETS = ("arithmetic", "column_sums")
+GENERATED_DATASETS = ("arithmetic", "column_sums", "column_sums_small")
 # Sets for --eval-prompt-data (ppo.tasks.EVAL_TASKS): the sums the training task leaves out, and the rest.
-GENERATED_EVAL_DATASETS = ("arithmetic_heldout", "arithmetic_seen", "column_sums_heldout", "column_sums_seen")
+GENERATED_EVAL_DATASETS = ("arithmetic_heldout", "arithmetic_seen", "column_sums_heldout", "column_sums_seen",
+                           "column_sums_small_heldout", "column_sums_small_seen")
 # What the run prints (ppo.console): "auto" is a progress bar on a terminal and one plain line
 # per rollout otherwise (a file, a pipe, nohup, Slurm); "json" is one JSON object per line.
 LOG_FORMATS = ("auto", "rich", "plain", "json")
