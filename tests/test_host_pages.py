@@ -54,8 +54,15 @@ def test_advised_block_is_backed_by_huge_pages_once_touched():
         mode = ""
     if "[madvise]" not in mode:
         pytest.skip(f"the THP mode here is not madvise ({mode.strip() or 'unknown'}): the advice changes nothing")
-    block = torch.empty(16 << 20, dtype=torch.uint8)
-    assert advise_huge_pages(block)
-    block.zero_()
-    assert huge_page_share(block[8 << 20:].data_ptr()) > 0.5  # the whole 2 MiB pages inside it
+    # THP is best effort: a fault finds no free 2 MiB page when memory is fragmented (seen once
+    # in a full suite run), so three fresh blocks get the chance; one is backed in practice
+    shares = []
+    for _ in range(3):
+        block = torch.empty(16 << 20, dtype=torch.uint8)
+        assert advise_huge_pages(block)
+        block.zero_()
+        shares.append(huge_page_share(block[8 << 20:].data_ptr()))  # the whole 2 MiB pages inside it
+        if shares[-1] > 0.5:
+            break
+    assert shares[-1] > 0.5, f"no advised block was backed by huge pages: shares {shares}"
     assert not advise_huge_pages(torch.empty(1 << 20, dtype=torch.uint8)[1:])  # no whole huge page

@@ -22,6 +22,7 @@ from ppo.tiny_model import build_tiny_checkpoint
 from roles.device import DeviceMemory
 from roles.reward.model import RewardModel, budget_problem, checkpoint_problem, micro_batches
 from roles.reward.model_scorer import RewardModelScorer
+from roles.reward.rules import REWARD_RULES
 from runtime.events import read_events
 from runtime.fakegpu import FakeDevice, check_no_overlap
 
@@ -167,7 +168,7 @@ def test_tiny_ppo_with_a_colocated_reward_model_takes_its_turn_on_the_engines_gp
     assert spans.count(("reward-model-0", "onload")) == spans.count(("reward-model-0", "offload")) == 2
     samples = [json.loads(x) for x in (run / "samples" / "rollout_00001.jsonl").read_text().splitlines()]
     for s in samples:  # the weighted sum of the rule's reward and the model's score
-        rule = float(s["response"].strip() == s["label"])
+        rule = REWARD_RULES[cfg.reward.rm_type](s["response"], s["label"])
         assert s["reward"] == pytest.approx(rule + 0.5 * s["rm_score"], abs=1e-6)
     assert history[-1]["rollout/rm_score"] == pytest.approx(sum(s["rm_score"] for s in samples) / len(samples))
     assert history[-1]["perf/reward_model_tokens_per_s"] > 0 and history[-1]["perf/reward_model_time"] > 0
