@@ -148,12 +148,12 @@ def tiny_ppo() -> PPOConfig:
     (low_var_kl at 0.1); actor, critic and two one-GPU engines share both fake GPUs. The task
     is `generated:column_sums_small` (sums without a carry of operands with tens 1..3 and
     units 0..3, `23+13=` -> `36`, graded digit by digit). Sizes are tuned for the 2-core CPU
-    machine: the mean reward goes from about 0.1 (chance) to 0.5-0.9 by rollout 40 and about
-    0.95 by rollout 100, in 1.5-2 minutes. Every 5 rollouts (and before the first) the
-    engines are evaluated, 16 samples per sum, on the 12 sums training never shows, whose
-    columns it does (`generated:column_sums_small_heldout`), and on 12 it trains on
-    (`generated:column_sums_small_seen`): held-out pass@1 rises from about 0.01 to 0.8-1.0
-    on seeds 0, 1, 2 (docs/evaluation.md).
+    machine: the mean reward goes from about 0.1 (chance) to 0.48-0.93 by rollouts 36-40 and
+    0.87-0.96 by rollouts 96-100 (the default seeds and seeds 0-2), in 1.5-2 minutes. Every 5
+    rollouts (and before the first) the engines are evaluated, 16 samples per sum, on the 12
+    sums training never shows, whose columns it does (`generated:column_sums_small_heldout`),
+    and on 12 it trains on (`generated:column_sums_small_seen`): held-out pass@1 rises from
+    about 0.01 to 0.8-1.0 on seeds 0, 1, 2 (docs/evaluation.md).
     """
     return PPOConfig(
         checkpoint=CheckpointConfig(hf_checkpoint="generated:tiny-qwen3"),

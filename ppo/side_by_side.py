@@ -86,7 +86,7 @@ Check = Callable[[mps.MpsDaemon, list[int]], str | None]
 
 def check_shares(daemon: mps.MpsDaemon, percentages: list[int]) -> str | None:
     """Run roles.gemm_check in an MPS client at each share, all at once (each pays a CUDA
-    start, ~5-10 s); why the first share that fails cannot be used, or None when all pass."""
+    start and a cuBLAS load, not timed on the GPU yet); why the first share that fails cannot be used, or None when all pass."""
     shares = sorted(set(percentages))
     what = f"checking bf16 GEMMs in MPS clients at {', '.join(f'{p}%' for p in shares)} of the SMs"
     print(f"[startup] {what} ...", file=sys.stderr, flush=True)

@@ -267,7 +267,7 @@ def host_to_device(dst: torch.Tensor, src: torch.Tensor, through_sms: bool | Non
         dst.copy_(src, non_blocking=True)
     elif dst.data_ptr() % 4 == 0 and mapped.data_ptr() % 4 == 0 and dst.numel() % 4 == 0:
         copy_words = _sm_copy_kernel()
-        if copy_words is not None:  # Triton's kernel: 0.925x pinned where bitwise_or reads 0.90x
+        if copy_words is not None:  # Triton's: 0.924x pinned where int32 bitwise_or reads 0.907x
             copy_words(dst.view(torch.int32), mapped.view(torch.int32))
         else:
             torch.bitwise_or(mapped.view(torch.int32), 0, out=dst.view(torch.int32))
