@@ -67,22 +67,27 @@ def numa_pages(address: int) -> str:
     return " ".join(x for x in holder if x[:1] == "N" and x[1:2].isdigit()) or "?"
 
 
-def huge_page_share(address: int) -> float | None:
-    """AnonHugePages / Rss of the mapping that holds `address` (/proc/self/smaps); None if unknown."""
+def smaps_entry(address: int) -> dict[str, str] | None:
+    """The /proc/self/smaps fields of the mapping that holds `address` (sizes in kB, and
+    VmFlags: "hg" once madvise(MADV_HUGEPAGE) marked it); None if unknown."""
     try:
         with open("/proc/self/smaps") as f:
             text = f.read()
     except OSError:
         return None
-    holder = None
     for block in re.split(r"\n(?=[0-9a-f]+-[0-9a-f]+ )", text):
         start, _, end = block.split(" ", 1)[0].partition("-")
         if int(start, 16) <= address < int(end, 16):
-            holder = dict(re.findall(r"^(\w+):\s+(\d+) kB", block, re.M))
-            break
-    if not holder or not int(holder.get("Rss", 0)):
+            return dict(re.findall(r"^(\w+):\s+(.*?)(?: kB)?$", block, re.M))
+    return None
+
+
+def huge_page_share(address: int) -> float | None:
+    """AnonHugePages / Rss of the mapping that holds `address` (/proc/self/smaps); None if unknown."""
+    entry = smaps_entry(address)
+    if not entry or not int(entry.get("Rss", 0)):
         return None
-    return int(holder.get("AnonHugePages", 0)) / int(holder["Rss"])
+    return int(entry.get("AnonHugePages", 0)) / int(entry["Rss"])
 
 
 def _row(name: str, dev: torch.Tensor, make) -> tuple:

@@ -203,18 +203,18 @@ def _state_spans(events: list[dict], state: str) -> dict[str, list[tuple[float, 
 
 
 def steady_ratio(steps: list[dict], other: list[dict], *, name: str) -> str:
-    """This run's steady iteration against `other`'s: the mean step time over steps 1 .. n-2 of
-    both (step 0 generates without a rollout ahead; with --train-async the last step has none
-    generating beside it)."""
-    def steady(rows: list[dict]) -> list[float]:
-        return [s["step_s"] for s in rows[1:-1]]
-
-    mine, theirs = steady(steps), steady(other)
+    """This run's steady iteration against `other`'s (the synchronous plan's): the mean step time
+    over steps 1 .. n-2 of this run (step 0 generates without a rollout ahead; with
+    --train-async the last step has none generating beside it) and over the same steps of
+    `other`, where every step after 0 is steady (one cut short of this run's still compares)."""
+    mine = [s["step_s"] for s in steps[1:-1]]
+    theirs = [s["step_s"] for s in other[1:len(steps) - 1]]
     if not mine or not theirs:
-        return f"steady iteration against {name}: needs 3 steps in each run ({len(steps)} and {len(other)} ran)"
+        return (f"steady iteration against {name}: needs 3 steps here and 2 in {name} "
+                f"({len(steps)} and {len(other)} ran)")
     a, b = sum(mine) / len(mine), sum(theirs) / len(theirs)
-    return (f"steady iteration (steps 1..n-2): {a:.2f} s here, {b:.2f} s in {name}: "
-            f"{a / b:.2f}x")
+    return (f"steady iteration (steps 1..{len(steps) - 2}): {a:.2f} s here, "
+            f"{b:.2f} s in {name} (steps 1..{len(theirs)}): {a / b:.2f}x")
 
 
 def report(steps: list[dict], rates: dict[str, float]) -> str:

@@ -64,10 +64,14 @@ fi
 
 # SIDE=1 (one GPU, 2048 tokens; one plan a call: PLANS=ppo or PLANS=grpo): the plan runs twice
 # in the call, as above (synchronous, colocated) and side by side (--train-async: the engine and
-# the trainers resident at once, each in its memory budget, the SMs split by MPS, 50/50 by
-# default: ppo.side_by_side), that one analysed --against the first, so its table ends with the ratio
-# of their steady iterations (goal: GRPO <= 0.7x, PPO <= 0.8x). The rollouts default to 3
+# the trainers resident at once, each in its memory budget, the SMs shared under MPS, by default
+# 100/100 with the trainers at below_normal priority: ppo.side_by_side), that one analysed
+# --against the first, so its table ends with the ratio of their steady iterations (goal: GRPO
+# <= 0.7x, PPO <= 0.8x; measured: GRPO 0.91x, docs/benchmarks.md). The rollouts default to 3
 # (steady: step 1). `SIDE=1 PLANS=grpo bash bench/qwen3_4b_one_gpu.sh OUT 570` fits one call.
+# SIDE_VARIANTS="FLAGS;FLAGS": one side-by-side run for each ';'-separated set of extra flags
+# (e.g. "--engine-sm-percentage 50 --trainer-sm-percentage 50 --trainer-mps-priority normal"),
+# each against the same synchronous run: GRPO's sync and two side-by-side runs fit one call.
 if [ "${SIDE:-0}" = 1 ] && [ "${PLANS:-}" != ppo ] && [ "${PLANS:-}" != grpo ]; then
   echo "SIDE=1 runs one plan a call: add PLANS=ppo or PLANS=grpo" >&2
   exit 2
@@ -122,14 +126,23 @@ fi
 if [ "${SIDE:-0}" = 1 ]; then
   if [ "$PLANS" = ppo ]; then PLAN=("${PPO_PLAN[@]}"); else PLAN=("${GRPO_PLAN[@]}"); fi
   N=${SIDE_ROLLOUTS:-3}
-  step "$PLANS" $(( ($(left) - 5) / 2 )) python3 -m bench.iteration --out "$RUNS/$PLANS" -- "${COMMON[@]}" \
+  IFS=';' read -r -a VARIANTS <<< "${SIDE_VARIANTS:-}"
+  ((${#VARIANTS[@]})) || VARIANTS=("")
+  RUNS_LEFT=$((${#VARIANTS[@]} + 1))
+  step "$PLANS" $(( ($(left) - 5) / RUNS_LEFT )) python3 -m bench.iteration --out "$RUNS/$PLANS" -- "${COMMON[@]}" \
     "${PLAN[@]}" "${FULL[@]}" --num-rollout "$N" --run-dir "$RUNS/$PLANS/run"
   keep "$PLANS"
-  step "${PLANS}_side" $(( $(left) - 5 )) python3 -m bench.iteration --out "$RUNS/${PLANS}_side" \
-    --against "$RUNS/$PLANS" -- "${COMMON[@]}" "${PLAN[@]}" --train-async "${FULL[@]}" --num-rollout "$N" \
-    --run-dir "$RUNS/${PLANS}_side/run"
-  keep "${PLANS}_side"
-  grep -h "side by side\|steady iteration" "$OUT/${PLANS}_side.log"
+  for i in "${!VARIANTS[@]}"; do
+    RUNS_LEFT=$((RUNS_LEFT - 1))
+    NAME="${PLANS}_side${i#0}"
+    read -r -a EXTRA <<< "${VARIANTS[$i]}"
+    step "$NAME" $(( ($(left) - 5) / RUNS_LEFT )) python3 -m bench.iteration --out "$RUNS/$NAME" \
+      --against "$RUNS/$PLANS" -- "${COMMON[@]}" "${PLAN[@]}" --train-async "${EXTRA[@]}" "${FULL[@]}" \
+      --num-rollout "$N" --run-dir "$RUNS/$NAME/run"
+    keep "$NAME"
+    echo "== $NAME (${VARIANTS[$i]:-the default shares}):"
+    grep -h "side by side\|steady iteration" "$OUT/$NAME.log"
+  done
   exit 0
 fi
 if [ "${PLANS:-ppo grpo}" != grpo ]; then

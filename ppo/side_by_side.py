@@ -1,5 +1,5 @@
 """Side by side on one GPU (--train-async --colocate): each shared GPU's memory budgets, and
-its SMs split between the roles by MPS.
+its SMs shared between the roles under MPS.
 
 Memory. Each GPU an engine shares with the trainers is split into two budgets, each with a
 lease of its own (runtime.memory.LeaseTable.split): the engine's, --sglang-mem-fraction-static
@@ -10,7 +10,9 @@ a whole GPU colocated, keeping their weights and moving only their optimizer sta
 never waits on the trainers.
 
 SMs. Under MPS each role process gets a share of the SMs (--engine-sm-percentage,
---trainer-sm-percentage), each checked first to compute right: at some shares cuBLAS leaves
+--trainer-sm-percentage) and the trainers a scheduling priority against the engine's
+(--trainer-mps-priority; by default 100/100 with the trainers below_normal: a static split
+holds a role to its share while the other idles), each share checked first to compute right: at some shares cuBLAS leaves
 GEMM outputs unwritten without an error (roles.gemm_check). `choose` is the launcher's: where
 MPS cannot start or a share fails the check it says so in one line and the run is the
 synchronous colocated plan, the same config without --train-async. On
@@ -64,7 +66,8 @@ class SmPartition:
             return {}
         p = self.cfg.placement
         return {"engine": self.daemon.client_env(percentage=p.engine_sm_percentage),
-                "trainer": self.daemon.client_env(percentage=p.trainer_sm_percentage)}
+                "trainer": self.daemon.client_env(percentage=p.trainer_sm_percentage,
+                                                  priority=p.trainer_mps_priority)}
 
     def event(self) -> dict:
         """The `sm_partition` event's fields."""
@@ -72,6 +75,7 @@ class SmPartition:
         return {"mps": self.daemon is not None, "started_daemon": bool(self.daemon and self.daemon.started),
                 "engine_sm_percentage": p.engine_sm_percentage if self.daemon else None,
                 "trainer_sm_percentage": p.trainer_sm_percentage if self.daemon else None,
+                "trainer_mps_priority": p.trainer_mps_priority if self.daemon else None,
                 "fallback": self.fallback}
 
     def close(self) -> None:

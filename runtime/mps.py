@@ -8,7 +8,7 @@ cuBLAS leaves many GEMM outputs unwritten, so that probe's matmuls may not all h
 some shares cuBLAS computes wrong in a client (roles.gemm_check): the launcher checks each first.
 
     daemon = find_or_start()                 # MpsUnavailable says why not
-    env = daemon.client_env(percentage=25)   # for one role process
+    env = daemon.client_env(percentage=25)   # for one role process (priority="below_normal": it yields)
     daemon.stop()                            # only a daemon we started is stopped
 
 The daemon is reached through its pipe directory: CUDA_MPS_PIPE_DIRECTORY when set, else
@@ -36,6 +36,9 @@ PRIVATE_PREFIX = "tandem-mps-"
 DEFAULT_PIPE_DIR = "/tmp/nvidia-mps"  # CUDA's, where a machine's own daemon listens
 CUDA_LOG_DIR = "/var/log/nvidia-mps"  # CUDA's default log folder (root's)
 START_TIMEOUT_S = 10.0
+# CUDA_MPS_CLIENT_PRIORITY (CUDA 12.4+): the server schedules a below_normal client's work
+# after normal clients' ready work, so a below_normal role fills the SMs the others leave idle
+PRIORITIES = {"normal": "0", "below_normal": "1"}
 
 
 class MpsUnavailable(RuntimeError):
@@ -49,12 +52,16 @@ class MpsDaemon:
     started: bool  # by us: stop() ends it (and removes its private folder); one found running is left alone
     control: str  # the control program's path
 
-    def client_env(self, *, percentage: int) -> dict[str, str]:
-        """The environment of a role process that gets `percentage` of the SMs (1..100)."""
+    def client_env(self, *, percentage: int, priority: str = "normal") -> dict[str, str]:
+        """The environment of a role process that gets `percentage` of the SMs (1..100), its
+        work scheduled at `priority` (PRIORITIES) against the other clients'."""
         if not 1 <= percentage <= 100:
             raise ValueError(f"percentage={percentage}: CUDA_MPS_ACTIVE_THREAD_PERCENTAGE must be in 1..100")
+        if priority not in PRIORITIES:
+            raise ValueError(f"priority={priority!r}: CUDA_MPS_CLIENT_PRIORITY must be one of {sorted(PRIORITIES)}")
         return {"CUDA_MPS_PIPE_DIRECTORY": self.pipe_dir, "CUDA_MPS_LOG_DIRECTORY": self.log_dir,
-                "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": str(percentage)}
+                "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": str(percentage),
+                "CUDA_MPS_CLIENT_PRIORITY": PRIORITIES[priority]}
 
     def stop(self) -> None:
         """`echo quit | nvidia-cuda-mps-control`, when we started the daemon."""

@@ -87,8 +87,13 @@ def test_a_move_rate_counts_the_bytes_copied_not_the_grads_only_freed():
     assert unknown["gb_per_s"] is None and "? GB copied" in line(unknown) and "pinned" not in line(unknown)
 
 
-def test_the_steady_ratio_compares_steps_1_to_n_minus_2_of_both_runs():
+def test_the_steady_ratio_compares_steps_1_to_n_minus_2_with_the_same_steps_of_the_synchronous_run():
     side = [{"step_s": s} for s in (50.0, 20.0, 22.0, 9.0)]  # the last: no rollout ahead beside it
-    sync = [{"step_s": s} for s in (60.0, 30.0, 30.0, 30.0)]
-    assert steady_ratio(side, sync, name="grpo") == "steady iteration (steps 1..n-2): 21.00 s here, 30.00 s in grpo: 0.70x"
-    assert "needs 3 steps in each run (2 and 4 ran)" in steady_ratio(side[:2], sync, name="grpo")
+    sync = [{"step_s": s} for s in (60.0, 30.0, 32.0, 30.0)]
+    assert (steady_ratio(side, sync, name="grpo")
+            == "steady iteration (steps 1..2): 21.00 s here, 31.00 s in grpo (steps 1..2): 0.68x")
+    # a synchronous run cut after step 1 (its time limit) still compares: its step 1 is steady
+    assert (steady_ratio(side[:3], sync[:2], name="grpo")
+            == "steady iteration (steps 1..1): 20.00 s here, 30.00 s in grpo (steps 1..1): 0.67x")
+    assert "needs 3 steps here and 2 in grpo (2 and 4 ran)" in steady_ratio(side[:2], sync, name="grpo")
+    assert "(3 and 1 ran)" in steady_ratio(side[:3], sync[:1], name="grpo")

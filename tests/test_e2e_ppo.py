@@ -107,6 +107,20 @@ def test_tiny_ppo_learns(tmp_path):
     assert_colocated_ledgers(tmp_path / "run")
 
 
+@pytest.mark.gpu
+@pytest.mark.timeout(900)
+def test_tiny_ppo_learns_with_megatron_on_one_cuda_gpu(tmp_path):
+    """The same bar on one real GPU (`bash .ci/gpu -k learns`): megatron trainers and the
+    built-in engine colocated and synchronous, bf16. Beside the side-by-side run of
+    tests/test_side_by_side.py (async, MPS) it tells the backend's learning from that mode's."""
+    pytest.importorskip("megatron.core")
+    history = train(tiny(tmp_path, num_rollout=40, train_backend="megatron", fake_gpus=False, num_gpus_per_node=1,
+                         actor_num_gpus_per_node=1, check_weight_update_equal=True, eval_prompt_data=None,
+                         eval_interval=None))
+    assert [h["train/skipped_updates_total"] for h in history] == [0] * 40
+    assert_learns(history)
+
+
 def assert_colocated_ledgers(run_dir) -> None:
     """Each fake GPU's ledger: no two holders ever overlapped, and actor, critic and the GPU's
     engine each grew there (the handoff really happened)."""

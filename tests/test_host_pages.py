@@ -1,5 +1,6 @@
 """NUMA placement of host blocks (roles.host_pages) and bench.host_pinning's report of where pages landed."""
 
+import mmap
 import os
 
 import pytest
@@ -43,8 +44,8 @@ def test_node_of_pci_reads_sysfs_and_treats_minus_one_as_unknown(tmp_path):
     assert node_of_pci("0000:ff:00.0", str(tmp_path)) is None  # no such device
 
 
-def test_advised_block_is_backed_by_huge_pages_once_touched():
-    from bench.host_pinning import huge_page_share
+def test_advised_block_is_marked_for_huge_pages():
+    from bench.host_pinning import huge_page_share, smaps_entry
     from roles.host_pages import advise_huge_pages
 
     try:
@@ -54,15 +55,15 @@ def test_advised_block_is_backed_by_huge_pages_once_touched():
         mode = ""
     if "[madvise]" not in mode:
         pytest.skip(f"the THP mode here is not madvise ({mode.strip() or 'unknown'}): the advice changes nothing")
-    # THP is best effort: a fault finds no free 2 MiB page when memory is fragmented (seen once
-    # in a full suite run), so three fresh blocks get the chance; one is backed in practice
-    shares = []
-    for _ in range(3):
-        block = torch.empty(16 << 20, dtype=torch.uint8)
-        assert advise_huge_pages(block)
-        block.zero_()
-        shares.append(huge_page_share(block[8 << 20:].data_ptr()))  # the whole 2 MiB pages inside it
-        if shares[-1] > 0.5:
-            break
-    assert shares[-1] > 0.5, f"no advised block was backed by huge pages: shares {shares}"
+    # a fresh anonymous mapping: a heap block could lie in a range an earlier advice marked
+    region = mmap.mmap(-1, 16 << 20)
+    block = torch.frombuffer(region, dtype=torch.uint8)
+    inside = block[8 << 20:].data_ptr()  # within the whole 2 MiB pages the advice covers
+    assert "hg" not in smaps_entry(inside)["VmFlags"].split()
+    assert advise_huge_pages(block)
+    assert "hg" in smaps_entry(inside)["VmFlags"].split()  # the kernel took the advice for that range
+    # whether a touch is then backed by 2 MiB pages is the kernel's best effort (none may be free
+    # when memory is fragmented: it failed 2 of 3 full suite runs here), so it is not asserted
+    block.fill_(1)
+    assert 0.0 <= huge_page_share(inside) <= 1.0  # the backing share still reads (None would fail)
     assert not advise_huge_pages(torch.empty(1 << 20, dtype=torch.uint8)[1:])  # no whole huge page

@@ -11,6 +11,7 @@ import pytest
 
 import launch
 from ppo.config import ConfigError
+from ppo.config.schema import MPS_PRIORITIES
 from ppo.config.serialize import override
 from ppo.config.validate import ensure_valid
 from ppo.recipes import tiny_ppo
@@ -78,9 +79,13 @@ def test_each_role_gets_its_share_of_the_sms(fake_mps, tmp_path):
     daemon = mps.find_or_start()
     assert daemon.client_env(percentage=25) == {"CUDA_MPS_PIPE_DIRECTORY": str(tmp_path / "pipe"),
                                                 "CUDA_MPS_LOG_DIRECTORY": str(tmp_path / "log"),
-                                                "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": "25"}
+                                                "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": "25",
+                                                "CUDA_MPS_CLIENT_PRIORITY": "0"}
+    assert daemon.client_env(percentage=100, priority="below_normal")["CUDA_MPS_CLIENT_PRIORITY"] == "1"
     with pytest.raises(ValueError, match="must be in 1..100"):
         daemon.client_env(percentage=0)
+    with pytest.raises(ValueError, match="priority='low': CUDA_MPS_CLIENT_PRIORITY must be one of"):
+        daemon.client_env(percentage=50, priority="low")
     daemon.stop()
 
 
@@ -100,8 +105,13 @@ def side(**values):
     return ensure_valid(override(tiny_ppo(), **{**SIDE, **values}))
 
 
-def test_the_sm_shares_are_flags_in_1_to_100():
-    assert side().placement.engine_sm_percentage == 50 and side().placement.trainer_sm_percentage == 50
+def test_the_sm_shares_are_flags_in_1_to_100_and_the_trainers_priority_one_of_mps_two():
+    placement = side().placement  # the defaults measured fastest on the H200 (docs/benchmarks.md)
+    assert (placement.engine_sm_percentage, placement.trainer_sm_percentage) == (100, 100)
+    assert placement.trainer_mps_priority == "below_normal"
+    assert set(MPS_PRIORITIES) == set(mps.PRIORITIES)
+    with pytest.raises(ConfigError, match="trainer_mps_priority"):
+        side(trainer_mps_priority="low")
     with pytest.raises(ConfigError, match="engine_sm_percentage"):
         side(engine_sm_percentage=0)
     with pytest.raises(ConfigError, match="trainer_sm_percentage"):
@@ -109,16 +119,18 @@ def test_the_sm_shares_are_flags_in_1_to_100():
 
 
 def test_on_gpus_the_launcher_runs_side_by_side_under_mps_with_each_roles_share(fake_mps):
-    cfg = side(fake_gpus=False, engine_sm_percentage=30, trainer_sm_percentage=70)
+    cfg = side(fake_gpus=False, engine_sm_percentage=30, trainer_sm_percentage=100,
+               trainer_mps_priority="below_normal")
     checked = []
     sm = choose(cfg, check=lambda daemon, shares: checked.append(shares))  # every share computes right
-    assert checked == [[30, 70]]
+    assert checked == [[30, 100]]
     assert sm.cfg == cfg and sm.fallback is None and sm.daemon.started
     env = sm.role_env()
     assert env["engine"]["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] == "30"
-    assert env["trainer"]["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] == "70"
+    assert env["trainer"]["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] == "100"
+    assert env["engine"]["CUDA_MPS_CLIENT_PRIORITY"] == "0" and env["trainer"]["CUDA_MPS_CLIENT_PRIORITY"] == "1"
     assert sm.event() == {"mps": True, "started_daemon": True, "engine_sm_percentage": 30,
-                          "trainer_sm_percentage": 70, "fallback": None}
+                          "trainer_sm_percentage": 100, "trainer_mps_priority": "below_normal", "fallback": None}
     sm.close()
     assert calls(fake_mps)[-1] == "quit"
     assert choose(override(cfg, train_async=False)) is None  # not side by side: nothing to decide

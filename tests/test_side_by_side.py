@@ -157,16 +157,20 @@ def test_an_engine_killed_mid_step_side_by_side_restarts_at_once_and_loses_no_sa
 
 @pytest.mark.gpu
 @pytest.mark.timeout(900)
-def test_side_by_side_async_on_one_cuda_gpu_under_mps(tmp_path):
-    """On one real GPU (`bash .ci/gpu -k side_by_side`): megatron trainers and the built-in engine
-    resident at once, each in its budget, the SMs split by MPS; skipped where MPS cannot start."""
+def test_tiny_ppo_learns_side_by_side_on_one_cuda_gpu_under_mps(tmp_path):
+    """On one real GPU (`bash .ci/gpu -k side_by_side`): tiny_ppo's 40 rollouts with megatron
+    trainers and the built-in engine resident at once, each in its budget, the SMs shared under
+    MPS at the default shares, reach tests/test_e2e_ppo.py's bar one step off-policy; skipped
+    where MPS cannot start. On the H200 on 2026-12-04 every check but the bar passed: the reward
+    rose 0.11 -> 0.21 (docs/benchmarks.md, side by side); issue 27 stays open until it passes."""
     import json
 
     from ppo.side_by_side import choose
+    from tests.test_e2e_ppo import assert_learns
 
     pytest.importorskip("megatron.core")
-    num_rollout = 4
-    cfg = side(tmp_path, num_rollout=num_rollout, rollout_batch_size=16, train_backend="megatron", fake_gpus=False,
+    num_rollout = 40
+    cfg = side(tmp_path, num_rollout=num_rollout, train_backend="megatron", fake_gpus=False,
                eval_interval=None, eval_prompt_data=None, check_weight_update_equal=True)
     sm = choose(cfg)
     if sm.fallback and "cannot start" in sm.fallback:
@@ -185,9 +189,13 @@ def test_side_by_side_async_on_one_cuda_gpu_under_mps(tmp_path):
         rows = (tmp_path / "run" / "samples" / f"rollout_{k:05d}.jsonl").read_text().splitlines()
         assert all(trainer_version - json.loads(r)["weight_version"] <= cfg.rollout.max_weight_staleness for r in rows)
         trainer_version = h["rollout/weight_version"]
+    assert_learns(history)
     events = read_events(tmp_path / "run")
     [partition] = [e for e in events if e["event"] == "sm_partition"]
-    assert partition["mps"] and partition["engine_sm_percentage"] == 50 and partition["trainer_sm_percentage"] == 50
+    p = cfg.placement
+    assert partition["mps"] and (partition["engine_sm_percentage"], partition["trainer_sm_percentage"],
+                                 partition["trainer_mps_priority"]) == (p.engine_sm_percentage, p.trainer_sm_percentage,
+                                                                        p.trainer_mps_priority)
     # the ledger: the engine held its budget throughout; the trainers' releases passed its checks
     assert [e["action"] for e in events if e["event"] == "lease" and e["holder"] == "rollout-0"] == ["acquire"]
     assert {e.get("budget") for e in events if e["event"] == "lease"} == {"engine", "trainers"}

@@ -119,7 +119,7 @@ def offload_rollout(cfg: PPOConfig) -> bool:
 def side_by_side(cfg: PPOConfig) -> bool:
     """--train-async --colocate: engines and trainers resident on the same GPUs at once, each in
     its memory budget (the engine's --sglang-mem-fraction-static of the GPU, the trainers' the
-    rest), the SMs split by MPS (docs/architecture.md, "Side by side on one GPU")."""
+    rest), the SMs shared under MPS (docs/architecture.md, "Side by side on one GPU")."""
     return cfg.rollout.train_async and cfg.placement.colocate
 
 

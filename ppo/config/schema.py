@@ -33,6 +33,8 @@ TRANSFORMER_IMPLS = ("local", "transformer_engine")
 # What an offloading trainer / engine frees when it hands its GPUs over (ppo.config.derived).
 OFFLOAD_TRAIN_LEVELS = ("all", "optimizer")
 OFFLOAD_ROLLOUT_LEVELS = ("all", "kv_cache")
+# How MPS schedules a side-by-side trainer's work against the engine's: runtime.mps.PRIORITIES' keys
+MPS_PRIORITIES = ("normal", "below_normal")
 # Reward functions known when no registry is passed to `validate`; the reward role owns the
 # implementations and passes its own registry keys.
 RM_TYPES = ("deepscaler", "dapo", "math", "tiny_exact", "tiny_digits")
@@ -126,7 +128,7 @@ class RolloutConfig:
     train_async: bool = knob(
         False, "miles' train_async.py: generate the next rollout while this one trains (one-step "
         "off-policy; engines on their own GPUs, or with --colocate side by side with the trainers on the "
-        "same GPUs, each in its memory budget, SMs split by MPS), corrected by decoupled PPO: TIS weights "
+        "same GPUs, each in its memory budget, SMs shared under MPS), corrected by decoupled PPO: TIS weights "
         "of the trainer's log-probs before the update against the engine's (docs/algorithms.md)")
     max_weight_staleness: int = knob(
         1, "--train-async: a group generated more than N weight versions before the one training on it "
@@ -306,16 +308,20 @@ class PlacementConfig:
         "all", "what an offloading engine releases: all (weights and KV cache), or kv_cache "
         "(the weights stay)", choices=OFFLOAD_ROLLOUT_LEVELS)
     fake_gpus: bool = knob(False, "CPU run: roles compute on the CPU with fake GPU memory ledgers")
-    # Side by side (--train-async --colocate), MPS's CUDA_MPS_ACTIVE_THREAD_PERCENTAGE per role.
-    # 50/50: on the H200 cuBLAS leaves GEMM outputs unwritten in a client at 60 or 75% (the first
-    # default, 25/75, made every trainer update NaN), right at 25, 50, 90, 100 (roles.gemm_check,
-    # which the launcher runs at each share). Of those pairs a rough model fitted to the one real
-    # run (GRPO at 25/75: 1.11x the synchronous iteration, the engine at 0.45x its rate) favours
-    # the balanced one (~0.83x); its time is not measured yet (docs/benchmarks.md, side by side)
+    # Side by side (--train-async --colocate), MPS's CUDA_MPS_ACTIVE_THREAD_PERCENTAGE per role and
+    # the trainers' CUDA_MPS_CLIENT_PRIORITY. Measured on the H200 (GRPO, Qwen3-4B, steady
+    # iteration against the synchronous one; docs/benchmarks.md, side by side): 50/50 1.00x,
+    # 50/100 with the trainers below_normal 0.99x, 100/100 below_normal 0.91x. cuBLAS leaves GEMM
+    # outputs unwritten in a client at 60 or 75% (the first default, 25/75, made every update NaN)
+    # and is right at 25, 50, 90, 100 (roles.gemm_check, which the launcher runs at each share)
     engine_sm_percentage: int = knob(
-        50, "side by side: the share of the GPU's SMs (percent) MPS gives each engine", ge=1, le=100)
+        100, "side by side: the share of the GPU's SMs (percent) MPS gives each engine", ge=1, le=100)
     trainer_sm_percentage: int = knob(
-        50, "side by side: the share of the GPU's SMs (percent) MPS gives each trainer", ge=1, le=100)
+        100, "side by side: the share of the GPU's SMs (percent) MPS gives each trainer", ge=1, le=100)
+    trainer_mps_priority: str = knob(
+        "below_normal", "side by side: how MPS schedules the trainers' work against the engine's: normal, "
+        "or below_normal (the engine's ready kernels go first and the trainers fill the SMs it "
+        "leaves idle; CUDA_MPS_CLIENT_PRIORITY)", choices=MPS_PRIORITIES)
 
 
 @dataclass(frozen=True, kw_only=True)
