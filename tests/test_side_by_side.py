@@ -155,6 +155,18 @@ def test_an_engine_killed_mid_step_side_by_side_restarts_at_once_and_loses_no_sa
     assert check_no_overlap(FakeDevice(tmp_path / "run" / "fakegpu", 0).history()) == []
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_tiny_ppo_learns_side_by_side_on_one_fake_gpu(tmp_path):
+    """tests/test_e2e_ppo.py's bar in this mode on the CPU (torch trainers, no MPS): the loop,
+    the budgets and the one-step-stale samples learn; the GPU run below did not (megatron, MPS)."""
+    from tests.test_e2e_ppo import assert_learns
+
+    history = train(side(tmp_path, num_rollout=40, eval_interval=None, eval_prompt_data=None))
+    assert all(h["rollout/staleness"] <= 1 for h in history)
+    assert_learns(history)
+
+
 @pytest.mark.gpu
 @pytest.mark.timeout(900)
 def test_tiny_ppo_learns_side_by_side_on_one_cuda_gpu_under_mps(tmp_path):
