@@ -37,7 +37,7 @@ from ppo.config.serialize import override
 from ppo.config.validate import ensure_valid
 from ppo.placement import Placement
 from runtime import mps
-from runtime.memory import Budget
+from runtime.budget import Budget
 
 ENGINE_BUDGET, TRAINER_BUDGET = "engine", "trainers"
 

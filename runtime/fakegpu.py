@@ -32,12 +32,10 @@ import json
 import os
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Iterator
+from typing import Iterator
 
+from runtime.budget import Budget
 from runtime.units import format_bytes
-
-if TYPE_CHECKING:
-    from runtime.memory import Budget
 
 FAKE_GPU_DIR_ENV = "TANDEM_FAKE_GPU_DIR"
 

@@ -28,6 +28,7 @@ import threading
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Mapping
 
+from runtime.budget import Budget
 from runtime.units import format_bytes
 
 if TYPE_CHECKING:
@@ -36,15 +37,6 @@ if TYPE_CHECKING:
 
 class LeaseError(RuntimeError):
     """A lease was granted, released or reported against the colocation rules."""
-
-
-@dataclass(frozen=True, kw_only=True)
-class Budget:
-    """A share of one split GPU: its own lease, taken in turn by `holders`, who together keep
-    at most `nbytes` there."""
-    name: str
-    nbytes: int
-    holders: tuple[str, ...]
 
 
 WHOLE = ""  # the name of the one lease of a GPU not split into budgets

@@ -16,7 +16,8 @@ from ppo.loop import train
 from ppo.recipes import tiny_ppo
 from runtime.events import read_events
 from runtime.fakegpu import BudgetExceeded, FakeDevice, LeaseViolation, check_no_overlap, create_fake_devices
-from runtime.memory import Budget, LeaseError, LeaseTable
+from runtime.budget import Budget
+from runtime.memory import LeaseError, LeaseTable
 from tests.test_faults_ppo import assert_full_batches, run_with_fault
 
 GiB = 1 << 30
