@@ -136,18 +136,20 @@ def test_bad_spin_us_is_rejected(run_dir, bad):
         Supervisor(run_dir, spin_us=bad)
 
 
-def test_callers_poll_only_for_endpoints_that_reply_within_spin_us(run_dir):
-    with Supervisor(run_dir, spin_us=100_000) as sup:  # 0.1 s, to make polling visible in CPU time
+def test_callers_poll_only_for_endpoints_that_reply_within_spin_us(run_dir, monkeypatch):
+    polls = []  # each turn of the caller's poll loop yields its CPU once (runtime.handle)
+    monkeypatch.setattr(os, "sched_yield", lambda: polls.append(1))
+    with Supervisor(run_dir, spin_us=100_000) as sup:
         e = sup.spawn("e", Echo)
         e.ping(1)
-        cpu = time.process_time()
+        polls.clear()
         e.sleep(0.3)  # no history yet: the caller polls for 0.1 s, then sleeps
-        polled = time.process_time() - cpu
-        cpu = time.process_time()
+        polled = len(polls)
+        polls.clear()
         e.sleep(0.3)  # replies take longer than spin_us: sleep at once
         e.sleep(0.3)
-        slept = time.process_time() - cpu
-    assert polled > 0.05 and slept < 0.03, (polled, slept)
+    # counted, not timed: CPU time (the first form of this test) flaked on a loaded machine
+    assert polled > 0 and polls == [], (polled, len(polls))
     with Supervisor(run_dir, spin_us=0) as sup:  # never poll: calls still work
         assert sup.spawn("e", Echo).ping("x") == "x"
 
