@@ -126,6 +126,12 @@ def test_tiny_ppos_own_objective_updates_alike_in_both_backends(ckpt):
         torch.testing.assert_close(meg.compute_log_probs(batch)["log_probs"], ref.compute_log_probs(batch)["log_probs"],
                                    rtol=0.0, atol=0.15)
     assert (ref.compute_log_probs(batch)["log_probs"] - lp_ref).abs().max() > 0.5  # the updates moved the policy
+    # weight decay as the torch backend's: none on biases and 1-D weights (norms), the config's
+    # on the rest; megatron leaves wd_mult to an lr scheduler, so every group decayed at first
+    groups = [g for g in meg._core.optimizer.param_groups if g["params"]]
+    assert {(g["wd_mult"], g["weight_decay"]) for g in groups} == {(0.0, 0.0), (1.0, cfg["weight_decay"])}
+    undecayed = sum(p.numel() for g in groups if g["wd_mult"] == 0.0 for p in g["params"])
+    assert undecayed == sum(p.numel() for p in meg._core.module.parameters() if p.dim() == 1)
     meg.offload(["params", "grads", "optimizer"])
     ref.offload(["params", "optimizer"])
 

@@ -421,6 +421,11 @@ class MegatronCore:
                 self.optimizer.clip_grad_norm(self.config.clip_grad)
             for group in self.optimizer.param_groups:
                 group["lr"] = lr
+                # what megatron's lr scheduler (not built here) sets each step: its groups of
+                # biases and 1-D weights carry wd_mult 0, and the optimizer's own weight_decay is
+                # the config's for every group until someone applies it (the torch backend
+                # leaves the same weights undecayed: roles.trainer.torch.optim)
+                group["weight_decay"] = self.config.weight_decay * group.get("wd_mult", 1.0)
             self.optimizer.step_with_ready_grads()
             self.memory.account("optimizer", self.offloader.nbytes("optimizer"))  # Adam state exists from step 1
         self._zero_grads()
