@@ -52,6 +52,7 @@ from ppo.data import PromptDataset
 from ppo.handoffs import (OnGPUs, engines_share_trainer_gpus, lent_to_trainers, on_gpus, release_engines,
                           sync_engines)
 from ppo.manifest import MANIFEST_FILE, damage, write_manifest
+from ppo.metrics_file import trim_metrics
 from roles.trainer.checkpoint import TRAINER_FILES, replace_dir, sync_dir
 from roles.trainer.rng import capture_rng, restore_rng
 from runtime import RemoteError
@@ -434,25 +435,3 @@ def restore(job: RunJob, data: PromptDataset, ckpt: Checkpoint) -> ResumePoint:
     restore_rng(ckpt.state["rng"])
     counters = RunCounters(**ckpt.state.get("counters", {}))  # absent in checkpoints of older versions
     return ResumePoint(step=ckpt.step + 1, version=version, counters=counters)
-
-
-def trim_metrics(run_dir: Path, last_step: int) -> None:
-    """Drop metrics.jsonl records after `last_step`: a resumed run logs those steps again. An
-    eval line is tagged with the rollout that samples from the weights it evaluated (s + 1 for
-    the eval after rollout s, ppo.evaluation): it belongs to checkpoint s and is kept."""
-    path = Path(run_dir) / "metrics.jsonl"
-    if not path.exists():
-        return
-    kept = [line for line in path.read_text().splitlines() if _step_of(line) <= last_step]
-    tmp = path.with_name(".metrics.jsonl.tmp")
-    tmp.write_text("".join(line + "\n" for line in kept))
-    os.replace(tmp, path)
-
-
-def _step_of(line: str) -> float:
-    """The rollout a record belongs to: its step, less one for an eval line (see trim_metrics)."""
-    try:
-        record = json.loads(line)
-        return record["step"] - any(k.startswith("eval/") for k in record)
-    except (json.JSONDecodeError, KeyError, TypeError):
-        return float("inf")  # a line cut short by the crash: drop it

@@ -8,9 +8,12 @@ import json
 import time
 from pathlib import Path
 
-from ppo.checkpoint import trim_metrics
 from ppo.console import RunConsole
+from ppo.metrics_file import read_metrics, trim_metrics
 from ppo.trace import StepPhases
+
+
+ROLLOUT_STEP, EVAL_STEP = "rollout/step", "eval/step"  # wandb's step metrics, as miles names them
 
 
 class RunLogger:
@@ -22,15 +25,13 @@ class RunLogger:
         self._publish = publish
         self._dump = dump_samples
         self._tb = self._wandb = None
-        # wandb ignores a step lower than one it has seen, and an eval after rollout k is tagged
-        # k + 1 and logged before rollout k's metrics: its wandb record waits for step k + 1's
-        self._wandb_pending: dict[int, dict[str, float]] = {}
         if use_tensorboard:
-            from torch.utils.tensorboard import SummaryWriter  # needs the `logging` extra
-            self._tb = SummaryWriter(str(run_dir / "tensorboard"))
+            # resumed (--load): what a crashed run logged from start_step on is hidden
+            self._open_tensorboard(purge_step=start_step or None)
         if use_wandb:
             import wandb  # needs the `logging` extra
             self._wandb = wandb.init(project=wandb_project or "tandem", dir=str(run_dir), config=config)
+            self._wandb_axes: set[str] = set()  # metrics given their step metric (_log_wandb)
         self.console = console
         self.history: list[dict] = []
         self.eval_history: list[dict] = []  # one record per eval (log_eval)
@@ -59,34 +60,57 @@ class RunLogger:
         Eval lines stay out of `history` (one record per rollout)."""
         metrics = {k: float(v) for k, v in metrics.items()}
         self.eval_history.append({"step": step, **metrics})
-        self._write(step, metrics, wandb_now=False)
+        self._write(step, metrics, axis=EVAL_STEP)
         self.console.eval(step, metrics)
         for name, set_samples in samples.items():
             self.dump_samples(step, set_samples, prefix=f"eval_{name}")
 
-    def _write(self, step: int, metrics: dict[str, float], wandb_now: bool = True) -> None:
-        """One line of metrics.jsonl, and tensorboard / wandb (`wandb_now` False: an eval's,
-        held until rollout `step` is logged, or the run closes)."""
+    def _write(self, step: int, metrics: dict[str, float], axis: str = ROLLOUT_STEP) -> None:
+        """One line of metrics.jsonl, and tensorboard / wandb (`axis`: the wandb step metric)."""
         self._metrics.write(json.dumps({"step": step, **metrics}) + "\n")
         if self._tb is not None:
-            for k, v in metrics.items():
-                self._tb.add_scalar(k, v, step)
+            self._add_scalars(step, metrics)
         if self._wandb is not None:
-            held = self._wandb_pending.pop(step, {})
-            if wandb_now:
-                self._wandb.log({**held, **metrics}, step=step)
-            else:
-                self._wandb_pending[step] = {**held, **metrics}
+            self._log_wandb(step, metrics, axis)
+
+    def _add_scalars(self, step: int, metrics: dict[str, float]) -> None:
+        for k, v in metrics.items():
+            self._tb.add_scalar(k, v, step)
+
+    def _log_wandb(self, step: int, metrics: dict[str, float], axis: str) -> None:
+        """Each metric is plotted against its own step metric (miles' rollout/step and
+        eval/step), never wandb's `step=`: wandb drops a step lower than one it has seen, and
+        the loop logs lower ones twice: an eval after rollout k, tagged k + 1, comes before
+        rollout k's metrics, and after a trainer recovery the rewound steps come again."""
+        for name in metrics.keys() - self._wandb_axes:
+            self._wandb.define_metric(name, step_metric=axis)
+            self._wandb_axes.add(name)
+        self._wandb.log({axis: step, **metrics})
+
+    def _open_tensorboard(self, purge_step: int | None) -> None:
+        """The tensorboard writer. With `purge_step`, tensorboard hides every event an earlier
+        writer logged at that step or later (the run logs them again), and the eval records
+        that metrics.jsonl keeps at that step (ppo.metrics_file.trim_metrics) are written anew."""
+        from torch.utils.tensorboard import SummaryWriter  # needs the `logging` extra
+
+        self._tb = SummaryWriter(str(self.run_dir / "tensorboard"), purge_step=purge_step)
+        if purge_step is not None:
+            for record in read_metrics(self.run_dir):
+                if record.pop("step") == purge_step:
+                    self._add_scalars(purge_step, record)
 
     def rewind(self, last_step: int) -> None:
         """The run goes back to after `last_step` (ppo.recovery): metrics of later steps are
-        dropped from metrics.jsonl and the history, and will be logged again."""
+        dropped from metrics.jsonl, the history and tensorboard, and will be logged again.
+        wandb cannot drop them: the rewound steps' points stay, and the new ones follow."""
         self._metrics.close()
         trim_metrics(self.run_dir, last_step)
         self._metrics = open(self.run_dir / "metrics.jsonl", "a", buffering=1)
         self.history = [h for h in self.history if h["step"] <= last_step]
         self.eval_history = [h for h in self.eval_history if h["step"] <= last_step + 1]  # as trim_metrics
-        self._wandb_pending = {k: v for k, v in self._wandb_pending.items() if k <= last_step + 1}
+        if self._tb is not None:
+            self._tb.close()
+            self._open_tensorboard(purge_step=last_step + 1)
 
     def dump_samples(self, step: int, samples: list[dict], prefix: str = "rollout") -> None:
         if not self._dump:
@@ -98,8 +122,6 @@ class RunLogger:
         if self._tb is not None:
             self._tb.close()
         if self._wandb is not None:
-            for step in sorted(self._wandb_pending):  # evals after the last rollout logged
-                self._wandb.log(self._wandb_pending[step], step=step)
             self._wandb.finish()
         self.console.close(self.history)
 

@@ -5,9 +5,10 @@ of each step's time by phase (the `perf/*_time` metrics, eval's included), as a 
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
+
+from ppo.metrics_file import read_metrics
 
 PANELS = (
     ("rollout/raw_reward", "reward (rollout) and eval pass@1"),
@@ -18,13 +19,6 @@ PANELS = (
     ("train/tis_clipfrac", "TIS clip fraction"),
 )
 BAR_LABELS = {"train": "actor_train", "offload": "handoffs (offload/onload)"}  # perf/train_time is the actor's
-
-
-def read_metrics(run_dir: Path) -> list[dict]:
-    path = run_dir / "metrics.jsonl"
-    if not path.exists():
-        raise FileNotFoundError(f"{path} does not exist: is {run_dir} a Tandem run dir?")
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
 def step_phases(rows: list[dict]) -> tuple[list[str], list[int], list[list[float]]]:

@@ -21,6 +21,7 @@ from ppo.config import override, validate
 from ppo.config.validate import ensure_valid
 from ppo.data import PromptDataset
 from ppo.manifest import write_manifest
+from ppo.metrics_file import trim_metrics
 from ppo.recipes import tiny_ppo
 from ppo.tiny_model import build_tiny_checkpoint
 from runtime.events import read_events
@@ -222,7 +223,7 @@ def test_saves_every_interval_and_after_the_last_rollout():
 def test_trim_metrics_drops_steps_after_the_checkpoint_and_a_torn_line(tmp_path):
     lines = [json.dumps({"step": s, "x": s}) for s in range(4)] + ['{"step": 4, "x"']
     (tmp_path / "metrics.jsonl").write_text("\n".join(lines))
-    ck.trim_metrics(tmp_path, 1)
+    trim_metrics(tmp_path, 1)
     assert [json.loads(x)["step"] for x in (tmp_path / "metrics.jsonl").read_text().splitlines()] == [0, 1]
 
 
@@ -232,7 +233,7 @@ def test_trim_metrics_keeps_the_eval_of_the_checkpointed_weights(tmp_path):
     lines = [{"step": 0, "eval/sums": 0.1}, {"step": 0}, {"step": 1}, {"step": 2, "eval/sums": 0.2}, {"step": 2},
              {"step": 3, "eval/sums": 0.3}]
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
-    ck.trim_metrics(tmp_path, 1)
+    trim_metrics(tmp_path, 1)
     kept = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert kept == lines[:4]
 

@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 
 from ppo.plot import main as plot_main
-from ppo.plot import read_metrics, step_phases
+from ppo.metrics_file import read_metrics
+from ppo.plot import step_phases
 from ppo.recipes import tiny_ppo
 from ppo.trace import TraceBuilder, TraceWriter, build_trace, read_trace
 from runtime.events import EventBus, read_events
