@@ -14,6 +14,7 @@ from ppo.trace import StepPhases
 
 
 ROLLOUT_STEP, EVAL_STEP = "rollout/step", "eval/step"  # wandb's step metrics, as miles names them
+WANDB_ID_FILE = "wandb_run_id"
 
 
 class RunLogger:
@@ -30,7 +31,13 @@ class RunLogger:
             self._open_tensorboard(purge_step=start_step or None)
         if use_wandb:
             import wandb  # needs the `logging` extra
-            self._wandb = wandb.init(project=wandb_project or "tandem", dir=str(run_dir), config=config)
+            # a --load resume goes on in the run's wandb run (whose id it left here), as miles'
+            # --wandb-run-id does
+            id_file = run_dir / WANDB_ID_FILE
+            run_id = id_file.read_text().strip() if start_step and id_file.exists() else None
+            self._wandb = wandb.init(project=wandb_project or "tandem", dir=str(run_dir), config=config,
+                                     id=run_id, resume="allow" if run_id else None)
+            id_file.write_text(self._wandb.id)
             self._wandb_axes: set[str] = set()  # metrics given their step metric (_log_wandb)
         self.console = console
         self.history: list[dict] = []

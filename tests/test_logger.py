@@ -29,8 +29,12 @@ class FakeWandb:
         self.records: list[tuple[int, dict]] = []
         self.dropped: list[int] = []
         self.axes: dict[str, str] = {}
+        self.inits: list[dict] = []
 
-    def init(self, **kwargs):
+    def init(self, id=None, resume=None, **kwargs):
+        """A new run, or with `id` and resume="allow" that run's (its step goes on)."""
+        self.inits.append(dict(id=id, resume=resume))
+        self.id = id or f"run{len(self.inits)}"
         return self
 
     def define_metric(self, name, step_metric=None):
@@ -93,6 +97,22 @@ def test_wandb_keeps_the_steps_a_trainer_recovery_runs_again(tmp_path, monkeypat
     log.close()
     assert wandb.dropped == []
     assert wandb.chart(REWARD) == [(0, 0.0), (1, 1.0), (2, 2.0), (3, 3.0), (2, 12.0), (3, 13.0)]
+
+
+def test_a_resumed_run_goes_on_in_its_wandb_run(tmp_path, monkeypatch):
+    """--load (start_step > 0) in the same run dir: wandb resumes the run whose id the first
+    logger left there, and the steps logged again are kept."""
+    wandb = FakeWandb()
+    monkeypatch.setitem(sys.modules, "wandb", wandb)
+    log = logger(tmp_path, use_wandb=True)
+    run_steps(log, range(3), reward=float, with_evals=False)
+    log.close()
+    trim_metrics(tmp_path, 0)
+    log = logger(tmp_path, use_wandb=True, start_step=1)
+    run_steps(log, (1, 2), reward=lambda s: 10.0 + s, with_evals=False)
+    log.close()
+    assert wandb.inits == [dict(id=None, resume=None), dict(id="run1", resume="allow")]
+    assert wandb.chart(REWARD) == [(0, 0.0), (1, 1.0), (2, 2.0), (1, 11.0), (2, 12.0)]
 
 
 def scalars(run_dir, tag: str) -> list[tuple[int, float]]:

@@ -328,8 +328,10 @@ class PlacementConfig:
 class LoggingConfig:
     run_dir: str = knob("runs/ppo", "logs, events, config.json and error files go here; on the "
                         "command line the default is runs/<recipe>-<date>-<time>")
-    use_tensorboard: bool = knob(False)
-    use_wandb: bool = knob(False)
+    use_tensorboard: bool = knob(False, "metrics to run_dir/tensorboard too (the `logging` extra); a "
+                                 "rewind or --load hides the steps run again (purge_step)")
+    use_wandb: bool = knob(False, "metrics to wandb too (the `logging` extra), against rollout/step and "
+                           "eval/step; --load goes on in the run's wandb run (run_dir/wandb_run_id)")
     wandb_project: str | None = knob(None)
     dump_samples: bool = knob(True, "write each rollout's prompts, responses and rewards to "
                               "run_dir/samples as jsonl")
