@@ -1,5 +1,7 @@
 import os
+import shutil
 import time
+from pathlib import Path
 
 import psutil
 import pytest
@@ -38,6 +40,23 @@ def _alive(p: psutil.Process) -> bool:
         return p.status() != psutil.STATUS_ZOMBIE
     except psutil.Error:
         return False
+
+
+@pytest.fixture(autouse=True)
+def gpu_run_metrics(request):
+    """On the device, where `.ci/gpu` sets TANDEM_TEST_ARTIFACTS (under $OUT): the metrics.jsonl
+    of every run a GPU test made come back, passed or failed, as ARTIFACTS/TEST/PATH, to set
+    beside the CPU's curves (a run's tmp_path stays on the device)."""
+    out = os.environ.get("TANDEM_TEST_ARTIFACTS")
+    if not out or request.node.get_closest_marker("gpu") is None or "tmp_path" not in request.fixturenames:
+        yield
+        return
+    tmp = request.getfixturevalue("tmp_path")
+    yield
+    for path in tmp.glob("**/metrics.jsonl"):
+        dest = Path(out) / request.node.name / path.relative_to(tmp)
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(path, dest)
 
 
 @pytest.fixture

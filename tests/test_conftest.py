@@ -1,0 +1,41 @@
+"""The suite's own plumbing (tests/conftest.py), run in an inner pytest session."""
+
+from __future__ import annotations
+
+import json
+
+pytest_plugins = ["pytester"]
+
+
+def test_a_gpu_tests_run_metrics_come_back_under_the_artifacts_dir_pass_or_fail(pytester, monkeypatch, tmp_path):
+    """What `.ci/gpu` sets up on the device: each GPU test's metrics.jsonl files are copied to
+    $TANDEM_TEST_ARTIFACTS/TEST/PATH after the test, a failing one too; CPU tests copy nothing."""
+    pytester.makeini("[pytest]\nmarkers =\n    gpu: needs a CUDA device\n")
+    pytester.makeconftest("from tests.conftest import gpu_run_metrics  # noqa: F401\n")
+    pytester.makepyfile(test_runs='''
+        import json
+        import pytest
+
+        def write(tmp_path, name, step):
+            (tmp_path / name).mkdir()
+            (tmp_path / name / "metrics.jsonl").write_text(json.dumps({"step": step}) + "\\n")
+
+        @pytest.mark.gpu
+        def test_learns(tmp_path):
+            write(tmp_path, "run", 0)
+            assert False, "below the bar"
+
+        @pytest.mark.gpu
+        def test_two_runs(tmp_path):
+            write(tmp_path, "sync", 1)
+            write(tmp_path, "side", 2)
+
+        def test_cpu(tmp_path):
+            write(tmp_path, "run", 3)
+    ''')
+    artifacts = tmp_path / "artifacts"
+    monkeypatch.setenv("TANDEM_TEST_ARTIFACTS", str(artifacts))
+    pytester.runpytest("-p", "no:cacheprovider").assert_outcomes(passed=2, failed=1)
+    kept = {str(p.relative_to(artifacts)): json.loads(p.read_text())["step"] for p in artifacts.glob("**/metrics.jsonl")}
+    assert kept == {"test_learns/run/metrics.jsonl": 0, "test_two_runs/sync/metrics.jsonl": 1,
+                    "test_two_runs/side/metrics.jsonl": 2}
