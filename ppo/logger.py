@@ -38,6 +38,8 @@ class RunLogger:
             self._wandb = wandb.init(project=wandb_project or "tandem", dir=str(run_dir), config=config,
                                      id=run_id, resume="allow" if run_id else None)
             id_file.write_text(self._wandb.id)
+            for axis in (ROLLOUT_STEP, EVAL_STEP):  # step metrics are declared first, as wandb's docs do
+                self._wandb.define_metric(axis)
             self._wandb_axes: set[str] = set()  # metrics given their step metric (_log_wandb)
         self.console = console
         self.history: list[dict] = []

@@ -82,7 +82,8 @@ def test_wandb_gets_every_rollout_and_eval_against_its_step_metric(tmp_path, mon
     assert wandb.dropped == []
     assert wandb.chart(REWARD) == [(0, 0.0), (1, 1.0)]
     assert wandb.chart(PASS) == [(0, 0.0), (1, 0.0), (2, 0.1)]
-    assert wandb.axes == {REWARD: ROLLOUT_STEP, "perf/step_time": ROLLOUT_STEP, PASS: EVAL_STEP}
+    assert wandb.axes == {ROLLOUT_STEP: None, EVAL_STEP: None, REWARD: ROLLOUT_STEP, "perf/step_time": ROLLOUT_STEP,
+                          PASS: EVAL_STEP}
 
 
 def test_wandb_keeps_the_steps_a_trainer_recovery_runs_again(tmp_path, monkeypatch):
