@@ -51,7 +51,9 @@ class MonitorState:
 
     def __init__(self) -> None:
         self.roles: dict[str, RoleRow] = {}
-        self.leases: dict[int, dict] = {}  # gpu -> {"holder": str | None, "residuals": {holder: bytes}}
+        # (gpu, budget) -> {"holder": str | None, "residuals": {holder: bytes}}; budget "" is a
+        # whole GPU's one lease, a side-by-side GPU has one per budget (runtime.memory)
+        self.leases: dict[tuple[int, str], dict] = {}
         self.gpu_bytes: dict[int, dict[str, int]] = {}  # gpu -> holder -> bytes in use, as last reported
         self.phases: list[dict] = []  # driver phases begun and not ended, outermost first
         self.last_phase: dict | None = None  # the latest phase that ended (begin/end: the driver's)
@@ -126,7 +128,7 @@ class MonitorState:
             row.errors_total = stats.get("errors_total", 0)
 
     def _on_lease(self, event: dict) -> None:
-        lease = self.leases.setdefault(event["gpu"], {"holder": None, "residuals": {}})
+        lease = self.leases.setdefault((event["gpu"], event.get("budget", "")), {"holder": None, "residuals": {}})
         if event["action"] == "acquire":
             lease["holder"] = event["holder"]
         elif event["action"] == "release":
@@ -192,10 +194,9 @@ def render(state: MonitorState, run_dir: str) -> Group:
     if state.step is not None:
         values = "  ".join(f"{name}={_number(value)}" for name, value in state.metrics.items())
         lines.append(f"step {state.step}: {values}")
-    for gpu in sorted(set(state.leases) | set(state.gpu_bytes)):
-        lease = state.leases.get(gpu, {"holder": None, "residuals": {}})
-        residuals = ", ".join(f"{h} keeps {format_bytes(b)}" for h, b in lease["residuals"].items())
-        line = f"gpu {gpu}: lease {lease['holder'] or 'free'}" + (f" ({residuals})" if residuals else "")
+    for gpu in sorted({g for g, _ in state.leases} | set(state.gpu_bytes)):
+        budgets = sorted(b for g, b in state.leases if g == gpu) or [""]
+        line = f"gpu {gpu}: " + ", ".join(_lease_text(b, state.leases.get((gpu, b))) for b in budgets)
         held = state.gpu_bytes.get(gpu)
         if held:  # as each role last reported it (offload, onload, release)
             line += (f"; {format_bytes(sum(held.values()))} in use: "
@@ -204,6 +205,14 @@ def render(state: MonitorState, run_dir: str) -> Group:
     if state.num_rejected:
         lines.append(f"rejected frames: {state.num_rejected} (last: {state.last_rejected})")
     return Group(table, Panel("\n".join(lines) or "no metrics or leases yet", title="training"))
+
+
+def _lease_text(budget: str, lease: dict | None) -> str:
+    """"lease actor (critic keeps 1 MiB)", or "trainers budget actor" on a side-by-side GPU."""
+    lease = lease or {"holder": None, "residuals": {}}
+    residuals = ", ".join(f"{h} keeps {format_bytes(b)}" for h, b in lease["residuals"].items())
+    name = f"{budget} budget" if budget else "lease"
+    return f"{name} {lease['holder'] or 'free'}" + (f" ({residuals})" if residuals else "")
 
 
 def main(argv: list[str] | None = None) -> int:

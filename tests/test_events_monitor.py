@@ -286,7 +286,7 @@ def test_monitor_state_reduces_a_scripted_run():
     assert actor.last_error == "no heartbeat for 31 s"
     assert (rollout.incarnation, rollout.pid, rollout.state, rollout.restarts) == (2, 103, "starting", 1)
     assert rollout.last_error == "killed by SIGKILL"
-    assert state.leases == {0: {"holder": None, "residuals": {"actor": 512}}}
+    assert state.leases == {(0, ""): {"holder": None, "residuals": {"actor": 512}}}
     assert (state.step, state.metrics) == (2, {"loss": 0.5, "kl": 0.01})
     assert state.num_rejected == 1 and state.last_rejected == "supervisor: bad token on control socket"
     assert state.last_seq == len(SCRIPT) and not state.ended and state.failure is None
@@ -320,6 +320,31 @@ PHASES = [
      "gpus": [0], "bytes": 3 << 20, "bytes_in_use": 3 << 20},
     {"event": "phase", "phase": "log_probs", "action": "begin", "track": "driver", "step": 3},
 ]
+
+
+SIDE_BY_SIDE = [  # runtime.memory's events on a GPU split into budgets (ppo.side_by_side)
+    {"event": "lease", "gpu": 0, "budget": "engine", "holder": "rollout-0", "action": "acquire", "bytes_left": None,
+     "residuals": {}},
+    {"event": "lease", "gpu": 0, "budget": "trainers", "holder": "critic", "action": "acquire", "bytes_left": None,
+     "residuals": {}},
+    {"event": "lease", "gpu": 0, "budget": "trainers", "holder": "critic", "action": "release", "bytes_left": 2048,
+     "residuals": {"critic": 2048}},
+    {"event": "lease", "gpu": 0, "budget": "trainers", "holder": "actor", "action": "acquire", "bytes_left": None,
+     "residuals": {"critic": 2048}},
+]
+
+
+def test_monitor_shows_each_budgets_holder_on_a_side_by_side_gpu():
+    """Two tenants hold one GPU at once: the engine's lease stays shown while the trainers'
+    lease passes from the critic to the actor (one lease per GPU showed only the last event's)."""
+    from rich.console import Console
+    state = MonitorState()
+    for seq, event in enumerate(SIDE_BY_SIDE, start=1):
+        state.apply({"seq": seq, "ts": float(seq), **event})
+    console = Console(record=True, width=160)
+    console.print(render(state, "runs/x"))
+    text = console.export_text()
+    assert "gpu 0: engine budget rollout-0, trainers budget actor (critic keeps 2.0 KiB); 2.0 KiB in use: critic 2.0 KiB" in text
 
 
 def test_monitor_shows_the_running_phase_the_lease_holder_and_bytes_per_gpu():
