@@ -275,10 +275,22 @@ SCRIPT = [
 ]
 
 
-def test_monitor_state_reduces_a_scripted_run():
+def replayed(events: list[dict]) -> MonitorState:
     state = MonitorState()
-    for seq, event in enumerate(SCRIPT, start=1):
+    for seq, event in enumerate(events, start=1):
         state.apply({"seq": seq, "ts": float(seq), **event})
+    return state
+
+
+def rendered(state: MonitorState) -> str:
+    from rich.console import Console
+    console = Console(record=True, width=160)
+    console.print(render(state, "runs/x"))
+    return console.export_text()
+
+
+def test_monitor_state_reduces_a_scripted_run():
+    state = replayed(SCRIPT)
     actor, rollout = state.roles["actor"], state.roles["rollout"]
     assert (actor.incarnation, actor.pid, actor.gpus, actor.state) == (1, 101, [0], "hung")
     assert actor.rss_bytes == 2 << 30 and actor.errors_total == 1
@@ -297,13 +309,7 @@ def test_monitor_state_reduces_a_scripted_run():
 
 
 def test_render_shows_roles_metrics_and_leases():
-    from rich.console import Console
-    state = MonitorState()
-    for seq, event in enumerate(SCRIPT, start=1):
-        state.apply({"seq": seq, "ts": float(seq), **event})
-    console = Console(record=True, width=160)
-    console.print(render(state, "runs/x"))
-    text = console.export_text()
+    text = rendered(replayed(SCRIPT))
     assert "2.0 GiB" in text and "10.0" in text and "killed by SIGKILL" in text
     assert "step 2: loss=0.5  kl=0.01" in text
     assert "gpu 0: lease free (actor keeps 512 B)" in text
@@ -337,30 +343,19 @@ SIDE_BY_SIDE = [  # runtime.memory's events on a GPU split into budgets (ppo.sid
 def test_monitor_shows_each_budgets_holder_on_a_side_by_side_gpu():
     """Two tenants hold one GPU at once: the engine's lease stays shown while the trainers'
     lease passes from the critic to the actor (one lease per GPU showed only the last event's)."""
-    from rich.console import Console
-    state = MonitorState()
-    for seq, event in enumerate(SIDE_BY_SIDE, start=1):
-        state.apply({"seq": seq, "ts": float(seq), **event})
-    console = Console(record=True, width=160)
-    console.print(render(state, "runs/x"))
-    text = console.export_text()
+    text = rendered(replayed(SIDE_BY_SIDE))
     assert "gpu 0: engine budget rollout-0, trainers budget actor (critic keeps 2.0 KiB); 2.0 KiB in use: critic 2.0 KiB" in text
 
 
 def test_monitor_shows_the_running_phase_the_lease_holder_and_bytes_per_gpu():
-    from rich.console import Console
-    state = MonitorState()
-    for seq, event in enumerate(PHASES, start=1):
-        state.apply({"seq": seq, "ts": float(seq), **event})
+    state = replayed(PHASES)
     assert [p["name"] for p in state.phases] == ["step", "log_probs"]
     assert state.gpu_bytes == {0: {"rollout-0": 0, "actor": 3 << 20}}
     state.apply({"seq": 50, "ts": 9.0, "event": "spawned", "role": "actor.1", "group": "actor", "incarnation": 0})
     state.apply({"seq": 51, "ts": 9.0, "event": "phase", "phase": "offload", "action": "span", "role": "actor.1",
                  "t0": 8.5, "seconds": 0.5, "gpus": [1], "bytes_in_use": 0})
     assert state.gpu_bytes[1] == {"actor": 0}  # a rank's bytes count under its group, the lease holder
-    console = Console(record=True, width=160)
-    console.print(render(state, "runs/x"))
-    text = console.export_text()
+    text = rendered(state)
     assert "phase: step > log_probs (step 3)" in text
     assert "last finished: driver: rollout 1.50 s" in text  # role spans do not count: they are many
     assert "gpu 0: lease actor; 3.0 MiB in use: actor 3.0 MiB, rollout-0 0 B" in text
