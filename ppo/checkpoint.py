@@ -399,13 +399,15 @@ def resume(job: RunJob, data: PromptDataset) -> ResumePoint:
     """Bring a fresh job to the state of the --load checkpoint: trainers, data position,
     driver RNG, and the engines (a weight sync, so they sample from the saved policy).
 
-    A --load folder with no checkpoint starts the run from the beginning, with a warning.
+    A --load folder with no checkpoint starts the run from the beginning, with a warning (and
+    drops what an earlier run in the same --run-dir logged).
     """
     cfg = job.cfg
     ckpt = job.resume_from  # found and verified by start_job, before any role started
     if ckpt is None:
         logger.warning("--load %s holds no checkpoint: starting from --hf-checkpoint %s",
                        cfg.checkpoint.load, job.hf_checkpoint)
+        trim_metrics(job.run_dir, -1)  # the earlier run's steps are all run again
         return ResumePoint(step=0, version=0)
     if ckpt.step + 1 >= cfg.rollout.num_rollout:
         raise CheckpointError(f"--load {cfg.checkpoint.load}: the checkpoint is after rollout {ckpt.step}, and "

@@ -5,6 +5,7 @@ a progress bar, plain lines or json, fitted to where the output goes)."""
 from __future__ import annotations
 
 import json
+import os
 import time
 from pathlib import Path
 
@@ -20,24 +21,27 @@ WANDB_ID_FILE = "wandb_run_id"
 class RunLogger:
     def __init__(self, run_dir: Path, *, num_rollout: int, publish, console: RunConsole,
                  use_tensorboard: bool = False, use_wandb: bool = False, wandb_project: str | None = None,
-                 dump_samples: bool = True, config: dict | None = None, start_step: int = 0):
+                 dump_samples: bool = True, config: dict | None = None, start_step: int = 0,
+                 resumed: bool = False):
         self.run_dir = run_dir
         self._metrics = open(run_dir / "metrics.jsonl", "a", buffering=1)
         self._publish = publish
         self._dump = dump_samples
         self._tb = self._wandb = None
         if use_tensorboard:
-            # resumed (--load): what a crashed run logged from start_step on is hidden
-            self._open_tensorboard(purge_step=start_step or None)
+            # resumed (--load): what the earlier run logged from start_step on is hidden
+            self._open_tensorboard(purge_step=start_step if resumed else None)
         if use_wandb:
             import wandb  # needs the `logging` extra
             # a --load resume goes on in the run's wandb run (whose id it left here), as miles'
             # --wandb-run-id does
             id_file = run_dir / WANDB_ID_FILE
-            run_id = id_file.read_text().strip() if start_step and id_file.exists() else None
+            run_id = (id_file.read_text().strip() or None) if resumed and start_step and id_file.exists() else None
             self._wandb = wandb.init(project=wandb_project or "tandem", dir=str(run_dir), config=config,
                                      id=run_id, resume="allow" if run_id else None)
-            id_file.write_text(self._wandb.id)
+            tmp = id_file.with_name(f".{WANDB_ID_FILE}.tmp")
+            tmp.write_text(self._wandb.id)
+            os.replace(tmp, id_file)  # never a torn id for the next --load
             for axis in (ROLLOUT_STEP, EVAL_STEP):  # step metrics are declared first, as wandb's docs do
                 self._wandb.define_metric(axis)
             self._wandb_axes: set[str] = set()  # metrics given their step metric (_log_wandb)
@@ -97,9 +101,11 @@ class RunLogger:
         self._wandb.log({axis: step, **metrics})
 
     def _open_tensorboard(self, purge_step: int | None) -> None:
-        """The tensorboard writer. With `purge_step`, tensorboard hides every event an earlier
-        writer logged at that step or later (the run logs them again), and the eval records
-        that metrics.jsonl keeps at that step (ppo.metrics_file.trim_metrics) are written anew."""
+        """The tensorboard writer. With `purge_step`, tensorboard's event reader hides every
+        event an earlier writer logged at that step or later (the run logs them again); its
+        fast loader (the Rust data server, --load_fast) instead replaces a tag's points from
+        the step that tag is logged at again. The eval records that metrics.jsonl keeps at
+        that step (ppo.metrics_file.trim_metrics) are written anew."""
         from torch.utils.tensorboard import SummaryWriter  # needs the `logging` extra
 
         self._tb = SummaryWriter(str(self.run_dir / "tensorboard"), purge_step=purge_step)

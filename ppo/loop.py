@@ -81,7 +81,8 @@ def run(job: Job, stops: SignalStops | None = None) -> list[dict]:
     log = RunLogger(job.run_dir, num_rollout=cfg.rollout.num_rollout, publish=job.sup.publish,
                     use_tensorboard=cfg.logging.use_tensorboard, use_wandb=cfg.logging.use_wandb,
                     wandb_project=cfg.logging.wandb_project, dump_samples=cfg.logging.dump_samples,
-                    config=to_dict(cfg), start_step=start.step, console=job.console)
+                    config=to_dict(cfg), start_step=start.step, resumed=cfg.checkpoint.load is not None,
+                    console=job.console)
     recoveries, first_step = 0, start.step
     try:
         while True:

@@ -184,8 +184,9 @@ class TraceBuilder:
         return out + [self._instant(where, "failed", e["ts"], reason=e.get("reason"))]
 
     def _on_lease(self, e: dict) -> list[dict]:
-        gpu, holder = e["gpu"], e["holder"]
-        where, out = self._track(f"gpu {gpu}", "lease", _GPU + gpu)
+        gpu, holder, budget = e["gpu"], e["holder"], e.get("budget")
+        # a side-by-side GPU has a lease per budget (runtime.memory), each its own span track
+        where, out = self._track(f"gpu {gpu}", f"lease: {budget} budget" if budget else "lease", _GPU + gpu)
         if e["action"] == "acquire":
             out.append(self._begin(where, holder, e["ts"], residuals=e.get("residuals")))
             return out

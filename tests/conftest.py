@@ -1,4 +1,5 @@
 import os
+import re
 import shutil
 import time
 from pathlib import Path
@@ -54,7 +55,8 @@ def gpu_run_metrics(request):
     tmp = request.getfixturevalue("tmp_path")
     yield
     for path in tmp.glob("**/metrics.jsonl"):
-        dest = Path(out) / request.node.name / path.relative_to(tmp)
+        # a parametrized test's [id] becomes _id_: the device tool leaves odd names out
+        dest = Path(out) / re.sub(r"[^\w.-]", "_", request.node.name) / path.relative_to(tmp)
         dest.parent.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(path, dest)
 

@@ -26,9 +26,10 @@ def test_a_gpu_tests_run_metrics_come_back_under_the_artifacts_dir_pass_or_fail(
             assert False, "below the bar"
 
         @pytest.mark.gpu
-        def test_two_runs(tmp_path):
+        @pytest.mark.parametrize("mode", ["side"])
+        def test_two_runs(tmp_path, mode):
             write(tmp_path, "sync", 1)
-            write(tmp_path, "side", 2)
+            write(tmp_path, mode, 2)
 
         def test_cpu(tmp_path):
             write(tmp_path, "run", 3)
@@ -37,5 +38,5 @@ def test_a_gpu_tests_run_metrics_come_back_under_the_artifacts_dir_pass_or_fail(
     monkeypatch.setenv("TANDEM_TEST_ARTIFACTS", str(artifacts))
     pytester.runpytest("-p", "no:cacheprovider").assert_outcomes(passed=2, failed=1)
     kept = {str(p.relative_to(artifacts)): json.loads(p.read_text())["step"] for p in artifacts.glob("**/metrics.jsonl")}
-    assert kept == {"test_learns/run/metrics.jsonl": 0, "test_two_runs/sync/metrics.jsonl": 1,
-                    "test_two_runs/side/metrics.jsonl": 2}
+    assert kept == {"test_learns/run/metrics.jsonl": 0, "test_two_runs_side_/sync/metrics.jsonl": 1,
+                    "test_two_runs_side_/side/metrics.jsonl": 2}

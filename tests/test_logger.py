@@ -109,11 +109,14 @@ def test_a_resumed_run_goes_on_in_its_wandb_run(tmp_path, monkeypatch):
     run_steps(log, range(3), reward=float, with_evals=False)
     log.close()
     trim_metrics(tmp_path, 0)
-    log = logger(tmp_path, use_wandb=True, start_step=1)
+    log = logger(tmp_path, use_wandb=True, start_step=1, resumed=True)
     run_steps(log, (1, 2), reward=lambda s: 10.0 + s, with_evals=False)
     log.close()
     assert wandb.inits == [dict(id=None, resume=None), dict(id="run1", resume="allow")]
     assert wandb.chart(REWARD) == [(0, 0.0), (1, 1.0), (2, 2.0), (1, 11.0), (2, 12.0)]
+    (tmp_path / "wandb_run_id").write_text("")  # written by no version of this code, but a disk can
+    logger(tmp_path, use_wandb=True, start_step=1, resumed=True).close()
+    assert wandb.inits[-1] == dict(id=None, resume=None)  # a new run, not wandb's "Run ID cannot be empty"
 
 
 def scalars(run_dir, tag: str) -> list[tuple[int, float]]:
@@ -130,7 +133,6 @@ def test_tensorboard_shows_each_step_once_after_a_rewind_and_a_resume(tmp_path):
     """A rewind (trainer recovery) and a --load resume reopen the writer with purge_step: the
     abandoned steps are hidden, the eval of the checkpointed weights (tagged with the next
     step, kept in metrics.jsonl) is written again, and the steps run again show their new values."""
-    pytest.importorskip("tensorboard")
     log = logger(tmp_path, use_tensorboard=True)
     run_steps(log, range(4), reward=float)
     log.rewind(1)  # back to the checkpoint of rollout 1
@@ -140,9 +142,15 @@ def test_tensorboard_shows_each_step_once_after_a_rewind_and_a_resume(tmp_path):
     assert scalars(tmp_path, PASS) == [(1, 0.0), (2, 0.1), (3, 1.2), (4, 1.3), (5, 1.4)]
 
     trim_metrics(tmp_path, 2)  # the run crashed; --load the checkpoint of rollout 2 (ppo.checkpoint.resume)
-    log = logger(tmp_path, use_tensorboard=True, start_step=3)
+    log = logger(tmp_path, use_tensorboard=True, start_step=3, resumed=True)
     run_steps(log, (3,), reward=lambda s: 20.0 + s)
     log.close()
     assert scalars(tmp_path, REWARD) == [(0, 0.0), (1, 1.0), (2, 12.0), (3, 23.0)]
     assert scalars(tmp_path, PASS) == [(1, 0.0), (2, 0.1), (3, 1.2), (4, 2.3)]
-    assert [r["step"] for r in read_metrics(tmp_path)] == [1, 0, 2, 1, 3, 2, 4, 3]  # as tensorboard shows it
+    assert [r["step"] for r in read_metrics(tmp_path)] == [1, 0, 2, 1, 3, 2, 4, 3]  # each rollout's eval line before its own
+
+    trim_metrics(tmp_path, -1)  # --load of a folder with no checkpoint: the run starts over
+    log = logger(tmp_path, use_tensorboard=True, start_step=0, resumed=True)
+    run_steps(log, (0,), reward=lambda s: 30.0 + s)
+    log.close()
+    assert scalars(tmp_path, REWARD) == [(0, 30.0)]

@@ -157,6 +157,23 @@ def test_trace_builder_marks_deaths_and_restarts_and_ends_open_spans():
     assert begins == Counter((e["pid"], e["tid"]) for e in trace if e["ph"] == "E")
 
 
+def test_a_side_by_side_gpus_budgets_each_have_a_lease_track():
+    """The engine holds its budget's lease while the trainers' passes from critic to actor: the
+    critic's release ends the critic's span, not the engine's (one track per GPU ended it)."""
+    builder, trace = TraceBuilder(), []
+    lease = dict(event="lease", gpu=0, residuals={}, bytes_left=None)
+    for e in [dict(lease, budget="engine", holder="rollout-0", action="acquire", ts=1.0),
+              dict(lease, budget="trainers", holder="critic", action="acquire", ts=2.0),
+              dict(lease, budget="trainers", holder="critic", action="release", bytes_left=0, ts=3.0),
+              dict(lease, budget="trainers", holder="actor", action="acquire", ts=4.0)]:
+        e["seq"] = len(trace)
+        trace += builder.add(e)
+    tracks = {e["tid"]: e["args"]["name"] for e in trace if e.get("name") == "thread_name"}
+    spans = [(tracks[e["tid"]], e["ph"], e.get("name")) for e in trace if e["ph"] in "BE"]
+    assert spans == [("lease: engine budget", "B", "rollout-0"), ("lease: trainers budget", "B", "critic"),
+                     ("lease: trainers budget", "E", None), ("lease: trainers budget", "B", "actor")]
+
+
 @pytest.mark.timeout(60)
 def test_a_trace_is_readable_while_the_run_goes_and_after_a_crash(tmp_path):
     bus = EventBus(tmp_path)
