@@ -407,7 +407,7 @@ def resume(job: RunJob, data: PromptDataset) -> ResumePoint:
     if ckpt is None:
         logger.warning("--load %s holds no checkpoint: starting from --hf-checkpoint %s",
                        cfg.checkpoint.load, job.hf_checkpoint)
-        trim_metrics(job.run_dir, -1)  # the earlier run's steps are all run again
+        (job.run_dir / "metrics.jsonl").unlink(missing_ok=True)  # every step runs again, the eval before rollout 0 too
         return ResumePoint(step=0, version=0)
     if ckpt.step + 1 >= cfg.rollout.num_rollout:
         raise CheckpointError(f"--load {cfg.checkpoint.load}: the checkpoint is after rollout {ckpt.step}, and "
