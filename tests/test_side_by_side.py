@@ -123,6 +123,8 @@ def test_side_by_side_async_on_one_fake_gpu_keeps_the_engine_resident_in_its_bud
     leases = [e for e in events if e["event"] == "lease"]
     engine = [e["action"] for e in leases if e["holder"] == "rollout-0"]
     assert engine == ["acquire"]  # at spawn; never given up (no release, no handoff)
+    [load] = [e for e in events if e["event"] == "phase" and e["phase"] == "load" and e.get("role") == "rollout-0"]
+    assert load["bytes_in_use"] > 0  # the monitor's and the trace's only report of the engine's bytes
     assert {e["budget"] for e in leases} == {"engine", "trainers"}
     # the rollout ahead generated while the trainers held their budget
     generating = [e["ts"] for e in events if e["event"] == "state" and e["role"] == "rollout-0"

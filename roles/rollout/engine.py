@@ -113,6 +113,7 @@ class RolloutEngine(Actor):
         holder = self.context.name if self.context is not None else f"rollout-{engine_index}"
         self._memory = DeviceMemory(holder)
         self._backend_tags = _BACKEND_TAGS[backend]
+        t0 = time.time()
         self._backend = _build_backend(
             backend, hf_checkpoint, seed=seed, memory=self._memory, dtype=dtype,
             max_batch_size=max_batch_size, kv_cache_bytes=kv_cache_bytes, mem_fraction=mem_fraction,
@@ -121,6 +122,10 @@ class RolloutEngine(Actor):
         self._released: set[str] = set()
         self._weight_version = 0
         self._num_generate_calls = 0
+        # what it holds from the start: side by side the engine never releases, and this is
+        # the one report of its bytes the monitor and the trace get
+        in_use = self._backend.bytes_in_use()
+        self.publish_span("load", t0, bytes=in_use, bytes_in_use=in_use)
 
     # -- generation -------------------------------------------------------------------
     @endpoint
