@@ -46,8 +46,8 @@ def _alive(p: psutil.Process) -> bool:
 @pytest.fixture(autouse=True)
 def gpu_run_metrics(request):
     """On the device, where `.ci/gpu` sets TANDEM_TEST_ARTIFACTS (under $OUT): the metrics.jsonl
-    of every run a GPU test made come back, passed or failed, as ARTIFACTS/TEST/PATH, to set
-    beside the CPU's curves (a run's tmp_path stays on the device)."""
+    of every run a GPU test made come back, passed or failed, as ARTIFACTS/TEST__PATH (one
+    level: the device tool leaves deeper folders out), to set beside the CPU's curves."""
     out = os.environ.get("TANDEM_TEST_ARTIFACTS")
     if not out or request.node.get_closest_marker("gpu") is None or "tmp_path" not in request.fixturenames:
         yield
@@ -56,7 +56,8 @@ def gpu_run_metrics(request):
     yield
     for path in tmp.glob("**/metrics.jsonl"):
         # a parametrized test's [id] becomes _id_: the device tool leaves odd names out
-        dest = Path(out) / re.sub(r"[^\w.-]", "_", request.node.name) / path.relative_to(tmp)
+        name = re.sub(r"[^\w.-]", "_", request.node.name) + "__" + "__".join(path.relative_to(tmp).parts)
+        dest = Path(out) / name
         dest.parent.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(path, dest)
 
