@@ -12,11 +12,11 @@ never waits on the trainers.
 SMs. Under MPS each role process gets a share of the SMs (--engine-sm-percentage,
 --trainer-sm-percentage) and the trainers a scheduling priority against the engine's
 (--trainer-mps-priority; by default 100/100 with the trainers below_normal: a static split
-holds a role to its share while the other idles), each share checked first to compute right: at some shares cuBLAS leaves
-GEMM outputs unwritten without an error (roles.gemm_check). `choose` is the launcher's: where
-MPS cannot start or a share fails the check it says so in one line and the run is the
-synchronous colocated plan, the same config without --train-async. On
-fake GPUs (the CPU computes: no SMs) that is the launcher's answer too; `ppo.loop.train`, given a
+holds a role to its share while the other idles), each role's client checked first to compute
+right: at some shares cuBLAS leaves GEMM outputs unwritten without an error (roles.compute_check).
+`choose` is the launcher's: where MPS cannot start or a role's client fails the check it says so
+in one line and the run is the synchronous colocated plan, the same config without
+--train-async. On fake GPUs (the CPU computes: no SMs) that is the launcher's answer too; `ppo.loop.train`, given a
 side-by-side config and no partition, runs side by side without one (the CPU tests of the
 budgets and the loop).
 """
@@ -84,51 +84,72 @@ class SmPartition:
             self.daemon.stop()
 
 
-GEMM_CHECK_TIMEOUT_S = 180.0
-Check = Callable[[mps.MpsDaemon, list[int]], str | None]
+CHECK_SECONDS = 5.0  # each role's check repeats this long, so that the clients' checks overlap
+CHECK_TIMEOUT_S = 180.0
+Check = Callable[[dict[str, dict[str, str]]], str | None]
 
 
-def check_shares(daemon: mps.MpsDaemon, percentages: list[int]) -> str | None:
-    """Run roles.gemm_check in an MPS client at each share, all at once (each pays a CUDA
-    start and a cuBLAS load, not timed on the GPU yet); why the first share that fails cannot be used, or None when all pass."""
-    shares = sorted(set(percentages))
-    what = f"checking bf16 GEMMs in MPS clients at {', '.join(f'{p}%' for p in shares)} of the SMs"
+def _client(env: dict[str, str]) -> str:
+    """'100% of the SMs, below_normal': a role's MPS client, from its environment."""
+    priority = {v: k for k, v in mps.PRIORITIES.items()}[env["CUDA_MPS_CLIENT_PRIORITY"]]
+    return f"{env['CUDA_MPS_ACTIVE_THREAD_PERCENTAGE']}% of the SMs, {priority}"
+
+
+def check_roles(envs: dict[str, dict[str, str]]) -> str | None:
+    """Run roles.compute_check in each role's MPS client (`envs`: SmPartition.role_env), all at
+    once and for CHECK_SECONDS each, so that each runs beside the other as the roles will (each
+    also pays a CUDA start and a cuBLAS load); why the first role's client that computes wrong
+    cannot be used, or None when all compute right."""
+    clients = ", ".join(f"{role} at {_client(env)}" for role, env in envs.items())
+    what = f"checking GEMMs and the onload copy in the roles' MPS clients ({clients})"
     print(f"[startup] {what} ...", file=sys.stderr, flush=True)
     start = time.monotonic()
-    procs = {p: subprocess.Popen([sys.executable, "-m", "roles.gemm_check"], stdout=subprocess.PIPE,
-                                 stderr=subprocess.PIPE, text=True,
-                                 env={**os.environ, **daemon.client_env(percentage=p)})
-             for p in shares}
+    procs = {role: subprocess.Popen([sys.executable, "-m", "roles.compute_check", "--seconds", str(CHECK_SECONDS)],
+                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                    env={**os.environ, **env})
+             for role, env in envs.items()}
     results = {}
-    for p, proc in procs.items():
+    for role, proc in procs.items():
         try:
-            results[p] = proc.communicate(timeout=GEMM_CHECK_TIMEOUT_S) + (proc.returncode,)
+            results[role] = proc.communicate(timeout=CHECK_TIMEOUT_S) + (proc.returncode,)
         except subprocess.TimeoutExpired:
             proc.kill()
-            results[p] = ("", f"no answer in {GEMM_CHECK_TIMEOUT_S:.0f} s", -9)
+            results[role] = ("", f"no answer in {CHECK_TIMEOUT_S:.0f} s", -9)
     print(f"[startup] {what}: done in {time.monotonic() - start:.2f} s", file=sys.stderr, flush=True)
-    for p, (out, err, rc) in results.items():
-        if rc == 0:
-            continue
-        try:
-            report = json.loads(out.strip().splitlines()[-1])
-        except (IndexError, json.JSONDecodeError):
-            return f"the GEMM check in an MPS client at {p}% of the SMs failed (exit {rc}): {err.strip()[-300:]}"
-        if "unwritten" not in report:
-            return f"the GEMM check in an MPS client at {p}% of the SMs could not run: {report.get('error')}"
-        m, k, n = report["unwritten"][0]
-        return (f"under MPS at {p}% of the SMs ({report['sms']} SMs) cuBLAS left the output of "
-                f"{len(report['unwritten'])} of {report['checked']} bf16 GEMMs unwritten (the first: "
-                f"{m}x{k} @ {k}x{n}), so a role there would compute wrong results (roles.gemm_check; on the H200 60 and "
-                f"75% fail, 25, 50, 90 and 100% pass): choose other --engine-sm-percentage / "
-                f"--trainer-sm-percentage")
+    for role, (out, err, rc) in results.items():
+        why = verdict(f"the {role}'s MPS client ({_client(envs[role])})", out, err, rc)
+        if why is not None:
+            return why
     return None
 
 
-def choose(cfg: PPOConfig, check: Check = check_shares) -> SmPartition | None:
+def verdict(where: str, out: str, err: str, rc: int) -> str | None:
+    """Why the client `where` cannot be used, from its roles.compute_check run (standard output
+    and error, exit code); None when it computed right."""
+    if rc == 0:
+        return None
+    try:
+        report = json.loads(out.strip().splitlines()[-1])
+    except (IndexError, json.JSONDecodeError):
+        return f"the compute check in {where} failed (exit {rc}): {err.strip()[-300:]}"
+    if "wrong" not in report:
+        return f"the compute check in {where} could not run: {report.get('error')}"
+    wrong = [f"{len(report['wrong'])} bf16 GEMMs"] if report["wrong"] else []
+    wrong += [f"{len(report['copy'])} onload copies"] if report["copy"] else []
+    first = ""
+    if report["wrong"]:
+        layout, m, k, n = report["wrong"][0]
+        first = f" (the first: the {layout} GEMM of a linear of {m} x {k} -> {n})"
+    return (f"in {where} ({report['sms']} SMs) {' and '.join(wrong)} of {report['checked']} checks came out "
+            f"wrong{first}, so the role would compute wrong results (roles.compute_check; on the H200 cuBLAS left "
+            f"forward GEMMs unwritten at 60 and 75% of the SMs, where 25, 50, 90 and 100% passed alone): choose "
+            f"other --engine-sm-percentage / --trainer-sm-percentage / --trainer-mps-priority")
+
+
+def choose(cfg: PPOConfig, check: Check = check_roles) -> SmPartition | None:
     """The launcher's decision for a side-by-side config: MPS found or started, and each role's
-    SM share checked to compute right (`check`), or the synchronous colocated plan with the one
-    line that says why (`fallback`). None for any other config."""
+    client (its SM share and priority) checked to compute right (`check`), or the synchronous
+    colocated plan with the one line that says why (`fallback`). None for any other config."""
     if not C.side_by_side(cfg):
         return None
     p = cfg.placement
@@ -140,9 +161,10 @@ def choose(cfg: PPOConfig, check: Check = check_shares) -> SmPartition | None:
         except mps.MpsUnavailable as e:
             why = f"side by side needs MPS to split the GPU's SMs and it cannot start ({e})"
         else:
-            why = check(daemon, [p.engine_sm_percentage, p.trainer_sm_percentage])
+            partition = SmPartition(cfg=cfg, daemon=daemon, fallback=None)
+            why = check(partition.role_env())
             if why is None:
-                return SmPartition(cfg=cfg, daemon=daemon, fallback=None)
+                return partition
             daemon.stop()
     return SmPartition(cfg=ensure_valid(override(cfg, train_async=False)), daemon=None,
                        fallback=f"{why}: running the synchronous colocated plan (--colocate without --train-async)")

@@ -5,7 +5,7 @@ of its SMs (CUDA_MPS_ACTIVE_THREAD_PERCENTAGE, read by the CUDA runtime of each 
 it starts). Without MPS two processes on one GPU are time-sliced: side by side then gains
 1.11x over running in turn, with MPS at 25/75 1.42x (issue 27's probe on the H200; but at 75%
 cuBLAS leaves many GEMM outputs unwritten, so that probe's matmuls may not all have run). At
-some shares cuBLAS computes wrong in a client (roles.gemm_check): the launcher checks each first.
+some shares cuBLAS computes wrong in a client (roles.compute_check): the launcher checks each role's first.
 
     daemon = find_or_start()                 # MpsUnavailable says why not
     env = daemon.client_env(percentage=25)   # for one role process (priority="below_normal": it yields)

@@ -2,6 +2,7 @@
 run (ppo.side_by_side.choose), against tests/fakes/mps/nvidia-cuda-mps-control on PATH: a fake
 that starts and stops like the real control program (its docstring says where it differs)."""
 
+import json
 import os
 import sys
 import types
@@ -15,7 +16,7 @@ from ppo.config.schema import MPS_PRIORITIES
 from ppo.config.serialize import override
 from ppo.config.validate import ensure_valid
 from ppo.recipes import tiny_ppo
-from ppo.side_by_side import check_shares, choose
+from ppo.side_by_side import check_roles, choose, verdict
 from runtime import mps
 
 FAKE_BIN = str(Path(__file__).parent / "fakes" / "mps")
@@ -122,10 +123,10 @@ def test_on_gpus_the_launcher_runs_side_by_side_under_mps_with_each_roles_share(
     cfg = side(fake_gpus=False, engine_sm_percentage=30, trainer_sm_percentage=100,
                trainer_mps_priority="below_normal")
     checked = []
-    sm = choose(cfg, check=lambda daemon, shares: checked.append(shares))  # every share computes right
-    assert checked == [[30, 100]]
+    sm = choose(cfg, check=checked.append)  # every role's client computes right
     assert sm.cfg == cfg and sm.fallback is None and sm.daemon.started
     env = sm.role_env()
+    assert checked == [env]  # each role's own client checked: its share and its priority
     assert env["engine"]["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] == "30"
     assert env["trainer"]["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] == "100"
     assert env["engine"]["CUDA_MPS_CLIENT_PRIORITY"] == "0" and env["trainer"]["CUDA_MPS_CLIENT_PRIORITY"] == "1"
@@ -147,26 +148,45 @@ def test_where_mps_cannot_start_the_launcher_runs_the_synchronous_colocated_plan
     assert "fake GPUs have none to split" in choose(side()).fallback
 
 
-def test_a_share_where_gemms_come_out_unwritten_stops_our_daemon_and_runs_the_synchronous_plan(fake_mps):
-    why = "under MPS at 75% of the SMs (98 SMs) cuBLAS left the output of 9 of 10 bf16 GEMMs unwritten"
-    sm = choose(side(fake_gpus=False, trainer_sm_percentage=75), check=lambda daemon, shares: why)
+def test_a_client_that_computes_wrong_stops_our_daemon_and_runs_the_synchronous_plan(fake_mps):
+    why = "in the trainer's MPS client (75% of the SMs, below_normal) (98 SMs) 9 of 33 checks came out wrong"
+    sm = choose(side(fake_gpus=False, trainer_sm_percentage=75), check=lambda envs: why)
     assert sm.daemon is None and not sm.cfg.rollout.train_async
     assert sm.fallback == why + ": running the synchronous colocated plan (--colocate without --train-async)"
     assert calls(fake_mps)[-1] == "quit"  # the daemon we started is stopped
 
 
-def test_the_gemm_check_runs_in_a_client_of_each_share_and_says_when_it_cannot_run(fake_mps, capsys):
+def test_the_verdict_names_the_client_what_came_out_wrong_and_the_flags_to_change():
+    where = "the trainer's MPS client (100% of the SMs, below_normal)"
+    report = {"sms": 132, "rounds": 4, "checked": 33, "wrong": [["wgrad", 162, 4096, 24576], ["dgrad", 71, 4096, 4096]],
+              "copy": [4098]}
+    why = verdict(where, json.dumps(report) + "\n", "", 1)
+    assert why.startswith("in the trainer's MPS client (100% of the SMs, below_normal) (132 SMs) 2 bf16 GEMMs and "
+                          "1 onload copies of 33 checks came out wrong (the first: the wgrad GEMM of a linear of "
+                          "162 x 4096 -> 24576), so the role would compute wrong results")
+    assert why.endswith("choose other --engine-sm-percentage / --trainer-sm-percentage / --trainer-mps-priority")
+    assert verdict(where, json.dumps({**report, "wrong": [], "copy": []}), "", 0) is None
+    assert verdict(where, "", "Traceback ...\nRuntimeError: CUDA error: out of memory", 1) == (
+        f"the compute check in {where} failed (exit 1): Traceback ...\nRuntimeError: CUDA error: out of memory")
+
+
+def test_the_check_runs_in_each_roles_client_at_once_and_says_when_it_cannot_run(fake_mps, capsys):
     """The real check in its subprocesses, with the fake daemon's environment: on this machine
-    there is no CUDA device, so it cannot run, and says so (its verdicts: tests/test_gemm_check.py)."""
+    there is no CUDA device, so it cannot run, and says so (its verdicts: tests/test_compute_check.py)."""
     daemon = mps.find_or_start()
     try:
-        why = check_shares(daemon, [50, 50, 25])
+        envs = {"engine": daemon.client_env(percentage=25),
+                "trainer": daemon.client_env(percentage=100, priority="below_normal")}
+        why = check_roles(envs)
     finally:
         daemon.stop()
-    assert why == "the GEMM check in an MPS client at 25% of the SMs could not run: no CUDA device in this process"
+    assert why == ("the compute check in the engine's MPS client (25% of the SMs, normal) could not run: "
+                   "no CUDA device in this process")
     progress = capsys.readouterr().err.splitlines()
-    assert progress[0] == "[startup] checking bf16 GEMMs in MPS clients at 25%, 50% of the SMs ..."
-    assert progress[1].startswith("[startup] checking bf16 GEMMs in MPS clients at 25%, 50% of the SMs: done in ")
+    what = ("checking GEMMs and the onload copy in the roles' MPS clients (engine at 25% of the SMs, normal, "
+            "trainer at 100% of the SMs, below_normal)")
+    assert progress[0] == f"[startup] {what} ..."
+    assert progress[1].startswith(f"[startup] {what}: done in ")
 
 
 def test_the_launcher_says_so_in_one_line_and_trains_the_synchronous_plan(monkeypatch, capsys):

@@ -313,7 +313,7 @@ class PlacementConfig:
     # iteration against the synchronous one; docs/benchmarks.md, side by side): 50/50 1.00x,
     # 50/100 with the trainers below_normal 0.99x, 100/100 below_normal 0.91x. cuBLAS leaves GEMM
     # outputs unwritten in a client at 60 or 75% (the first default, 25/75, made every update NaN)
-    # and is right at 25, 50, 90, 100 (roles.gemm_check, which the launcher runs at each share)
+    # and is right at 25, 50, 90, 100 (roles.compute_check, which the launcher runs in each role's client)
     engine_sm_percentage: int = knob(
         100, "side by side: the share of the GPU's SMs (percent) MPS gives each engine", ge=1, le=100)
     trainer_sm_percentage: int = knob(

@@ -1,0 +1,115 @@
+"""Whether this process's GPU computes what a role runs on it: bf16 GEMMs in the three layouts
+of a linear layer (the forward's x @ w^T, the backward's dy @ w and dy^T @ x), and the SM-copy
+onload of a trainer's offloaded state (roles.device.host_to_device from a page-locked block).
+Under MPS at some SM shares cuBLAS leaves GEMM outputs unwritten and reports no error.
+
+Found on the H200 (CUDA 13, torch 2.11, 2026-12-04; docs/benchmarks.md, side by side): in an
+MPS client at 60% or 75% of the SMs (78 or 98 SMs), `F.linear` returned its output block
+untouched for 46-158 of ~160 sizes per shape, from the tiny model's 64x256 to Qwen3-4B's
+4096x24576, whichever BLAS library torch prefers; at 25, 50, 90 and 100% (32, 66, 118, 132
+SMs) and without MPS, every forward was right. The side-by-side run's trainers, at 75%,
+skipped every update as non-finite. That probe checked only the forward layout, one client at
+a time, at normal priority; a trainer also runs the backward's two layouts and the onload
+copy, beside a busy engine, at its own priority. So ppo.side_by_side.choose runs this module in
+each role's own MPS client (its share and priority), all at once and for a few seconds
+(--seconds), as the roles run side by side.
+
+    python -m roles.compute_check [--seconds S]
+    # JSON {"sms", "rounds", "checked", "wrong": [[op, M, K, N], ...], "copy": [bytes, ...]}; exit 1 if any
+
+Each GEMM output is made to land on a block just filled with NaN (the caching allocator hands
+the freed block back for the same size), so an unwritten output cannot pass by chance as zeros;
+each copy lands on bytes just set to the complement of its source.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from typing import Callable
+
+import torch
+
+from roles.device import HostBlock, host_to_device
+
+# (M, K, N) of a linear y[M, N] = x[M, K] @ w[N, K]^T: sizes that failed at 60 or 75% on the
+# H200, the tiny model's and Qwen3-4B's layer shapes, and a few that passed
+SHAPES = [(134, 64, 256), (260, 64, 128), (519, 128, 64), (71, 4096, 4096), (211, 4096, 4096),
+          (1, 4096, 24576), (162, 4096, 24576), (8, 64, 256), (1024, 64, 256), (2048, 4096, 4096)]
+# A linear's three GEMMs: the output's shape and its two operands, from x, w and dy = dL/dy
+LAYOUTS: dict[str, Callable[[torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]] = {
+    "forward": lambda x, w, dy: (x, w.t()),  # y = x @ w^T
+    "dgrad": lambda x, w, dy: (dy, w),  # dx = dy @ w
+    "wgrad": lambda x, w, dy: (dy.t(), x),  # dw = dy^T @ x
+}
+# Bytes of the onload copies: large, and odd sizes that take host_to_device's byte-wise path
+COPY_SIZES = [64 << 20, (1 << 20) + 3, 4096 + 2]
+
+
+def wrong_gemms(device: str | torch.device, matmul: Callable = torch.matmul,
+                shapes: list[tuple[int, int, int]] = SHAPES) -> list[tuple[str, int, int, int]]:
+    """(layout, M, K, N) of each bf16 GEMM whose output differs from a float32 reference beyond
+    bf16's rounding (an unwritten output is NaN: the block was just filled with it)."""
+    g = torch.Generator(device=device).manual_seed(0)
+    bad = []
+    for m, k, n in shapes:
+        x = torch.randn(m, k, device=device, dtype=torch.bfloat16, generator=g)
+        w = torch.randn(n, k, device=device, dtype=torch.bfloat16, generator=g) * 0.05
+        dy = torch.randn(m, n, device=device, dtype=torch.bfloat16, generator=g)
+        for layout, operands in LAYOUTS.items():
+            a, b = operands(x, w, dy)
+            torch.full((a.shape[0], b.shape[1]), float("nan"), device=device, dtype=torch.bfloat16)  # freed, reused below
+            out = matmul(a, b).float()
+            ref = a.float() @ b.float()
+            if not torch.allclose(out, ref, rtol=0.02, atol=0.02 * float(ref.abs().max())):
+                bad.append((layout, m, k, n))
+    return bad
+
+
+def wrong_copies(device: str | torch.device, copy: Callable = host_to_device,
+                 sizes: list[int] = COPY_SIZES) -> list[int]:
+    """The sizes whose onload from a page-locked host block came back different."""
+    device = torch.device(device)
+    block = HostBlock(sizes, pin=device.type == "cuda")
+    try:
+        bad = []
+        for size, src in zip(sizes, block.views):
+            src.copy_(torch.randint(0, 256, (size,), dtype=torch.uint8))
+            dst = torch.bitwise_not(src).to(device)
+            copy(dst, src)
+            if not torch.equal(dst.cpu(), src):
+                bad.append(size)
+        return bad
+    finally:
+        block.free()
+
+
+def check(device: str | torch.device, seconds: float = 0.0, shapes: list[tuple[int, int, int]] = SHAPES) -> dict:
+    """Both checks, repeated until `seconds` have passed (at least once): the wrong ones of any round."""
+    wrong, copies, rounds = set(), set(), 0
+    start = time.monotonic()
+    while rounds == 0 or time.monotonic() - start < seconds:
+        wrong.update(wrong_gemms(device, shapes=shapes))
+        copies.update(wrong_copies(device))
+        rounds += 1
+    return {"rounds": rounds, "checked": len(shapes) * len(LAYOUTS) + len(COPY_SIZES),
+            "wrong": sorted(map(list, wrong)), "copy": sorted(copies)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    args.add_argument("--seconds", type=float, default=0.0, help="repeat the checks this long (at least once)")
+    seconds = args.parse_args(argv).seconds
+    if not torch.cuda.is_available():
+        print(json.dumps({"error": "no CUDA device in this process"}))
+        return 2
+    report = check("cuda", seconds)
+    torch.cuda.synchronize()
+    print(json.dumps({"sms": torch.cuda.get_device_properties(0).multi_processor_count, **report}))
+    return 1 if report["wrong"] or report["copy"] else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
