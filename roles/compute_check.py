@@ -12,7 +12,9 @@ skipped every update as non-finite. That probe checked only the forward layout, 
 a time, at normal priority; a trainer also runs the backward's two layouts and the onload
 copy, beside a busy engine, at its own priority. So ppo.side_by_side.choose runs this module in
 each role's own MPS client (its share and priority), all at once and for a few seconds
-(--seconds), as the roles run side by side.
+(--seconds), as the roles run side by side. And since a client checked right at launch might
+go wrong later under the other's load, each role under MPS checks a few GEMMs again before
+each train or generate call (`check_in_run`) and stops the run if they come out wrong.
 
     python -m roles.compute_check [--seconds S]
     # JSON {"sms", "rounds", "checked", "wrong": [[op, M, K, N], ...], "copy": [bytes, ...]}; exit 1 if any
@@ -26,8 +28,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
-import time
+from time import monotonic
 from typing import Callable
 
 import torch
@@ -38,6 +41,9 @@ from roles.device import HostBlock, host_to_device
 # H200, the tiny model's and Qwen3-4B's layer shapes, and a few that passed
 SHAPES = [(134, 64, 256), (260, 64, 128), (519, 128, 64), (71, 4096, 4096), (211, 4096, 4096),
           (1, 4096, 24576), (162, 4096, 24576), (8, 64, 256), (1024, 64, 256), (2048, 4096, 4096)]
+# The in-run check's sizes: the tiny model's that failed at both 60 and 75% (< 1 ms on the GPU)
+CANARY_SHAPES = SHAPES[:3]
+MPS_SHARE_ENV = "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"  # set in each side-by-side role (runtime.mps.client_env)
 # A linear's three GEMMs: the output's shape and its two operands, from x, w and dy = dL/dy
 LAYOUTS: dict[str, Callable[[torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]] = {
     "forward": lambda x, w, dy: (x, w.t()),  # y = x @ w^T
@@ -68,6 +74,33 @@ def wrong_gemms(device: str | torch.device, matmul: Callable = torch.matmul,
     return bad
 
 
+class ComputeWrong(RuntimeError):
+    """This process's GPU computed a check wrong; the message says where and what to change."""
+
+
+def under_mps() -> bool:
+    """Whether this process is a CUDA MPS client held to an SM share (a side-by-side role)."""
+    return MPS_SHARE_ENV in os.environ and torch.cuda.is_available()
+
+
+def check_in_run(who: str, device: str | torch.device = "cuda", matmul: Callable = torch.matmul) -> None:
+    """Under MPS, raise ComputeWrong naming `who` when this process's bf16 GEMMs come out
+    wrong now (CANARY_SHAPES in the three layouts); nothing elsewhere. A role calls it before
+    each train or generate call, beside the other role's work, so that a wrong share stops
+    the run before a result is built on garbage."""
+    if not under_mps():
+        return
+    wrong = wrong_gemms(device, matmul, CANARY_SHAPES)
+    if wrong:
+        layout, m, k, n = wrong[0]
+        raise ComputeWrong(
+            f"{who}: in its MPS client ({os.environ[MPS_SHARE_ENV]}% of the SMs) {len(wrong)} of "
+            f"{len(CANARY_SHAPES) * len(LAYOUTS)} bf16 GEMMs came out wrong (the first: the {layout} GEMM of a "
+            f"linear of {m} x {k} -> {n}; roles.compute_check), though the launch check passed: stopped before "
+            f"using them. Choose other --engine-sm-percentage / --trainer-sm-percentage / --trainer-mps-priority, "
+            f"or run without --train-async")
+
+
 def wrong_copies(device: str | torch.device, copy: Callable = host_to_device,
                  sizes: list[int] = COPY_SIZES) -> list[int]:
     """The sizes whose onload from a page-locked host block came back different."""
@@ -89,8 +122,8 @@ def wrong_copies(device: str | torch.device, copy: Callable = host_to_device,
 def check(device: str | torch.device, seconds: float = 0.0, shapes: list[tuple[int, int, int]] = SHAPES) -> dict:
     """Both checks, repeated until `seconds` have passed (at least once): the wrong ones of any round."""
     wrong, copies, rounds = set(), set(), 0
-    start = time.monotonic()
-    while rounds == 0 or time.monotonic() - start < seconds:
+    start = monotonic()
+    while rounds == 0 or monotonic() - start < seconds:
         wrong.update(wrong_gemms(device, shapes=shapes))
         copies.update(wrong_copies(device))
         rounds += 1

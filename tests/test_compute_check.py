@@ -8,7 +8,8 @@ import json
 import pytest
 import torch
 
-from roles.compute_check import COPY_SIZES, LAYOUTS, SHAPES, check, main, wrong_copies, wrong_gemms
+import roles.compute_check as cc
+from roles.compute_check import COPY_SIZES, LAYOUTS, SHAPES, check, check_in_run, main, wrong_copies, wrong_gemms
 
 SMALL = [s for s in SHAPES if max(s) <= 1024]  # the CPU's bf16 GEMMs: the 4096-wide ones take seconds each
 
@@ -37,9 +38,11 @@ def test_a_copy_that_writes_nothing_is_named_by_its_size():
     assert wrong_copies("cpu", copy=lambda dst, src: None) == COPY_SIZES
 
 
-def test_the_check_repeats_for_its_seconds_and_counts_every_check():
+def test_the_check_repeats_for_its_seconds_and_counts_every_check(monkeypatch):
+    clock = iter([0.0, 0.1, 0.2, 0.35])  # the start, then after each round
+    monkeypatch.setattr(cc, "monotonic", lambda: next(clock))
     report = check("cpu", seconds=0.3, shapes=SMALL[:1])
-    assert report["rounds"] > 1 and report["wrong"] == [] and report["copy"] == []
+    assert report["rounds"] == 3 and report["wrong"] == [] and report["copy"] == []
     assert report["checked"] == 3 + len(COPY_SIZES)  # three layouts of one shape, and the copies
 
 
@@ -47,6 +50,22 @@ def test_without_cuda_the_module_says_it_cannot_check(capsys, monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert main(["--seconds", "1"]) == 2
     assert json.loads(capsys.readouterr().out) == {"error": "no CUDA device in this process"}
+
+
+def test_in_run_the_check_stops_a_role_under_mps_whose_gemms_come_out_wrong(monkeypatch):
+    def unwritten(a, b):
+        return torch.full((a.shape[0], b.shape[1]), float("nan"), dtype=a.dtype)
+
+    monkeypatch.delenv(cc.MPS_SHARE_ENV, raising=False)
+    check_in_run("actor", "cpu", unwritten)  # not an MPS client: nothing checked
+    monkeypatch.setenv(cc.MPS_SHARE_ENV, "75")
+    monkeypatch.setattr(cc, "under_mps", lambda: True)  # as on a GPU
+    check_in_run("actor", "cpu")  # right GEMMs pass
+    with pytest.raises(cc.ComputeWrong) as e:
+        check_in_run("rollout engine 0", "cpu", unwritten)
+    assert str(e.value).startswith("rollout engine 0: in its MPS client (75% of the SMs) 9 of 9 bf16 GEMMs came out "
+                                   "wrong (the first: the forward GEMM of a linear of 134 x 64 -> 256; "
+                                   "roles.compute_check), though the launch check passed")
 
 
 @pytest.mark.gpu

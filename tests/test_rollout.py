@@ -64,6 +64,22 @@ def test_same_seed_same_sample_whatever_the_batch(engine):
     assert other["token_ids"] != alone["token_ids"]
 
 
+def test_under_mps_an_engine_whose_gemms_come_out_wrong_stops_before_generating(engine, monkeypatch):
+    """As the trainers (tests/test_trainer.py): each generate first checks a few GEMMs under MPS."""
+    import roles.compute_check as cc
+
+    reqs = _reqs(PROMPTS[:1], max_new_tokens=2, seed=3)
+    monkeypatch.setattr(cc, "under_mps", lambda: True)
+    monkeypatch.setenv(cc.MPS_SHARE_ENV, "100")
+    monkeypatch.setattr(cc, "wrong_gemms", lambda device, matmul, shapes: [("forward", *shapes[0])])
+    calls = engine._num_generate_calls
+    with pytest.raises(cc.ComputeWrong, match=r"^rollout engine 0: in its MPS client \(100% of the SMs\)"):
+        engine.generate(reqs)
+    assert engine.state == "ready"
+    monkeypatch.setattr(cc, "wrong_gemms", lambda device, matmul, shapes: [])
+    assert len(engine.generate(reqs)) == 1 and engine._num_generate_calls == calls + 2
+
+
 def test_unseeded_requests_reproduce_per_engine_seed(ckpt):
     runs = []
     for seed, index in [(3, 0), (3, 0), (4, 0), (3, 1)]:

@@ -190,6 +190,27 @@ def test_nonfinite_loss_skips_the_update_and_leaves_weights_bit_identical(ckpt):
     assert actor.train(batch)["skipped_nonfinite"] == 0 and actor._core.step == 1
 
 
+def test_under_mps_a_trainer_whose_gemms_come_out_wrong_stops_before_its_update(ckpt, monkeypatch):
+    """Side by side under MPS each train call first checks a few GEMMs (roles.compute_check:
+    cuBLAS leaves outputs unwritten at some shares, with no error): wrong ones stop the call,
+    naming the role, before the weights change. Without MPS nothing is checked."""
+    import roles.compute_check as cc
+
+    actor = make_actor(ckpt, global_batch_size=N)
+    batch = actor_train_batch(actor)
+    before = {n: p.detach().clone() for n, p in actor.model.named_parameters()}
+    monkeypatch.setattr(cc, "under_mps", lambda: True)
+    monkeypatch.setenv(cc.MPS_SHARE_ENV, "100")
+    monkeypatch.setattr(cc, "wrong_gemms", lambda device, matmul, shapes: [("wgrad", *shapes[0])])
+    with pytest.raises(cc.ComputeWrong, match=r"^actor: in its MPS client \(100% of the SMs\) 1 of 9 bf16 GEMMs came "
+                                              r"out wrong \(the first: the wgrad GEMM of a linear of 134 x 64 -> 256"):
+        actor.train(batch)
+    assert actor._core.step == 0 and actor.state == "onloaded"
+    assert all(torch.equal(p, before[n]) for n, p in actor.model.named_parameters())
+    monkeypatch.setattr(cc, "under_mps", lambda: False)
+    assert actor.train(batch)["skipped_nonfinite"] == 0 and actor._core.step == 1
+
+
 def test_masked_out_nan_does_not_poison_the_loss(ckpt):
     actor = make_actor(ckpt, global_batch_size=N)
     batch = actor_train_batch(actor)

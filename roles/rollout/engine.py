@@ -28,6 +28,7 @@ import traceback
 import torch
 from transformers import AutoConfig
 
+from roles.compute_check import check_in_run
 from roles.device import DeviceMemory
 from roles.weight_sync import bucket_device, bucket_nbytes, received
 from roles.rollout.sampling import parse_requests, request_seed
@@ -152,6 +153,7 @@ class RolloutEngine(Actor):
         self._num_generate_calls += 1
         self.set_state("generating", num_requests=len(parsed))
         try:
+            check_in_run(f"rollout engine {self.engine_index}")  # side by side under MPS: still computing right
             results = self._backend.generate(parsed, seeds)
         finally:
             self.set_state("ready")

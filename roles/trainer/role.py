@@ -14,6 +14,7 @@ from typing import Protocol
 
 import torch
 
+from roles.compute_check import check_in_run
 from roles.device import DeviceMemory, tenant_lifecycle
 from roles.trainer.distributed import Rank, init_from_env
 from runtime import Actor, endpoint
@@ -105,6 +106,7 @@ class TrainerRole(Actor):
                              "share of each mini-batch (roles.trainer.group.TrainerGroup passes them)")
         self.set_state("training")
         try:
+            check_in_run(self._core.memory.holder)  # side by side under MPS: still computing right
             return self._core.train(batch, required, objective, mini_batches)
         finally:
             self.set_state("onloaded")
