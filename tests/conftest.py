@@ -1,6 +1,6 @@
 import os
 import re
-import shutil
+import tarfile
 import time
 from pathlib import Path
 
@@ -45,21 +45,25 @@ def _alive(p: psutil.Process) -> bool:
 
 @pytest.fixture(autouse=True)
 def gpu_run_metrics(request):
-    """On the device, where `.ci/gpu` sets TANDEM_TEST_ARTIFACTS (under $OUT): the metrics.jsonl
-    of every run a GPU test made come back, passed or failed, as ARTIFACTS/TEST__PATH (one
-    level: the device tool leaves deeper folders out), to set beside the CPU's curves."""
+    """On the device, where `.ci/gpu` sets TANDEM_TEST_ARTIFACTS (a tar file under $OUT, one per
+    shard): the metrics.jsonl of every run a GPU test made is appended to it as TEST__PATH,
+    passed or failed, as the test ends, to set beside the CPU's curves. One archive, not a file
+    each: the device tool brings back at most 8 files."""
     out = os.environ.get("TANDEM_TEST_ARTIFACTS")
     if not out or request.node.get_closest_marker("gpu") is None or "tmp_path" not in request.fixturenames:
         yield
         return
     tmp = request.getfixturevalue("tmp_path")
     yield
-    for path in tmp.glob("**/metrics.jsonl"):
-        # a parametrized test's [id] becomes _id_: the device tool leaves odd names out
-        name = re.sub(r"[^\w.-]", "_", request.node.name) + "__" + "__".join(path.relative_to(tmp).parts)
-        dest = Path(out) / name
-        dest.parent.mkdir(parents=True, exist_ok=True)
-        shutil.copyfile(path, dest)
+    paths = sorted(tmp.glob("**/metrics.jsonl"))
+    if not paths:
+        return
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
+    with tarfile.open(out, "a") as tar:
+        for path in paths:
+            # a parametrized test's [id] becomes _id_: names stay plain
+            tar.add(path, arcname=re.sub(r"[^\w.-]", "_", request.node.name) + "__"
+                    + "__".join(path.relative_to(tmp).parts))
 
 
 @pytest.fixture

@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import json
+import tarfile
 
 pytest_plugins = ["pytester"]
 
 
 def test_a_gpu_tests_run_metrics_come_back_under_the_artifacts_dir_pass_or_fail(pytester, monkeypatch, tmp_path):
-    """What `.ci/gpu` sets up on the device: each GPU test's metrics.jsonl files are copied to
-    $TANDEM_TEST_ARTIFACTS/TEST__PATH after the test, a failing one too; CPU tests copy nothing."""
+    """What `.ci/gpu` sets up on the device: each GPU test's metrics.jsonl files are appended to
+    the tar file $TANDEM_TEST_ARTIFACTS as TEST__PATH after the test, a failing one too; CPU
+    tests add nothing."""
     pytester.makeini("[pytest]\nmarkers =\n    gpu: needs a CUDA device\n")
     pytester.makeconftest("from tests.conftest import gpu_run_metrics  # noqa: F401\n")
     pytester.makepyfile(test_runs='''
@@ -34,9 +36,10 @@ def test_a_gpu_tests_run_metrics_come_back_under_the_artifacts_dir_pass_or_fail(
         def test_cpu(tmp_path):
             write(tmp_path, "run", 3)
     ''')
-    artifacts = tmp_path / "artifacts"
+    artifacts = tmp_path / "out" / "metrics-main.tar"
     monkeypatch.setenv("TANDEM_TEST_ARTIFACTS", str(artifacts))
     pytester.runpytest("-p", "no:cacheprovider").assert_outcomes(passed=2, failed=1)
-    kept = {p.name: json.loads(p.read_text())["step"] for p in artifacts.iterdir()}
+    with tarfile.open(artifacts) as tar:
+        kept = {m.name: json.loads(tar.extractfile(m).read())["step"] for m in tar.getmembers()}
     assert kept == {"test_learns__run__metrics.jsonl": 0, "test_two_runs_side___sync__metrics.jsonl": 1,
                     "test_two_runs_side___side__metrics.jsonl": 2}
