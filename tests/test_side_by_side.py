@@ -181,8 +181,8 @@ def test_tiny_ppo_learns_side_by_side_on_one_cuda_gpu_under_mps(tmp_path):
     MPS at the default shares (skipped where MPS cannot start), one step off-policy, for three
     training seeds in turn: each run's checks hold, and the median run reaches
     tests/test_e2e_ppo.py's bar. The median, not each: on the GPU the default seed alone rose
-    only 0.107 -> 0.246 side by side (+0.14; the same curve on the H100 and the H200, with MPS
-    and without, bit for bit), where seeds 1, 2, 3 rose +0.68, +0.68, +0.60 and the synchronous
+    only 0.107 -> 0.246 side by side (+0.14; bit for bit the same with MPS and without on the
+    H100, and so on the H200), where seeds 1, 2, 3 rose +0.68, +0.68, +0.60 and the synchronous
     run +0.49 (seed 1234) and +0.80 (seed 1) (docs/benchmarks.md, side by side)."""
     import json
 
