@@ -9,9 +9,9 @@ from __future__ import annotations
 import json
 import sys
 
-from ppo.cli import build_parser, parse_cli
+from ppo.config.cli import build_parser, parse_cli
 from ppo.config import ConfigError, derived_values, to_dict
-from ppo.placement import format_placement, plan_placement
+from ppo.gpu.placement import format_placement, plan_placement
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -32,16 +32,16 @@ def main(argv: list[str] | None = None) -> None:
         print(format_placement(plan_placement(cfg)))
         return
     try:
-        from ppo.checkpoint import SaveFailed
-        from ppo.job import JobSetupError  # imported late: they pull in torch and the roles
+        from ppo.state.checkpoint import SaveFailed
+        from ppo.setup.job import JobSetupError  # imported late: they pull in torch and the roles
         from ppo.loop import TrainerDied, train
-        from ppo.signals import RunStopped, resume_command
+        from ppo.state.signals import RunStopped, resume_command
         from runtime import SupervisionFailed
     except KeyboardInterrupt:  # Ctrl-C before the run installed its handlers
         print("tandem: interrupted before the run started; nothing was written", file=sys.stderr)
         sys.exit(130)
 
-    from ppo.side_by_side import choose
+    from ppo.gpu.side_by_side import choose
 
     sm = choose(cfg)  # side by side: MPS splits the SMs, or the synchronous plan runs, said in one line
     if sm is not None and sm.fallback:
@@ -58,7 +58,7 @@ def main(argv: list[str] | None = None) -> None:
         where = f" ({err.filename})" if err.filename else ""
         print(f"tandem: the run stopped: {err.strerror or err}{where}", file=sys.stderr)
         sys.exit(1)
-    except RunStopped as stop:  # Ctrl-C, SIGTERM, SIGUSR1: the roles are stopped (ppo.signals)
+    except RunStopped as stop:  # Ctrl-C, SIGTERM, SIGUSR1: the roles are stopped (ppo.state.signals)
         resume = f"; resume with: {resume_command(sys.argv[1:] if argv is None else argv, cfg)}" \
             if stop.checkpoint else ""
         print(f"tandem: {stop}{resume}", file=sys.stderr)

@@ -1,11 +1,11 @@
-"""What a checkpoint manifest's checksum costs (ppo.manifest), and what the alternatives would.
+"""What a checkpoint manifest's checksum costs (ppo.state.manifest), and what the alternatives would.
 
     python -m bench.checksum [--mib 1024] [--repeat 3]
 
 Writes a file of random bytes, reads it back (page cache) in 16 MiB blocks with each
 checksum the standard library offers, and prints the best of `--repeat` rates in GB/s and the
 time extrapolated to a Qwen3-4B run checkpoint: 8 GB of bf16 weights plus ~48 GB of fp32
-master weights and Adam moments (one thread; ppo.manifest spreads files over threads).
+master weights and Adam moments (one thread; ppo.state.manifest spreads files over threads).
 """
 
 from __future__ import annotations

@@ -33,9 +33,9 @@ from pathlib import Path
 
 from ppo.config.serialize import override
 from ppo.config.validate import ensure_valid
-from ppo.job import start_job
+from ppo.setup.job import start_job
 from ppo.loop import TrainerDied, run
-from ppo.recipes import tiny_ppo
+from ppo.config.recipes import tiny_ppo
 from runtime import SupervisionFailed
 from runtime.events import follow_events, read_events
 from runtime.fakegpu import FakeDevice
@@ -208,7 +208,7 @@ def learning_bar(history: list[dict]) -> tuple[float, float, bool]:
 
 # --train-async on tiny_ppo's two fake GPUs: the trainers on one, the engine on the other
 ASYNC = dict(train_async=True, colocate=False, actor_num_gpus_per_node=1, rollout_num_gpus=1)
-# --train-async side by side on one fake GPU (ppo.side_by_side)
+# --train-async side by side on one fake GPU (ppo.gpu.side_by_side)
 SIDE = dict(train_async=True, colocate=True, num_gpus_per_node=1, actor_num_gpus_per_node=1,
             sglang_mem_fraction_static=0.4, offload_train_level="optimizer")
 CHAOS_ROWS = {"chaos": None, "chaos-async": ASYNC, "chaos-side": SIDE}  # row name: config overrides

@@ -33,7 +33,7 @@ Everything also goes to DIR/iteration.json. `--against OTHER_DIR` (another run's
 the synchronous plan beside a side-by-side one) adds the ratio of their steady iterations.
 
 A side-by-side config (--train-async --colocate) runs as the launcher runs it
-(ppo.side_by_side.choose): under MPS, or the synchronous plan, said in one line. MPS is
+(ppo.gpu.side_by_side.choose): under MPS, or the synchronous plan, said in one line. MPS is
 chosen before this process touches the GPU (the copy-rate probe and the memory sampler).
 """
 
@@ -151,13 +151,13 @@ def analyse(run_dir: Path, samples, rates: dict[str, float], num_samples: int, p
             "training_role_s": _within(training, outer), "generating_role_s": _within(generating, outer),
             "rollout_ahead_s": ahead_s,
         }
-        if "perf/reward_model_tokens_per_s" in m:  # ppo.rewards
+        if "perf/reward_model_tokens_per_s" in m:  # ppo.generate.rewards
             record["reward_model_tokens_per_s"] = m["perf/reward_model_tokens_per_s"]
             record["reward_model_padding"] = m["perf/reward_model_padding"]
         for r in rows:
             if r["phase"] in ("critic_train", "actor_train") and prompts.get(step) is not None:
                 record[f"{r['phase']}_tokens_per_s"] = tokens / r["seconds"]
-        # an eval before the rollout is tagged with this step, one after it with the next (ppo.evaluation)
+        # an eval before the rollout is tagged with this step, one after it with the next (ppo.generate.evaluation)
         rollout_t0 = next((s["t0"] for s in inner if s["phase"] == "rollout"), outer["t0"])
         eval_spans = [(s, evals.get(step if s["t0"] < rollout_t0 else step + 1)) for s in inner if s["phase"] == "eval"]
         if eval_spans and all(m_ is not None for _, m_ in eval_spans):
@@ -270,10 +270,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", required=True, help="directory for iteration.json")
     parser.add_argument("--against", help="another run's --out: print the ratio of the steady iterations")
     args = parser.parse_args(argv[:split])
-    from ppo.cli import build_parser, parse_cli
+    from ppo.config.cli import build_parser, parse_cli
     from ppo.config import samples_per_rollout
     from ppo.loop import train
-    from ppo.side_by_side import choose
+    from ppo.gpu.side_by_side import choose
 
     cfg, _ = parse_cli(build_parser(prog="launch.py"), argv[split + 1:])
     sm = choose(cfg)
@@ -300,7 +300,7 @@ def main(argv: list[str] | None = None) -> int:
     run_dir = Path(cfg.logging.run_dir)
     prompts = {}
     if (run_dir / "samples").is_dir():
-        from ppo.generated import resolve_paths  # the model directory of a generated:NAME checkpoint
+        from ppo.setup.generated import resolve_paths  # the model directory of a generated:NAME checkpoint
 
         prompts = prompt_tokens(run_dir, resolve_paths(cfg, run_dir)[0])
     steps = analyse(run_dir, samples, rates, samples_per_rollout(cfg), prompts)

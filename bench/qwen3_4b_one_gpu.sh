@@ -4,7 +4,7 @@
 #   [PLANS="ppo grpo" PPO_ROLLOUTS=3 GRPO_ROLLOUTS=2 GRPO_S=130 RESPONSE_LEN=2048 EVAL=0 RM=0 ASYNC=0 SIDE=0] \
 #     bash bench/qwen3_4b_one_gpu.sh OUT_DIR [BUDGET_S]
 #
-# EVAL=1 adds the eval of ppo.evaluation: 256 prompts the run does not train on x 4 samples at
+# EVAL=1 adds the eval of ppo.generate.evaluation: 256 prompts the run does not train on x 4 samples at
 # RESPONSE_LEN tokens, after every EVAL_INTERVAL-th rollout (default 2: the second rollout, whose
 # graphs are captured, so its rollout tokens/s is the steady one the eval's is compared with;
 # an eval takes ~230 s at 2048 tokens, one per 10-minute call), never before training; it skips
@@ -13,7 +13,7 @@
 # 1. A tiny random-init Qwen3 through the same path (megatron trainers, built-in engine, the
 #    same recipe and plan): one rollout with both updates and the weight sync, or the script
 #    stops there. Skipped when BUDGET_S < 520.
-# 2. An untrained Qwen3-4B (ppo.make_checkpoint, random init) and generated dapo-math prompts.
+# 2. An untrained Qwen3-4B (ppo.make_model, random init) and generated dapo-math prompts.
 # 3. PPO: both trainers keep their bf16 weights on the GPU and move only their optimizers
 #    (float32 main params and Adam moments, 45 GiB each) to pinned host memory and back
 #    around their train calls; the engine keeps its weights and KV cache.
@@ -40,7 +40,7 @@ CK=/tmp/qwen3-4b-random
 TINY=/tmp/qwen3-tiny-random
 { nvidia-smi; free -g; df -hT /tmp; python3 -c "import torch, psutil; print(torch.__version__)"; } > "$OUT/machine.txt" 2>&1
 
-# The recipe carries the one-GPU layout and the 2048-token memory plan (ppo/recipes.py); the
+# The recipe carries the one-GPU layout and the 2048-token memory plan (ppo/config/recipes.py); the
 # bench only saves nothing, prints plain lines and varies the plan.
 COMMON=(--recipe qwen3_4b_ppo_1gpu --load none --save none --save-interval none --log-format plain)
 LEN=${RESPONSE_LEN:-2048}
@@ -53,7 +53,7 @@ else
 fi
 # ASYNC=1 (2 GPUs: the nvidia-h200-x2 kind; 2048 tokens): the same plans with --train-async, the
 # trainers on GPU 0 and the engine alone on GPU 1 (SIDE=1 is the one-GPU async plan), so the
-# next rollout generates while the step trains; ppo.rollout_ahead. Its steady steps (the second
+# next rollout generates while the step trains; ppo.generate.rollout_ahead. Its steady steps (the second
 # on) against a run without it show the overlap; bench.iteration prints the engine's time
 # generating within each step.
 if [ "${ASYNC:-0}" = 1 ]; then
@@ -65,7 +65,7 @@ fi
 # SIDE=1 (one GPU, 2048 tokens; one plan a call: PLANS=ppo or PLANS=grpo): the plan runs twice
 # in the call, as above (synchronous, colocated) and side by side (--train-async: the engine and
 # the trainers resident at once, each in its memory budget, the SMs shared under MPS, by default
-# 100/100 with the trainers at below_normal priority: ppo.side_by_side), that one analysed
+# 100/100 with the trainers at below_normal priority: ppo.gpu.side_by_side), that one analysed
 # --against the first, so its table ends with the ratio of their steady iterations (goal: GRPO
 # <= 0.7x, PPO <= 0.8x; measured: GRPO 0.91x, docs/benchmarks.md). The rollouts default to 3
 # (steady: step 1). `SIDE=1 PLANS=grpo bash bench/qwen3_4b_one_gpu.sh OUT 570` fits one call.
@@ -94,17 +94,17 @@ RUNS=/tmp/runs
 
 TINY_RM=() RM_ARGS=()
 if [ "${RM:-0}" = 1 ]; then
-  step rm_checkpoint 75 python3 -m ppo.make_checkpoint --arch qwen3-4b-rm --device cuda --num-prompts 256 \
+  step rm_checkpoint 75 python3 -m ppo.make_model --arch qwen3-4b-rm --device cuda --num-prompts 256 \
     /tmp/qwen3-4b-rm-random || exit 1
   RM_ARGS=(--reward-model-path /tmp/qwen3-4b-rm-random)
 fi
 
 if [ "$BUDGET" -ge 520 ] && [ "${EVAL:-0}" != 1 ] && [ "${SIDE:-0}" != 1 ]; then  # below that the two full-size runs need all of it
-step tiny_checkpoint 45 python3 -m ppo.make_checkpoint --arch qwen3-4b --device cuda --num-prompts 256 \
+step tiny_checkpoint 45 python3 -m ppo.make_model --arch qwen3-4b --device cuda --num-prompts 256 \
   --override num_hidden_layers=2 --override hidden_size=256 --override intermediate_size=512 \
   --override num_attention_heads=4 --override num_key_value_heads=2 --override head_dim=64 "$TINY" || exit 1
 if [ "${RM:-0}" = 1 ]; then
-  step tiny_rm_checkpoint 45 python3 -m ppo.make_checkpoint --arch qwen3-tiny-rm --num-prompts 64 \
+  step tiny_rm_checkpoint 45 python3 -m ppo.make_model --arch qwen3-tiny-rm --num-prompts 64 \
     "$TINY-rm" || exit 1
   TINY_RM=(--reward-model-path "$TINY-rm")
 fi
@@ -114,7 +114,7 @@ step tiny 120 python3 -m bench.iteration --out "$RUNS/tiny" -- "${COMMON[@]}" "$
   --run-dir "$RUNS/tiny/run" || { keep tiny; exit 1; }
 fi
 
-step checkpoint 75 python3 -m ppo.make_checkpoint --arch qwen3-4b --device cuda --num-prompts 768 "$CK" || exit 1
+step checkpoint 75 python3 -m ppo.make_model --arch qwen3-4b --device cuda --num-prompts 768 "$CK" || exit 1
 head -n 512 "$CK/dapo_math_prompts.jsonl" > "$CK/train_prompts.jsonl"
 FULL=(--hf-checkpoint "$CK" --prompt-data "$CK/train_prompts.jsonl" --rollout-max-response-len "$LEN"
       --num-critic-only-steps 0 "${RM_ARGS[@]}")

@@ -1,5 +1,5 @@
 """`python -m ppo.evaluate --hf-checkpoint DIR --eval-prompt-data NAME PATH [...] [FLAGS]`:
-evaluate one checkpoint alone, as a training run's eval would (ppo.evaluation), and print a
+evaluate one checkpoint alone, as a training run's eval would (ppo.generate.evaluation), and print a
 table and the metrics as JSON.
 
 Every launch.py flag applies (`--recipe` picks the base: tiny_ppo's fake GPUs and torch engine
@@ -16,7 +16,7 @@ import sys
 import time
 from pathlib import Path
 
-from ppo.cli import build_parser, parse_cli
+from ppo.config.cli import build_parser, parse_cli
 from ppo.config import ConfigError, PPOConfig
 
 USAGE_FIX = "Please add --eval-prompt-data NAME PATH [NAME PATH ...]"
@@ -45,13 +45,13 @@ def evaluate_checkpoint(cfg: PPOConfig, log=lambda line: print(line, file=sys.st
     Raises JobSetupError, before anything starts, for a bad set or checkpoint."""
     from transformers import AutoTokenizer
 
-    from ppo.evaluation import evaluate, load_eval_sets
-    from ppo.generated import resolve_eval_paths
-    from ppo.job import (FAKE_GPU_BYTES, ROLE_ENV, JobSetupError, engine_settings, hf_checkpoint_problem,
+    from ppo.generate.evaluation import evaluate, load_eval_sets
+    from ppo.setup.generated import resolve_eval_paths
+    from ppo.setup.job import (FAKE_GPU_BYTES, ROLE_ENV, JobSetupError, engine_settings, hf_checkpoint_problem,
                          reward_service_problem, rollout_backend_problem, scorer_settings)
-    from ppo.logger import write_samples
-    from ppo.placement import plan_placement
-    from roles.reward.actor import RewardScorer
+    from ppo.observe.logger import write_samples
+    from ppo.gpu.placement import plan_placement
+    from roles.reward.role import RewardScorer
     from roles.rollout.engine import RolloutEngine
     from runtime import Supervisor
 
@@ -115,7 +115,7 @@ def table(metrics: dict[str, float], names: list[str]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from ppo.job import JobSetupError
+    from ppo.setup.job import JobSetupError
 
     try:
         cfg = parse(sys.argv[1:] if argv is None else argv)

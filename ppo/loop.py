@@ -3,9 +3,9 @@
 Colocated, every GPU is held by one role at a time (docs/architecture.md):
 
     1. engines generate; reward scorers score as each engine finishes (with dynamic
-       sampling, rounds of prompts until enough groups pass the filter: ppo.dynamic_sampling)
+       sampling, rounds of prompts until enough groups pass the filter: ppo.generate.dynamic_sampling)
     2. engines release weights and KV cache; a reward model scores on their GPUs, and the
-       rewards are combined and post-processed (ppo.rewards)
+       rewards are combined and post-processed (ppo.generate.rewards)
     3. actor: old log-probs (and reference log-probs only when a KL term is on); the driver
        compares them with the engine's (TIS weights, mismatch metrics)
     4. critic: values; the driver computes rewards (reward-level KL possible here), GAE
@@ -14,15 +14,15 @@ Colocated, every GPU is held by one role at a time (docs/architecture.md):
     7. engines take their weights back; the actor streams new weights bucket by bucket
        (sglang engines lose their weights at the release: they get them after every step)
     8. engines take the KV cache back
-    9. every --eval-interval rollouts, the engines evaluate the new weights (ppo.evaluation)
+    9. every --eval-interval rollouts, the engines evaluate the new weights (ppo.generate.evaluation)
    10. every --save-interval rollouts, the engines lend the GPUs to the trainers, which save
-       with their state on them (ppo.handoffs, ppo.checkpoint); next iteration
+       with their state on them (ppo.gpu.handoffs, ppo.state.checkpoint); next iteration
 
 With --train-async (miles' train_async.py) the same steps run, but the rollout of step k + 1
-is generated while steps 2-6 of step k train (ppo.rollout_ahead): step 1 takes the rollout
+is generated while steps 2-6 of step k train (ppo.generate.rollout_ahead): step 1 takes the rollout
 made during the last step and starts the next; the engines keep their GPUs (step 2 moves
 nothing; with --colocate they share them side by side, each role in its memory budget:
-ppo.side_by_side); step 7 waits for the next rollout to finish before the weights change. The
+ppo.gpu.side_by_side); step 7 waits for the next rollout to finish before the weights change. The
 samples are one version old, and decoupled PPO corrects for it (mismatch_correction).
 """
 
@@ -34,21 +34,23 @@ import torch
 
 from algorithms import (compute_advantages, kl_estimate, masked_whiten, mismatch_metrics, reduce_metrics,
                         token_level_rewards)
-from ppo import checkpoint, evaluation, recovery, rewards
-from ppo.handoffs import engines_take_back, recover, release_engines, sync_engines
+from ppo import recovery
+from ppo.state import checkpoint
+from ppo.generate import evaluation, rewards
+from ppo.gpu.handoffs import engines_take_back, recover, release_engines, sync_engines
 from ppo import config as C
-from ppo.batch import build_batch, select
+from ppo.generate.batch import build_batch, select
 from ppo.config import PPOConfig
 from ppo.config.serialize import to_dict
-from ppo.job import Job, start_job
-from ppo.console import RunConsole
-from ppo.dynamic_sampling import sample_batch
-from ppo.logger import RunLogger
-from ppo.rollout import SamplingParams, generate_and_score
-from ppo.rollout_ahead import Rollouts
-from ppo.side_by_side import SmPartition
-from ppo.signals import SignalStops
-from ppo.trace import TraceWriter
+from ppo.setup.job import Job, start_job
+from ppo.observe.console import RunConsole
+from ppo.generate.dynamic_sampling import sample_batch
+from ppo.observe.logger import RunLogger
+from ppo.generate.rollout import SamplingParams, generate_and_score
+from ppo.generate.rollout_ahead import Rollouts
+from ppo.gpu.side_by_side import SmPartition
+from ppo.state.signals import SignalStops
+from ppo.observe.trace import TraceWriter
 from runtime import ActorDied
 
 
@@ -59,8 +61,8 @@ class TrainerDied(RuntimeError):
 def train(cfg: PPOConfig, console: RunConsole | None = None, sm: SmPartition | None = None) -> list[dict]:
     """Run the job the config describes; returns the per-rollout metrics. `console` prints
     (default: as cfg.logging asks); RUN_DIR/trace.json follows the run's events. `sm`: the
-    launcher's SM split of a side-by-side run (ppo.side_by_side.choose), logged as an event."""
-    with SignalStops(cfg) as stops:  # Ctrl-C, SIGTERM, SIGUSR1: ppo.signals
+    launcher's SM split of a side-by-side run (ppo.gpu.side_by_side.choose), logged as an event."""
+    with SignalStops(cfg) as stops:  # Ctrl-C, SIGTERM, SIGUSR1: ppo.state.signals
         job = start_job(cfg, console, role_env=sm.role_env() if sm else None)
         if sm is not None:
             job.sup.publish("sm_partition", **sm.event())
@@ -142,7 +144,7 @@ def steps(job: Job, log: RunLogger, start: checkpoint.ResumePoint, stops: Signal
             samples, sampling_metrics = rollouts.take(step, version)
 
         # 2. engines release the GPUs (ahead, they keep them generating); a reward model scores,
-        # and the rewards are final (weighted, post-processed: ppo.rewards)
+        # and the rewards are final (weighted, post-processed: ppo.generate.rewards)
         if not rollouts.ahead:
             release_engines(job, version)
         reward_metrics = rewards.finish(job, samples, perf, post_process)
@@ -245,7 +247,7 @@ def rollout_source(job: Job) -> Rollouts:
                                   eos_id=tok.eos_token_id, recover=recover_engine, sampling_round=sampling_round)
 
     def recover_engine(role, dead: int) -> None:
-        with rollouts.lock:  # ahead, the driver's thread may be training meanwhile (ppo.rollout_ahead)
+        with rollouts.lock:  # ahead, the driver's thread may be training meanwhile (ppo.generate.rollout_ahead)
             recover(job, role, dead, rollouts.version)
 
     rollouts = Rollouts(lambda step: sample_batch(lambda prompts, rnd: generate(prompts, step, rnd),
@@ -258,7 +260,7 @@ def rollout_source(job: Job) -> Rollouts:
 
 def run_eval(job: Job, log: RunLogger, perf, tag: int, version: int) -> None:
     """Evaluate the engines' weights (policy `version`) on the eval sets, timed as phase `eval`
-    (perf/eval_time of the step); logged and dumped under step `tag` (ppo.evaluation)."""
+    (perf/eval_time of the step); logged and dumped under step `tag` (ppo.generate.evaluation)."""
     with perf.phase("eval"):
         metrics, samples = evaluation.evaluate(
             job.engines, job.scorers, job.eval_sets, tag, decode=job.tok.decode, eos_id=job.tok.eos_token_id,

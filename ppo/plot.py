@@ -8,7 +8,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from ppo.metrics_file import read_metrics
+from ppo.observe.metrics_file import read_metrics
 
 PANELS = (
     ("rollout/raw_reward", "reward (rollout) and eval pass@1"),
@@ -62,7 +62,7 @@ def plot(rows: list[dict], out: Path, title: str) -> Path:
 
 
 def eval_curves(rows: list[dict]) -> dict[str, list[tuple[int, float]]]:
-    """{eval set name: [(step, pass@1)]} from the eval lines of metrics.jsonl (ppo.evaluation)."""
+    """{eval set name: [(step, pass@1)]} from the eval lines of metrics.jsonl (ppo.generate.evaluation)."""
     curves: dict[str, list[tuple[int, float]]] = {}
     for r in rows:
         for k, v in r.items():

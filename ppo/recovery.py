@@ -8,11 +8,11 @@ Here the driver, within its budget of N recoveries:
 1. stops and starts again every trainer group (all ranks new incarnations, a new rendezvous
    store: runtime.Supervisor.respawn_group), the live one too: both must go back to the
    checkpoint, and a fresh group loaded from it is exactly what `--load` resumes from;
-2. forgets the leases and memory the old trainers held (ppo.colocation.Colocation.evict);
+2. forgets the leases and memory the old trainers held (ppo.gpu.colocation.Colocation.evict);
 3. waits for the new trainers (the engines' memory released, as at the job's start);
 4. reloads the trainers, data position and driver RNG from the checkpoint and syncs the
-   engines, which take their GPUs, weights and KV cache back (ppo.checkpoint.restore, the
-   machinery of --load, through ppo.handoffs' checkpoint window), drops the metrics
+   engines, which take their GPUs, weights and KV cache back (ppo.state.checkpoint.restore, the
+   machinery of --load, through ppo.gpu.handoffs' checkpoint window), drops the metrics
    of the steps after it (RunLogger.rewind), and publishes a `rewind` event for the trace.
 
 A run resumed this way repeats an uninterrupted run's metrics, as a --load resume does; its
@@ -23,10 +23,10 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from ppo import checkpoint
+from ppo.state import checkpoint
 from ppo import config as C
-from ppo.job import Job
-from ppo.logger import RunLogger
+from ppo.setup.job import Job
+from ppo.observe.logger import RunLogger
 from roles.trainer import TrainerGroup
 from runtime import ActorDied
 
@@ -56,7 +56,7 @@ def recover(job: Job, log: RunLogger, died: ActorDied, ckpt: checkpoint.Checkpoi
         sup.respawn_group(group.name, reason)  # returns once the old ranks are gone
         colo.evict(tenant)
     # As at the job's start, the trainers build beside no engine memory (megatron builds on
-    # the GPU); the restore then loads them and syncs the engines (ppo.checkpoint.restore).
+    # the GPU); the restore then loads them and syncs the engines (ppo.state.checkpoint.restore).
     colo.vacate(job.engine_tenants, ["kv_cache", "weights"])
     sup.wait_ready([rank.name for group, _ in groups for rank in group.ranks])
     point = checkpoint.restore(job, job.data, ckpt)

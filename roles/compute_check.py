@@ -10,7 +10,7 @@ untouched for 46-158 of ~160 sizes per shape, from the tiny model's 64x256 to Qw
 SMs) and without MPS, every forward was right. The side-by-side run's trainers, at 75%,
 skipped every update as non-finite. That probe checked only the forward layout, one client at
 a time, at normal priority; a trainer also runs the backward's two layouts and the onload
-copy, beside a busy engine, at its own priority. So ppo.side_by_side.choose runs this module in
+copy, beside a busy engine, at its own priority. So ppo.gpu.side_by_side.choose runs this module in
 each role's own MPS client (its share and priority), all at once and for a few seconds
 (--seconds), as the roles run side by side. And since a client checked right at launch might
 go wrong later under the other's load, each role under MPS checks a few GEMMs again before

@@ -203,7 +203,7 @@ class HostBlock:
     registering; cudaHostRegister alone faults them on one kernel thread: 8 GiB took 4.29 s
     that way and 0.92 s touched first from torch's 16 threads on the H200 host
     (bench.host_pinning, the one caller that turns it off). Our own threads, not torch's
-    intra-op pool: role processes run with OMP_NUM_THREADS=1 (ppo.job), where zero_() is one
+    intra-op pool: role processes run with OMP_NUM_THREADS=1 (ppo.setup.job), where zero_() is one
     thread again.
 
     place_pages (when pinning): before any page is touched, prefer the NUMA node of the

@@ -1,7 +1,7 @@
 """The model spec: an HF config read once into a typed description, and every refusal.
 
 The torch engine's decoder, the megatron trainer (its TransformerConfig, the HF<->megatron
-mapper), the job's setup checks and ppo.make_checkpoint take a `ModelSpec`, never the raw
+mapper), the job's setup checks and ppo.make_model take a `ModelSpec`, never the raw
 config, so a model one of them cannot run is refused here, at startup, naming the config field
 and its value. Covered: dense Qwen3 (GQA, per-head q/k norms), Qwen2 (q/k/v biases), Llama
 and Mistral, with plain RoPE or linear, llama3 or yarn scaling (roles.rope computes them).

@@ -1,5 +1,5 @@
 """Exact digests of HF-named weights: what `--check-weight-update-equal` compares between the
-trainer and the engines (ppo.handoffs.check_weights_equal), however each side lists tied weights.
+trainer and the engines (ppo.gpu.handoffs.check_weights_equal), however each side lists tied weights.
 """
 
 from __future__ import annotations

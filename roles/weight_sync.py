@@ -247,7 +247,7 @@ def push_weights(named_tensors: NamedTensors, send: Callable[[dict], Any], buffe
     `memory`: the sender's ledger, when the tensors live on its device (so the buffers do):
     the buffers allocated so far (up to `num_buffers * buffer_bytes` per dtype) are
     accounted under `SYNC_BUFFER_TAG` while they exist, and 0 once this returns or raises;
-    the sender must hold its GPUs' lease for that (ppo.colocation's `sending_weights`).
+    the sender must hold its GPUs' lease for that (ppo.gpu.colocation's `sending_weights`).
     `direct`: as `pack_buckets`' (direct buckets cost no buffer); `direct_bytes` in the
     totals counts their bytes.
     """

@@ -18,8 +18,8 @@ import torch
 
 from ppo.config import override
 from ppo.loop import actor_batch, mismatch_correction
-from ppo.user_functions import load_user_functions
-from ppo.recipes import tiny_ppo
+from ppo.setup.user_functions import load_user_functions
+from ppo.config.recipes import tiny_ppo
 from roles.trainer.config import TrainerConfig
 from roles.trainer.objectives import policy_objective
 from roles.trainer.sharding import aggregation_counts

@@ -12,9 +12,9 @@ from bench.iteration import analyse
 from ppo.config import num_critic_only_steps
 from ppo.config.serialize import override
 from ppo.config.validate import ensure_valid
-from ppo.checkpoint import rollout_dir_name, write_tracker
+from ppo.state.checkpoint import rollout_dir_name, write_tracker
 from ppo.loop import train
-from ppo.recipes import tiny_ppo
+from ppo.config.recipes import tiny_ppo
 from runtime.events import read_events
 from runtime.fakegpu import FakeDevice, check_no_overlap
 from tests.test_e2e_ppo import assert_learns

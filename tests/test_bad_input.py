@@ -17,7 +17,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from ppo.tiny_model import build_tiny_checkpoint
+from ppo.setup.tiny_model import build_tiny_checkpoint
 
 ROOT = Path(__file__).resolve().parents[1]
 GOOD = [json.dumps({"prompt": f"{a}+{b}=", "label": str(a + b)}) for a in range(4) for b in range(4)]
@@ -102,8 +102,8 @@ def test_skip_bad_samples_trains_on_the_rest_and_counts_them(tmp_path, tiny_chec
     if "rollout/skipped_samples" in flat:  # once the driver logs it
         assert flat["rollout/skipped_samples"] == len(BAD)
     else:
-        from ppo.data import PromptDataset
-        from ppo.tiny_model import load_tokenizer
+        from ppo.prompts.dataset import PromptDataset
+        from ppo.setup.tiny_model import load_tokenizer
         data = PromptDataset(prompts, input_key="prompt", label_key="label", tokenizer=load_tokenizer(tiny_checkpoint),
                              max_prompt_len=MAX_PROMPT_LEN, skip_bad_samples=True)
         assert [line for line, _ in data.skipped] == list(range(len(GOOD) + 1, len(GOOD) + len(BAD) + 1))
@@ -111,8 +111,8 @@ def test_skip_bad_samples_trains_on_the_rest_and_counts_them(tmp_path, tiny_chec
 
 def test_every_bad_line_kind_names_its_file_and_line(tmp_path, tiny_checkpoint):
     """The same check the launcher reaches, for each kind of bad line (no processes)."""
-    from ppo.data import PromptDataset
-    from ppo.tiny_model import load_tokenizer
+    from ppo.prompts.dataset import PromptDataset
+    from ppo.setup.tiny_model import load_tokenizer
     tok = load_tokenizer(tiny_checkpoint)
     for text, reason in BAD:
         prompts = write_prompts(tmp_path / "BAD.jsonl", [text])
@@ -168,8 +168,8 @@ def test_prompt_longer_than_the_context_is_refused_at_load_naming_file_line_and_
 
 def test_skip_bad_samples_skips_and_counts_prompts_longer_than_the_context(tmp_path, tiny_checkpoint):
     """The same check, skipping (what the launcher builds with --skip-bad-samples; no processes)."""
-    from ppo.data import PromptDataset
-    from ppo.tiny_model import load_tokenizer
+    from ppo.prompts.dataset import PromptDataset
+    from ppo.setup.tiny_model import load_tokenizer
     prompts = write_prompts(tmp_path / "LONG.jsonl", [LONG])
     data = PromptDataset(prompts, input_key="prompt", label_key="label", tokenizer=load_tokenizer(tiny_checkpoint),
                          context_len=64, response_len=4, skip_bad_samples=True)
@@ -195,8 +195,8 @@ def test_prompt_and_response_flags_beyond_the_context_are_refused_before_anythin
 @pytest.mark.timeout(60)
 def test_second_run_on_a_live_run_dir_is_refused_in_one_line_and_touches_nothing(tmp_path, tiny_checkpoint):
     from ppo.config import ensure_valid, override
-    from ppo.recipes import tiny_ppo
-    from ppo.rundir import claim
+    from ppo.config.recipes import tiny_ppo
+    from ppo.state.rundir import claim
     run_dir = tmp_path / "run"
     live = claim(ensure_valid(override(tiny_ppo(), run_dir=str(run_dir))))  # "the live run"
     try:
@@ -229,8 +229,8 @@ def test_an_ended_runs_dir_is_not_appended_to_without_load(tmp_path, tiny_checkp
 
 def test_the_run_dir_lock_goes_with_its_release(tmp_path):
     from ppo.config import ensure_valid, override
-    from ppo.recipes import tiny_ppo
-    from ppo.rundir import RunDirError, claim
+    from ppo.config.recipes import tiny_ppo
+    from ppo.state.rundir import RunDirError, claim
     cfg = ensure_valid(override(tiny_ppo(), run_dir=str(tmp_path / "run")))
     first = claim(cfg)
     with pytest.raises(RunDirError, match="in use by a live run"):
@@ -256,7 +256,7 @@ class FileSaver:
 
 @pytest.mark.timeout(120)
 def test_load_with_no_intact_checkpoint_is_refused_in_one_line_before_any_role_starts(tmp_path, tiny_checkpoint):
-    from ppo import checkpoint as ck
+    from ppo.state import checkpoint as ck
     save = tmp_path / "ck"
     state = {"format": ck.FORMAT, "rollout_step": 0, "model": ck.model_signature(tiny_checkpoint)}
     ck.save_checkpoint(str(save), 0, actor=FileSaver(), state=state, critic=FileSaver(),

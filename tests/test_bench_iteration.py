@@ -7,7 +7,7 @@ from bench.iteration import COMPUTE_PHASES, analyse, prompt_tokens, report, stea
 from ppo.config.serialize import override
 from ppo.config.validate import ensure_valid
 from ppo.loop import train
-from ppo.recipes import tiny_ppo
+from ppo.config.recipes import tiny_ppo
 from runtime.events import read_events
 
 RATES = {"d2h": 50.0, "h2d": 50.0}

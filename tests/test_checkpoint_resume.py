@@ -1,4 +1,4 @@
-"""PPO run checkpoints (ppo/checkpoint.py): atomic saves, refusals that say what is wrong,
+"""PPO run checkpoints (ppo/state/checkpoint.py): atomic saves, refusals that say what is wrong,
 trainer RNG and HF exports, and a resumed run that repeats the uninterrupted one."""
 
 import errno
@@ -16,14 +16,14 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from ppo import checkpoint as ck
+from ppo.state import checkpoint as ck
 from ppo.config import override, validate
 from ppo.config.validate import ensure_valid
-from ppo.data import PromptDataset
-from ppo.manifest import write_manifest
-from ppo.metrics_file import trim_metrics
-from ppo.recipes import tiny_ppo
-from ppo.tiny_model import build_tiny_checkpoint
+from ppo.prompts.dataset import PromptDataset
+from ppo.state.manifest import write_manifest
+from ppo.observe.metrics_file import trim_metrics
+from ppo.config.recipes import tiny_ppo
+from ppo.setup.tiny_model import build_tiny_checkpoint
 from runtime.events import read_events
 from roles.trainer.rng import capture_rng, restore_rng
 from roles.trainer.torch import ActorTrainer, CriticTrainer
@@ -46,7 +46,7 @@ def trainer_config(hf, **overrides):
 
 def resident(trainer):
     """A trainer with its weights and optimizer on the device, as the driver's checkpoint
-    windows leave it for a save or a load (ppo.handoffs)."""
+    windows leave it for a save or a load (ppo.gpu.handoffs)."""
     trainer.onload(["params", "optimizer"])
     return trainer
 
@@ -402,7 +402,7 @@ def test_resumed_run_repeats_the_uninterrupted_one(tmp_path):
         assert (got["train/skipped_updates_total"], got["rollout/engine_restarts_total"],
                 got["rollout/scorer_restarts_total"], got["train/trainer_restarts_total"]) == (1, 3, 2, 1)
     logged = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
-    logged = [h for h in logged if "eval/weight_version" not in h]  # tiny_ppo's eval lines (ppo.evaluation)
+    logged = [h for h in logged if "eval/weight_version" not in h]  # tiny_ppo's eval lines (ppo.generate.evaluation)
     assert [h["step"] for h in logged] == [0, 1, 2, 3]  # the resume replaced the straight run's 2 and 3
     assert (tmp_path / "b" / "latest").read_text() == "rollout_00003\n"
     assert sorted(os.listdir(tmp_path / "b")) == ["latest", "rollout_00003"]  # --save-keep-last 1
@@ -453,7 +453,7 @@ def test_manifest_lists_every_file_with_size_and_checksum(tmp_path, trainers, da
 
 
 def test_manifest_checks_large_files_piece_by_piece(tmp_path, monkeypatch):
-    from ppo import manifest
+    from ppo.state import manifest
     monkeypatch.setattr(manifest, "PIECE", 1000)
     (tmp_path / "big").write_bytes(os.urandom(2500))
     (tmp_path / "empty").write_bytes(b"")
@@ -524,7 +524,7 @@ def test_a_checkpoint_from_before_manifests_is_taken_unverified_with_a_warning(t
 
 def test_a_trainer_saves_and_loads_only_with_its_state_on_the_device(tmp_path, trainers, hf):
     """Every backend holds megatron's contract (it can do no other), so that the driver's
-    checkpoint windows (ppo.handoffs) are exercised by every CPU run, not only on a GPU."""
+    checkpoint windows (ppo.gpu.handoffs) are exercised by every CPU run, not only on a GPU."""
     actor = ActorTrainer(trainer_config(hf))  # built offloaded
     for call in (actor.save, actor.load):
         with pytest.raises(RuntimeError, match=r"\['params', 'optimizer'\] offloaded; call onload"):

@@ -1,4 +1,4 @@
-"""ppo.colocation's lease checks on a trainer's memory report: what a trainer may keep when
+"""ppo.gpu.colocation's lease checks on a trainer's memory report: what a trainer may keep when
 it hands its GPU over, and what the error says when it keeps more (the reports are shaped as
 the megatron and torch trainer cores return them)."""
 
@@ -6,7 +6,7 @@ from concurrent.futures import Future
 
 import pytest
 
-from ppo.colocation import UNTRACKED_LIMIT, Colocation, Tenant
+from ppo.gpu.colocation import UNTRACKED_LIMIT, Colocation, Tenant
 from runtime.memory import LeaseError, LeaseTable
 
 GIB = 1 << 30

@@ -1,5 +1,5 @@
 """roles.compute_check: the check run in each role's MPS client side by side
-(ppo.side_by_side.check_roles). Its verdict on the CPU, on a matmul that leaves an output
+(ppo.gpu.side_by_side.check_roles). Its verdict on the CPU, on a matmul that leaves an output
 unwritten or wrong and a copy that writes nothing, and (`bash .ci/gpu -k compute_check`) on the
 GPU without MPS."""
 

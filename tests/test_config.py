@@ -25,8 +25,8 @@ from ppo.config import (
     to_dict,
     uses_critic,
 )
-from ppo.cli import parse_args
-from ppo.recipes import RECIPES, qwen3_4b_ppo, tiny_ppo
+from ppo.config.cli import parse_args
+from ppo.config.recipes import RECIPES, qwen3_4b_ppo, tiny_ppo
 
 
 def test_no_arguments_mean_the_tiny_recipe_in_a_fresh_run_dir():
@@ -148,7 +148,7 @@ def test_needs_ref_only_when_a_kl_term_is_on(use_kl_loss, kl_loss_coef, kl_coef,
 def test_only_the_actor_takes_the_kl_loss_and_keeps_a_reference():
     """A KL loss at a weight above 0 once started the critic with use_kl_loss and no
     reference copy, which its config refuses: every PPO run with --kl-loss-coef died at start."""
-    from ppo.job import trainer_config
+    from ppo.setup.job import trainer_config
     from roles.trainer.config import TrainerConfig
 
     cfg = override(tiny_ppo(), kl_loss_coef=0.01)
@@ -225,7 +225,7 @@ def test_override_rejects_unknown_fields():
 def test_recompute_flags_reach_the_trainer_configs():
     """miles' --recompute-* flags land in MegatronTrainerConfig (megatron) and turn on HF
     checkpointing of every layer (torch backend)."""
-    from ppo.job import trainer_config
+    from ppo.setup.job import trainer_config
     from roles.trainer import TrainerConfig
     from roles.trainer.megatron import MegatronTrainerConfig
 

@@ -6,8 +6,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ppo.config import override, validate
-from ppo.placement import format_placement, plan_placement
-from ppo.recipes import qwen3_4b_ppo, tiny_ppo
+from ppo.gpu.placement import format_placement, plan_placement
+from ppo.config.recipes import qwen3_4b_ppo, tiny_ppo
 
 
 def qwen_on_eight_gpus():

@@ -9,7 +9,7 @@ import sys
 import pytest
 
 import launch
-from ppo.cli import parse_args
+from ppo.config.cli import parse_args
 from ppo.config import (
     derived_values,
     global_batch_size,
@@ -22,7 +22,7 @@ from ppo.config import (
     uses_critic,
     validate,
 )
-from ppo.recipes import DEFAULT_RECIPE, RECIPES, describe_recipes, qwen3_4b_ppo, qwen3_4b_ppo_1gpu, tiny_ppo
+from ppo.config.recipes import DEFAULT_RECIPE, RECIPES, describe_recipes, qwen3_4b_ppo, qwen3_4b_ppo_1gpu, tiny_ppo
 
 
 @pytest.mark.parametrize("name", sorted(RECIPES))
@@ -143,6 +143,6 @@ def test_dry_run_places_qwen3_4b_ppo_1gpu_on_gpu_0(capsys):
 
 
 def test_config_imports_neither_the_recipes_nor_the_command_line_built_on_it():
-    code = "import sys, ppo.config; print(sorted({'ppo.recipes', 'ppo.cli'} & set(sys.modules)))"
+    code = "import sys, ppo.config; print(sorted({'ppo.config.recipes', 'ppo.config.cli'} & set(sys.modules)))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
     assert out.stdout.strip() == "[]"

@@ -7,7 +7,7 @@ import dataclasses
 import pytest
 
 from ppo.config import ConfigError, PPOConfig, ensure_valid, num_critic_only_steps, override, uses_critic, validate
-from ppo.recipes import qwen3_4b_ppo, tiny_ppo
+from ppo.config.recipes import qwen3_4b_ppo, tiny_ppo
 
 QWEN = qwen3_4b_ppo
 
@@ -118,7 +118,7 @@ CROSS_RULES = [
     (TINY, {"rm_max_concurrency": 0}, ["--rm-max-concurrency 0", "reward.rm_max_concurrency"]),
     (TINY, {"reward_model_num_gpus": 1}, ["--reward-model-num-gpus 1", "is set but --reward-model-path is not"]),
     (TINY, {"reward_model_path": "/rm", "advantage_estimator": "grpo", "num_critic_only_steps": 0,
-            "dynamic_sampling_filter_path": "ppo.dynamic_sampling.check_reward_nonzero_std"},
+            "dynamic_sampling_filter_path": "ppo.generate.dynamic_sampling.check_reward_nonzero_std"},
      ["--dynamic-sampling-filter-path", "so is --reward-model-path", "before the reward model scores"]),
     (TINY, {"reward_model_path": "/rm", "rm_type": None},
      ["--eval-prompt-data", "eval sets are graded by rules", "--rule-reward-coef 0"]),
@@ -144,7 +144,7 @@ CROSS_RULES = [
     (TINY, {"over_sampling_batch_size": 128},
      ["--over-sampling-batch-size 128", "--dynamic-sampling-filter-path", "Please add"]),
     (TINY, {"over_sampling_batch_size": 1,
-            "dynamic_sampling_filter_path": "ppo.dynamic_sampling.check_reward_nonzero_std"},
+            "dynamic_sampling_filter_path": "ppo.generate.dynamic_sampling.check_reward_nonzero_std"},
      ["--over-sampling-batch-size 1", "must be >= --rollout-batch-size"]),
     (TINY, {"num_critic_only_steps": 60},
      ["--num-critic-only-steps 60", "< --num-rollout 60", "never trains"]),
@@ -248,7 +248,7 @@ def test_grpo_gspo_and_the_new_algorithms_run_on_the_recipe_with_no_other_flag()
                        custom_tis_function_path="algorithms.mismatch:masked_is") == []
     assert problems_of(TINY, use_rollout_logprobs=True) == []
     assert problems_of(TINY, advantage_estimator="grpo", over_sampling_batch_size=96,
-                       dynamic_sampling_filter_path="ppo.dynamic_sampling.check_reward_nonzero_std") == []
+                       dynamic_sampling_filter_path="ppo.generate.dynamic_sampling.check_reward_nonzero_std") == []
 
 
 def test_custom_reward_function_replaces_rm_type():

@@ -1,4 +1,4 @@
-"""ppo.console: what a run prints in each mode (the piped end-to-end run is in test_trace.py)."""
+"""ppo.observe.console: what a run prints in each mode (the piped end-to-end run is in test_trace.py)."""
 
 from __future__ import annotations
 
@@ -11,12 +11,12 @@ from pathlib import Path
 
 import pytest
 
-from ppo.cli import parse_args
+from ppo.config.cli import parse_args
 from ppo.config import ConfigError
 from ppo.config.serialize import override
-from ppo.console import RunConsole, ready_seconds
-from ppo.logger import RunLogger
-from ppo.recipes import tiny_ppo
+from ppo.observe.console import RunConsole, ready_seconds
+from ppo.observe.logger import RunLogger
+from ppo.config.recipes import tiny_ppo
 
 REPO = Path(__file__).resolve().parents[1]
 METRICS = {"rollout/raw_reward": 0.25, "rollout/response_len": 2.0, "perf/step_time": 1.5}
@@ -136,7 +136,7 @@ def test_quiet_run_prints_only_the_error(tmp_path):
 def test_an_eval_prints_one_line_per_set_and_a_json_record():
     import io
 
-    from ppo.console import RunConsole
+    from ppo.observe.console import RunConsole
     metrics = {"eval/aime-2024": 0.25, "eval/aime-2024-pass@1": 0.25, "eval/aime-2024-pass@2": 0.4,
                "eval/aime-2024-pass@4": 0.5, "eval/aime-2024/response_len/mean": 7.0,
                "eval/aime-2024-truncated_ratio": 0.125, "eval/sums": 1.0, "eval/sums-pass@1": 1.0,

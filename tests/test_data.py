@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from ppo.data import PromptDataset
-from ppo.tasks import ARITHMETIC_CHARSET, TASKS, write_arithmetic_task
+from ppo.prompts.dataset import PromptDataset
+from ppo.prompts.tasks import ARITHMETIC_CHARSET, TASKS, write_arithmetic_task
 from roles.reward.rules import REWARD_RULES
 
 
@@ -66,7 +66,7 @@ def test_chat_message_prompts_use_the_chat_template(tmp_path):
     assert first["prompt"] == "<system>be brief</system><user>2+3=</user><assistant>"
     assert first["prompt_ids"] == [ord(c) for c in first["prompt"]]
     assert second["prompt"] == "<user>7+1=</user><assistant>"  # a string prompt is one user message
-    # the messages stay beside the text: a reward model reads them with its own template (ppo.rewards)
+    # the messages stay beside the text: a reward model reads them with its own template (ppo.generate.rewards)
     assert first["messages"] == messages and second["messages"] == [{"role": "user", "content": "7+1="}]
     assert "messages" not in PromptDataset(numbered(tmp_path), tokenizer=CharTokenizer(), shuffle=False).next_batch(1)[0]
 

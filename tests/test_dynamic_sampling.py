@@ -3,9 +3,9 @@ metrics, reproducibility across a resume, and the filter's loading and contract.
 
 import pytest
 
-from ppo.data import PromptDataset
-from ppo.dynamic_sampling import DynamicSampling, check_reward_nonzero_std, sample_batch
-from ppo.rollout import make_requests, sample_seed
+from ppo.prompts.dataset import PromptDataset
+from ppo.generate.dynamic_sampling import DynamicSampling, check_reward_nonzero_std, sample_batch
+from ppo.generate.rollout import make_requests, sample_seed
 from roles.reward.custom import load_function
 
 N = 4
@@ -42,7 +42,7 @@ def fake_generate(solved):
 
 def ds(**kw):
     base = dict(num_groups=4, n_samples_per_prompt=N, over_sampling_batch_size=6,
-                keep=check_reward_nonzero_std, filter_path="ppo.dynamic_sampling.check_reward_nonzero_std",
+                keep=check_reward_nonzero_std, filter_path="ppo.generate.dynamic_sampling.check_reward_nonzero_std",
                 max_extra_rounds=8)
     return DynamicSampling(**{**base, **kw})
 
@@ -126,7 +126,7 @@ def test_a_resumed_run_samples_the_same_batch(tmp_path):
 
 
 def _params():
-    from ppo.rollout import SamplingParams
+    from ppo.generate.rollout import SamplingParams
     return SamplingParams(n_samples_per_prompt=N, max_new_tokens=4, temperature=1.0, top_p=1.0, top_k=-1,
                           stop_token_ids=(0,), seed=11)
 
@@ -134,7 +134,7 @@ def _params():
 def test_built_in_filter_and_loading_by_path(tmp_path):
     assert check_reward_nonzero_std([{"reward": 1.0}, {"reward": 0.0}]) == (True, None)
     assert check_reward_nonzero_std([{"reward": 1.0}] * 3) == (False, "zero_std_1.0")
-    assert load_function("ppo.dynamic_sampling.check_reward_nonzero_std",
+    assert load_function("ppo.generate.dynamic_sampling.check_reward_nonzero_std",
                          "dynamic_sampling_filter_path") is check_reward_nonzero_std
     with pytest.raises(ValueError, match=r"dynamic_sampling_filter_path='ppo.nothere:f': cannot import"):
         load_function("ppo.nothere:f", "dynamic_sampling_filter_path")

@@ -5,9 +5,9 @@ import shutil
 
 import pytest
 
-from ppo import checkpoint as ck
+from ppo.state import checkpoint as ck
 from ppo.config import ensure_valid, override
-from ppo.recipes import tiny_ppo
+from ppo.config.recipes import tiny_ppo
 
 
 @pytest.mark.slow
@@ -18,7 +18,7 @@ def test_gspo_tis_and_dynamic_sampling_run_and_resume_reproducibly(tmp_path):
     cfg = ensure_valid(override(
         tiny_ppo(), advantage_estimator="gspo", eps_clip=3e-3, eps_clip_high=4e-3,
         use_tis=True, get_mismatch_metrics=True, tis_clip=1.5,
-        dynamic_sampling_filter_path="ppo.dynamic_sampling.check_reward_nonzero_std",
+        dynamic_sampling_filter_path="ppo.generate.dynamic_sampling.check_reward_nonzero_std",
         rollout_batch_size=8, over_sampling_batch_size=12, global_batch_size=64, micro_batch_size=32,
         num_rollout=4, save=str(tmp_path / "a"), save_interval=2, run_dir=str(tmp_path / "run")))
     straight = train(cfg)

@@ -7,10 +7,10 @@ import pytest
 from ppo.config import PPOConfig
 from ppo.config.serialize import override
 from ppo.config.validate import ensure_valid
-from ppo.job import start_job
-from ppo.handoffs import check_weights_equal
+from ppo.setup.job import start_job
+from ppo.gpu.handoffs import check_weights_equal
 from ppo.loop import run, train
-from ppo.recipes import tiny_ppo
+from ppo.config.recipes import tiny_ppo
 from roles.weight_checksum import checksum_named_tensors
 from runtime.fakegpu import FakeDevice, check_no_overlap
 
@@ -50,7 +50,7 @@ def test_colocated_iterations_never_overlap_and_weights_match_after_every_sync(t
 @pytest.mark.timeout(300)
 def test_critic_only_warmup_leaves_the_actor_untouched(tmp_path):
     import torch
-    from ppo.tiny_model import load_causal_lm
+    from ppo.setup.tiny_model import load_causal_lm
 
     # validation rejects a run that never trains the actor; the driver must still honour it
     cfg = override(tiny_ppo(), run_dir=str(tmp_path / "run"), num_rollout=2, num_critic_only_steps=2,

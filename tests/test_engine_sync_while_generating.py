@@ -1,5 +1,5 @@
 """A weight sync sent while an engine generates (what --train-async could do; its loop waits
-instead, ppo.rollout_ahead): the engine serves one call at a time, so the requests in flight
+instead, ppo.generate.rollout_ahead): the engine serves one call at a time, so the requests in flight
 finish on the old weights and carry the old version, the sync loads after them, and no
 request sees half-updated weights. A real engine process (the built-in torch backend); the
 sglang adapter is the same RolloutEngine role, whose `generate` is one blocking call too."""
@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from ppo.tiny_model import build_tiny_checkpoint, load_causal_lm
+from ppo.setup.tiny_model import build_tiny_checkpoint, load_causal_lm
 from roles.rollout import RolloutEngine
 from roles.weight_checksum import checksum_named_tensors
 from roles.weight_sync import send_to_engines

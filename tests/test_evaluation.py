@@ -1,4 +1,4 @@
-"""Evaluation during training (ppo.evaluation): miles' flags and schedule, the metrics, the
+"""Evaluation during training (ppo.generate.evaluation): miles' flags and schedule, the metrics, the
 held-out set, and the contract that an eval leaves training bit for bit as it was."""
 
 import itertools
@@ -6,13 +6,13 @@ import json
 
 import pytest
 
-from ppo import evaluation as ev
-from ppo.cli import parse_args
+from ppo.generate import evaluation as ev
+from ppo.config.cli import parse_args
 from ppo.config import ConfigError
 from ppo.config.serialize import override
 from ppo.config.validate import ensure_valid
-from ppo.recipes import tiny_ppo
-from ppo.tasks import EVAL_TASKS, TASKS
+from ppo.config.recipes import tiny_ppo
+from ppo.prompts.tasks import EVAL_TASKS, TASKS
 
 
 def brute_pass_at_k(n: int, c: int, k: int) -> float:
@@ -130,7 +130,7 @@ def test_the_held_out_column_sums_are_never_trained_on_but_each_of_their_columns
 
 
 def test_load_eval_sets_reads_every_line_in_order_with_its_keys_and_rule(tmp_path):
-    from ppo.tiny_model import build_tiny_checkpoint, load_tokenizer
+    from ppo.setup.tiny_model import build_tiny_checkpoint, load_tokenizer
 
     tok = load_tokenizer(build_tiny_checkpoint(str(tmp_path / "ckpt"), seed=0))
     a = tmp_path / "a.jsonl"
@@ -182,7 +182,7 @@ def test_a_run_with_eval_trains_bit_for_bit_as_one_without(tmp_path):
 @pytest.mark.timeout(300)
 def test_ppo_evaluate_judges_a_checkpoint_alone_and_prints_a_table_and_json(tmp_path, capsys):
     from ppo.evaluate import main
-    from ppo.tiny_model import build_tiny_checkpoint
+    from ppo.setup.tiny_model import build_tiny_checkpoint
 
     ckpt = build_tiny_checkpoint(str(tmp_path / "ckpt"), seed=0)
     run_dir = tmp_path / "run"

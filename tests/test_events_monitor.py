@@ -328,7 +328,7 @@ PHASES = [
 ]
 
 
-SIDE_BY_SIDE = [  # runtime.memory's events on a GPU split into budgets (ppo.side_by_side)
+SIDE_BY_SIDE = [  # runtime.memory's events on a GPU split into budgets (ppo.gpu.side_by_side)
     {"event": "lease", "gpu": 0, "budget": "engine", "holder": "rollout-0", "action": "acquire", "bytes_left": None,
      "residuals": {}},
     {"event": "lease", "gpu": 0, "budget": "trainers", "holder": "critic", "action": "acquire", "bytes_left": None,

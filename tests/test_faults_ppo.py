@@ -9,9 +9,9 @@ import pytest
 from bench.faults import Injector, after_first_rollout
 from ppo.config.serialize import override
 from ppo.config.validate import ensure_valid
-from ppo.job import start_job
+from ppo.setup.job import start_job
 from ppo.loop import TrainerDied, run, train
-from ppo.recipes import tiny_ppo
+from ppo.config.recipes import tiny_ppo
 from runtime.events import read_events
 
 pytestmark = pytest.mark.timeout(300)
@@ -173,11 +173,11 @@ def test_an_engine_found_dead_at_a_handoff_is_recovered_and_the_handoff_rerun(mo
     engine is recovered there and the handoff runs again (the supervisor counts the restart)."""
     from types import SimpleNamespace
 
-    import ppo.handoffs
+    import ppo.gpu.handoffs
     from runtime import ActorDied
 
     recovered, calls = [], []
-    monkeypatch.setattr(ppo.handoffs, "recover", lambda job, role, dead, version: recovered.append((role.name, dead)))
+    monkeypatch.setattr(ppo.gpu.handoffs, "recover", lambda job, role, dead, version: recovered.append((role.name, dead)))
     job = SimpleNamespace(engines=[SimpleNamespace(name="rollout-0")])
 
     def handoff():
@@ -185,14 +185,14 @@ def test_an_engine_found_dead_at_a_handoff_is_recovered_and_the_handoff_rerun(mo
         if len(calls) == 1:
             raise ActorDied("rollout-0", 2, "killed")
 
-    ppo.handoffs.engine_handoff(job, handoff, 5)
+    ppo.gpu.handoffs.engine_handoff(job, handoff, 5)
     assert (recovered, len(calls)) == ([("rollout-0", 2)], 2)
 
     def trainer_dies():
         raise ActorDied("actor.0", 1, "killed")
 
     with pytest.raises(ActorDied):  # not an engine: the handoff does not own it
-        ppo.handoffs.engine_handoff(job, trainer_dies, 5)
+        ppo.gpu.handoffs.engine_handoff(job, trainer_dies, 5)
     assert recovered == [("rollout-0", 2)]
 
 

@@ -13,7 +13,7 @@ import pytest
 import launch
 from ppo.config.serialize import override
 from ppo.config import from_dict
-from ppo.recipes import RECIPES, qwen3_4b_ppo, tiny_ppo
+from ppo.config.recipes import RECIPES, qwen3_4b_ppo, tiny_ppo
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -87,9 +87,9 @@ def test_without_dry_run_the_config_goes_to_ppo_loop_train(monkeypatch):
     loop = types.ModuleType("ppo.loop")
     loop.train = lambda cfg, sm=None: received.append(cfg)
     loop.TrainerDied = RuntimeError
-    job = types.ModuleType("ppo.job")
+    job = types.ModuleType("ppo.setup.job")
     job.JobSetupError = ValueError
-    monkeypatch.setitem(sys.modules, "ppo.job", job)
+    monkeypatch.setitem(sys.modules, "ppo.setup.job", job)
     monkeypatch.setitem(sys.modules, "ppo.loop", loop)
     launch.main([])
     assert received == [override(tiny_ppo(), run_dir=received[0].logging.run_dir)]
@@ -123,7 +123,7 @@ def test_the_headline_recipe_passes_its_layout_and_stops_at_the_machine(tmp_path
 def test_a_layout_the_model_cannot_split_stops_before_anything_starts(ckpt):
     """Uneven pipeline stages are not built: refused from --hf-checkpoint's config.json,
     naming the flag and the layer count (the tiny Qwen3 has 2 layers)."""
-    from ppo.job import trainer_layout_problem
+    from ppo.setup.job import trainer_layout_problem
 
     cfg = override(qwen3_4b_ppo(), hf_checkpoint=ckpt)
     assert trainer_layout_problem(cfg) is None  # PP2 splits 2 layers
@@ -141,7 +141,7 @@ def test_a_checkpoint_tensor_the_model_has_no_place_for_stops_before_anything_st
     import torch
     from safetensors.torch import save_file
 
-    from ppo.job import trainer_layout_problem
+    from ppo.setup.job import trainer_layout_problem
 
     model = shutil.copytree(ckpt, tmp_path / "model")
     save_file({"model.layers.1.self_attn.q_proj.bias": torch.zeros(4)}, str(model / "extra.safetensors"))
@@ -151,7 +151,7 @@ def test_a_checkpoint_tensor_the_model_has_no_place_for_stops_before_anything_st
 
 
 def test_an_unreadable_model_config_is_named_as_such_not_as_a_layout(tmp_path):
-    from ppo.job import trainer_layout_problem
+    from ppo.setup.job import trainer_layout_problem
 
     (tmp_path / "config.json").write_text("{not json")
     problem = trainer_layout_problem(override(qwen3_4b_ppo(), hf_checkpoint=str(tmp_path)))
@@ -169,13 +169,13 @@ def test_every_setup_problem_is_reported_at_once_before_anything_starts(tmp_path
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert "problems stop this run (nothing was started)" in proc.stderr
     assert f"--hf-checkpoint {tmp_path / 'no-model'}: no such directory" in proc.stderr
-    assert "python -m ppo.make_checkpoint --arch qwen3-4b DIR" in proc.stderr
+    assert "python -m ppo.make_model --arch qwen3-4b DIR" in proc.stderr
     assert "rollout backend 'sglang' needs" in proc.stderr and "--train-backend megatron cannot run here" in proc.stderr
     assert not run_dir.exists()
 
 
 def test_a_directory_without_config_json_is_not_an_hf_checkpoint(tmp_path):
-    from ppo.job import hf_checkpoint_problem
+    from ppo.setup.job import hf_checkpoint_problem
 
     problem = hf_checkpoint_problem(override(tiny_ppo(), hf_checkpoint=str(tmp_path)))
     assert problem.startswith(f"--hf-checkpoint {tmp_path}: not an HF checkpoint (no config.json)")

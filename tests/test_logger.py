@@ -1,4 +1,4 @@
-"""ppo.logger's outputs beside metrics.jsonl: wandb and tensorboard keep every rollout and eval,
+"""ppo.observe.logger's outputs beside metrics.jsonl: wandb and tensorboard keep every rollout and eval,
 in the order the loop logs them, through a trainer recovery's rewind and a --load resume."""
 
 from __future__ import annotations
@@ -8,9 +8,9 @@ import sys
 
 import pytest
 
-from ppo.console import RunConsole
-from ppo.logger import EVAL_STEP, ROLLOUT_STEP, RunLogger
-from ppo.metrics_file import read_metrics, trim_metrics
+from ppo.observe.console import RunConsole
+from ppo.observe.logger import EVAL_STEP, ROLLOUT_STEP, RunLogger
+from ppo.observe.metrics_file import read_metrics, trim_metrics
 
 REWARD, PASS = "rollout/raw_reward", "eval/heldout/pass@1"
 
@@ -141,7 +141,7 @@ def test_tensorboard_shows_each_step_once_after_a_rewind_and_a_resume(tmp_path):
     assert scalars(tmp_path, REWARD) == [(0, 0.0), (1, 1.0), (2, 12.0), (3, 13.0), (4, 14.0)]
     assert scalars(tmp_path, PASS) == [(1, 0.0), (2, 0.1), (3, 1.2), (4, 1.3), (5, 1.4)]
 
-    trim_metrics(tmp_path, 2)  # the run crashed; --load the checkpoint of rollout 2 (ppo.checkpoint.resume)
+    trim_metrics(tmp_path, 2)  # the run crashed; --load the checkpoint of rollout 2 (ppo.state.checkpoint.resume)
     log = logger(tmp_path, use_tensorboard=True, start_step=3, resumed=True)
     run_steps(log, (3,), reward=lambda s: 20.0 + s)
     log.close()
@@ -149,7 +149,7 @@ def test_tensorboard_shows_each_step_once_after_a_rewind_and_a_resume(tmp_path):
     assert scalars(tmp_path, PASS) == [(1, 0.0), (2, 0.1), (3, 1.2), (4, 2.3)]
     assert [r["step"] for r in read_metrics(tmp_path)] == [1, 0, 2, 1, 3, 2, 4, 3]  # each rollout's eval line before its own
 
-    (tmp_path / "metrics.jsonl").unlink()  # --load of a folder with no checkpoint: the run starts over (ppo.checkpoint.resume)
+    (tmp_path / "metrics.jsonl").unlink()  # --load of a folder with no checkpoint: the run starts over (ppo.state.checkpoint.resume)
     log = logger(tmp_path, use_tensorboard=True, start_step=0, resumed=True)
     run_steps(log, (0,), reward=lambda s: 30.0 + s)
     log.close()

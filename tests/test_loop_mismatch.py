@@ -7,8 +7,8 @@ import torch
 from algorithms import masked_is
 from ppo.config import override
 from ppo.loop import actor_batch, mismatch_correction
-from ppo.user_functions import load_user_functions
-from ppo.recipes import tiny_ppo
+from ppo.setup.user_functions import load_user_functions
+from ppo.config.recipes import tiny_ppo
 
 
 def batch():
@@ -62,7 +62,7 @@ def test_custom_tis_function_by_path_and_its_contract(tmp_path):
 
 def test_a_bad_user_function_stops_the_job_before_anything_is_written(tmp_path):
     """start_job loads the user's functions once, first: a bad path leaves no run dir behind."""
-    from ppo.job import start_job
+    from ppo.setup.job import start_job
 
     cfg = override(tiny_ppo(), run_dir=str(tmp_path / "run"), custom_tis_function_path="ppo.nothere:f")
     with pytest.raises(ValueError, match=r"custom_tis_function_path='ppo.nothere:f': cannot import"):

@@ -1,4 +1,4 @@
-"""ppo.make_checkpoint: an untrained Qwen3-4B-shaped checkpoint and DAPO-format prompts,
+"""ppo.make_model: an untrained Qwen3-4B-shaped checkpoint and DAPO-format prompts,
 with no hub. CI writes a small shape through the same code; the full shape is checked on
 the meta device (no 8 GB written)."""
 
@@ -8,8 +8,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from ppo.data import PromptDataset
-from ppo.make_checkpoint import PROMPTS_FILE, arch_config, main, parameter_count
+from ppo.prompts.dataset import PromptDataset
+from ppo.make_model import PROMPTS_FILE, arch_config, main, parameter_count
 from roles.reward.rules import REWARD_RULES
 
 SMALL = ["hidden_size=64", "intermediate_size=128", "num_hidden_layers=2", "num_attention_heads=4",

@@ -87,7 +87,7 @@ def test_log_probs_and_one_update_match_the_torch_backend(pair):
 
 
 def test_tiny_ppos_own_objective_updates_alike_in_both_backends(ckpt):
-    """tiny_ppo's actor settings as its run resolves them (ppo.job.trainer_config: its
+    """tiny_ppo's actor settings as its run resolves them (ppo.setup.job.trainer_config: its
     loss_agg_mode, the low_var_kl loss at 0.1 against the reference, lr 2e-3, weight decay),
     with two micro-batches a step: three updates in each backend stay together. The pair above
     checks token-mean without a KL loss; tiny_ppo learned on the CPU (torch) and too slowly on
@@ -96,8 +96,8 @@ def test_tiny_ppos_own_objective_updates_alike_in_both_backends(ckpt):
 
     from ppo.config.serialize import override
     from ppo.config.validate import ensure_valid
-    from ppo.job import trainer_config as run_trainer_config
-    from ppo.recipes import tiny_ppo
+    from ppo.setup.job import trainer_config as run_trainer_config
+    from ppo.config.recipes import tiny_ppo
     from roles.trainer import TrainerConfig
     from roles.trainer.megatron import MegatronActorTrainer
     from roles.trainer.torch import ActorTrainer

@@ -1,5 +1,5 @@
 """The MPS daemon found or started (runtime.mps) and the launcher's choice for a side-by-side
-run (ppo.side_by_side.choose), against tests/fakes/mps/nvidia-cuda-mps-control on PATH: a fake
+run (ppo.gpu.side_by_side.choose), against tests/fakes/mps/nvidia-cuda-mps-control on PATH: a fake
 that starts and stops like the real control program (its docstring says where it differs)."""
 
 import json
@@ -15,8 +15,8 @@ from ppo.config import ConfigError
 from ppo.config.schema import MPS_PRIORITIES
 from ppo.config.serialize import override
 from ppo.config.validate import ensure_valid
-from ppo.recipes import tiny_ppo
-from ppo.side_by_side import check_roles, choose, verdict
+from ppo.config.recipes import tiny_ppo
+from ppo.gpu.side_by_side import check_roles, choose, verdict
 from runtime import mps
 
 FAKE_BIN = str(Path(__file__).parent / "fakes" / "mps")

@@ -83,7 +83,7 @@ def test_a_library_console_handler_added_while_routed_is_left_off(tmp_path):
     import sys
 
     library = logging.getLogger("transformers")
-    # earlier tests in this process may have turned transformers' verbosity down (ppo.job) or
+    # earlier tests in this process may have turned transformers' verbosity down (ppo.setup.job) or
     # disabled the loggers that existed then (logging.config): a fresh child, its parent as new
     saved = library.level, library.disabled
     library.setLevel(logging.WARNING)  # setLevel, not .level: it clears the loggers' cached decisions

@@ -16,9 +16,9 @@ from transformers import AutoModelForSequenceClassification
 from ppo.config.serialize import override
 from ppo.config.validate import ensure_valid
 from ppo.loop import train
-from ppo.recipes import tiny_ppo
-from ppo.rewards import token_shares
-from ppo.tiny_model import build_tiny_checkpoint
+from ppo.config.recipes import tiny_ppo
+from ppo.generate.rewards import token_shares
+from ppo.setup.tiny_model import build_tiny_checkpoint
 from roles.device import DeviceMemory
 from roles.reward.model import RewardModel, budget_problem, checkpoint_problem, micro_batches
 from roles.reward.model_scorer import RewardModelScorer

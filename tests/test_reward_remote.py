@@ -245,7 +245,7 @@ def test_tiny_ppo_scores_through_the_service_and_counts_its_failures(tmp_path, s
     from ppo.config.serialize import override
     from ppo.config.validate import ensure_valid
     from ppo.loop import train
-    from ppo.recipes import tiny_ppo
+    from ppo.config.recipes import tiny_ppo
 
     def grade(body, attempt):  # tiny_exact, except that a prompt with a 3 in it always fails
         if "3" in body["prompt"]:

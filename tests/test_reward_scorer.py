@@ -272,7 +272,7 @@ def test_job_evaluator_in_process(custom_file):
 
 @pytest.mark.timeout(60)
 def test_reward_scorer_actor_in_process():
-    actor_module = pytest.importorskip("roles.reward.actor", reason="runtime package not importable yet")
+    actor_module = pytest.importorskip("roles.reward.role", reason="runtime package not importable yet")
     scorer = actor_module.RewardScorer("tiny_exact", num_workers=1)
     try:
         out = scorer.score([sample(0, "7"), sample(1, "8")])

@@ -1,12 +1,12 @@
-"""ppo.rewards: --custom-reward-post-process-path sees the whole rollout and replaces its rewards."""
+"""ppo.generate.rewards: --custom-reward-post-process-path sees the whole rollout and replaces its rewards."""
 
 import textwrap
 
 import pytest
 
 from ppo.config.serialize import override
-from ppo.recipes import tiny_ppo
-from ppo.rewards import apply_post_process, load_post_process
+from ppo.config.recipes import tiny_ppo
+from ppo.generate.rewards import apply_post_process, load_post_process
 
 FUNCTIONS = textwrap.dedent(
     """

@@ -1,4 +1,4 @@
-"""--train-async's rollout source (ppo.rollout_ahead) without processes: the next rollout
+"""--train-async's rollout source (ppo.generate.rollout_ahead) without processes: the next rollout
 generates while the step trains, nothing older than the staleness bound comes out, a
 checkpoint records the data position before the rollout ahead; and its config rules."""
 
@@ -8,8 +8,8 @@ import time
 import pytest
 
 from ppo.config import override, use_tis, validate
-from ppo.recipes import tiny_ppo
-from ppo.rollout_ahead import STALE_RETRY_ROUND, Rollouts
+from ppo.config.recipes import tiny_ppo
+from ppo.generate.rollout_ahead import STALE_RETRY_ROUND, Rollouts
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -17,7 +17,7 @@ N = 2  # samples per prompt
 
 
 def samples_of(step: int, num_groups: int, version: int) -> list[dict]:
-    """What ppo.dynamic_sampling.sample_batch returns: groups in batch order, each sample stamped
+    """What ppo.generate.dynamic_sampling.sample_batch returns: groups in batch order, each sample stamped
     with the weight version of the engine that generated it."""
     return [{"index": g * N + k, "group_index": g, "prompt": f"p{step}.{g}", "prompt_ids": [step, g],
              "label": str(g), "metadata": {}, "weight_version": version, "reward": 0.0}
@@ -157,7 +157,7 @@ def acquirable(lock) -> bool:
 
 
 def test_an_error_waits_for_the_rollout_ahead_and_a_signals_stop_does_not():
-    class Stopped(BaseException):  # as ppo.signals.RunStopped
+    class Stopped(BaseException):  # as ppo.state.signals.RunStopped
         pass
 
     for error, waits in ((RuntimeError("a trainer died"), True), (Stopped(), False)):

@@ -17,7 +17,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from ppo.tiny_model import EOS_ID, load_causal_lm
+from ppo.setup.tiny_model import EOS_ID, load_causal_lm
 from roles.rollout import RolloutEngine
 from roles.rollout import sglang_backend
 from roles.rollout.sglang_backend import flattened_bucket_payloads
@@ -213,8 +213,8 @@ def test_options_sglang_cannot_update_with_are_refused_before_it_starts(ckpt, fa
 def test_fake_accepts_exactly_the_wheels_server_args():
     """sglang_server_args.json is generated from both pinned wheels (gen_server_args.py); every
     Engine keyword we pass is a field of both."""
-    from ppo.job import engine_settings
-    from ppo.recipes import qwen3_4b_ppo
+    from ppo.setup.job import engine_settings
+    from ppo.config.recipes import qwen3_4b_ppo
 
     data = json.loads((REPO / "tests/fakes/sglang_server_args.json").read_text())
     assert set(data["versions"]) == {"0.5.21", "0.5.23"} and sglang_engine.VERSION in data["versions"]
@@ -462,8 +462,8 @@ def test_colocated_sync_through_sglangs_real_payload_path():
 def test_driver_starts_sglang_engines_with_the_recipes_settings():
     from dataclasses import replace
 
-    from ppo.job import engine_settings, rollout_backend_problem
-    from ppo.recipes import qwen3_4b_ppo, tiny_ppo
+    from ppo.setup.job import engine_settings, rollout_backend_problem
+    from ppo.config.recipes import qwen3_4b_ppo, tiny_ppo
 
     cfg = qwen3_4b_ppo()  # colocated: engines offload, so the memory saver is on
     assert engine_settings(cfg) == {"max_batch_size": 512, "mem_fraction": 0.8,
@@ -482,7 +482,7 @@ def test_driver_starts_sglang_engines_with_the_recipes_settings():
 
 
 def test_weight_check_is_refused_with_sglang_at_config_time():
-    from ppo.cli import parse_args
+    from ppo.config.cli import parse_args
     from ppo.config import ConfigError
 
     with pytest.raises(ConfigError, match="check-weight-update-equal.*no exact read-back"):
@@ -497,15 +497,15 @@ def test_tiny_ppo_on_fake_sglang_rolls_out_the_actors_policy_after_a_critic_only
     rollouts after the critic-only step must still come from the actor's weights: the engines'
     log-probs of their own samples equal the actor's (rollout/log_probs_diff), which they cannot
     from noise."""
-    import ppo.job
+    import ppo.setup.job
     from ppo.config.serialize import override
     from ppo.loop import train
-    from ppo.recipes import tiny_ppo
+    from ppo.config.recipes import tiny_ppo
 
     # role processes import the fake as `sglang` (spawned children inherit sys.path)
     monkeypatch.syspath_prepend(str(sglang_engine.write_package(tmp_path / "site")))
     # validation keeps sglang off fake GPUs and the job wants CUDA for it: the fake needs neither
-    monkeypatch.setattr(ppo.job, "rollout_backend_problem", lambda cfg: None)
+    monkeypatch.setattr(ppo.setup.job, "rollout_backend_problem", lambda cfg: None)
     cfg = override(tiny_ppo(), run_dir=str(tmp_path / "run"), num_rollout=3, num_critic_only_steps=1,
                    rollout_batch_size=8, n_samples_per_prompt=4, global_batch_size=32, micro_batch_size=32,
                    rollout_backend="sglang")

@@ -8,12 +8,12 @@ import math
 import pytest
 
 from bench.faults import SIDE, after_first_rollout
-from ppo.checkpoint import rollout_dir_name
+from ppo.state.checkpoint import rollout_dir_name
 from ppo.config import ConfigError, derived_values
 from ppo.config.serialize import override
 from ppo.config.validate import ensure_valid
 from ppo.loop import train
-from ppo.recipes import tiny_ppo
+from ppo.config.recipes import tiny_ppo
 from runtime.events import read_events
 from runtime.fakegpu import BudgetExceeded, FakeDevice, LeaseViolation, check_no_overlap, create_fake_devices
 from runtime.budget import Budget
@@ -186,7 +186,7 @@ def test_tiny_ppo_learns_side_by_side_on_one_cuda_gpu_under_mps(tmp_path):
     run +0.49 (seed 1234) and +0.80 (seed 1) (docs/benchmarks.md, side by side)."""
     import json
 
-    from ppo.side_by_side import choose
+    from ppo.gpu.side_by_side import choose
 
     pytest.importorskip("megatron.core")
     num_rollout = 40

@@ -1,4 +1,4 @@
-"""Signals to a run (ppo.signals) through the real launcher, in a subprocess: Ctrl-C and
+"""Signals to a run (ppo.state.signals) through the real launcher, in a subprocess: Ctrl-C and
 SIGTERM stop at once with one line and exit 128 + the signal, leaving no process and
 supervisor.json marked ended; SIGUSR1 saves at the end of the rollout under way and stops,
 and the resumed run repeats the uninterrupted one bit for bit."""
@@ -15,7 +15,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from ppo.tiny_model import build_tiny_checkpoint
+from ppo.setup.tiny_model import build_tiny_checkpoint
 
 ROOT = Path(__file__).resolve().parents[1]
 PROMPTS = [json.dumps({"prompt": f"{a}+{b}=", "label": str(a + b)}) for a in range(5) for b in range(5)]
@@ -124,8 +124,8 @@ def test_a_run_stopped_by_sigusr1_and_resumed_repeats_the_uninterrupted_one(tmp_
 
 def test_the_resume_command_is_the_run_s_own_with_load_and_run_dir_in_place():
     from ppo.config import override
-    from ppo.recipes import tiny_ppo
-    from ppo.signals import resume_command
+    from ppo.config.recipes import tiny_ppo
+    from ppo.state.signals import resume_command
     cfg = override(tiny_ppo(), save="ck dir", run_dir="runs/a")
     assert resume_command(["--num-rollout", "3", "--load=old", "--run-dir", "runs/a", "--save", "ck dir"], cfg) == \
         "python launch.py --num-rollout 3 --save 'ck dir' --load 'ck dir' --run-dir runs/a"

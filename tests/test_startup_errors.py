@@ -60,7 +60,7 @@ def test_import_error_in_the_role_class_module_writes_the_error_file_with_the_fi
 
 
 def test_import_error_in_a_custom_reward_module_names_the_fix(tmp_path):
-    from roles.reward.actor import RewardScorer
+    from roles.reward.role import RewardScorer
 
     (tmp_path / "my_rm.py").write_text("import tandem_reward_dep_not_installed\ndef score(s):\n    return 1.0\n")
     run_dir = tmp_path / "run"

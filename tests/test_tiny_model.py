@@ -7,7 +7,7 @@ import os
 import pytest
 import torch
 
-from ppo.tiny_model import (
+from ppo.setup.tiny_model import (
     BOS_ID,
     EOS_ID,
     PAD_ID,
@@ -84,10 +84,10 @@ def test_tied_embeddings_and_bad_heads(tmp_path):
 
 @pytest.mark.parametrize(("task", "digits"), [("arithmetic", 1), ("column_sums", 2), ("column_sums_small", 2)])
 def test_the_warm_start_teaches_answers_of_the_tasks_length_and_no_more(tmp_path, task, digits):
-    """ppo.generated's warm start: a generated task's prompts get `answer_digits` digits, then EOS."""
+    """ppo.setup.generated's warm start: a generated task's prompts get `answer_digits` digits, then EOS."""
     from ppo.config import override
-    from ppo.generated import resolve_paths
-    from ppo.recipes import tiny_ppo
+    from ppo.setup.generated import resolve_paths
+    from ppo.config.recipes import tiny_ppo
 
     ckpt, data = resolve_paths(override(tiny_ppo(), prompt_data=f"generated:{task}"), tmp_path)
     model, tok = load_causal_lm(ckpt, "float32"), load_tokenizer(ckpt)

@@ -14,10 +14,10 @@ from pathlib import Path
 import pytest
 
 from ppo.plot import main as plot_main
-from ppo.metrics_file import read_metrics
+from ppo.observe.metrics_file import read_metrics
 from ppo.plot import step_phases
-from ppo.recipes import tiny_ppo
-from ppo.trace import TraceBuilder, TraceWriter, build_trace, read_trace
+from ppo.config.recipes import tiny_ppo
+from ppo.observe.trace import TraceBuilder, TraceWriter, build_trace, read_trace
 from runtime.events import EventBus, read_events
 
 REPO = Path(__file__).resolve().parents[1]
@@ -93,7 +93,7 @@ def test_trace_has_a_track_per_role_and_gpu_with_phases_bytes_buckets_and_leases
         assert counters and max(sum(e["args"].values()) for e in counters) > 0
         assert set(counters[-1]["args"]) == {"actor", "critic", f"rollout-{gpu}"}  # by lease holder (a rank counts as its group)
     states = by_track("rollout-0", "B")
-    # tiny_ppo evaluates before step 0: one generate call per eval set (ppo.evaluation)
+    # tiny_ppo evaluates before step 0: one generate call per eval set (ppo.generate.evaluation)
     num_eval_calls = len(tiny_ppo().evaluation.eval_prompt_data) // 2
     assert states["generating"] == NUM_ROLLOUT + num_eval_calls and states["starting"] == 1
     assert by_track("reward-0", "B")["scoring"] >= NUM_ROLLOUT

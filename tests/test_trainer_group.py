@@ -273,8 +273,8 @@ def test_rank_groups_need_gpus_and_unique_names(fake_sup):
 @pytest.mark.skipif(megatron_missing() is None, reason="megatron-core and CUDA are here: nothing to refuse")
 def test_megatron_backend_is_refused_before_anything_starts_where_it_cannot_run(tmp_path):
     from ppo.config.serialize import override
-    from ppo.job import JobSetupError, start_job
-    from ppo.recipes import tiny_ppo
+    from ppo.setup.job import JobSetupError, start_job
+    from ppo.config.recipes import tiny_ppo
 
     cfg = override(tiny_ppo(), run_dir=str(tmp_path / "run"), train_backend="megatron")
     with pytest.raises(JobSetupError, match=r"--train-backend megatron cannot run here: .*--train-backend torch"):

@@ -8,10 +8,10 @@ import pytest
 from bench.faults import Injector, after_first_rollout
 from ppo.config.serialize import override
 from ppo.config.validate import ConfigError, ensure_valid
-from ppo.job import start_job
+from ppo.setup.job import start_job
 from ppo.loop import TrainerDied, run
-from ppo.recipes import tiny_ppo
-from ppo.trace import build_trace, read_trace
+from ppo.config.recipes import tiny_ppo
+from ppo.observe.trace import build_trace, read_trace
 from runtime.events import read_events
 from runtime.fakegpu import FakeDevice, check_no_overlap
 
@@ -119,7 +119,7 @@ def test_a_refused_or_failed_recovery_says_why_in_the_stop_line():
 def test_megatron_trainers_save_export_and_resume_in_the_loop_on_a_gpu(tmp_path):
     """`--save`, `--save-hf` and `--load` with megatron trainers on one GPU (`bash .ci/gpu -k
     in_the_loop`): the trainers save and load inside the driver's checkpoint windows
-    (ppo.handoffs), the HF export loads in transformers, and the resumed run's engines hold
+    (ppo.gpu.handoffs), the HF export loads in transformers, and the resumed run's engines hold
     the actor's weights after its sync (--check-weight-update-equal)."""
     pytest.importorskip("megatron.core")
     from transformers import AutoModelForCausalLM

@@ -253,7 +253,7 @@ def test_the_production_sync_over_cuda_ipc_is_bit_identical_and_frees_both_buffe
     assert actor._core.memory.kind == "cuda"
     before = actor._core.memory.bytes_in_use()
     with Supervisor(tmp_path / "run", gpus=[0]) as sup:
-        sup.leases.acquire(0, "rollout-0")  # as ppo.job spawns an engine
+        sup.leases.acquire(0, "rollout-0")  # as ppo.setup.job spawns an engine
         engine = sup.spawn("rollout-0", RolloutEngine, ckpt, dtype="bfloat16", kv_cache_bytes=64 << 20, gpus=[0])
         sup.wait_ready(timeout=240)
         stats = actor.sync_weights([engine], buffer_bytes=64 * 1024, version=2, engine_gpus=[[0]])

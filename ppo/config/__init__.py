@@ -1,11 +1,11 @@
 """Typed PPO configuration: groups, validation, derived values and (de)serialisation.
 
     from ppo.config import needs_ref, override, validate
-    from ppo.recipes import qwen3_4b_ppo
+    from ppo.config.recipes import qwen3_4b_ppo
     cfg = override(qwen3_4b_ppo(), hf_checkpoint="/models/Qwen3-4B")
     assert validate(cfg) == [] and not needs_ref(cfg)
 
-Recipes (ppo.recipes) build on this package, and the command line (ppo.cli) on both.
+Recipes (ppo.config.recipes) build on this package, and the command line (ppo.config.cli) on both.
 Configs are frozen and validated once; derived values (critic fallbacks, offloading, the
 global batch size) are computed by the functions re-exported here, never written back.
 """

@@ -45,10 +45,10 @@ REMOTE_RM = "remote_rm"  # miles' --rm-type of a reward service at --rm-url (rol
 GENERATED_PREFIX = "generated:"
 GENERATED_MODELS = ("tiny-qwen3",)
 GENERATED_DATASETS = ("arithmetic", "column_sums", "column_sums_small")
-# Sets for --eval-prompt-data (ppo.tasks.EVAL_TASKS): the sums the training task leaves out, and the rest.
+# Sets for --eval-prompt-data (ppo.prompts.tasks.EVAL_TASKS): the sums the training task leaves out, and the rest.
 GENERATED_EVAL_DATASETS = ("arithmetic_heldout", "arithmetic_seen", "column_sums_heldout", "column_sums_seen",
                            "column_sums_small_heldout", "column_sums_small_seen")
-# What the run prints (ppo.console): "auto" is a progress bar on a terminal and one plain line
+# What the run prints (ppo.observe.console): "auto" is a progress bar on a terminal and one plain line
 # per rollout otherwise (a file, a pipe, nohup, Slurm); "json" is one JSON object per line.
 LOG_FORMATS = ("auto", "rich", "plain", "json")
 
@@ -123,7 +123,7 @@ class RolloutConfig:
         "until --rollout-batch-size groups pass the filter. Unset: --rollout-batch-size", ge=1)
     dynamic_sampling_filter_path: str | None = knob(
         None, "dynamic sampling (DAPO): function that keeps or drops each prompt's group of samples, "
-        "as --custom-rm-path names one; built in: ppo.dynamic_sampling.check_reward_nonzero_std "
+        "as --custom-rm-path names one; built in: ppo.generate.dynamic_sampling.check_reward_nonzero_std "
         "(drop groups whose rewards are all equal: no GRPO signal)")
     train_async: bool = knob(
         False, "miles' train_async.py: generate the next rollout while this one trains (one-step "
@@ -345,7 +345,7 @@ class LoggingConfig:
 
 @dataclass(frozen=True, kw_only=True)
 class EvalConfig:
-    """Evaluation during training on held-out prompt sets (miles' eval flags; ppo.evaluation).
+    """Evaluation during training on held-out prompt sets (miles' eval flags; ppo.generate.evaluation).
     An unset key or sampling setting falls back to the rollout's, as in miles."""
 
     eval_prompt_data: tuple[str, ...] | None = knob(

@@ -263,7 +263,7 @@ def _dynamic_sampling(cfg: PPOConfig) -> list[str]:
         out.append(_set_but("over_sampling_batch_size", r.over_sampling_batch_size,
                             "--dynamic-sampling-filter-path (rollout.dynamic_sampling_filter_path) is not; "
                             "without a filter the extra prompts would be sampled and thrown away. Please add "
-                            "--dynamic-sampling-filter-path ppo.dynamic_sampling.check_reward_nonzero_std"))
+                            "--dynamic-sampling-filter-path ppo.generate.dynamic_sampling.check_reward_nonzero_std"))
     if r.rollout_batch_size is not None and r.over_sampling_batch_size < r.rollout_batch_size:
         out.append(_bad("over_sampling_batch_size", r.over_sampling_batch_size,
                         f"must be >= --rollout-batch-size {r.rollout_batch_size}"))

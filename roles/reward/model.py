@@ -39,7 +39,7 @@ def checkpoint_problem(path: str) -> str | None:
     config and the weight files' headers only."""
     root = Path(path)
     fix = ("pass an HF sequence-classification checkpoint with one label "
-           "(`python -m ppo.make_checkpoint --arch qwen3-4b-rm DIR` writes an untrained one)")
+           "(`python -m ppo.make_model --arch qwen3-4b-rm DIR` writes an untrained one)")
     if not (root / "config.json").is_file():
         return f"--reward-model-path {path}: not an HF checkpoint (no config.json); {fix}"
     config = json.loads((root / "config.json").read_text())

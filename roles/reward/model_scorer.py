@@ -3,7 +3,7 @@
     starting -> offloaded <-> onloaded <-> scoring
 
 It starts offloaded (its weights in CPU memory, so it needs no lease to start), and the
-driver moves it as it moves the trainers (ppo.colocation): `onload(["weights"])` once it
+driver moves it as it moves the trainers (ppo.gpu.colocation): `onload(["weights"])` once it
 holds its GPU's lease, `score`, then `offload(["weights"])` before it gives the lease up; on
 a GPU of its own it is onloaded once and stays. Each memory endpoint returns the trainers'
 report, {"ledger": {tag: bytes}, "bytes_in_use"}, which the lease table checks.

@@ -42,7 +42,7 @@ def math_reward(response: str, label: str) -> float:
 def tiny_exact_reward(response: str, label: str) -> float:
     """1.0 when the response, stripped of surrounding whitespace, is exactly ``label``.
 
-    For the generated tiny tasks (``ppo.tasks``): the response is the decoded text up to
+    For the generated tiny tasks (``ppo.prompts.tasks``): the response is the decoded text up to
     EOS, e.g. ``"7"`` for the prompt ``"3+4="``; ``" 7\\n"`` counts, ``"07"`` does not.
     """
     return 1.0 if response.strip() == label.strip() else 0.0

@@ -11,7 +11,7 @@ Graphs hold the addresses of the weights and the KV cache, so "cuda_graph" rides
 releasing "weights" or "kv_cache" releases it too, and it comes back by itself once both
 are resident again (graphs are re-captured at first use). Releasing "cuda_graph" alone
 frees only the graphs (state "cuda_graph_released"); resume(["cuda_graph"]) takes them back.
-Callers that name only ["kv_cache", "weights"] (ppo/loop.py, ppo/colocation.py) thus free
+Callers that name only ["kv_cache", "weights"] (ppo/loop.py, ppo/gpu/colocation.py) thus free
 and restore everything.
 
 `generate` needs "ready"; `update_weights` needs the weights resident ("ready" or

@@ -83,7 +83,7 @@ class TrainerRole(Actor):
     def save(self, path: str) -> dict:
         """Weights, optimizer state, step and RNG state, written atomically (the core's save says
         which ranks write what). Every backend saves and loads with its weights and optimizer
-        on the device (megatron can do no other: ppo.handoffs), so the driver's windows for
+        on the device (megatron can do no other: ppo.gpu.handoffs), so the driver's windows for
         it are exercised by every run."""
         self._core.require_onloaded("params", "optimizer")
         return self._core.save(path)

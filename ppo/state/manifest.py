@@ -1,9 +1,9 @@
 """A checkpoint folder's manifest: every file, its size and its CRC-32, in MANIFEST.json.
 
 Written into the folder before the folder is renamed into place and before the tracker
-moves (ppo.checkpoint.save_checkpoint), and checked by --load before any role starts: a
+moves (ppo.state.checkpoint.save_checkpoint), and checked by --load before any role starts: a
 truncated or overwritten file is found by its size or its checksum, and the run resumes
-from the newest checkpoint whose files all match (ppo.checkpoint.locate).
+from the newest checkpoint whose files all match (ppo.state.checkpoint.locate).
 
 CRC-32 (zlib) detects truncation and stray bytes, which is what is asked of it here (not
 tampering), and is the fastest check in the standard library: on the 2-core CPU machine,

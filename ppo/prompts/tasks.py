@@ -150,7 +150,7 @@ class GeneratedTask:
 
 TASKS: dict[str, GeneratedTask] = {
     # operands 0..4: every answer is a single digit, the format the tiny model starts with
-    # (ppo/generated.py), so what PPO must learn is the sums themselves (20 of the 25: the
+    # (ppo/setup/generated.py), so what PPO must learn is the sums themselves (20 of the 25: the
     # other 5 are the held-out eval set, EVAL_TASKS["arithmetic_heldout"])
     "arithmetic": GeneratedTask(write=functools.partial(write_arithmetic_task, max_operand=4, exclude_held_out=True),
                                 rm_type="tiny_exact", charset=ARITHMETIC_CHARSET, answer_digits=1),

@@ -19,20 +19,20 @@ import transformers
 from transformers import AutoTokenizer
 
 from ppo import config as C
-from ppo.checkpoint import Checkpoint, locate
-from ppo.colocation import Colocation, Tenant, engine_tenant, trainer_tenant
+from ppo.state.checkpoint import Checkpoint, locate
+from ppo.gpu.colocation import Colocation, Tenant, engine_tenant, trainer_tenant
 from ppo.config import PPOConfig
 from ppo.config.schema import GENERATED_PREFIX
 from ppo.config.serialize import to_dict
-from ppo.console import RunConsole, ready_seconds
-from ppo.data import PromptDataset
-from ppo.evaluation import EvalSet, load_eval_sets
-from ppo.generated import resolve_eval_paths, resolve_paths
-from ppo.placement import Placement, plan_placement
-from ppo.rundir import RunDirError, RunDirLock, claim
-from ppo.side_by_side import memory_budgets
-from ppo.user_functions import UserFunctions, load_user_functions
-from roles.reward.actor import RewardScorer
+from ppo.observe.console import RunConsole, ready_seconds
+from ppo.prompts.dataset import PromptDataset
+from ppo.generate.evaluation import EvalSet, load_eval_sets
+from ppo.setup.generated import resolve_eval_paths, resolve_paths
+from ppo.gpu.placement import Placement, plan_placement
+from ppo.state.rundir import RunDirError, RunDirLock, claim
+from ppo.gpu.side_by_side import memory_budgets
+from ppo.setup.user_functions import UserFunctions, load_user_functions
+from roles.reward.role import RewardScorer
 from roles.reward.model_scorer import RewardModelScorer
 from roles.rollout.engine import RolloutEngine
 from roles.trainer import BackendUnavailable, TrainerGroup, trainer_classes
@@ -69,11 +69,11 @@ class Job:
     reward_models: list[ActorHandle]  # reward-model ranks, one per GPU (roles.reward.model_scorer); [] without
     reward_model_tenants: list[Tenant]
     colocation: Colocation
-    console: RunConsole  # what the run prints (ppo.console)
-    run_dir_lock: RunDirLock  # held until the job is closed (ppo.rundir)
-    resume_from: Checkpoint | None  # the intact --load checkpoint to resume, if any (ppo.checkpoint.locate)
+    console: RunConsole  # what the run prints (ppo.observe.console)
+    run_dir_lock: RunDirLock  # held until the job is closed (ppo.state.rundir)
+    resume_from: Checkpoint | None  # the intact --load checkpoint to resume, if any (ppo.state.checkpoint.locate)
     functions: UserFunctions  # the user's dynamic-sampling filter, TIS function, reward post-process
-    eval_sets: list[EvalSet] = field(default_factory=list)  # --eval-prompt-data, loaded (ppo.evaluation)
+    eval_sets: list[EvalSet] = field(default_factory=list)  # --eval-prompt-data, loaded (ppo.generate.evaluation)
 
     def close(self) -> None:
         try:
@@ -297,7 +297,7 @@ def hf_checkpoint_problem(cfg: PPOConfig) -> str | None:
     if path.startswith(GENERATED_PREFIX):
         return None
     fix = ("Please pass a local HF checkpoint directory, or write an untrained one with "
-           "`python -m ppo.make_checkpoint --arch qwen3-4b DIR`")
+           "`python -m ppo.make_model --arch qwen3-4b DIR`")
     if not Path(path).is_dir():
         return f"--hf-checkpoint {path}: no such directory (models are not downloaded). {fix}"
     if not (Path(path) / "config.json").is_file():
@@ -337,7 +337,7 @@ def start_job(cfg: PPOConfig, console: RunConsole | None = None,
               role_env: dict[str, dict[str, str]] | None = None) -> Job:
     """Build the run dir and start the roles; `console` (default: as cfg.logging asks) prints
     each start-up stage and its time; `role_env`: {"engine"|"trainer": environment} added to
-    those roles' (their MPS share side by side: ppo.side_by_side)."""
+    those roles' (their MPS share side by side: ppo.gpu.side_by_side)."""
     console = console or RunConsole.for_config(cfg)
     problems = setup_problems(cfg)
     if problems:  # checked before anything is written or started
@@ -378,7 +378,7 @@ def _start(cfg: PPOConfig, console: RunConsole, lock: RunDirLock, actor_cls, cri
                              shuffle=cfg.rollout.rollout_shuffle, skip_bad_samples=cfg.rollout.skip_bad_samples)
         eval_sets = load_eval_sets(cfg, resolve_eval_paths(cfg, run_dir), tok)
         resume_from = None
-        if cfg.checkpoint.load is not None:  # checked against its manifest (ppo.manifest)
+        if cfg.checkpoint.load is not None:  # checked against its manifest (ppo.state.manifest)
             resume_from = locate(cfg.checkpoint.load, critic_load=C.critic_load(cfg), uses_critic=C.uses_critic(cfg),
                                  hf_checkpoint=hf_checkpoint)
     except (ValueError, FileNotFoundError) as e:  # BadSample and CheckpointError are ValueErrors

@@ -67,7 +67,7 @@ def qwen3_4b_ppo() -> PPOConfig:
     """Qwen3-4B PPO on DAPO-Math-17k, one node of 4 GPUs, colocated (the miles PPO example).
 
     The paths are placeholders in miles' layout: pass --hf-checkpoint (HF dir, also the
-    tokenizer; `python -m ppo.make_checkpoint --arch qwen3-4b DIR` writes an untrained one),
+    tokenizer; `python -m ppo.make_model --arch qwen3-4b DIR` writes an untrained one),
     --ref-load (miles' torch_dist conversion of it: kept for parity, not read) and
     --prompt-data. As miles ships it:
     the actor (and so the critic) is one data-parallel rank of TP1 x PP2 x CP2 over the

@@ -16,7 +16,7 @@ The source of truth is RUN_DIR/events.jsonl (runtime.events). `phase` events car
 
 `TraceWriter` tails the log while the job runs and appends to trace.json as events arrive,
 so a crashed run leaves a trace that lacks only its closing `]` (which the format allows);
-`python -m ppo.trace RUN_DIR` rebuilds trace.json from the log at any time.
+`python -m ppo.observe.trace RUN_DIR` rebuilds trace.json from the log at any time.
 """
 
 from __future__ import annotations
@@ -331,7 +331,7 @@ def _keep_previous(path: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m ppo.trace", description="Rebuild RUN_DIR/trace.json "
+    ap = argparse.ArgumentParser(prog="python -m ppo.observe.trace", description="Rebuild RUN_DIR/trace.json "
                                  "from RUN_DIR/events.jsonl (Chrome trace format; open it in ui.perfetto.dev).")
     ap.add_argument("run_dir", type=Path)
     args = ap.parse_args(argv)

@@ -35,7 +35,7 @@ from ppo import config as C
 from ppo.config import PPOConfig
 from ppo.config.serialize import override
 from ppo.config.validate import ensure_valid
-from ppo.placement import Placement
+from ppo.gpu.placement import Placement
 from runtime import mps
 from runtime.budget import Budget
 

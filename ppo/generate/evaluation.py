@@ -34,8 +34,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ppo.config import PPOConfig
-from ppo.data import PromptDataset
-from ppo.rollout import SamplingParams, generate_and_score
+from ppo.prompts.dataset import PromptDataset
+from ppo.generate.rollout import SamplingParams, generate_and_score
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -70,7 +70,7 @@ def eval_sampling(cfg: PPOConfig, name: str, eos_id: int) -> SamplingParams:
 
 
 def load_eval_sets(cfg: PPOConfig, paths: list[tuple[str, str]], tok) -> list[EvalSet]:
-    """The sets of `paths` ((name, jsonl) from `ppo.generated.resolve_eval_paths`), tokenized. A
+    """The sets of `paths` ((name, jsonl) from `ppo.setup.generated.resolve_eval_paths`), tokenized. A
     bad line raises ValueError("FILE:LINE: ...") as a bad --prompt-data line does."""
     e, r = cfg.evaluation, cfg.rollout
     rm_types = e.eval_rm_type or ()

@@ -1,6 +1,6 @@
 """The functions a run loads from the user's files by path (as --custom-rm-path is): the
 dynamic-sampling filter, the TIS function and the reward post-process. Loaded once per job,
-by ppo.job.start_job before anything is written or started, so a bad path fails first and
+by ppo.setup.job.start_job before anything is written or started, so a bad path fails first and
 the user's module runs once."""
 
 from __future__ import annotations
@@ -9,9 +9,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from algorithms import truncated_is
-from ppo import rewards
+from ppo.generate import rewards
 from ppo.config import PPOConfig
-from ppo.dynamic_sampling import DynamicSampling
+from ppo.generate.dynamic_sampling import DynamicSampling
 from roles.reward.custom import load_function
 
 

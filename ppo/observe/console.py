@@ -141,7 +141,7 @@ class RunConsole:
                         "elapsed_s": round(self._elapsed(), 3), "eta_s": round(eta, 3), "metrics": metrics})
 
     def eval(self, step: int, metrics: dict[str, float]) -> None:
-        """An eval tagged `step` (ppo.evaluation) is done: one line per set."""
+        """An eval tagged `step` (ppo.generate.evaluation) is done: one line per set."""
         if self.mode == "json":
             self._json({"type": "eval", "step": step, "metrics": metrics})
             return

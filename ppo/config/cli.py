@@ -6,7 +6,7 @@ Flags are derived from the dataclass fields: bools take `--x` / `--no-x`; option
 take `none` to unset; tuples of ints take one or more values. The help text never repeats
 defaults: they live in the dataclasses and the recipes.
 
-    from ppo.cli import parse_args
+    from ppo.config.cli import parse_args
     cfg = parse_args(["--recipe", "qwen3_4b_ppo", "--hf-checkpoint", "/models/Qwen3-4B"])
 """
 
@@ -22,7 +22,7 @@ from typing import Any
 from ppo.config.schema import FIELDS, RM_TYPES, ConfigError, FieldSpec, PPOConfig
 from ppo.config.serialize import override
 from ppo.config.validate import allowed, validate
-from ppo.recipes import DEFAULT_RECIPE, RECIPES, describe_recipes
+from ppo.config.recipes import DEFAULT_RECIPE, RECIPES, describe_recipes
 
 
 class _ListRecipes(argparse.Action):

@@ -1,4 +1,4 @@
-"""RUN_DIR/metrics.jsonl: one JSON record per rollout (and per eval), as ppo.logger writes
+"""RUN_DIR/metrics.jsonl: one JSON record per rollout (and per eval), as ppo.observe.logger writes
 it; read back by ppo.plot and the logger, trimmed when a run goes back to a checkpoint."""
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ def read_metrics(run_dir: Path) -> list[dict]:
 def trim_metrics(run_dir: Path, last_step: int) -> None:
     """Drop metrics.jsonl records after `last_step`: a resumed run logs those steps again. An
     eval line is tagged with the rollout that samples from the weights it evaluated (s + 1 for
-    the eval after rollout s, ppo.evaluation): it belongs to checkpoint s and is kept."""
+    the eval after rollout s, ppo.generate.evaluation): it belongs to checkpoint s and is kept."""
     path = Path(run_dir) / "metrics.jsonl"
     if not path.exists():
         return

@@ -22,7 +22,7 @@ import sys
 import threading
 from pathlib import Path
 
-from ppo.checkpoint import TRACKER
+from ppo.state.checkpoint import TRACKER
 from ppo.config import PPOConfig
 
 

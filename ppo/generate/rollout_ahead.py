@@ -42,7 +42,7 @@ import time
 from typing import Callable
 
 # Seeds of a stale group generated again: a round no dynamic-sampling round (>= 0) has
-# (ppo.rollout.sample_seed), so its samples do not repeat the stale ones' randomness.
+# (ppo.generate.rollout.sample_seed), so its samples do not repeat the stale ones' randomness.
 STALE_RETRY_ROUND = -1
 
 Rollout = tuple[list[dict], dict[str, float]]  # (samples in batch order, sampling metrics)
@@ -138,13 +138,13 @@ class Rollouts:
 
 
 def _prompt_of(sample: dict) -> dict:
-    """The prompt record (ppo.data) a sample was generated from."""
+    """The prompt record (ppo.prompts.dataset) a sample was generated from."""
     return {"prompt": sample["prompt"], "prompt_ids": sample["prompt_ids"], "label": sample["label"],
             "metadata": sample["metadata"]}
 
 
 class _Position:
-    """A data position as a checkpoint reads it (ppo.checkpoint.driver_state)."""
+    """A data position as a checkpoint reads it (ppo.state.checkpoint.driver_state)."""
 
     def __init__(self, state: dict):
         self._state = state

@@ -103,7 +103,7 @@ def generate_and_score(engines: list[ActorHandle], scorers: list[ActorHandle], p
                 samples[r["id"]] = s
                 scored.append({k: s[k] for k in ("index", "group_index", "prompt", "response", "label",
                                                  "metadata")})
-            if not scorers:  # a reward model alone: it scores the whole rollout after generation (ppo.rewards)
+            if not scorers:  # a reward model alone: it scores the whole rollout after generation (ppo.generate.rewards)
                 for x in scored:
                     samples[x["index"]].update(reward=0.0, reward_status="ok")
                 continue

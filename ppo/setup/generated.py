@@ -22,7 +22,7 @@ import torch
 
 from ppo.config import PPOConfig
 from ppo.config.schema import GENERATED_PREFIX
-from ppo.tasks import EVAL_TASKS, TASKS
+from ppo.prompts.tasks import EVAL_TASKS, TASKS
 
 NUM_TASK_PROMPTS = 512
 WARM_START_STEPS = 100  # enough for P(digit first) > 0.99 while each digit stays at ~0.1
@@ -31,7 +31,7 @@ WARM_START_STEPS = 100  # enough for P(digit first) > 0.99 while each digit stay
 def resolve_paths(cfg: PPOConfig, run_dir: Path,
                   begin: Callable[[str], None] = lambda stage: None) -> tuple[str, str]:
     """(hf_checkpoint dir, prompt jsonl) for the run, generating them when asked; `begin(stage)`
-    is told of each generation step (ppo.console times start-up)."""
+    is told of each generation step (ppo.observe.console times start-up)."""
     data = cfg.rollout.prompt_data
     task_prompts, answer_digits = None, 1
     if data.startswith(GENERATED_PREFIX):
@@ -67,7 +67,7 @@ def resolve_eval_paths(cfg: PPOConfig, run_dir: Path) -> list[tuple[str, str]]:
 
 
 def _build_tiny_model(path: str, prompts: list[str], *, answer_digits: int, seed: int) -> None:
-    from ppo.tiny_model import build_tiny_checkpoint, load_causal_lm, load_tokenizer
+    from ppo.setup.tiny_model import build_tiny_checkpoint, load_causal_lm, load_tokenizer
 
     build_tiny_checkpoint(path, seed=seed)
     model, tok = load_causal_lm(path, "float32"), load_tokenizer(path)

@@ -15,7 +15,7 @@ and syncs the engines anew (ppo.recovery); one caught and survived would need it
 An engine found dead in a handoff is waited for and brought to the current policy version,
 and the handoff runs again (`engine_handoff`).
 
-This module sits below ppo.checkpoint (which saves and restores through these windows) and
+This module sits below ppo.state.checkpoint (which saves and restores through these windows) and
 ppo.loop; it knows the job only by the fields it reads.
 """
 
@@ -126,7 +126,7 @@ def on_gpus(job, tenant, *, keep: str | None = None) -> Iterator[None]:
 
 
 class OnGPUs:
-    """A trainer group whose checkpoint calls run inside `on_gpus`: what ppo.checkpoint's
+    """A trainer group whose checkpoint calls run inside `on_gpus`: what ppo.state.checkpoint's
     save_checkpoint calls to save."""
 
     def __init__(self, job, group, tenant):

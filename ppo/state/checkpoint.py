@@ -9,7 +9,7 @@ resumed with --load.
         trainer_state.json         optimizer step (= LR schedule), actor RNG  } checkpoint.py)
         driver_state.json          rollout step, weight version, data position, driver RNG,
                                    the run's counters, the run's config and the model's shape
-        MANIFEST.json              every file's size and CRC-32 (ppo.manifest), checked by --load
+        MANIFEST.json              every file's size and CRC-32 (ppo.state.manifest), checked by --load
     CRITIC/                        critic_save(cfg), by default SAVE + "_critic"
       latest, rollout_00003/       the critic's three trainer files (a resume takes the
                                    critic's folder of the actor's step; this `latest` is for tools)
@@ -48,11 +48,11 @@ from typing import Protocol
 from ppo import config as C
 from ppo.config import PPOConfig
 from ppo.config.serialize import to_dict
-from ppo.data import PromptDataset
-from ppo.handoffs import (OnGPUs, engines_share_trainer_gpus, lent_to_trainers, on_gpus, release_engines,
+from ppo.prompts.dataset import PromptDataset
+from ppo.gpu.handoffs import (OnGPUs, engines_share_trainer_gpus, lent_to_trainers, on_gpus, release_engines,
                           sync_engines)
-from ppo.manifest import MANIFEST_FILE, damage, write_manifest
-from ppo.metrics_file import trim_metrics
+from ppo.state.manifest import MANIFEST_FILE, damage, write_manifest
+from ppo.observe.metrics_file import trim_metrics
 from roles.trainer.checkpoint import TRAINER_FILES, replace_dir, sync_dir
 from roles.trainer.rng import capture_rng, restore_rng
 from runtime import RemoteError
@@ -86,8 +86,8 @@ class Saver(Protocol):
 
 
 class RunJob(Protocol):
-    """What saving and resuming use of a started job (ppo.job.Job; this module is below it:
-    ppo.job checks --load with `locate` before any role starts)."""
+    """What saving and resuming use of a started job (ppo.setup.job.Job; this module is below it:
+    ppo.setup.job checks --load with `locate` before any role starts)."""
 
     cfg: PPOConfig
     hf_checkpoint: str
@@ -95,7 +95,7 @@ class RunJob(Protocol):
     actor: object  # a TrainerGroup
     critic: object | None
     engines: list
-    actor_tenant: object  # ppo.colocation.Tenant: the handoffs of a save or a load (ppo.handoffs)
+    actor_tenant: object  # ppo.gpu.colocation.Tenant: the handoffs of a save or a load (ppo.gpu.handoffs)
     critic_tenant: object | None
     engine_tenants: list
     colocation: object
@@ -250,7 +250,7 @@ def save_checkpoint(save_dir: str, step: int, *, actor: Saver, state: dict, crit
         actor.save(partial)
         with open(os.path.join(partial, DRIVER_STATE_FILE), "w") as f:
             json.dump(state, f)
-        write_manifest(partial)  # every file's size and checksum: --load checks them (ppo.manifest)
+        write_manifest(partial)  # every file's size and checksum: --load checks them (ppo.state.manifest)
         replace_dir(partial, final)  # fsyncs every file, the folder, then the rename
     except BaseException:
         shutil.rmtree(partial, ignore_errors=True)
@@ -424,7 +424,7 @@ def restore(job: RunJob, data: PromptDataset, ckpt: Checkpoint) -> ResumePoint:
     (holding their GPUs) to the state that `ckpt` saved; returns where the run goes on."""
     data.load_state_dict(ckpt.state["data"])
     version = ckpt.state["weight_version"]
-    # The trainers load with their state on the GPUs (ppo.handoffs), the actor keeping its
+    # The trainers load with their state on the GPUs (ppo.gpu.handoffs), the actor keeping its
     # weights for the sync: the engines loaded --hf-checkpoint, the actor now holds the checkpoint's policy.
     if engines_share_trainer_gpus(job):
         release_engines(job, 0)

@@ -1,5 +1,5 @@
 """Where a run's numbers go: metrics.jsonl, the event bus (`metrics`, and the driver's
-`phase` spans), optional tensorboard / wandb, sample dumps, and the console (ppo.console:
+`phase` spans), optional tensorboard / wandb, sample dumps, and the console (ppo.observe.console:
 a progress bar, plain lines or json, fitted to where the output goes)."""
 
 from __future__ import annotations
@@ -9,9 +9,9 @@ import os
 import time
 from pathlib import Path
 
-from ppo.console import RunConsole
-from ppo.metrics_file import read_metrics, trim_metrics
-from ppo.trace import StepPhases
+from ppo.observe.console import RunConsole
+from ppo.observe.metrics_file import read_metrics, trim_metrics
+from ppo.observe.trace import StepPhases
 
 
 ROLLOUT_STEP, EVAL_STEP = "rollout/step", "eval/step"  # wandb's step metrics, as miles names them
@@ -68,7 +68,7 @@ class RunLogger:
         self.console.rollout(step, metrics)
 
     def log_eval(self, step: int, metrics: dict[str, float], samples: dict[str, list[dict]]) -> None:
-        """An eval's metrics (ppo.evaluation): their own line of metrics.jsonl, tagged with `step`,
+        """An eval's metrics (ppo.generate.evaluation): their own line of metrics.jsonl, tagged with `step`,
         tensorboard/wandb and the console; each set's samples go to samples/eval_NAME_STEP.jsonl.
         Eval lines stay out of `history` (one record per rollout)."""
         metrics = {k: float(v) for k, v in metrics.items()}
@@ -105,7 +105,7 @@ class RunLogger:
         event an earlier writer logged at that step or later (the run logs them again); its
         fast loader (the Rust data server, --load_fast) instead replaces a tag's points from
         the step that tag is logged at again. The eval records that metrics.jsonl keeps at
-        that step (ppo.metrics_file.trim_metrics) are written anew."""
+        that step (ppo.observe.metrics_file.trim_metrics) are written anew."""
         from torch.utils.tensorboard import SummaryWriter  # needs the `logging` extra
 
         self._tb = SummaryWriter(str(self.run_dir / "tensorboard"), purge_step=purge_step)
@@ -149,5 +149,5 @@ def write_samples(path: Path, samples: list[dict]) -> None:
             f.write(json.dumps({k: s[k] for k in ("index", "group_index", "prompt", "response", "label",
                                                   "reward", "reward_status", "finish_reason",
                                                   "weight_version")}
-                               # the reward's parts, when a reward model or a post-process made it (ppo.rewards)
+                               # the reward's parts, when a reward model or a post-process made it (ppo.generate.rewards)
                                | {k: s[k] for k in ("rm_score", "raw_reward") if k in s}) + "\n")

@@ -1,13 +1,13 @@
 """Write an UNTRAINED checkpoint of a named architecture, and math prompts, with no model hub.
 
-    python -m ppo.make_checkpoint --arch qwen3-4b OUT_DIR
-    python -m ppo.make_checkpoint --arch qwen3-4b-rm OUT_DIR    # a reward model (--reward-model-path)
+    python -m ppo.make_model --arch qwen3-4b OUT_DIR
+    python -m ppo.make_model --arch qwen3-4b-rm OUT_DIR    # a reward model (--reward-model-path)
 
 OUT_DIR becomes an ordinary Hugging Face checkpoint directory (config.json,
 generation_config.json, model.safetensors, tokenizer files with a chat template, and a
 README.md saying it is untrained) with random-init weights of the architecture's shape,
 and OUT_DIR/dapo_math_prompts.jsonl holds locally generated prompts in the DAPO-Math-17k
-format (ppo.dapo_prompts). `qwen3_4b_ppo` then runs on a machine without downloads:
+format (ppo.prompts.dapo). `qwen3_4b_ppo` then runs on a machine without downloads:
 
     python launch.py --recipe qwen3_4b_ppo --hf-checkpoint OUT_DIR \\
         --prompt-data OUT_DIR/dapo_math_prompts.jsonl ...
@@ -36,7 +36,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import (AutoModelForCausalLM, AutoModelForSequenceClassification, GenerationConfig,
                           PreTrainedTokenizerFast, Qwen3Config)
 
-from ppo.dapo_prompts import dapo_math_records, write_dapo_math_prompts
+from ppo.prompts.dapo import dapo_math_records, write_dapo_math_prompts
 from roles.model_spec import ModelSpec
 
 TOKENIZER_VOCAB = 8192  # the BPE tokenizer's size, its specials included
@@ -141,7 +141,7 @@ def _readme(summary: dict, config: Qwen3Config) -> str:
     return (
         f"# UNTRAINED {summary['arch']}-shaped checkpoint\n\n"
         f"Random-init weights (seed {summary['seed']}, {summary['dtype']}, {summary['parameters']:,} parameters) "
-        "written by `python -m ppo.make_checkpoint` from the architecture's config, not a trained model: "
+        "written by `python -m ppo.make_model` from the architecture's config, not a trained model: "
         "its outputs are noise and rewards stay at their floor. Use it to run and measure the pipeline "
         "(memory, handoffs, throughput) where no model can be downloaded.\n\n"
         "The tokenizer is a byte-level BPE trained on the generated prompts, not Qwen's.\n\n"
@@ -160,7 +160,7 @@ def _parse_override(text: str) -> tuple[str, object]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m ppo.make_checkpoint", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m ppo.make_model", description=__doc__.split("\n\n")[0])
     parser.add_argument("out_dir", help="checkpoint directory to write")
     parser.add_argument("--arch", required=True, choices=sorted(ARCHS))
     parser.add_argument("--override", type=_parse_override, action="append", default=[], metavar="KEY=VALUE",

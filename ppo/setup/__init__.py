@@ -1,0 +1,1 @@
+"""Starting a job: the run's processes from a config, generated models and data, the user's functions."""
