@@ -58,8 +58,9 @@ def _exact(nbytes: int) -> str:
 class LeaseTable:
     """In-memory lease table of the supervisor; thread-safe.
 
-    `on_event("lease", gpu=, holder=, action=, bytes_left=, residuals=)` is called after
-    every change, under the table's lock so events arrive in the order of the changes.
+    `on_event("lease", gpu=, holder=, action=, bytes_left=, residuals=)`, and each callback
+    added with `listen`, is called after every change, under the table's lock so events
+    arrive in the order of the changes.
     `action` is "acquire" (bytes_left None), "release" or "report"; `residuals` maps the
     holders that keep memory on that GPU without holding its lease to their bytes.
     """
@@ -75,7 +76,7 @@ class LeaseTable:
         self._holders: dict[Slot, str | None] = {(gpu, WHOLE): None for gpu in gpus}
         self._residuals: dict[Slot, dict[str, int]] = {(gpu, WHOLE): {} for gpu in gpus}
         self._budgets: dict[int, dict[str, Budget]] = {}  # split GPUs: {gpu: {holder: its budget}}
-        self._on_event = on_event
+        self._listeners: list[Callable[..., object]] = [on_event] if on_event is not None else []
         self._fake_devices = dict(fake_devices or {})
         self._lock = threading.RLock()
 
@@ -306,8 +307,13 @@ class LeaseTable:
             self._fake_devices[gpu].set_lease_holder(None, budget=slot[1] or None)
         self._emit(slot, holder, "release", bytes_left)
 
+    def listen(self, callback: Callable[..., object]) -> None:
+        """Call `callback` too after every change (the supervisor restarts a child waiting for a lease)."""
+        with self._lock:
+            self._listeners.append(callback)
+
     def _emit(self, slot: Slot, holder: str, action: str, bytes_left: int | None) -> None:
-        if self._on_event is not None:
-            gpu, budget = slot
-            self._on_event("lease", gpu=gpu, holder=holder, action=action, bytes_left=bytes_left,
-                           residuals=dict(self._residuals[slot]), **({"budget": budget} if budget else {}))
+        gpu, budget = slot
+        for callback in self._listeners:
+            callback("lease", gpu=gpu, holder=holder, action=action, bytes_left=bytes_left,
+                     residuals=dict(self._residuals[slot]), **({"budget": budget} if budget else {}))

@@ -1,12 +1,51 @@
-"""OS-process chores of the supervisor: starting with an environment, reading how a
-process ended, killing a process group, reading an error file."""
+"""A role process as the supervisor knows it (its spec and its current incarnation), and the
+OS chores around it: starting with an environment, reading how it ended, killing its process
+group, reading its error file."""
 
 from __future__ import annotations
 
 import os
 import signal
 import threading
+import time
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
+
+RESTART_POLICIES = ("one_for_one", "one_for_all", "temporary")
+
+
+@dataclass(frozen=True)
+class ChildSpec:
+    name: str
+    cls: type
+    init_frames: list[bytes]
+    gpus: tuple[int, ...]
+    restart: str  # one of RESTART_POLICIES
+    group: str | None
+    env: dict[str, str]
+    # Spawned holding the leases of all its GPUs: it allocates there while starting (an
+    # engine loads its weights), so a restart waits until it holds them again.
+    lease_to_start: bool = False
+
+
+@dataclass
+class Child:
+    spec: ChildSpec
+    incarnation: int
+    process: Any = None
+    endpoint: str = ""
+    state: str = "starting"  # starting -> ready -> dead
+    started_at: float = field(default_factory=time.monotonic)
+    last_beat: float | None = None
+    stats: dict = field(default_factory=dict)
+    ever_ready: bool = False
+    restarts: int = 0
+    ps: Any = None  # psutil.Process of the current incarnation, for role_stats
+
+    @property
+    def endpoint_id(self) -> str:
+        return f"{self.spec.name}#{self.incarnation}"
 
 _env_lock = threading.Lock()  # os.environ is patched around Process.start()
 

@@ -10,13 +10,16 @@ the strategy and the restart limit, as in Erlang/OTP:
   (a rank group, ``spawn_group``) die together: the first death stops the others. The
   caller may start a rank group again (``respawn_group``): the driver's trainer recovery.
 
-Death is seen from the process sentinel; hangs from missed heartbeats. Past the
+Death is seen from the process sentinel, hangs from missed heartbeats, both by the watch
+thread (runtime.watcher), which hands each death to the restart policy here. Past the
 restart intensity (``max_restarts`` within ``restart_window_s``), or when a child dies
 before it was ever ready, the supervisor stops everything and raises SupervisionFailed
 with the role's error file. A child spawned holding its GPUs' leases (a rollout engine,
 which loads its weights while starting) that dies while another role holds one of them
 restarts when it holds them all again, and counts toward the intensity only then.
 Shutdown: SIGTERM to all at once, a grace period, SIGKILL to each child's process group.
+The host's event bus, GPU leases and fake GPUs come in a runtime.node.Node, so that a node
+agent on another host runs this same supervisor over its own.
 """
 
 from __future__ import annotations
@@ -25,18 +28,14 @@ import collections
 import multiprocessing
 import os
 import secrets
-import shutil
 import signal
-import tempfile
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Sequence
 
-import msgpack
-import psutil
 import zmq
 
 from runtime import shm, wire
@@ -44,60 +43,28 @@ from runtime.actor import endpoints_of
 from runtime.child import (ERROR_FILE_ENV, ChildBoot, StartupError, child_main, control_message,
                            describe_silent_start, refuse_bootstrap_reentry)
 from runtime.errors import ActorDied, SupervisionFailed
-from runtime.events import EventBus, watch_socket
-from runtime.fakegpu import create_fake_devices
+from runtime.events import watch_socket
 from runtime.handle import ActorGroup, ActorHandle, Address, Caller, Directory
-from runtime.memory import LeaseTable
-from runtime.noise import route_library_noise
-from runtime.process import exit_reason, kill_tree, read_text, start_with_env
+from runtime.node import Node
+from runtime.process import RESTART_POLICIES, Child, ChildSpec, kill_tree, read_text, start_with_env
 from runtime.rendezvous import host_store
-
-RESTART_POLICIES = ("one_for_one", "one_for_all", "temporary")
-MAX_IPC_PATH = 100  # sun_path is 108 bytes on Linux
-
-
-@dataclass(frozen=True)
-class ChildSpec:
-    name: str
-    cls: type
-    init_frames: list[bytes]
-    gpus: tuple[int, ...]
-    restart: str
-    group: str | None
-    env: dict[str, str]
-    # Spawned holding the leases of all its GPUs: it allocates there while starting (an
-    # engine loads its weights), so a restart waits until it holds them again.
-    lease_to_start: bool = False
-
-
-@dataclass
-class _Child:
-    spec: ChildSpec
-    incarnation: int
-    process: Any = None
-    endpoint: str = ""
-    state: str = "starting"  # starting -> ready -> dead
-    started_at: float = field(default_factory=time.monotonic)
-    last_beat: float | None = None
-    stats: dict = field(default_factory=dict)
-    ever_ready: bool = False
-    restarts: int = 0
-    ps: Any = None  # psutil.Process of the current incarnation, for role_stats
-
-    @property
-    def endpoint_id(self) -> str:
-        return f"{self.spec.name}#{self.incarnation}"
+from runtime.watcher import Watcher
 
 
 class Supervisor:
-    """Owns the role processes of one run. Use as a context manager."""
+    """Owns the role processes of one run on one host. Use as a context manager.
+
+    `node` gives it the host's event bus, GPU leases and socket folder (runtime.node); by
+    default it builds them for this host from `run_dir`, `gpus`, `fake_gpus` and
+    `fake_gpu_bytes`. Either way it closes them at shutdown."""
 
     def __init__(self, run_dir: str | os.PathLike, *, heartbeat_interval: float = 1.0,
                  heartbeat_timeout: float | None = None, max_restarts: int = 3,
                  restart_window_s: float = 60.0, shutdown_grace_s: float = 5.0,
                  ready_timeout_s: float = 300.0, transport: str = "ipc", host: str = "127.0.0.1",
                  max_message_bytes: int = 16 << 30, gpus: Sequence[int] = (), fake_gpus: int = 0,
-                 fake_gpu_bytes: int = 80 << 30, stats_interval_s: float = 1.0, spin_us: int = 500):
+                 fake_gpu_bytes: int = 80 << 30, stats_interval_s: float = 1.0, spin_us: int = 500,
+                 node: Node | None = None):
         refuse_bootstrap_reentry("Supervisor()")  # a script without a __main__ guard, re-run in a role
         if transport not in ("ipc", "tcp"):
             raise ValueError(f"transport={transport!r}: allowed values are 'ipc' and 'tcp'")
@@ -105,24 +72,20 @@ class Supervisor:
             raise ValueError(f"spin_us={spin_us!r}: allowed range is 0..1000000 (0: never poll before sleeping)")
         if heartbeat_interval <= 0:
             raise ValueError(f"heartbeat_interval={heartbeat_interval}: must be > 0 seconds")
-        self.run_dir = Path(run_dir).resolve()
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        (self.run_dir / "errors").mkdir(exist_ok=True)
+        self.node = node or Node.local(run_dir, gpus=gpus, fake_gpus=fake_gpus, fake_gpu_bytes=fake_gpu_bytes)
+        self.run_dir, self.sock_dir = self.node.run_dir, self.node.sock_dir
+        self.bus, self.leases, self.fake_gpu_dir = self.node.bus, self.node.leases, self.node.fake_gpu_dir
         self.heartbeat_interval = heartbeat_interval
-        self.heartbeat_timeout = heartbeat_timeout or 5 * heartbeat_interval
         self.max_restarts, self.restart_window_s = max_restarts, restart_window_s
-        self.shutdown_grace_s, self.ready_timeout_s = shutdown_grace_s, ready_timeout_s
-        self.stats_interval_s = stats_interval_s
+        self.shutdown_grace_s = shutdown_grace_s
         self.transport, self.host = transport, host
         self.run_id = secrets.token_hex(4)
-        self.sock_dir = self._make_socket_dir()
         self.cfg = wire.WireConfig(token=secrets.token_hex(16), max_message_bytes=max_message_bytes,
                                    shm_prefix=f"tandem-{self.run_id}" if transport == "ipc" else None,
                                    spin_us=spin_us)
         if self.cfg._pool is not None:
             shm.set_process_pool(self.cfg._pool)  # runtime.shared_empty in the driver
 
-        self.bus = EventBus(self.run_dir, socket_dir=self.sock_dir)
         self._ctx = zmq.Context()
         self._control = self._ctx.socket(zmq.ROUTER)
         self._control.setsockopt(zmq.LINGER, 0)
@@ -131,19 +94,12 @@ class Supervisor:
         self.directory = Directory()
         self.caller = Caller(self._ctx, self.cfg, "supervisor", self.directory)
 
-        self.fake_gpu_dir = None
-        fake_devices = None
-        if fake_gpus:
-            self.fake_gpu_dir = str(self.run_dir / "fakegpu")
-            fake_devices = {d.index: d for d in create_fake_devices(self.fake_gpu_dir, fake_gpus, fake_gpu_bytes)}
-        # one lease per GPU the job may use; fake GPUs are numbered 0..fake_gpus-1
-        self.leases = LeaseTable(sorted(fake_devices) if fake_devices else list(gpus),
-                                 on_event=self._on_lease_event, fake_devices=fake_devices)
+        self.leases.listen(self._on_lease_event)
         self._deferred: dict[str, str] = {}  # children whose restart waits for their leases: reason
         self._stores: dict[str, object] = {}  # rank group name: its rendezvous store (a TCPStore server)
         self._respawning: set[str] = set()  # rank groups that respawn_group stops: their deaths are its own
 
-        self._children: dict[str, _Child] = {}
+        self._children: dict[str, Child] = {}
         self._lock = threading.RLock()          # guards _children and restart bookkeeping
         self._restart_times: collections.deque[float] = collections.deque()
         # per role, the deaths that led to a restart (immediate or deferred), counted once at
@@ -152,13 +108,22 @@ class Supervisor:
         self._failure: SupervisionFailed | None = None
         self._stopping = False  # no more restarts
         self._closed = False
-        self._wake_fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
         self._mp = multiprocessing.get_context("spawn")
         self._spawner = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tandem-spawner")
-        self._noise = route_library_noise(self.run_dir, source="supervisor")  # until shutdown
         self.bus.publish("supervisor_started", pid=os.getpid(), run_dir=str(self.run_dir))
-        self._thread = threading.Thread(target=self._watch, name="tandem-supervisor", daemon=True)
-        self._thread.start()
+        self._watcher = Watcher(control=self._control, token=self.cfg.token, bus=self.bus,
+                                watched=self._watched, find=self._children.get, on_death=self._on_death,
+                                heartbeat_timeout=heartbeat_timeout or 5 * heartbeat_interval,
+                                ready_timeout_s=ready_timeout_s, stats_interval_s=stats_interval_s)
+        self._watcher.start()
+
+    @property
+    def heartbeat_timeout(self) -> float:
+        return self._watcher.heartbeat_timeout
+
+    @property
+    def ready_timeout_s(self) -> float:
+        return self._watcher.ready_timeout_s
 
     # -- public API -----------------------------------------------------------------------
     def __enter__(self) -> "Supervisor":
@@ -194,7 +159,7 @@ class Supervisor:
         with self._lock:
             if name in self._children:
                 raise ValueError(f"an actor named {name!r} already exists")
-            child = _Child(spec, incarnation=0)
+            child = Child(spec, incarnation=0)
             self._children[name] = child
             try:
                 self._start(child)
@@ -347,8 +312,7 @@ class Supervisor:
                 return
             self._closed = self._stopping = True
             children = list(self._children.values())
-        self._wake()
-        self._thread.join(timeout=5)
+        self._watcher.stop()
         self._stop_children(children, reason="supervisor shutdown", event="stopped")
         self._stores.clear()
         self._spawner.shutdown()
@@ -356,27 +320,15 @@ class Supervisor:
         self._control.disable_monitor()
         self._control_watch.join(timeout=2)  # it publishes on the bus, which closes next
         self._control.close(linger=0)
-        self.bus.close()
         self._ctx.term()
         if self.cfg.shm_prefix:
             shm.clear_process_pool(self.cfg._pool)
             self.cfg._pool.close()
             self.cfg._reader.clear()  # its roles' segments are removed below: free their pages
             shm.remove_all(self.cfg.shm_prefix)
-        if self.sock_dir != str(self.run_dir / "sockets"):
-            shutil.rmtree(self.sock_dir, ignore_errors=True)
-        os.close(self._wake_fd)
-        self._noise.close()
+        self.node.close()
 
     # -- starting ---------------------------------------------------------------------------
-    def _make_socket_dir(self) -> str:
-        d = self.run_dir / "sockets"
-        if len(str(d)) + 32 > MAX_IPC_PATH:  # a long run dir would overflow sun_path
-            return tempfile.mkdtemp(prefix="tandem-")  # mode 0700
-        d.mkdir(mode=0o700, exist_ok=True)
-        os.chmod(d, 0o700)
-        return str(d)
-
     def _bind(self, sock: zmq.Socket, name: str) -> str:
         if self.transport == "tcp":
             port = sock.bind_to_random_port(f"tcp://{self.host}")
@@ -385,7 +337,7 @@ class Supervisor:
         sock.bind(ep)
         return ep
 
-    def _mailbox_endpoint(self, child: _Child) -> str:
+    def _mailbox_endpoint(self, child: Child) -> str:
         if self.transport == "tcp":
             # the child binds; pick a free port now so the address is known before it boots
             with zmq.Context.instance().socket(zmq.ROUTER) as probe:
@@ -393,7 +345,7 @@ class Supervisor:
             return f"tcp://{self.host}:{port}"
         return f"ipc://{self.sock_dir}/{child.spec.name}.{child.incarnation}.sock"
 
-    def _start(self, child: _Child) -> None:
+    def _start(self, child: Child) -> None:
         spec = child.spec
         endpoint = self._mailbox_endpoint(child)
         peers = tuple((c.spec.name, c.incarnation, c.endpoint)
@@ -419,119 +371,20 @@ class Supervisor:
                                "endpoint": endpoint})
         self.bus.publish("spawned", role=spec.name, incarnation=child.incarnation, pid=proc.pid,
                          gpus=list(spec.gpus), restart=spec.restart, group=spec.group)
-        self._wake()
+        self._watcher.wake()
 
-    def _error_file(self, child: _Child) -> str:
+    def _error_file(self, child: Child) -> str:
         return str(self.run_dir / "errors" / f"{child.spec.name}.{child.incarnation}.txt")
 
-    # -- watching ---------------------------------------------------------------------------
-    def _wake(self) -> None:
-        try:
-            os.eventfd_write(self._wake_fd, 1)
-        except OSError:
-            pass
-
-    def _watch(self) -> None:
-        """The supervisor thread: control messages, sentinels, heartbeats, stats."""
-        next_stats = time.monotonic() + self.stats_interval_s
-        while not self._stopping:
-            poller = zmq.Poller()
-            poller.register(self._control, zmq.POLLIN)
-            poller.register(self._wake_fd, zmq.POLLIN)
-            with self._lock:  # the incarnation too: the driver may restart the child before we handle it
-                live = {c.process.sentinel: (c, c.incarnation) for c in self._children.values()
-                        if c.state != "dead" and c.process is not None and c.spec.group not in self._respawning}
-            for fd in live:
-                poller.register(fd, zmq.POLLIN)
-            for sock, _ in poller.poll(100):
-                if sock is self._control:
-                    self._drain_control()
-                elif sock == self._wake_fd:
-                    os.eventfd_read(self._wake_fd)
-                elif sock in live and not self._stopping:
-                    child, incarnation = live[sock]
-                    self._on_death(child, incarnation, reason=exit_reason(child.process))
-            if self._stopping:
-                break
-            self._check_heartbeats()
-            if time.monotonic() >= next_stats:
-                self._publish_stats()
-                next_stats = time.monotonic() + self.stats_interval_s
-
-    def _drain_control(self) -> None:
-        while True:
-            try:
-                ident, kind, token, payload = self._control.recv_multipart(zmq.NOBLOCK)
-            except zmq.Again:
-                return
-            except ValueError:
-                self.bus.publish("rejected", role="supervisor", reason="malformed control message")
-                continue
-            if not secrets.compare_digest(token, self.cfg.token.encode()):
-                self.bus.publish("rejected", role="supervisor", reason="bad token on control socket")
-                continue
-            try:
-                data = msgpack.unpackb(payload, raw=False)
-                name, inc = ident.decode().split("#")[:2]
-                child = self._children.get(name)
-            except Exception:
-                self.bus.publish("rejected", role="supervisor", reason="malformed control payload")
-                continue
-            if child is None or int(inc) != child.incarnation or child.state == "dead":
-                continue  # a message from a dead incarnation
-            if kind == b"heartbeat":
-                child.last_beat = time.monotonic()
-                child.stats = data
-            elif kind == b"ready":
-                child.state, child.ever_ready = "ready", True
-                self.bus.publish("ready", role=name, incarnation=child.incarnation, pid=data["pid"],
-                                 gpus=list(child.spec.gpus))
-            elif kind == b"event":
-                event = data.pop("event")
-                self.bus.publish(event, **{"role": name, "incarnation": child.incarnation,
-                                           "pid": child.process.pid, **data})
-
-    def _check_heartbeats(self) -> None:
-        now = time.monotonic()
-        with self._lock:
-            # each with its incarnation and process: a restart meanwhile must not have its new
-            # process judged, or killed, by what we read of the old one
-            children = [(c, c.incarnation, c.process) for c in self._children.values()
-                        if c.state != "dead" and c.spec.group not in self._respawning]
-        for c, incarnation, process in children:
-            if c.incarnation != incarnation:  # restarted since
-                continue
-            if c.last_beat is not None and now - c.last_beat > self.heartbeat_timeout:
-                self.bus.publish("hung", role=c.spec.name, incarnation=incarnation, pid=process.pid,
-                                 silent_s=round(now - c.last_beat, 3))
-                kill_tree(process.pid)
-                process.join(timeout=5)
-                self._on_death(c, incarnation, reason=f"hung: no heartbeat for {now - c.last_beat:.1f} s "
-                                         f"(heartbeat_timeout={self.heartbeat_timeout} s); killed")
-            elif c.last_beat is None and now - c.started_at > self.ready_timeout_s:
-                kill_tree(process.pid)
-                process.join(timeout=5)
-                self._on_death(c, incarnation, reason=f"did not start within ready_timeout_s={self.ready_timeout_s}")
-
-    def _publish_stats(self) -> None:
-        roles = {}
-        with self._lock:
-            children = [c for c in self._children.values() if c.state != "dead"]
-        for c in children:
-            try:
-                if c.ps is None or c.ps.pid != c.process.pid:
-                    c.ps = psutil.Process(c.process.pid)  # cpu_percent measures since the last call
-                rss, cpu = c.ps.memory_info().rss, c.ps.cpu_percent(None)
-            except psutil.Error:
-                continue
-            roles[c.spec.name] = {"incarnation": c.incarnation, "pid": c.process.pid, "rss_bytes": rss,
-                                  "cpu": cpu, "calls_total": c.stats.get("calls", 0),
-                                  "errors_total": c.stats.get("errors", 0),
-                                  "rejected_total": c.stats.get("rejected", 0) + c.stats.get("bad_replies", 0)}
-        self.bus.publish("role_stats", roles=roles)
+    def _watched(self) -> list[tuple[Child, int]]:
+        """The children the watcher watches, each with its incarnation: the live ones, but
+        for rank groups that respawn_group is stopping (their deaths are its own)."""
+        with self._lock:  # the incarnation too: the driver may restart the child before it is handled
+            return [(c, c.incarnation) for c in self._children.values()
+                    if c.state != "dead" and c.spec.group not in self._respawning]
 
     # -- death and restarts ---------------------------------------------------------------
-    def _on_death(self, child: _Child, incarnation: int, reason: str) -> None:
+    def _on_death(self, child: Child, incarnation: int, reason: str) -> None:
         """The death of `child`'s `incarnation`: nothing if a later one runs already (the
         watch thread saw the sentinel of a rank that respawn_group stopped and started again;
         taking it for the new one's death failed a megatron recovery on the H200)."""
@@ -610,7 +463,7 @@ class Supervisor:
         except ValueError:
             return False
 
-    def _defer_restart(self, child: _Child, reason: str) -> bool:
+    def _defer_restart(self, child: Child, reason: str) -> bool:
         """A child that allocates on its GPUs while starting, dead while it does not hold
         their leases (another role works there), would only fail to allocate and count
         restarts until the supervisor gives up. Its restart waits instead until it holds
@@ -627,9 +480,8 @@ class Supervisor:
         return True
 
     def _on_lease_event(self, event: str, **fields) -> None:
-        """The lease table's events (called under its lock, in the thread that changed it):
-        published, and an acquisition restarts a child that was waiting for it."""
-        self.bus.publish(event, **fields)
+        """The lease table's events (called under its lock, in the thread that changed it, after
+        the bus published them): an acquisition restarts a child that was waiting for it."""
         name = fields.get("holder")
         if fields.get("action") != "acquire" or name not in self._deferred:
             return
@@ -642,7 +494,7 @@ class Supervisor:
         if self._count_restart(name, reason, err_file, read_text(err_file)):
             self._restart(child, reason)
 
-    def _restart(self, child: _Child, reason: str) -> None:
+    def _restart(self, child: Child, reason: str) -> None:
         with self._lock:
             child.incarnation += 1
             child.restarts += 1
@@ -661,7 +513,7 @@ class Supervisor:
         self._stop_children(children, reason=f"supervisor gave up: {message}")
         self.caller.fail_all(self._failure)
 
-    def _stop_children(self, children: list[_Child], reason: str, event: str = "died",
+    def _stop_children(self, children: list[Child], reason: str, event: str = "died",
                        cause: ActorDied | None = None) -> None:
         """SIGTERM all at once, wait the grace period, SIGKILL the rest (and their descendants).
 
