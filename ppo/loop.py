@@ -35,6 +35,7 @@ import torch
 from algorithms import (compute_advantages, kl_estimate, masked_whiten, mismatch_metrics, reduce_metrics,
                         token_level_rewards)
 from ppo import recovery
+from ppo.recovery import TrainerDied  # what train() raises when a trainer dies past recovery
 from ppo.state import checkpoint
 from ppo.generate import evaluation, rewards
 from ppo.gpu.handoffs import engines_take_back, recover, release_engines, sync_engines
@@ -54,12 +55,9 @@ from ppo.observe.trace import TraceWriter
 from runtime import ActorDied
 
 
-class TrainerDied(RuntimeError):
-    """A trainer process died: the run stops (its state cannot be rebuilt without a checkpoint)."""
-
-
 def train(cfg: PPOConfig, console: RunConsole | None = None, sm: SmPartition | None = None) -> list[dict]:
-    """Run the job the config describes; returns the per-rollout metrics. `console` prints
+    """Run the job the config describes; returns the per-rollout metrics, or raises TrainerDied
+    when a trainer dies past --max-trainer-restarts. `console` prints
     (default: as cfg.logging asks); RUN_DIR/trace.json follows the run's events. `sm`: the
     launcher's SM split of a side-by-side run (ppo.gpu.side_by_side.choose), logged as an event."""
     with SignalStops(cfg) as stops:  # Ctrl-C, SIGTERM, SIGUSR1: ppo.state.signals
@@ -85,32 +83,15 @@ def run(job: Job, stops: SignalStops | None = None) -> list[dict]:
                     wandb_project=cfg.logging.wandb_project, dump_samples=cfg.logging.dump_samples,
                     config=to_dict(cfg), start_step=start.step, resumed=cfg.checkpoint.load is not None,
                     console=job.console)
-    recoveries, first_step = 0, start.step
+    recoveries = recovery.TrainerRecovery(job, log, first_step=start.step)
     try:
         while True:
             try:
                 with rollout_source(job) as rollouts:  # a recovery starts with no rollout ahead
                     steps(job, log, start, stops, rollouts)
                 break
-            except ActorDied as e:
-                group = recovery.dead_trainer(job, e)
-                if group is None:
-                    raise
-                # --max-trainer-restarts: back to the newest checkpoint (ppo.recovery), or stop
-                ckpt = recovery.newest_checkpoint(job) if recoveries < cfg.checkpoint.max_trainer_restarts else None
-                if ckpt is None:
-                    raise trainer_died(cfg, group, e, recoveries) from e
-                if not first_step - 1 <= ckpt.step < log.step:  # ahead of the run: another run's, left under --save
-                    raise trainer_died(cfg, group, e, recoveries, why=f"the newest checkpoint under --save is of "
-                                       f"rollout {ckpt.step}, not of this run before rollout {log.step}") from e
-                recoveries += 1
-                counters = start.counters  # as the loop left them
-                try:
-                    start = recovery.recover(job, log, e, ckpt, step=log.step,
-                                             trainer_restarts=counters.trainer_restarts + 1,
-                                             rewound_steps=counters.rewound_steps)
-                except (ActorDied, checkpoint.CheckpointError) as again:  # the recovery failed: stop
-                    raise trainer_died(cfg, group, e, recoveries, why=f"recovery {recoveries} failed: {again}") from again
+            except ActorDied as e:  # a trainer's: back to the newest checkpoint, or stop (ppo.recovery)
+                start = recoveries.recover(e, start)
     finally:
         log.close()
     return log.history
@@ -121,19 +102,13 @@ def steps(job: Job, log: RunLogger, start: checkpoint.ResumePoint, stops: Signal
     """The PPO iterations from `start` to --num-rollout; `start.counters` counts on."""
     cfg, colo = job.cfg, job.colocation
     actor, critic = job.actor, job.critic
-    data = job.data
-    skipped_samples = data.num_skipped  # lines of --prompt-data left out; logged as rollout/skipped_samples
     tis_function, post_process = job.functions.tis_function, job.functions.post_process
-    critic_only_steps = C.num_critic_only_steps(cfg)
-    version = start.version
-    counters = start.counters  # counts over the run, a resumed run's earlier part included
-    skipped = counters.skipped_updates  # optimizer steps skipped for a non-finite loss or gradient
+    version, counters = start.version, start.counters  # counters over the run, a resumed run's earlier part included
     for step in range(start.step, cfg.rollout.num_rollout):
         if stops is not None:
             stops.step = step
-        t_step = time.monotonic()
         perf = log.step_phases(step)  # perf/*_time; each phase is a span in RUN_DIR/trace.json
-        restarts_before = job.sup.restart_counts()
+        book = StepBook(job, counters, perf)
         if evaluation.due_before_training(cfg, step):  # the initial weights
             run_eval(job, log, perf, step, version)
 
@@ -147,7 +122,7 @@ def steps(job: Job, log: RunLogger, start: checkpoint.ResumePoint, stops: Signal
         # and the rewards are final (weighted, post-processed: ppo.generate.rewards)
         if not rollouts.ahead:
             release_engines(job, version)
-        reward_metrics = rewards.finish(job, samples, perf, post_process)
+        book.add(sampling_metrics, rewards.finish(job, samples, perf, post_process))
         batch = build_batch(samples, pad_id=job.tok.pad_token_id)
 
         # 3. the actor takes the GPUs: old and reference log-probs
@@ -157,10 +132,9 @@ def steps(job: Job, log: RunLogger, start: checkpoint.ResumePoint, stops: Signal
             if C.needs_ref(cfg):
                 batch["ref_log_probs"] = actor.compute_ref_log_probs(select(batch))["log_probs"]
         colo.vacate([job.actor_tenant], ["params"])
-        mismatch = mismatch_correction(cfg, batch, tis_function)  # may add batch["tis_weights"]
+        book.add(mismatch_correction(cfg, batch, tis_function))  # may add batch["tis_weights"]
 
         # 4. critic values, then advantages in the driver
-        critic_metrics = {}
         if critic is not None:
             colo.occupy([job.critic_tenant], ["params"])
             with perf.phase("values"):
@@ -172,17 +146,14 @@ def steps(job: Job, log: RunLogger, start: checkpoint.ResumePoint, stops: Signal
         if critic is not None:
             colo.occupy([job.critic_tenant], ["optimizer", "grads"])
             with perf.phase("critic_train"):
-                critic_metrics = critic.train(dict(select(batch, "returns"), old_values=batch["values"]))
+                book.trained("critic-", critic.train(dict(select(batch, "returns"), old_values=batch["values"])))
             colo.vacate([job.critic_tenant], ["params", "grads", "optimizer"])
-            skipped = check_skipped(cfg, skipped + critic_metrics["skipped_nonfinite"])
 
         # 6. actor update, unless the critic is still warming up
-        actor_metrics = {}
-        if step >= critic_only_steps:
+        if step >= C.num_critic_only_steps(cfg):
             colo.occupy([job.actor_tenant], ["params", "optimizer", "grads"])
             with perf.phase("actor_train", metric="perf/train_time"):
-                actor_metrics = actor.train(actor_batch(cfg, batch))
-            skipped = check_skipped(cfg, skipped + actor_metrics["skipped_nonfinite"])
+                book.trained("", actor.train(actor_batch(cfg, batch)))
             colo.vacate([job.actor_tenant], ["grads", "optimizer"], keep="params")
 
             version += 1
@@ -195,25 +166,8 @@ def steps(job: Job, log: RunLogger, start: checkpoint.ResumePoint, stops: Signal
         if evaluation.due_after(cfg, step):
             run_eval(job, log, perf, step + 1, version)
 
-        engine_restarts, scorer_restarts = restarts_since(job, restarts_before)
-        counters.engine_restarts += engine_restarts
-        counters.scorer_restarts += scorer_restarts
-        perf["perf/offload_time"] = colo.take_time()
-        perf["perf/step_time"] = time.monotonic() - t_step
         log.dump_samples(step, samples)
-        log.log(step, {**rollout_metrics(batch, samples), **sampling_metrics, **reward_metrics, **mismatch,
-                       "rollout/engine_restarts": engine_restarts,
-                       "rollout/skipped_samples": skipped_samples,
-                       "rollout/scorer_restarts": scorer_restarts,
-                       "train/skipped_updates_total": skipped,
-                       "rollout/engine_restarts_total": counters.engine_restarts,
-                       "rollout/scorer_restarts_total": counters.scorer_restarts,
-                       "train/trainer_restarts_total": counters.trainer_restarts,  # ppo.recovery
-                       "train/rewound_steps_total": counters.rewound_steps,
-                       **{f"train/{k}": v for k, v in actor_metrics.items()},
-                       **{f"train/critic-{k}": v for k, v in critic_metrics.items()},
-                       "rollout/weight_version": version, **perf})
-        counters.skipped_updates, counters.skipped_samples = skipped, skipped_samples
+        log.log(step, book.close(version, rollout_metrics(batch, samples)))
         # 10. checkpoint: the trainers save with their state on the GPUs the engines lend them
         saved = checkpoint.save_if_due(job, step, data=rollouts.data_position(), version=version, counters=counters,
                                        force=stops is not None and stops.save_requested)
@@ -221,19 +175,45 @@ def steps(job: Job, log: RunLogger, start: checkpoint.ResumePoint, stops: Signal
             stops.after_step(step, saved=saved, last=step == cfg.rollout.num_rollout - 1)
 
 
-def trainer_died(cfg: PPOConfig, group, e: ActorDied, recoveries: int, why: str | None = None) -> TrainerDied:
-    """The one-line stop of a trainer death; `why` says why it was not recovered, when the
-    count alone does not."""
-    save = cfg.checkpoint.save
-    resume = (f"resume from the last checkpoint with --load {save}" if save
-              else "no checkpoint was being written (--save unset): the run must start over")
-    limit = cfg.checkpoint.max_trainer_restarts
-    recovered = (f" ({why})" if why else "" if not limit
-                 else f" (after {recoveries} of --max-trainer-restarts {limit} recoveries)" if recoveries == limit
-                 else " (before its first checkpoint: nothing to recover from)")
-    return TrainerDied(f"the {group.name} trainer died: its rank {group.rank_of(e.role)} ({e.role}) died "
-                       f"({e.reason}); the run stopped{recovered}. "
-                       f"Error file: {e.error_file or 'none (killed without a traceback)'}; {resume}")
+class StepBook:
+    """One step's metrics and the run's counters that it moves: role restarts during the step,
+    optimizer steps skipped for a non-finite loss or gradient (past --max-skipped-updates the run
+    stops), prompt lines left out, the step's time."""
+
+    def __init__(self, job: Job, counters, perf):
+        self.job, self.counters, self.perf = job, counters, perf
+        self.started, self.restarts_before = time.monotonic(), job.sup.restart_counts()
+        self.metrics: dict[str, float] = {}
+
+    def add(self, *metrics: dict) -> None:
+        for m in metrics:
+            self.metrics.update(m)
+
+    def trained(self, prefix: str, metrics: dict) -> None:
+        """A trainer's update: its metrics as train/{prefix}NAME, its skipped steps counted."""
+        self.counters.skipped_updates = check_skipped(self.job.cfg, self.counters.skipped_updates
+                                                      + metrics["skipped_nonfinite"])
+        self.add({f"train/{prefix}{k}": v for k, v in metrics.items()})
+
+    def close(self, version: int, rollout: dict) -> dict:
+        """The step's record for the log, with the counters' totals."""
+        c, perf = self.counters, self.perf
+        engine_restarts, scorer_restarts = restarts_since(self.job, self.restarts_before)
+        c.engine_restarts += engine_restarts
+        c.scorer_restarts += scorer_restarts
+        c.skipped_samples = self.job.data.num_skipped  # lines of --prompt-data left out
+        perf["perf/offload_time"] = self.job.colocation.take_time()
+        perf["perf/step_time"] = time.monotonic() - self.started
+        return {**rollout, **self.metrics,
+                "rollout/engine_restarts": engine_restarts,
+                "rollout/skipped_samples": c.skipped_samples,
+                "rollout/scorer_restarts": scorer_restarts,
+                "train/skipped_updates_total": c.skipped_updates,
+                "rollout/engine_restarts_total": c.engine_restarts,
+                "rollout/scorer_restarts_total": c.scorer_restarts,
+                "train/trainer_restarts_total": c.trainer_restarts,  # ppo.recovery
+                "train/rewound_steps_total": c.rewound_steps,
+                "rollout/weight_version": version, **perf}
 
 
 def rollout_source(job: Job) -> Rollouts:

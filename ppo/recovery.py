@@ -23,12 +23,63 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from ppo.state import checkpoint
 from ppo import config as C
-from ppo.setup.job import Job
+from ppo.config import PPOConfig
 from ppo.observe.logger import RunLogger
+from ppo.setup.job import Job
+from ppo.state import checkpoint
 from roles.trainer import TrainerGroup
 from runtime import ActorDied
+
+
+class TrainerDied(RuntimeError):
+    """A trainer process died: the run stops (its state cannot be rebuilt without a checkpoint)."""
+
+
+class TrainerRecovery:
+    """The recovery policy of one run: whether a death is a trainer's, whether a recovery is
+    left in the --max-trainer-restarts budget, and whether the newest checkpoint under --save is
+    this run's (one ahead of the run was left there by another run)."""
+
+    def __init__(self, job: Job, log: RunLogger, *, first_step: int):
+        self.job, self.log, self.first_step = job, log, first_step
+        self.done = 0
+
+    def recover(self, died: ActorDied, start: checkpoint.ResumePoint) -> checkpoint.ResumePoint:
+        """Where the run goes on after `died`; re-raises a death that is not a trainer's, and
+        raises TrainerDied when the trainers cannot be brought back."""
+        cfg, log = self.job.cfg, self.log
+        group = dead_trainer(self.job, died)
+        if group is None:
+            raise died
+        ckpt = newest_checkpoint(self.job) if self.done < cfg.checkpoint.max_trainer_restarts else None
+        if ckpt is None:
+            raise trainer_died(cfg, group, died, self.done) from died
+        if not self.first_step - 1 <= ckpt.step < log.step:
+            raise trainer_died(cfg, group, died, self.done, why=f"the newest checkpoint under --save is of "
+                               f"rollout {ckpt.step}, not of this run before rollout {log.step}") from died
+        self.done += 1
+        counters = start.counters  # as the loop left them
+        try:
+            return recover(self.job, log, died, ckpt, step=log.step, trainer_restarts=counters.trainer_restarts + 1,
+                           rewound_steps=counters.rewound_steps)
+        except (ActorDied, checkpoint.CheckpointError) as again:  # the recovery failed: stop
+            raise trainer_died(cfg, group, died, self.done, why=f"recovery {self.done} failed: {again}") from again
+
+
+def trainer_died(cfg: PPOConfig, group, e: ActorDied, recoveries: int, why: str | None = None) -> TrainerDied:
+    """The one-line stop of a trainer death; `why` says why it was not recovered, when the
+    count alone does not."""
+    save = cfg.checkpoint.save
+    resume = (f"resume from the last checkpoint with --load {save}" if save
+              else "no checkpoint was being written (--save unset): the run must start over")
+    limit = cfg.checkpoint.max_trainer_restarts
+    recovered = (f" ({why})" if why else "" if not limit
+                 else f" (after {recoveries} of --max-trainer-restarts {limit} recoveries)" if recoveries == limit
+                 else " (before its first checkpoint: nothing to recover from)")
+    return TrainerDied(f"the {group.name} trainer died: its rank {group.rank_of(e.role)} ({e.role}) died "
+                       f"({e.reason}); the run stopped{recovered}. "
+                       f"Error file: {e.error_file or 'none (killed without a traceback)'}; {resume}")
 
 
 def dead_trainer(job: Job, died: ActorDied) -> TrainerGroup | None:

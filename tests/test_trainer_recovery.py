@@ -104,7 +104,7 @@ def test_a_killed_megatron_actor_is_recovered_on_a_gpu(tmp_path):
 def test_a_refused_or_failed_recovery_says_why_in_the_stop_line():
     from types import SimpleNamespace
 
-    from ppo.loop import trainer_died
+    from ppo.recovery import trainer_died
     from runtime import ActorDied
 
     cfg = ensure_valid(override(tiny_ppo(), max_trainer_restarts=2, save="/tmp/ck"))
