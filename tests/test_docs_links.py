@@ -1,9 +1,11 @@
 """Links in the docs lead somewhere: docs/benchmarks.md points into docs/journal/ by heading
-anchors, and code comments cite docs by path, so a renamed heading or a moved file would
-otherwise leave a dead reference that nobody notices."""
+anchors, code comments cite docs by path, and the docs tell users to run `python -m MODULE`,
+so a renamed heading, a moved file or a moved module would otherwise leave a dead reference
+that nobody notices."""
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import re
 from pathlib import Path
@@ -83,3 +85,19 @@ def test_every_docs_path_a_source_file_cites_exists():
                 if not (REPO / cited).exists():
                     dead.append(f"{source.relative_to(REPO)}:{number}: {cited}")
     assert not dead, "cited docs that do not exist:\n" + "\n".join(dead)
+
+
+@pytest.mark.timeout(30)
+def test_every_python_m_module_the_docs_name_exists():
+    """`python -m MODULE` in the README, docs/ (not the journal: it is history), bench/ scripts,
+    .ci/gpu and the Makefile names a module that is there (found, not imported)."""
+    places = [REPO / "README.md", REPO / "Makefile", REPO / ".ci" / "gpu", *sorted((REPO / "docs").glob("*.md")),
+              *sorted((REPO / "bench").glob("*.sh"))]
+    missing = []
+    for place in places:
+        for module in sorted(set(re.findall(r"python3? -m ([A-Za-z_][\w.]*\w)", place.read_text()))):
+            if module.split(".")[0] in {"pytest", "pip", "venv"}:
+                continue
+            if importlib.util.find_spec(module) is None:
+                missing.append(f"{place.relative_to(REPO)}: python -m {module}")
+    assert not missing, "modules the docs run that do not exist:\n" + "\n".join(missing)
