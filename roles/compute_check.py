@@ -3,13 +3,11 @@ of a linear layer (the forward's x @ w^T, the backward's dy @ w and dy^T @ x), a
 onload of a trainer's offloaded state (roles.device.host_to_device from a page-locked block).
 Under MPS at some SM shares cuBLAS leaves GEMM outputs unwritten and reports no error.
 
-Found on the H200 (CUDA 13, torch 2.11, 2026-12-04; docs/benchmarks.md, side by side): in an
-MPS client at 60% or 75% of the SMs (78 or 98 SMs), `F.linear` returned its output block
-untouched for 46-158 of ~160 sizes per shape, from the tiny model's 64x256 to Qwen3-4B's
-4096x24576, whichever BLAS library torch prefers; at 25, 50, 90 and 100% (32, 66, 118, 132
-SMs) and without MPS, every forward was right. The side-by-side run's trainers, at 75%,
-skipped every update as non-finite. That probe checked only the forward layout, one client at
-a time, at normal priority; a trainer also runs the backward's two layouts and the onload
+On the H200 (CUDA 13, torch 2.11), in an MPS client at 60% or 75% of the SMs (78 or 98 SMs),
+`F.linear` leaves its output block untouched for 46-158 of ~160 sizes per shape, from the tiny
+model's 64x256 to Qwen3-4B's 4096x24576, whichever BLAS library torch prefers; at 25, 50, 90
+and 100% (32, 66, 118, 132 SMs) and without MPS every forward is right (docs/journal/, "Side
+by side: the NaN's cause"). A trainer also runs the backward's two layouts and the onload
 copy, beside a busy engine, at its own priority. So ppo.gpu.side_by_side.choose runs this module in
 each role's own MPS client (its share and priority), all at once and for a few seconds
 (--seconds), as the roles run side by side. And since a client checked right at launch might

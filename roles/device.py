@@ -260,7 +260,7 @@ def host_to_device(dst: torch.Tensor, src: torch.Tensor, through_sms: bool | Non
     pinned) by torch's bitwise_or in every case measured, where the copy engine gives 27.5-55
     GB/s; roles.sm_copy's Triton kernel reads faster (50.9 GB/s in the same probe). Splitting a
     copy between the two is worse than either (36 GB/s at half and half after a free:
-    docs/benchmarks.md, the onload probes). None: SM_COPIES. On the CPU, a plain copy."""
+    docs/journal/, "the half-rate onload"). None: SM_COPIES. On the CPU, a plain copy."""
     through_sms = SM_COPIES if through_sms is None else through_sms
     mapped = _device_view(src) if dst.is_cuda and through_sms and src.numel() else None
     if mapped is None:

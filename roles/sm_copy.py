@@ -5,7 +5,7 @@ Why a kernel of its own: of 52 variants probed on the H200 (8 GiB, int32/int64 w
 16,384 per program, 4-16 warps, cache hints, persistent grids), this one read the host fastest,
 50.9 GB/s (0.925x the copy engine's steady 55.0), where torch's int64 `bitwise_or`, the
 elementwise copy it replaces, read 49.4 (0.90x). Timed through host_to_device, median of 7: the
-kernel 51.0 GB/s, `bitwise_or` on int32 words 50.1 (docs/benchmarks.md, the onload probes).
+kernel 51.0 GB/s, `bitwise_or` on int32 words 50.1 (docs/journal/, "the half-rate onload").
 Needs Triton (the GPU images have it; roles.device falls back to bitwise_or without it).
 """
 

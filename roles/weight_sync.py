@@ -1,7 +1,7 @@
 """The weight-sync bucket format: HF-named tensors packed into flat per-dtype buffers.
 
-The actor trainer streams its weights to the rollout engines bucket by bucket (DESIGN.md,
-"Colocation", step 7). A bucket is a plain dict that crosses the wire as is:
+The actor trainer streams its weights to the rollout engines bucket by bucket (docs/design.md,
+"The memory handoff", step 7). A bucket is a plain dict that crosses the wire as is:
 
     {"dtype": "bfloat16",                      # every tensor in the bucket has this dtype
      "names": ["model.embed_tokens.weight", ...],

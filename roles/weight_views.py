@@ -59,11 +59,11 @@ def copy_into(targets: list[torch.Tensor], tensors: list[torch.Tensor | LazyResh
     viewable so, which any contiguous tensor is).
 
     Small contiguous pairs go in one `torch._foreach_copy_`; large pairs and strided ones
-    (q/k/v windows) each get their own `copy_`. Why, from the H200 (bench.weight_sync's
-    copy-only rows, 8 GB of Qwen3-4B weights, 2026-12-03 12:06 UTC): the earlier policy (one
-    foreach over the contiguous pairs, one over the strided) took 7.1 ms, one copy_ each 5.7
-    ms. ATen's foreach copy runs multi-tensor-apply kernels, not memcpys, and runs a whole
-    list pair by pair when any pair is strided."""
+    (q/k/v windows) each get their own `copy_`. Why (bench.weight_sync's copy-only rows on the
+    H200, 8 GB of Qwen3-4B weights; docs/journal/, "Weight sync on one GPU"): one foreach over
+    the contiguous pairs and one over the strided take 7.1 ms, one copy_ each 5.7 ms. ATen's
+    foreach copy runs multi-tensor-apply kernels, not memcpys, and runs a whole list pair by
+    pair when any pair is strided."""
     if len(targets) != len(tensors):
         raise ValueError(f"copy_into: {len(targets)} targets for {len(tensors)} tensors")
     small: tuple[list, list] = ([], [])

@@ -1,7 +1,7 @@
 """A small live job to watch: ``python -m runtime.demo [--run-dir DIR] [--seconds N]``.
 
 Two engines, on fake GPUs 0 and 1, and a trainer spanning both take each GPU's lease
-in turn, as a colocated PPO iteration does (DESIGN.md, "Colocation: the memory
+in turn, as a colocated PPO iteration does (docs/design.md, "The memory
 handoff"): the engines load weights and KV cache, generate and offload; the trainer
 onloads, trains, and offloads all but its weights, which it keeps for the weight sync.
 A CPU scorer turns samples into rewards, and the driver publishes one ``metrics`` event

@@ -3,7 +3,7 @@
 CPU runs and tests cannot observe real device memory, so roles on fake GPUs *declare*
 it: `FakeDevice.set_usage(holder, tag, nbytes)` sets the absolute bytes that `holder`
 keeps under `tag` (weights, optimizer, kv_cache, ...). The ledger enforces the
-colocation rule of DESIGN.md ("Colocation: the memory handoff"):
+colocation rule of docs/design.md ("The memory handoff"):
 
     On each device, only the current lease holder may grow its memory;
     every other holder may only shrink (free what it left behind).

@@ -11,7 +11,7 @@ milliseconds instead of at a timeout.
 A waiter first polls without sleeping for up to ``WireConfig.spin_us`` after the send,
 unless that endpoint's previous reply took longer: a thread that sleeps in poll()
 pays a cross-CPU wake-up when the reply lands, and on a small VM that is most of a
-round trip (measured: 264 us p50 sleeping, 106-116 us polling; docs/benchmarks.md).
+round trip (264 us p50 sleeping, 106-116 us polling: docs/journal/, "Runtime").
 """
 
 from __future__ import annotations

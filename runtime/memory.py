@@ -1,6 +1,6 @@
 """GPU leases: who may hold bulk device memory on which GPU, and when.
 
-The supervisor keeps one lease per GPU (DESIGN.md, "Colocation: the memory handoff").
+The supervisor keeps one lease per GPU (docs/design.md, "The memory handoff").
 A role must hold a GPU's lease to grow memory there; it releases the lease after
 offloading and reports the bytes it still keeps. A release that keeps more than the
 caller allows is an error naming the role and the amount, so a colocation bug surfaces

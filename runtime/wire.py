@@ -8,7 +8,7 @@ entry of ``bufs = [(lib, dtype, shape, where)]``; ``where`` is a frame index, or
 one host: large ones, and views of ``shared_empty`` arrays (see runtime.shm), or the
 array's bytes themselves for small arrays (up to ``inline_max_bytes``): one message part
 instead of two (no zmq.Frame per array on either side; a few microseconds per small array
-on the 2-core box, docs/benchmarks.md).
+on the 2-core box: docs/journal/, "Calls with small arguments").
 Arrays never pass through msgpack's object model or pickle: frames are sent
 ``copy=False`` from 64 KiB and decoded as zero-copy views; inline bytes are copied once
 into a writable buffer, as received frames are writable.

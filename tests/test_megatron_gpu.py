@@ -90,8 +90,8 @@ def test_tiny_ppos_own_objective_updates_alike_in_both_backends(ckpt):
     """tiny_ppo's actor settings as its run resolves them (ppo.setup.job.trainer_config: its
     loss_agg_mode, the low_var_kl loss at 0.1 against the reference, lr 2e-3, weight decay),
     with two micro-batches a step: three updates in each backend stay together. The pair above
-    checks token-mean without a KL loss; tiny_ppo learned on the CPU (torch) and too slowly on
-    the H200 (megatron, docs/benchmarks.md), so this is where the two objectives would part."""
+    checks token-mean without a KL loss; tiny_ppo's own objective is where the two backends'
+    steps would part if they differ."""
     from transformers import AutoConfig
 
     from ppo.config.serialize import override

@@ -26,7 +26,7 @@ MODES = {
         DISAGGREGATED, offload_train=False, offload_rollout=True),
     # no critic: the actor alone on its GPU stays resident by default (miles' disaggregated GRPO)
     "disaggregated-grpo": dict(DISAGGREGATED, advantage_estimator="grpo", num_critic_only_steps=0),
-    # the one-GPU plans of qwen3_4b_ppo (docs/benchmarks.md): trainers keep their weights and
+    # the one-GPU plans of qwen3_4b_ppo (docs/journal/, "The memory plan"): trainers keep weights and
     # swap optimizers, the engine keeps its weights and KV cache; GRPO keeps everything
     "colocated-resident-weights": dict(offload_train_level="optimizer", offload_rollout=False),
     "colocated-kv-cache-only": dict(offload_train_level="optimizer", offload_rollout_level="kv_cache"),

@@ -183,7 +183,7 @@ def test_tiny_ppo_learns_side_by_side_on_one_cuda_gpu_under_mps(tmp_path):
     tests/test_e2e_ppo.py's bar. The median, not each: on the GPU the default seed alone rose
     only 0.107 -> 0.246 side by side (+0.14; bit for bit the same with MPS and without on the
     H100, and so on the H200), where seeds 1, 2, 3 rose +0.68, +0.68, +0.60 and the synchronous
-    run +0.49 (seed 1234) and +0.80 (seed 1) (docs/benchmarks.md, side by side)."""
+    run +0.49 (seed 1234) and +0.80 (seed 1) (docs/journal/, "the stall was the seed")."""
     import json
 
     from ppo.gpu.side_by_side import choose
@@ -240,7 +240,7 @@ def test_tiny_ppo_learns_side_by_side_on_one_cuda_gpu_under_mps(tmp_path):
 def test_megatron_updates_with_tis_are_finite_on_a_gpu(tmp_path):
     """The TIS weights that async mode adds, in a synchronous colocated megatron run with
     --use-tis: every update finite (where the Qwen3-4B side-by-side run's non-finite updates
-    came from was cuBLAS under MPS: docs/benchmarks.md, side by side)."""
+    came from was cuBLAS under MPS: docs/journal/, "Side by side: the NaN's cause")."""
     pytest.importorskip("megatron.core")
     cfg = ensure_valid(override(tiny_ppo(), run_dir=str(tmp_path / "run"), use_tis=True, num_rollout=3,
                                 rollout_batch_size=16, train_backend="megatron", fake_gpus=False, num_gpus_per_node=1,

@@ -118,7 +118,7 @@ def qwen3_4b_ppo_1gpu() -> PPOConfig:
     recompute, the built-in engine taking 22% of the GPU. Both trainers keep their bf16
     weights on the GPU and move only their optimizers to pinned host memory around their
     train calls (about 100 GiB of host memory); the engine keeps its weights and KV cache.
-    docs/benchmarks.md, "qwen3_4b_ppo on one GPU", has the iteration this plan measured and
+    docs/journal/, "qwen3_4b_ppo on one GPU", has the iteration this plan measured and
     why it fits; `bench/qwen3_4b_one_gpu.sh` runs it. Longer responses need another memory
     plan (the script's RESPONSE_LEN > 2048 branch).
     """

@@ -310,7 +310,7 @@ class PlacementConfig:
     fake_gpus: bool = knob(False, "CPU run: roles compute on the CPU with fake GPU memory ledgers")
     # Side by side (--train-async --colocate), MPS's CUDA_MPS_ACTIVE_THREAD_PERCENTAGE per role and
     # the trainers' CUDA_MPS_CLIENT_PRIORITY. Measured on the H200 (GRPO, Qwen3-4B, steady
-    # iteration against the synchronous one; docs/benchmarks.md, side by side): 50/50 1.00x,
+    # iteration against the synchronous one; docs/journal/, "Side by side at shares"): 50/50 1.00x,
     # 50/100 with the trainers below_normal 0.99x, 100/100 below_normal 0.91x. cuBLAS leaves GEMM
     # outputs unwritten in a client at 60 or 75% (the first default, 25/75, made every update NaN)
     # and is right at 25, 50, 90, 100 (roles.compute_check, which the launcher runs in each role's client)

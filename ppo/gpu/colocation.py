@@ -88,7 +88,7 @@ def untracked_note(report: dict) -> str:
 
 
 ENGINE_TAGS = ("weights", "kv_cache")  # what an engine holds (its graphs go with either)
-UNTRACKED_LIMIT = 256 << 20  # a Qwen3-4B actor left 64-170 MiB beside its resident optimizer (docs/benchmarks.md)
+UNTRACKED_LIMIT = 256 << 20  # a Qwen3-4B actor left 64-170 MiB beside its resident optimizer (docs/journal/)
 
 
 class Colocation:

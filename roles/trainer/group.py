@@ -1,7 +1,7 @@
 """One handle for a trainer role's rank group: the driver calls it as it called one trainer.
 
-THE RANK CONTRACT (torch and megatron backends). Stable since 2026-12-03; changes are
-listed at the end of this docstring.
+THE RANK CONTRACT (torch and megatron backends). Both backends and the supervisor rely on
+it; why its less obvious parts are so is at the end of this docstring.
 
 Processes
     A trainer role with placement gpus [g0, ..., gN-1] is N processes, started by
@@ -75,13 +75,12 @@ What the group returns (TrainerGroup, in the driver)
     (RemoteError) is raised once every rank has answered, or after `straggler_s` when a
     rank never does (it is then blocked in a collective its peer never joined).
 
-Changes to the contract
-    2026-12-03: MASTER_PORT is a store the supervisor listens on for the group's life
-    (runtime.rendezvous), and every rank connects to it as a client; rank 0 no longer
-    listens. A port probed free and closed could be taken before rank 0 listened on it
-    (EADDRINUSE in CI).
-    2026-12-04: a group may be started again by the driver (--max-trainer-restarts): same
-    rank names and GPUs, new incarnations and a new MASTER_PORT; nothing else changes.
+Why
+    MASTER_PORT is a store the supervisor listens on for the group's life
+    (runtime.rendezvous), and every rank connects to it as a client: a port probed free and
+    closed could be taken before rank 0 listened on it (EADDRINUSE in CI).
+    A group may be started again by the driver (--max-trainer-restarts): same rank names and
+    GPUs, new incarnations and a new MASTER_PORT; nothing else changes.
 """
 
 from __future__ import annotations

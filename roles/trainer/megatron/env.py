@@ -77,7 +77,7 @@ def _safetensors_files(path: str) -> list[str]:
 def use_fused_adam(optimizers: list) -> None:
     """Without apex or transformer-engine megatron steps torch's AdamW in its foreach form: on
     the H200 that took 99.7 ms and 15 GiB of temporaries over Qwen3-4B, the fused kernel 41.7
-    ms and none (bench.trainer, docs/benchmarks.md). Adam's state appears at the first step,
+    ms and none (bench.trainer; docs/journal/, "Trainer backends"). Adam's state appears at the first step,
     after this switch, so its step counters are made on the device as the fused kernel needs;
     `load` keeps these groups, and torch moves a loaded state's counters to the device."""
     for opt in optimizers:
