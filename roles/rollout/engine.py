@@ -26,10 +26,10 @@ import time
 import traceback
 
 import torch
-from transformers import AutoConfig
 
 from roles.compute_check import check_in_run
 from roles.device import DeviceMemory
+from roles.model_spec import ModelSpec
 from roles.weight_sync import bucket_device, bucket_nbytes, received
 from roles.rollout.sampling import parse_requests, request_seed
 from runtime import Actor, endpoint
@@ -108,9 +108,8 @@ class RolloutEngine(Actor):
             raise ValueError(f"mem_fraction={mem_fraction!r} must be in (0, 1] or None")
         self.engine_index = engine_index
         self.seed = seed
-        config = AutoConfig.from_pretrained(hf_checkpoint)
-        self._vocab_size = config.vocab_size
-        self._max_positions = config.max_position_embeddings
+        spec = ModelSpec.from_checkpoint(hf_checkpoint)
+        self._vocab_size, self._max_positions = spec.vocab_size, spec.max_positions
         holder = self.context.name if self.context is not None else f"rollout-{engine_index}"
         self._memory = DeviceMemory(holder)
         self._backend_tags = _BACKEND_TAGS[backend]

@@ -60,7 +60,6 @@ sglang is imported lazily: only this backend needs it, and only on a GPU machine
 from __future__ import annotations
 
 import glob
-import json
 import os
 from importlib import metadata
 from types import SimpleNamespace
@@ -68,6 +67,7 @@ from types import SimpleNamespace
 import torch
 
 from roles.device import DeviceMemory
+from roles.model_spec import ModelSpec
 from roles.rollout.sampling import GenerateRequest
 from roles.weight_sync import dtype_name, unpack_bucket
 from roles.weight_views import LazyReshape, copy_into
@@ -141,9 +141,8 @@ def checkpoint_tensor_specs(hf_checkpoint: str) -> dict[str, list[int]]:
                 specs[name] = list(f.get_slice(name).get_shape())
     if not specs:
         raise ValueError(f"hf_checkpoint={hf_checkpoint!r} holds no *.safetensors weights")
-    with open(os.path.join(hf_checkpoint, "config.json")) as f:
-        tied = json.load(f).get("tie_word_embeddings", False)
-    if tied and "lm_head.weight" not in specs:  # saved once; trainers may still send both names
+    # a tied lm_head is saved once; trainers may still send both names
+    if ModelSpec.from_checkpoint(hf_checkpoint).tied_embeddings and "lm_head.weight" not in specs:
         specs["lm_head.weight"] = specs["model.embed_tokens.weight"]
     return specs
 
@@ -272,8 +271,8 @@ class SglangBackend:
         self.deterministic = bool(options.get("enable_deterministic_inference", False))
         self.cpu_backup = bool(options.get("enable_weights_cpu_backup", False))
         self.specs = checkpoint_tensor_specs(hf_checkpoint)
-        with open(os.path.join(hf_checkpoint, "config.json")) as f:  # a tied lm_head is the embedding
-            tied = json.load(f).get("tie_word_embeddings", False)
+        # a tied lm_head is the embedding
+        tied = ModelSpec.from_checkpoint(hf_checkpoint).tied_embeddings
         self._aliases = {"lm_head.weight": "model.embed_tokens.weight"} if tied else {}
         self.engine = self.sgl.Engine(**kwargs)
         self._updating = False  # inside begin_weight_update() ... end_weight_update()
