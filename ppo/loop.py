@@ -100,7 +100,7 @@ def run(job: Job, stops: SignalStops | None = None) -> list[dict]:
 def steps(job: Job, log: RunLogger, start: checkpoint.ResumePoint, stops: SignalStops | None,
           rollouts: Rollouts) -> None:
     """The PPO iterations from `start` to --num-rollout; `start.counters` counts on."""
-    cfg, colo = job.cfg, job.colocation
+    cfg, phases = job.cfg, job.phases  # every GPU memory move is a phase of the plan (ppo.gpu.phases)
     actor, critic = job.actor, job.critic
     tis_function, post_process = job.functions.tis_function, job.functions.post_process
     version, counters = start.version, start.counters  # counters over the run, a resumed run's earlier part included
@@ -126,35 +126,28 @@ def steps(job: Job, log: RunLogger, start: checkpoint.ResumePoint, stops: Signal
         batch = build_batch(samples, pad_id=job.tok.pad_token_id)
 
         # 3. the actor takes the GPUs: old and reference log-probs
-        colo.occupy([job.actor_tenant], ["params"])
-        with perf.phase("log_probs"):
+        with phases.during("log_probs"), perf.phase("log_probs"):
             batch["old_log_probs"] = actor.compute_log_probs(select(batch))["log_probs"]
             if C.needs_ref(cfg):
                 batch["ref_log_probs"] = actor.compute_ref_log_probs(select(batch))["log_probs"]
-        colo.vacate([job.actor_tenant], ["params"])
         book.add(mismatch_correction(cfg, batch, tis_function))  # may add batch["tis_weights"]
 
         # 4. critic values, then advantages in the driver
         if critic is not None:
-            colo.occupy([job.critic_tenant], ["params"])
-            with perf.phase("values"):
+            with phases.during("values"), perf.phase("values"):
                 batch["values"] = critic.compute_values(select(batch))["values"]
         with perf.phase("advantages"):
             batch["advantages"], batch["returns"] = advantages(cfg, batch)
 
         # 5. critic update
         if critic is not None:
-            colo.occupy([job.critic_tenant], ["optimizer", "grads"])
-            with perf.phase("critic_train"):
+            with phases.during("critic_train"), perf.phase("critic_train"):
                 book.trained("critic-", critic.train(dict(select(batch, "returns"), old_values=batch["values"])))
-            colo.vacate([job.critic_tenant], ["params", "grads", "optimizer"])
 
         # 6. actor update, unless the critic is still warming up
         if step >= C.num_critic_only_steps(cfg):
-            colo.occupy([job.actor_tenant], ["params", "optimizer", "grads"])
-            with perf.phase("actor_train", metric="perf/train_time"):
-                book.trained("", actor.train(actor_batch(cfg, batch)))
-            colo.vacate([job.actor_tenant], ["grads", "optimizer"], keep="params")
+            with phases.during("actor_train"), perf.phase("actor_train", metric="perf/train_time"):
+                book.trained("", actor.train(actor_batch(cfg, batch)))  # its weights stay for the sync
 
             version += 1
             rollouts.wait_generated(version)  # ahead: weights change between rollouts only

@@ -108,7 +108,7 @@ def recover(job: Job, log: RunLogger, died: ActorDied, ckpt: checkpoint.Checkpoi
         colo.evict(tenant)
     # As at the job's start, the trainers build beside no engine memory (megatron builds on
     # the GPU); the restore then loads them and syncs the engines (ppo.state.checkpoint.restore).
-    colo.vacate(job.engine_tenants, ["kv_cache", "weights"])
+    job.phases.leave("engines_release")
     sup.wait_ready([rank.name for group, _ in groups for rank in group.ranks])
     point = checkpoint.restore(job, job.data, ckpt)
     log.rewind(ckpt.step)

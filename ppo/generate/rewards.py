@@ -38,15 +38,14 @@ def finish(job, samples: list[dict], perf, post_process) -> dict[str, float]:
 
 
 def score_with_model(job, samples: list[dict], perf) -> dict[str, float]:
-    r, colo = job.cfg.reward, job.colocation
+    r = job.cfg.reward
     shares = token_shares([len(s["prompt_ids"]) + len(s["response_ids"]) for s in samples], len(job.reward_models))
     with perf.phase("reward_model"):
         while True:
             try:
-                colo.occupy(job.reward_model_tenants, ["weights"])
-                results = gather([rm.score.call([scored_text(samples[i]) for i in share])
-                                  for rm, share in zip(job.reward_models, shares)])
-                colo.vacate(job.reward_model_tenants, ["weights"])
+                with job.phases.during("reward_model"):
+                    results = gather([rm.score.call([scored_text(samples[i]) for i in share])
+                                      for rm, share in zip(job.reward_models, shares)])
                 break
             except ActorDied as e:
                 if e.role not in {rm.name for rm in job.reward_models}:

@@ -27,11 +27,9 @@ from typing import Iterator
 from ppo import config as C
 from runtime import ActorDied, gather
 
-TRAINER_STATE = ["params", "optimizer"]
-
 
 def engine_handoff(job, handoff, version: int) -> None:
-    """Run a memory handoff of the engines (`colo.vacate`/`colo.occupy`); an engine found
+    """Run a memory handoff of the engines (a phase of ppo.gpu.phases); an engine found
     dead in it (killed just before, or during its release/resume) is waited for and
     brought to `version` (0: no sync), and the handoff runs again: its steps are idempotent
     (releasing what is released or taking what is resident costs nothing, leases already
@@ -62,7 +60,7 @@ def recover(job, role, dead_incarnation: int, version: int) -> None:
 
 def release_engines(job, version: int) -> None:
     """The engines hand their GPUs over, freeing their KV cache and weights (colocated)."""
-    engine_handoff(job, lambda: job.colocation.vacate(job.engine_tenants, ["kv_cache", "weights"]), version)
+    engine_handoff(job, lambda: job.phases.leave("engines_release"), version)
 
 
 def sync_engines(job, version: int, perf=None) -> None:
@@ -71,7 +69,7 @@ def sync_engines(job, version: int, perf=None) -> None:
     A restarted engine needs no sync of its own while its weights come back: this one follows.
     `perf` (the step's phases) times it as phase weight_sync."""
     colo = job.colocation
-    engine_handoff(job, lambda: colo.occupy(job.engine_tenants, ["weights"]), 0)
+    engine_handoff(job, lambda: job.phases.enter("engines_weights"), 0)
     with colo.sending_weights(job.actor_tenant, job.engine_tenants), \
             (perf.phase("weight_sync") if perf is not None else contextlib.nullcontext()):
         job.actor.sync_weights(job.engines, job.cfg.engine.update_weight_buffer_size, version,
@@ -79,20 +77,19 @@ def sync_engines(job, version: int, perf=None) -> None:
     if job.cfg.engine.check_weight_update_equal:
         check_weights_equal(job)
     colo.drop_residual(job.actor_tenant, ["params"])
-    engine_handoff(job, lambda: colo.occupy(job.engine_tenants, ["kv_cache"]), version)
+    engine_handoff(job, lambda: job.phases.enter("engines_kv_cache"), version)
 
 
 def engines_take_back(job, version: int, perf=None) -> None:
     """After a release with the policy unchanged: the engines take back everything they
     released. sglang threw its weights away at the release (no CPU backup: docs/architecture.md),
     so the actor pushes them again, same version; the torch engine restores its host copy."""
-    colo = job.colocation
     if C.engines_discard_weights(job.cfg):
-        colo.occupy([job.actor_tenant], ["params"])
-        colo.vacate([job.actor_tenant], ["params"], keep="params")
+        job.phases.enter("actor_weights")  # the actor's weights back on its GPU,
+        job.phases.leave("actor_weights")  # and resident beside the engines for the sync
         sync_engines(job, version, perf)
     else:
-        engine_handoff(job, lambda: colo.occupy(job.engine_tenants, ["weights", "kv_cache"]), version)
+        engine_handoff(job, lambda: job.phases.enter("engines_resume"), version)
 
 
 @contextlib.contextmanager
@@ -120,9 +117,8 @@ def on_gpus(job, tenant, *, keep: str | None = None) -> Iterator[None]:
     """One trainer holds its GPUs with its weights and optimizer on them for the body (a save
     or a load), then gives them up, keeping `keep` (the actor's weights, for a sync after a
     load). The engines must have released the GPUs (`release_engines`)."""
-    job.colocation.occupy([tenant], TRAINER_STATE)
-    yield
-    job.colocation.vacate([tenant], [*TRAINER_STATE, "grads"], keep=keep)
+    with job.phases.during("trainer_state", [tenant], keep=keep):
+        yield
 
 
 class OnGPUs:

@@ -8,6 +8,8 @@ its GPU's lease first).
 
 from __future__ import annotations
 
+import functools
+
 import json
 import os
 import tempfile
@@ -20,6 +22,7 @@ from transformers import AutoTokenizer
 
 from ppo import config as C
 from ppo.state.checkpoint import Checkpoint, locate
+from ppo.gpu.phases import Phases
 from ppo.gpu.colocation import Colocation, Tenant, engine_tenant, trainer_tenant
 from ppo.config import PPOConfig
 from ppo.config.schema import GENERATED_PREFIX
@@ -74,6 +77,12 @@ class Job:
     resume_from: Checkpoint | None  # the intact --load checkpoint to resume, if any (ppo.state.checkpoint.locate)
     functions: UserFunctions  # the user's dynamic-sampling filter, TIS function, reward post-process
     eval_sets: list[EvalSet] = field(default_factory=list)  # --eval-prompt-data, loaded (ppo.generate.evaluation)
+
+    @functools.cached_property
+    def phases(self) -> Phases:
+        """The phase plan over this job's tenants (ppo.gpu.phases): every GPU memory move of the run."""
+        return Phases(self.colocation, {"actor": [self.actor_tenant], "critic": [self.critic_tenant] if self.critic else [],
+                                        "engines": self.engine_tenants, "reward_models": self.reward_model_tenants})
 
     def close(self) -> None:
         try:
