@@ -47,6 +47,20 @@ def kill_tree(pid: int) -> None:
         pass
 
 
+def kill_session_but_self() -> None:
+    """SIGKILL every other process of this process's session: what a role started and left
+    (a role is a session leader, runtime.child)."""
+    me, session = os.getpid(), os.getsid(0)
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) == me:
+            continue
+        try:
+            if os.getsid(int(entry)) == session:
+                os.kill(int(entry), signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+
 def read_text(path: str, limit: int = 20000) -> str | None:
     try:
         text = Path(path).read_text(errors="replace")

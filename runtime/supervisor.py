@@ -404,7 +404,7 @@ class Supervisor:
             token=self.cfg.token, max_message_bytes=self.cfg.max_message_bytes, spin_us=self.cfg.spin_us,
             shm_prefix=self.cfg.shm_prefix, heartbeat_interval=self.heartbeat_interval,
             parent_pid=os.getpid(), error_file=self._error_file(child), peers=peers,
-            group=spec.group)
+            group=spec.group, stop_timeout_s=self.shutdown_grace_s / 2)  # the rest of the grace: its SIGKILL
         env = {"CUDA_VISIBLE_DEVICES": ",".join(map(str, spec.gpus)), "CUDA_DEVICE_ORDER": "PCI_BUS_ID",
                **({"TANDEM_FAKE_GPU_DIR": self.fake_gpu_dir} if self.fake_gpu_dir else {}),
                ERROR_FILE_ENV: self._error_file(child), **spec.env}

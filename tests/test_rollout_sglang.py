@@ -115,16 +115,6 @@ def test_seeds_hold_only_in_deterministic_mode_and_greedy_ignores_them(ckpt, fak
     assert len(greedy) == 1
 
 
-def test_abort_is_an_error_naming_the_request(ckpt, fake_sglang):
-    eng, fake = _engine(ckpt, fake_sglang)
-    fake.abort_prompts[1] = {"message": "Aborted"}  # e.g. abort_request(): an output, no status code
-    with pytest.raises(RuntimeError, match="did not finish request id=0.*'abort'"):
-        _gen(eng, [1])
-    fake.abort_prompts[1] = {"message": "input too long", "status_code": 400}  # sglang raises itself
-    with pytest.raises(ValueError, match="input too long"):
-        _gen(eng, [1])
-
-
 def test_release_resume_tags_and_memory_saver(ckpt, fake_sglang):
     eng, fake = _engine(ckpt, fake_sglang, options={**SAVER, "enable_weights_cpu_backup": True})
     assert eng.release(["weights", "kv_cache"])["state"] == "released"
