@@ -131,3 +131,58 @@ def test_stopping_the_engine_shuts_its_backend_down(ckpt, fake_sglang):
     eng, fake = _sglang(ckpt, fake_sglang, "0.5.23")
     eng.on_stop()
     assert fake.calls[-1] == ("shutdown",) and fake.shut_down
+
+
+class _Done:
+    """A finished call, as runtime.handle.Future answers done() and result()."""
+
+    def __init__(self, value=None, exc=None):
+        self.value, self.exc = value, exc
+
+    def done(self):
+        return True
+
+    def result(self):
+        if self.exc is not None:
+            raise self.exc
+        return self.value
+
+
+def test_the_driver_counts_aborts_and_stops_in_one_line_when_an_engine_gives_up(monkeypatch, capsys):
+    from types import SimpleNamespace
+
+    import launch
+    import ppo.loop
+    from ppo.loop import rollout_metrics
+    from ppo.rollout import RequestsFailed, SamplingParams, generate_and_score
+    from runtime import RemoteError
+
+    params = SamplingParams(n_samples_per_prompt=2, max_new_tokens=2, temperature=1.0, top_p=1.0, top_k=-1,
+                            stop_token_ids=(), seed=0)
+    prompts = [{"prompt": "p", "prompt_ids": [1]}]
+
+    def engine(answer):
+        return SimpleNamespace(generate=SimpleNamespace(call=lambda requests: _Done(*answer(requests))))
+
+    ok = engine(lambda reqs: ([{"id": r["id"], "token_ids": [2], "logprobs": [-0.5], "finish_reason": "length",
+                                "weight_version": 0, "num_aborts": r["id"]} for r in reqs],))
+    samples = generate_and_score([ok], [], prompts, params, 0, decode=str, eos_id=0, recover=None)
+    batch = {"loss_mask": torch.ones(2, 1), "scores": torch.zeros(2), "response_lens": torch.ones(2),
+             "old_log_probs": torch.zeros(2, 1), "rollout_log_probs": torch.zeros(2, 1),
+             "advantages": torch.zeros(2, 1), "returns": torch.zeros(2, 1)}
+    assert rollout_metrics(batch, samples)["rollout/aborted_requests"] == 1  # requests 0 and 1: 0 + 1
+
+    line = "rollout engine 0: request id=1 was aborted 4 times (the last: sglang HTTPException: 500: Out of memory)"
+    gave_up = engine(lambda reqs: (None, RemoteError("rollout-0", "generate", "RequestsGaveUp", line, "traceback")))
+    with pytest.raises(RequestsFailed) as e:
+        generate_and_score([gave_up], [], prompts, params, 0, decode=str, eos_id=0, recover=None)
+    assert str(e.value) == line
+
+    def train(cfg, sm=None):
+        raise RequestsFailed(line)
+
+    monkeypatch.setattr(ppo.loop, "train", train)
+    with pytest.raises(SystemExit) as stop:
+        launch.main([])
+    assert stop.value.code == 1
+    assert capsys.readouterr().err == f"tandem: {line}\n"

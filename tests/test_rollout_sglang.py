@@ -456,18 +456,19 @@ def test_driver_starts_sglang_engines_with_the_recipes_settings():
     from ppo.recipes import qwen3_4b_ppo, tiny_ppo
 
     cfg = qwen3_4b_ppo()  # colocated: engines offload, so the memory saver is on
-    assert engine_settings(cfg) == {"max_batch_size": 512, "mem_fraction": 0.8,
+    assert engine_settings(cfg) == {"max_batch_size": 512, "mem_fraction": 0.8, "max_request_retries": 3,
                                     "options": {"tp_size": 1, "enable_memory_saver": True}}
     cfg = replace(cfg, engine=replace(cfg.engine, rollout_num_gpus_per_engine=2, sglang_max_running_requests=None,
                                       sglang_disable_cuda_graph=True, sglang_enable_deterministic_inference=True))
     assert engine_settings(cfg)["options"] == {"tp_size": 2, "enable_memory_saver": True,
                                                "disable_cuda_graph": True, "enable_deterministic_inference": True}
     assert engine_settings(cfg)["max_batch_size"] == 64  # unset: one rollout's samples (8 prompts x 8)
-    assert engine_settings(tiny_ppo()) == {"max_batch_size": 1024}
+    assert engine_settings(tiny_ppo()) == {"max_batch_size": 1024, "max_request_retries": 3}
     # the same flag puts the built-in engine in its batch-invariant mode
     tiny = tiny_ppo()
     tiny = replace(tiny, engine=replace(tiny.engine, sglang_enable_deterministic_inference=True))
-    assert engine_settings(tiny) == {"max_batch_size": 1024, "options": {"batch_invariant": True}}
+    assert engine_settings(tiny) == {"max_batch_size": 1024, "max_request_retries": 3,
+                                     "options": {"batch_invariant": True}}
     assert rollout_backend_problem(tiny_ppo()) is None
 
 
