@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import signal
 import threading
+import time
 from pathlib import Path
 
 _env_lock = threading.Lock()  # os.environ is patched around Process.start()
@@ -59,6 +60,43 @@ def kill_session_but_self() -> None:
                 os.kill(int(entry), signal.SIGKILL)
         except (ProcessLookupError, PermissionError):
             pass
+
+
+def end_session(session: int, timeout_s: float = 10.0) -> bool:
+    """SIGKILL what is left of session `session` (a dead role's: what it started, e.g. an
+    inference server's scheduler, which may still hold GPU memory) and wait until none of it
+    runs (zombies hold no memory). True when it is gone within `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        left = [pid for pid in _session_members(session)]
+        for pid in left:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        if not left:
+            return True
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.01)
+
+
+def _session_members(session: int) -> list[int]:
+    """Live (not zombie) processes of `session`."""
+    members = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            if os.getsid(int(entry)) != session:
+                continue
+            with open(f"/proc/{entry}/stat") as f:
+                state = f.read().rsplit(")", 1)[1].split()[0]
+        except (OSError, IndexError):
+            continue
+        if state not in ("Z", "X"):
+            members.append(int(entry))
+    return members
 
 
 def read_text(path: str, limit: int = 20000) -> str | None:

@@ -49,7 +49,7 @@ from runtime.fakegpu import create_fake_devices
 from runtime.handle import ActorGroup, ActorHandle, Address, Caller, Directory
 from runtime.memory import LeaseTable
 from runtime.noise import route_library_noise
-from runtime.process import exit_reason, kill_tree, read_text, start_with_env
+from runtime.process import end_session, exit_reason, kill_tree, read_text, start_with_env
 from runtime.rendezvous import host_store
 
 RESTART_POLICIES = ("one_for_one", "one_for_all", "temporary")
@@ -555,6 +555,10 @@ class Supervisor:
                                "error_file": err_file if err_text else None})
         self.bus.publish("died", role=spec.name, incarnation=incarnation, pid=child.process.pid,
                          gpus=list(spec.gpus), reason=reason, error_file=err_file if err_text else None)
+        # What the dead incarnation started (an sglang scheduler holding GPU memory) goes before
+        # anything is restarted on its GPUs: a new incarnation never races the old one's release.
+        end_session(child.process.pid)
+        self.leases.drop_dead_memory(list(spec.gpus), spec.name)
         if self._stopping:
             return
         if spec.restart == "temporary":
