@@ -51,33 +51,29 @@ def kill_tree(pid: int) -> None:
 def kill_session_but_self() -> None:
     """SIGKILL every other process of this process's session: what a role started and left
     (a role is a session leader, runtime.child)."""
-    me, session = os.getpid(), os.getsid(0)
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit() or int(entry) == me:
-            continue
-        try:
-            if os.getsid(int(entry)) == session:
-                os.kill(int(entry), signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
+    me = os.getpid()
+    for pid in _session_members(os.getsid(0)):
+        if pid != me:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
 
 
-def end_session(session: int, timeout_s: float = 10.0) -> bool:
+def end_session(session: int, timeout_s: float = 10.0) -> None:
     """SIGKILL what is left of session `session` (a dead role's: what it started, e.g. an
-    inference server's scheduler, which may still hold GPU memory) and wait until none of it
-    runs (zombies hold no memory). True when it is gone within `timeout_s`."""
+    inference server's scheduler, which may still hold GPU memory) and wait, at most
+    `timeout_s`, until none of it runs (zombies hold no memory)."""
     deadline = time.monotonic() + timeout_s
     while True:
-        left = [pid for pid in _session_members(session)]
+        left = _session_members(session)
         for pid in left:
             try:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
-        if not left:
-            return True
-        if time.monotonic() >= deadline:
-            return False
+        if not left or time.monotonic() >= deadline:
+            return
         time.sleep(0.01)
 
 
