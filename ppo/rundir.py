@@ -75,13 +75,17 @@ def claim(cfg: PPOConfig) -> RunDirLock:
 def load_problem(cfg: PPOConfig) -> str | None:
     """Why --load cannot be resumed from, seen before anything is written, or None: a path
     that does not exist (a typo would otherwise start a new run) or is not a folder, or a
-    newest checkpoint after which --num-rollout leaves nothing to run (a finished run)."""
-    load = cfg.checkpoint.load
+    newest checkpoint after which --num-rollout leaves nothing to run (a finished run).
+    --load and --save on one folder that does not exist yet is miles' first run of a job
+    (its recipes pass both): --save makes it, and the run starts from --hf-checkpoint."""
+    load, save = cfg.checkpoint.load, cfg.checkpoint.save
     if load is None:
+        return None
+    if not os.path.exists(load) and save is not None and os.path.abspath(save) == os.path.abspath(load):
         return None
     if not os.path.exists(load):
         return (f"--load {load}: no such folder; pass the --save folder of the run to resume, or leave "
-                "--load out to start a new run")
+                "--load out to start a new run (or give --save the same folder, as miles' recipes do)")
     if not os.path.isdir(load):
         return f"--load {load}: not a folder; pass the --save folder of the run to resume"
     state = newest_state(load)

@@ -487,7 +487,8 @@ def test_tiny_ppo_on_fake_sglang_rolls_out_the_actors_policy_after_a_critic_only
     """The engines release their weights after each rollout and sglang throws them away; the
     rollouts after the critic-only step must still come from the actor's weights: the engines'
     log-probs of their own samples equal the actor's (rollout/log_probs_diff), which they cannot
-    from noise."""
+    from noise. Each engine's rollout-0 call (its second: the eval comes first) is aborted as
+    sglang raises an out-of-memory retract: its requests are issued again and counted."""
     import ppo.job
     from ppo.config.serialize import override
     from ppo.loop import train
@@ -495,6 +496,7 @@ def test_tiny_ppo_on_fake_sglang_rolls_out_the_actors_policy_after_a_critic_only
 
     # role processes import the fake as `sglang` (spawned children inherit sys.path)
     monkeypatch.syspath_prepend(str(sglang_engine.write_package(tmp_path / "site")))
+    monkeypatch.setenv(sglang_engine.ABORTS_ENV, json.dumps({1: sglang_engine.OOM_RETRACT}))
     # validation keeps sglang off fake GPUs and the job wants CUDA for it: the fake needs neither
     monkeypatch.setattr(ppo.job, "rollout_backend_problem", lambda cfg: None)
     cfg = override(tiny_ppo(), run_dir=str(tmp_path / "run"), num_rollout=3, num_critic_only_steps=1,
@@ -507,3 +509,5 @@ def test_tiny_ppo_on_fake_sglang_rolls_out_the_actors_policy_after_a_critic_only
     assert "train/pg_loss" not in history[0] and "train/pg_loss" in history[1]
     diffs = [h["rollout/log_probs_diff"] for h in history]
     assert all(d < 1e-4 for d in diffs), diffs  # from discarded weights it is ~1 nat per token
+    # the raise lost each engine's whole call: every request of rollout 0 was issued again, once
+    assert [h["rollout/aborted_requests"] for h in history] == [32, 0, 0]

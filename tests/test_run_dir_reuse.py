@@ -58,13 +58,16 @@ def test_a_plain_rerun_or_a_load_of_another_folder_is_refused_and_touches_nothin
 
 
 def test_a_load_that_does_not_exist_is_one_line_before_anything_is_written(tmp_path, capsys):
-    missing, run = tmp_path / "ckpt-typo", tmp_path / "new-run"
-    err = _refused(capsys, "--run-dir", str(run), "--load", str(missing), "--save", str(missing))
+    missing, run, save = tmp_path / "ckpt-typo", tmp_path / "new-run", tmp_path / "ckpt"
+    err = _refused(capsys, "--run-dir", str(run), "--load", str(missing), "--save", str(save))
     assert err == (f"tandem: --load {missing}: no such folder; pass the --save folder of the run to resume, or "
-                   "leave --load out to start a new run\n")
+                   "leave --load out to start a new run (or give --save the same folder, as miles' recipes do)\n")
     assert os.listdir(tmp_path) == []  # neither the run dir nor the --save folder was made
     (tmp_path / "file").write_text("")
     assert "not a folder" in _refused(capsys, "--run-dir", str(run), "--load", str(tmp_path / "file"))
+    # miles' first run of a job: --load and --save on one folder that --save will make
+    first = ensure_valid(override(tiny_ppo(), run_dir=str(run), load=str(save), save=str(save)))
+    assert load_problem(first) is None
 
 
 def test_a_finished_run_is_refused_unless_more_rollouts_are_asked_for(tmp_path, capsys):

@@ -66,6 +66,9 @@ from typing import List, Tuple
 import torch
 
 VERSION = "0.5.23"
+# For engines in role processes (write_package): JSON {call number: abort} -> the first request
+# of that `generate` call (0-based, per engine) is aborted as `abort_prompts` would
+ABORTS_ENV = "TANDEM_FAKE_SGLANG_ABORTS"
 EOS_ID = None  # install(eos_id=...) overrides the checkpoint's eos id (sglang reads it from the HF config)
 
 # srt/server_args.py:551-563 (0.5.21: 461-473): ServerArgs is a msgspec Struct built from the
@@ -284,6 +287,8 @@ class FakeEngine:
         self.version = VERSION  # whose abort handling generate copies (_raise_for_abort)
         # sum(prompt) -> the finish_reasons ({"message", "status_code"}) of its next tries' aborts
         self.abort_prompts: dict[int, list[dict]] = {}
+        self.call_aborts = {int(k): v for k, v in json.loads(os.environ.get(ABORTS_ENV, "{}")).items()}
+        self.num_generate_calls = 0
         self.pending_requests = 0  # requests the scheduler still runs: flush_cache refuses
         self.shut_down = False
         self.read_payloads: set[bytes] = set()
@@ -302,6 +307,9 @@ class FakeEngine:
             raise ValueError("input_ids cannot be empty.")
         assert isinstance(input_ids[0], list)
         self.calls.append(("generate", sampling_params))
+        if self.num_generate_calls in self.call_aborts:
+            self.abort_prompts.setdefault(sum(input_ids[0]), []).append(self.call_aborts[self.num_generate_calls])
+        self.num_generate_calls += 1
         if self.memory_saver and self.offload_tags:
             # a forward over unmapped memory is a CUDA fault inside the scheduler
             scheduler_dies(RuntimeError(f"CUDA error: an illegal memory access was encountered "
