@@ -487,7 +487,7 @@ def test_tiny_ppo_on_fake_sglang_rolls_out_the_actors_policy_after_a_critic_only
     """The engines release their weights after each rollout and sglang throws them away; the
     rollouts after the critic-only step must still come from the actor's weights: the engines'
     log-probs of their own samples equal the actor's (rollout/log_probs_diff), which they cannot
-    from noise. Each engine's rollout-0 call (its second: the eval comes first) is aborted as
+    from noise. Each engine's rollout-0 call (its third: the two eval sets come first) is aborted as
     sglang raises an out-of-memory retract: its requests are issued again and counted."""
     import ppo.job
     from ppo.config.serialize import override
@@ -496,7 +496,7 @@ def test_tiny_ppo_on_fake_sglang_rolls_out_the_actors_policy_after_a_critic_only
 
     # role processes import the fake as `sglang` (spawned children inherit sys.path)
     monkeypatch.syspath_prepend(str(sglang_engine.write_package(tmp_path / "site")))
-    monkeypatch.setenv(sglang_engine.ABORTS_ENV, json.dumps({1: sglang_engine.OOM_RETRACT}))
+    monkeypatch.setenv(sglang_engine.ABORTS_ENV, json.dumps({2: sglang_engine.OOM_RETRACT}))
     # validation keeps sglang off fake GPUs and the job wants CUDA for it: the fake needs neither
     monkeypatch.setattr(ppo.job, "rollout_backend_problem", lambda cfg: None)
     cfg = override(tiny_ppo(), run_dir=str(tmp_path / "run"), num_rollout=3, num_critic_only_steps=1,
