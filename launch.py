@@ -35,6 +35,7 @@ def main(argv: list[str] | None = None) -> None:
         from ppo.state.checkpoint import SaveFailed
         from ppo.setup.job import JobSetupError  # imported late: they pull in torch and the roles
         from ppo.loop import TrainerDied, train
+        from ppo.generate.rollout import RequestsFailed
         from ppo.state.signals import RunStopped, resume_command
         from runtime import SupervisionFailed
     except KeyboardInterrupt:  # Ctrl-C before the run installed its handlers
@@ -51,7 +52,7 @@ def main(argv: list[str] | None = None) -> None:
     except JobSetupError as err:  # bad --prompt-data, --load, --run-dir or --save: nothing was started
         print(f"tandem: {err}", file=sys.stderr)
         sys.exit(2)
-    except (TrainerDied, SupervisionFailed, SaveFailed) as err:  # the message says what failed and what to do
+    except (TrainerDied, SupervisionFailed, SaveFailed, RequestsFailed) as err:  # says what failed and what to do
         print(f"tandem: {err}", file=sys.stderr)
         sys.exit(1)
     except OSError as err:  # the driver's own files (metrics, events, config.json): disk full, removed folder

@@ -26,13 +26,18 @@ def parse(argv: list[str]) -> PPOConfig:
     """The config of `argv` (launch.py's flags); --eval-interval and --run-dir get defaults here:
     one eval, its own run directory."""
     argv = list(argv)
+    parser = build_parser(prog="python -m ppo.evaluate")
+    if {"-h", "--help"} & set(argv):  # before the check below, which would refuse a bare --help
+        parser.description = "Evaluate --hf-checkpoint on the --eval-prompt-data sets (launch.py's flags)."
+        parser.print_help()
+        raise SystemExit(0)
     if not any(a.startswith("--eval-prompt-data") for a in argv):
         raise ConfigError([f"--eval-prompt-data (evaluation.eval_prompt_data) is required. {USAGE_FIX}"])
     if not any(a.startswith("--eval-interval") for a in argv):
         argv += ["--eval-interval", "1"]  # validation asks for one; a single eval has no interval
     if not any(a.startswith("--run-dir") for a in argv):
         argv += ["--run-dir", f"runs/eval-{time.strftime('%Y%m%d-%H%M%S')}"]
-    cfg, _ = parse_cli(build_parser(prog="python -m ppo.evaluate"), argv)
+    cfg, _ = parse_cli(parser, argv)
     if cfg.checkpoint.hf_checkpoint.startswith("generated:"):
         raise ConfigError([f"--hf-checkpoint {cfg.checkpoint.hf_checkpoint}: ppo.evaluate judges a checkpoint "
                            "directory. Please pass --hf-checkpoint DIR"])

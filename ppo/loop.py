@@ -323,6 +323,8 @@ def rollout_metrics(batch: dict, samples: list[dict]) -> dict[str, float]:
         "rollout/response_len": batch["response_lens"].float().mean().item(),
         "rollout/truncated": sum(s["finish_reason"] == "length" for s in samples) / len(samples),
         "rollout/reward_failures": sum(s["reward_status"] != "ok" for s in samples),
+        # aborts its engine answered by issuing the request again (roles/rollout/aborts.py)
+        "rollout/aborted_requests": sum(s["num_aborts"] for s in samples),
         # engine vs trainer log-probs of the same tokens: ~0 when the weight sync is right
         "rollout/log_probs_diff": ((batch["old_log_probs"] - batch["rollout_log_probs"]).abs() * mask).sum().item()
                                   / n_tok.item(),

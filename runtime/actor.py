@@ -79,6 +79,12 @@ class Actor:
             ctx.publish("state", role=ctx.name, incarnation=ctx.incarnation, gpus=list(ctx.gpus),
                         old=old, new=new, **fields)
 
+    def on_stop(self) -> None:
+        """Called once as the spawned role's process ends (SIGTERM from the supervisor's stop or
+        shutdown, or a failure), to release what would outlive it (an inference server's
+        processes). The runtime gives it ChildBoot.stop_timeout_s, then kills whatever the role
+        left in its session (runtime.child). Not an endpoint; in-process, nobody calls it."""
+
     def publish_span(self, phase: str, t0: float, **fields: Any) -> None:
         """Publish finished work as a `phase` span on this role's track (runtime.events):
         `t0` is its start by time.time(). In-process (no context) it does nothing."""

@@ -37,6 +37,7 @@ from runtime.actor import ActorContext, endpoints_of
 from runtime.errors import ActorDied
 from runtime.handle import Address, Caller, Directory
 from runtime.noise import route_library_noise
+from runtime.process import kill_session_but_self
 
 PR_SET_PDEATHSIG = 1
 ERROR_FILE_ENV = "TANDEM_ERROR_FILE"  # set in a child's environment: its error file, for bootstrap failures
@@ -63,6 +64,7 @@ class ChildBoot:
     error_file: str
     peers: tuple[tuple[str, int, str], ...]  # (name, incarnation, endpoint) known at spawn
     group: str | None = None  # the child spec's group (a rank group's role name)
+    stop_timeout_s: float = 2.0  # the role's on_stop; then its session is killed (under the supervisor's grace)
 
     def __reduce__(self):
         # The class goes as pickled bytes: unpickling it imports the user's module, and an
@@ -178,6 +180,8 @@ def child_main(boot: ChildBoot) -> None:
     except BaseException as e:
         _write_failure(err, boot, child.phase if child else "connecting", e)
         code = 1
+    if child is not None and child.obj is not None:
+        _stop_role(child.obj, boot.stop_timeout_s, err)
     faulthandler.disable()
     empty = err.tell() == 0
     err.close()
@@ -197,6 +201,29 @@ def _write_failure(err, boot: ChildBoot, phase: str, exc: BaseException) -> None
     err.flush()
 
 
+def _stop_role(obj, timeout_s: float, err) -> None:
+    """The role's on_stop (runtime.actor), given `timeout_s`; then what the role started and
+    left in its session is killed, so nothing of it outlives the role (os._exit skips the
+    atexit hooks that would have stopped it)."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second SIGTERM must not cut the hook short
+    done = threading.Event()
+
+    def run() -> None:
+        try:
+            obj.on_stop()
+        except BaseException:
+            err.write(f"{type(obj).__name__}.on_stop failed:\n{traceback.format_exc()}")
+        finally:
+            done.set()
+
+    threading.Thread(target=run, name="tandem-on-stop", daemon=True).start()
+    if not done.wait(timeout_s):
+        err.write(f"{type(obj).__name__}.on_stop did not return within {timeout_s} s; killing what the role "
+                  "started\n")
+    err.flush()
+    kill_session_but_self()
+
+
 def _exit_on_sigterm(signum, frame):
     raise SystemExit(0)
 
@@ -209,6 +236,7 @@ class _Child:
     def __init__(self, boot: ChildBoot):
         self.boot = boot
         self.phase = "connecting"  # what the error file says the role was doing when it failed
+        self.obj = None  # the role, once its __init__ runs
         self.ctx = zmq.Context()
         self.cfg = wire.WireConfig(token=boot.token, max_message_bytes=boot.max_message_bytes,
                                    shm_prefix=boot.shm_prefix, spin_us=boot.spin_us)
@@ -248,6 +276,7 @@ class _Child:
         hdr = wire.decode_header(self.cfg, boot.init_frames)
         args, kwargs = wire.decode_body(self.cfg, hdr, boot.init_frames, context=self.caller)
         self.phase = f"running {cls.__name__}.__init__"
+        self.obj = obj  # from here on, on_stop runs as the process ends (what __init__ started may need it)
         obj.__init__(*args, **kwargs)
         if obj.state == "starting":  # a role may have moved to its own first state already
             obj.set_state("ready", pid=os.getpid())

@@ -208,6 +208,15 @@ class LeaseTable:
             for gpu in gpus:
                 self._end(gpu, holder, bytes_left_by_gpu[gpu])
 
+    def drop_dead_memory(self, gpus: list[int], holder: str) -> None:
+        """`holder`'s processes died and are gone: on a fake GPU its ledger entries go too, as a
+        real GPU frees a dead process's memory. Its leases stay as they are (the loop's
+        handoffs and a deferred restart count on them); `forget` ends those as well."""
+        with self._lock:
+            for gpu in gpus:
+                if gpu in self._fake_devices:
+                    self._fake_devices[gpu].forget(holder)
+
     def forget(self, gpus: list[int], holder: str) -> None:
         """`holder`'s processes on `gpus` are gone, and their memory with them: end its leases
         there and drop its residuals (on a fake GPU, its ledger entries too), so that the next

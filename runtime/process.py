@@ -86,6 +86,53 @@ def kill_tree(pid: int) -> None:
         pass
 
 
+def kill_session_but_self() -> None:
+    """SIGKILL every other process of this process's session: what a role started and left
+    (a role is a session leader, runtime.child)."""
+    me = os.getpid()
+    for pid in _session_members(os.getsid(0)):
+        if pid != me:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
+def end_session(session: int, timeout_s: float = 10.0) -> None:
+    """SIGKILL what is left of session `session` (a dead role's: what it started, e.g. an
+    inference server's scheduler, which may still hold GPU memory) and wait, at most
+    `timeout_s`, until none of it runs (zombies hold no memory)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        left = _session_members(session)
+        for pid in left:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        if not left or time.monotonic() >= deadline:
+            return
+        time.sleep(0.01)
+
+
+def _session_members(session: int) -> list[int]:
+    """Live (not zombie) processes of `session`."""
+    members = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            if os.getsid(int(entry)) != session:
+                continue
+            with open(f"/proc/{entry}/stat") as f:
+                state = f.read().rsplit(")", 1)[1].split()[0]
+        except (OSError, IndexError):
+            continue
+        if state not in ("Z", "X"):
+            members.append(int(entry))
+    return members
+
+
 def read_text(path: str, limit: int = 20000) -> str | None:
     try:
         text = Path(path).read_text(errors="replace")

@@ -46,7 +46,7 @@ from runtime.errors import ActorDied, SupervisionFailed
 from runtime.events import watch_socket
 from runtime.handle import ActorGroup, ActorHandle, Address, Caller, Directory
 from runtime.node import Node
-from runtime.process import RESTART_POLICIES, Child, ChildSpec, kill_tree, read_text, start_with_env
+from runtime.process import RESTART_POLICIES, Child, ChildSpec, end_session, kill_tree, read_text, start_with_env
 from runtime.rendezvous import host_store
 from runtime.watcher import Watcher
 
@@ -356,7 +356,7 @@ class Supervisor:
             token=self.cfg.token, max_message_bytes=self.cfg.max_message_bytes, spin_us=self.cfg.spin_us,
             shm_prefix=self.cfg.shm_prefix, heartbeat_interval=self.heartbeat_interval,
             parent_pid=os.getpid(), error_file=self._error_file(child), peers=peers,
-            group=spec.group)
+            group=spec.group, stop_timeout_s=self.shutdown_grace_s / 2)  # the rest of the grace: its SIGKILL
         env = {"CUDA_VISIBLE_DEVICES": ",".join(map(str, spec.gpus)), "CUDA_DEVICE_ORDER": "PCI_BUS_ID",
                **({"TANDEM_FAKE_GPU_DIR": self.fake_gpu_dir} if self.fake_gpu_dir else {}),
                ERROR_FILE_ENV: self._error_file(child), **spec.env}
@@ -408,6 +408,10 @@ class Supervisor:
                                "error_file": err_file if err_text else None})
         self.bus.publish("died", role=spec.name, incarnation=incarnation, pid=child.process.pid,
                          gpus=list(spec.gpus), reason=reason, error_file=err_file if err_text else None)
+        # What the dead incarnation started (an sglang scheduler holding GPU memory) goes before
+        # anything is restarted on its GPUs: a new incarnation never races the old one's release.
+        end_session(child.process.pid)
+        self.leases.drop_dead_memory(list(spec.gpus), spec.name)
         if self._stopping:
             return
         if spec.restart == "temporary":

@@ -247,13 +247,13 @@ def test_load_dir_without_any_checkpoint_starts_fresh(tmp_path, hf):
     assert locate(tmp_path, hf, load="empty") is None
 
 
-def test_load_dir_without_any_checkpoint_drops_the_earlier_runs_metrics(tmp_path):
-    """The run starts over in the same --run-dir: every step will be logged again."""
-    (tmp_path / "metrics.jsonl").write_text('{"step": 0, "eval/x": 0}\n{"step": 0, "r": 1}\n{"step": 1, "eval/x": 1}\n')
+def test_load_dir_without_any_checkpoint_starts_at_step_0_and_deletes_nothing(tmp_path):
+    """ppo.state.rundir lets such a run only into a run dir without an earlier run; resume removes nothing."""
+    (tmp_path / "metrics.jsonl").write_text('{"step": 0, "r": 1}\n')
     cfg = SimpleNamespace(checkpoint=SimpleNamespace(load="empty"))
     job = SimpleNamespace(cfg=cfg, resume_from=None, run_dir=tmp_path, hf_checkpoint="hf")
     assert ck.resume(job, data=None) == ck.ResumePoint(step=0, version=0)
-    assert not (tmp_path / "metrics.jsonl").exists()
+    assert (tmp_path / "metrics.jsonl").read_text() == '{"step": 0, "r": 1}\n'
 
 
 @pytest.mark.parametrize("damage, message", [

@@ -34,7 +34,7 @@ ENV = {**os.environ, "COLUMNS": "100", "LINES": "50", "NO_COLOR": "1", "PYTHON_C
 
 def normalise(text: str) -> str:
     """What depends on the machine or the clock, replaced by a fixed token."""
-    text = re.sub(r"-\d{8}-\d{6}", "-<date>-<time>", text)  # the default run_dir (ppo/cli.py)
+    text = re.sub(r"-\d{8}-\d{6}", "-<date>-<time>", text)  # the default run_dir (ppo/config/cli.py)
     text = text.replace(str(REPO), "<repo>")
     return text.replace("optional arguments:", "options:")  # argparse's heading before Python 3.10
 

@@ -149,3 +149,21 @@ def test_an_eval_prints_one_line_per_set_and_a_json_record():
     out = io.StringIO()
     RunConsole("json", out=out).eval(4, metrics)
     assert json.loads(out.getvalue()) == {"type": "eval", "step": 4, "metrics": metrics}
+
+
+def test_summary_says_what_it_averages_and_never_compares_a_rollout_with_itself():
+    from ppo.observe.console import rollouts, summary_rows, summary_windows
+
+    history = [{"step": s, "rollout/raw_reward": float(s)} for s in range(3, 15)]  # a run resumed at step 3
+    first, last = summary_windows(history)
+    assert (rollouts(first), rollouts(last)) == ("rollouts 3-7", "rollouts 10-14")
+    assert summary_rows(history) == [("rollout/raw_reward", 5.0, 12.0)]
+    short = history[:4]  # shorter than 2 x 5: halves, none in both
+    assert [rollouts(w) for w in summary_windows(short)] == ["rollouts 3-4", "rollouts 5-6"]
+    assert [rollouts(w) for w in summary_windows(history[:3])] == ["rollout 3", "rollout 5"]  # the middle left out
+    assert summary_windows(history[:1]) == ([], []) and summary_rows(history[:1]) == []
+
+
+def test_plain_summary_lines_name_the_rollouts_they_average(tmp_path):
+    text, _ = drive("plain", tmp_path)
+    assert "[summary] rollout/raw_reward first=0.25 last=0.25 (means of rollout 0 and of rollout 1)" in text.splitlines()

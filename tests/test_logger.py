@@ -149,7 +149,7 @@ def test_tensorboard_shows_each_step_once_after_a_rewind_and_a_resume(tmp_path):
     assert scalars(tmp_path, PASS) == [(1, 0.0), (2, 0.1), (3, 1.2), (4, 2.3)]
     assert [r["step"] for r in read_metrics(tmp_path)] == [1, 0, 2, 1, 3, 2, 4, 3]  # each rollout's eval line before its own
 
-    (tmp_path / "metrics.jsonl").unlink()  # --load of a folder with no checkpoint: the run starts over (ppo.state.checkpoint.resume)
+    (tmp_path / "metrics.jsonl").unlink()  # a resumed run at step 0 (ppo.state.rundir lets it only into a run dir without metrics)
     log = logger(tmp_path, use_tensorboard=True, start_step=0, resumed=True)
     run_steps(log, (0,), reward=lambda s: 30.0 + s)
     log.close()

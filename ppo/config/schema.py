@@ -280,6 +280,9 @@ class EngineConfig:
         "kernels, pytorch sampler: slower); otherwise samples do not reproduce per request. "
         "The torch backend: its batch_invariant option (bf16 tokens independent of the batch; "
         "0.27-0.74x the tokens/s on the H200)")
+    rollout_max_request_retries: int = knob(
+        3, "how often a request its engine aborts (sglang's aborts, out of memory) is issued again, "
+        "with its seed, before the run stops naming it", ge=0)
     update_weight_buffer_size: int = knob(512 * 1024**2, "bytes per weight-sync bucket; the "
                                            "sender holds two such buffers per dtype (double buffering)", ge=1)
     check_weight_update_equal: bool = knob(False, "verify engine weights after each sync (slow)")

@@ -14,7 +14,12 @@ import hashlib
 from dataclasses import dataclass
 from typing import Callable
 
-from runtime import ActorDied, ActorHandle, wait_any
+from runtime import ActorDied, ActorHandle, RemoteError, wait_any
+
+
+class RequestsFailed(RuntimeError):
+    """An engine gave up on a request it aborted again and again (roles/rollout/aborts.py):
+    the run stops; the message is the engine's one line."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -97,6 +102,10 @@ def generate_and_score(engines: list[ActorHandle], scorers: list[ActorHandle], p
                 replace(engines[i], e)
                 gen[i] = call(engines[i], "generate", chunks[i])
                 continue
+            except RemoteError as e:
+                if e.exc_type == "RequestsGaveUp":
+                    raise RequestsFailed(e.remote_message) from None
+                raise
             scored = []
             for r in results:
                 s = _sample(r, r["id"] // n, prompts[r["id"] // n], decode, eos_id)
@@ -135,4 +144,5 @@ def _sample(r: dict, group: int, prompt: dict, decode, eos_id: int) -> dict:
             "messages": prompt.get("messages"),  # the chat before its template, for a reward model
             "metadata": prompt.get("metadata") or {}, "response_ids": ids,
             "rollout_log_probs": r["logprobs"], "finish_reason": r["finish_reason"],
-            "weight_version": r["weight_version"], "response": decode(text_ids)}
+            "weight_version": r["weight_version"], "response": decode(text_ids),
+            "num_aborts": r["num_aborts"]}

@@ -162,14 +162,19 @@ class RunConsole:
             self._progress = None
         if not history:
             return
+        first, last = summary_windows(history)
         if self.mode == "rich":
             self._rich.print(summary_table(history))
         elif self.mode == "plain":
-            for key, first, last in summary_rows(history):
-                self._print(f"[summary] {key} first={first:.4g} last={last:.4g}")
+            if not first:
+                self._print(f"[summary] {len(history)} rollout: no first and last rollouts to compare")
+            for key, a, b in summary_rows(history):
+                self._print(f"[summary] {key} first={a:.4g} last={b:.4g} "
+                            f"(means of {rollouts(first)} and of {rollouts(last)})")
         elif self.mode == "json":
             self._json({"type": "done", "rollouts": len(history), "elapsed_s": round(self._elapsed(), 3),
-                        "summary": {k: {"first": a, "last": b} for k, a, b in summary_rows(history)}})
+                        "summary": {k: {"first": a, "last": b} for k, a, b in summary_rows(history)},
+                        "first_steps": [r["step"] for r in first], "last_steps": [r["step"] for r in last]})
 
     # -- helpers -------------------------------------------------------------------------
     def _elapsed(self) -> float:
@@ -221,9 +226,24 @@ def eval_lines(step: int, metrics: dict[str, float]) -> list[str]:
     return lines
 
 
+def summary_windows(history: list[dict], window: int = 5) -> tuple[list[dict], list[dict]]:
+    """The first and the last `window` rollouts of `history`, never the same ones: a run
+    shorter than 2 x window is split in halves (an odd count leaves its middle rollout out),
+    and a single rollout has no pair to compare ([], [])."""
+    w = min(window, len(history) // 2)
+    return (history[:w], history[-w:]) if w else ([], [])
+
+
+def rollouts(records: list[dict]) -> str:
+    """'rollouts 0-4' (their steps; a resumed run's first step is not 0), or 'rollout 3'."""
+    steps = [r["step"] for r in records]
+    return f"rollout {steps[0]}" if len(steps) == 1 else f"rollouts {steps[0]}-{steps[-1]}"
+
+
 def summary_rows(history: list[dict], window: int = 5) -> list[tuple[str, float, float]]:
-    """(metric, mean of the first `window` rollouts, mean of the last) for the headline metrics."""
-    first, last = history[:window], history[-window:]
+    """(metric, mean over the first rollouts, mean over the last) for the headline metrics,
+    over summary_windows(history, window)."""
+    first, last = summary_windows(history, window)
     rows = []
     for k in SUMMARY_KEYS:
         a = [r[k] for r in first if k in r]
@@ -234,9 +254,10 @@ def summary_rows(history: list[dict], window: int = 5) -> list[tuple[str, float,
 
 
 def summary_table(history: list[dict], window: int = 5) -> Table:
-    """First and last `window` rollouts side by side for the headline metrics."""
-    table = Table(title=f"PPO summary: {len(history)} rollouts "
-                        f"(mean of first / last {min(window, len(history))})")
+    """First and last rollouts (summary_windows) side by side for the headline metrics."""
+    first, last = summary_windows(history, window)
+    span = f"first: mean of {rollouts(first)}; last: mean of {rollouts(last)}" if first else "too few to compare"
+    table = Table(title=f"PPO summary: {len(history)} rollouts ({span})")
     for col in ("metric", "first", "last"):
         table.add_column(col, justify="right" if col != "metric" else "left")
     for k, a, b in summary_rows(history, window):

@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 
 import json
+import logging
 import os
 import tempfile
 import time
@@ -32,7 +33,7 @@ from ppo.prompts.dataset import PromptDataset
 from ppo.generate.evaluation import EvalSet, load_eval_sets
 from ppo.setup.generated import resolve_eval_paths, resolve_paths
 from ppo.gpu.placement import Placement, plan_placement
-from ppo.state.rundir import RunDirError, RunDirLock, claim
+from ppo.state.rundir import RunDirError, RunDirLock, claim, load_problem
 from ppo.gpu.side_by_side import memory_budgets
 from ppo.setup.user_functions import UserFunctions, load_user_functions
 from roles.reward.role import RewardScorer
@@ -42,6 +43,7 @@ from roles.trainer import BackendUnavailable, TrainerGroup, trainer_classes
 from runtime import ActorHandle, Supervisor
 from runtime.events import read_events
 
+logger = logging.getLogger(__name__)
 FAKE_GPU_BYTES = 80 << 30
 # Quiet, single-threaded library defaults for every role process: roles share the host's
 # cores, and per-process thread pools sized for the whole machine fight each other.
@@ -209,7 +211,7 @@ def engine_settings(cfg: PPOConfig) -> dict:
         # and the CPU keep its default KV budget (max_batch_size full-context rows)
         import torch
 
-        settings = {"max_batch_size": C.samples_per_rollout(cfg)}
+        settings = {"max_batch_size": C.samples_per_rollout(cfg), "max_request_retries": e.rollout_max_request_retries}
         if torch.cuda.is_available() and not cfg.placement.fake_gpus and e.sglang_mem_fraction_static:
             settings["mem_fraction"] = e.sglang_mem_fraction_static
         if e.sglang_enable_deterministic_inference:  # the built-in engine's batch-invariant decode
@@ -223,7 +225,8 @@ def engine_settings(cfg: PPOConfig) -> dict:
     if e.sglang_enable_deterministic_inference:  # the only mode in which per-request seeds hold
         options["enable_deterministic_inference"] = True
     return {"max_batch_size": e.sglang_max_running_requests or C.samples_per_rollout(cfg),
-            "mem_fraction": e.sglang_mem_fraction_static, "options": options}
+            "mem_fraction": e.sglang_mem_fraction_static, "options": options,
+            "max_request_retries": e.rollout_max_request_retries}
 
 
 def trainer_layout_problem(cfg: PPOConfig) -> str | None:
@@ -348,6 +351,8 @@ def start_job(cfg: PPOConfig, console: RunConsole | None = None,
     each start-up stage and its time; `role_env`: {"engine"|"trainer": environment} added to
     those roles' (their MPS share side by side: ppo.gpu.side_by_side)."""
     console = console or RunConsole.for_config(cfg)
+    if problem := load_problem(cfg):  # first: the checks below make the --save folder
+        raise JobSetupError(problem)
     problems = setup_problems(cfg)
     if problems:  # checked before anything is written or started
         raise JobSetupError(problems[0] if len(problems) == 1 else
@@ -392,6 +397,9 @@ def _start(cfg: PPOConfig, console: RunConsole, lock: RunDirLock, actor_cls, cri
                                  hf_checkpoint=hf_checkpoint)
     except (ValueError, FileNotFoundError) as e:  # BadSample and CheckpointError are ValueErrors
         raise JobSetupError(str(e)) from e
+    if cfg.checkpoint.load is not None and resume_from is None:  # as miles and Megatron do
+        logger.warning("--load %s holds no checkpoint yet: starting from --hf-checkpoint %s",
+                       cfg.checkpoint.load, cfg.checkpoint.hf_checkpoint)
     plan = plan_placement(cfg)
     dtype = compute_dtype(cfg)
     num_gpus = plan.num_gpus_per_node * plan.num_nodes

@@ -300,6 +300,25 @@ def model_signature(hf_checkpoint: str) -> dict:
     return {k: hf_config[k] for k in MODEL_KEYS if k in hf_config}
 
 
+def newest_state(load_dir: str) -> dict | None:
+    """The driver_state.json of the newest checkpoint under `load_dir` that has a readable one
+    (the one `latest` names first), unverified; None when there is none. For the checks made
+    before anything is written (ppo.state.rundir); `locate` verifies the checkpoint later."""
+    load = Path(load_dir)
+    tracker = load / TRACKER
+    named = tracker.read_bytes().decode("utf-8", "replace").strip() if tracker.is_file() else ""
+    found = sorted((p.name for p in load.glob("rollout_*") if _ROLLOUT_DIR.fullmatch(p.name)),
+                   key=lambda n: -int(n.split("_")[1])) if load.is_dir() else []
+    for name in ([named] if named in found else []) + found:
+        try:
+            state = json.loads((load / name / DRIVER_STATE_FILE).read_bytes())
+        except (OSError, ValueError):
+            continue
+        if isinstance(state, dict):
+            return state
+    return None
+
+
 def locate(load_dir: str, *, critic_load: str | None, uses_critic: bool, hf_checkpoint: str) -> Checkpoint | None:
     """The checkpoint that LOAD/latest names, checked to be complete, intact (every file
     against its manifest) and of this model; when it is damaged (or the tracker is), the
@@ -399,15 +418,12 @@ def resume(job: RunJob, data: PromptDataset) -> ResumePoint:
     """Bring a fresh job to the state of the --load checkpoint: trainers, data position,
     driver RNG, and the engines (a weight sync, so they sample from the saved policy).
 
-    A --load folder with no checkpoint starts the run from the beginning, with a warning (and
-    drops what an earlier run in the same --run-dir logged).
+    A --load folder with no checkpoint yet starts the run from the beginning (said in one line
+    by start_job); ppo.state.rundir let it only into a run dir that holds no earlier run.
     """
     cfg = job.cfg
     ckpt = job.resume_from  # found and verified by start_job, before any role started
     if ckpt is None:
-        logger.warning("--load %s holds no checkpoint: starting from --hf-checkpoint %s",
-                       cfg.checkpoint.load, job.hf_checkpoint)
-        (job.run_dir / "metrics.jsonl").unlink(missing_ok=True)  # every step runs again, the eval before rollout 0 too
         return ResumePoint(step=0, version=0)
     if ckpt.step + 1 >= cfg.rollout.num_rollout:
         raise CheckpointError(f"--load {cfg.checkpoint.load}: the checkpoint is after rollout {ckpt.step}, and "

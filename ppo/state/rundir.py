@@ -3,8 +3,12 @@
 A run takes an exclusive flock on RUN_DIR/.lock before it writes anything there and holds it
 until it ends (the kernel drops it when the process dies, however it dies). A second run on
 the same folder is refused while the lock is held, before it has touched a file. A folder
-that an earlier run (finished, failed or killed) has logged to is refused too unless the run
-resumes with --load: appending a new run's step 0 to the old run's metrics would mix two runs.
+that an earlier run (finished, failed or killed) has logged to is used only by a --load
+resume of that same run: its newest checkpoint must have been written with this --run-dir
+(driver_state.json keeps the run's config). A plain rerun, a --load of a folder with no
+checkpoint or of another run's, would start over on the earlier run's metrics and samples.
+A --load that does not exist, or whose newest checkpoint leaves no rollout to run, is refused
+before the run dir is even made (`load_problem`).
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ import fcntl
 import os
 from pathlib import Path
 
+from ppo.state.checkpoint import newest_state
 from ppo.config import PPOConfig
 
 LOCK_FILE = ".lock"
@@ -58,14 +63,57 @@ def claim(cfg: PPOConfig) -> RunDirLock:
         raise RunDirError(f"--run-dir {run_dir} is in use by a live run{f' (pid {holder})' if holder else ''}; "
                           "wait for it to end, or pass another --run-dir") from None
     old = [name for name in RUN_FILES if (run_dir / name).exists()]
-    if old and cfg.checkpoint.load is None:
+    problem = _earlier_run_problem(cfg, run_dir, old) if old else None
+    if problem:
         os.close(fd)
-        save = f" --load {cfg.checkpoint.save}" if cfg.checkpoint.save else " --load SAVE_DIR"
-        raise RunDirError(f"--run-dir {run_dir} holds an earlier run ({', '.join(old)}); resume it with{save}, "
-                          "or pass a new --run-dir to start another run")
+        raise RunDirError(problem)
     os.ftruncate(fd, 0)
     os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)  # for the refusal of a second run
     return RunDirLock(run_dir, fd)
+
+
+def load_problem(cfg: PPOConfig) -> str | None:
+    """Why --load cannot be resumed from, seen before anything is written, or None: a path
+    that does not exist (a typo would otherwise start a new run) or is not a folder, or a
+    newest checkpoint after which --num-rollout leaves nothing to run (a finished run).
+    --load and --save on one folder that does not exist yet is miles' first run of a job
+    (its recipes pass both): --save makes it, and the run starts from --hf-checkpoint."""
+    load, save = cfg.checkpoint.load, cfg.checkpoint.save
+    if load is None:
+        return None
+    if not os.path.exists(load) and save is not None and os.path.abspath(save) == os.path.abspath(load):
+        return None
+    if not os.path.exists(load):
+        return (f"--load {load}: no such folder; pass the --save folder of the run to resume, or leave "
+                "--load out to start a new run (or give --save the same folder, as miles' recipes do)")
+    if not os.path.isdir(load):
+        return f"--load {load}: not a folder; pass the --save folder of the run to resume"
+    state = newest_state(load)
+    step = state.get("rollout_step") if state else None
+    if isinstance(step, int) and step + 1 >= cfg.rollout.num_rollout:
+        return (f"--load {load}: its newest checkpoint is after rollout {step}, and --num-rollout "
+                f"{cfg.rollout.num_rollout} leaves nothing to run; raise --num-rollout to train on")
+    return None
+
+
+def _earlier_run_problem(cfg: PPOConfig, run_dir: Path, old: list[str]) -> str | None:
+    """Why this run may not use a run dir holding an earlier run (its files `old`), or None
+    when it resumes that run from one of its checkpoints."""
+    held = f"--run-dir {run_dir} holds an earlier run ({', '.join(old)})"
+    load = cfg.checkpoint.load
+    if load is None:
+        save = f" --load {cfg.checkpoint.save}" if cfg.checkpoint.save else " --load SAVE_DIR"
+        return f"{held}; resume it with{save}, or pass a new --run-dir to start another run"
+    state = newest_state(load)
+    if state is None:
+        return (f"{held}, and --load {load} holds no checkpoint to resume it from (starting over would mix "
+                "two runs there); pass that run's --save folder, or a new --run-dir to start another run")
+    wrote = (state.get("config") or {}).get("logging", {}).get("run_dir")
+    if wrote is not None and Path(wrote).resolve() != run_dir.resolve():
+        return (f"{held}, and the newest checkpoint under --load {load} is another run's (written with "
+                f"--run-dir {wrote}); resume this run from its own --save folder, or pass a new --run-dir "
+                "to start from that checkpoint")
+    return None
 
 
 def _read_pid(fd: int) -> int | None:

@@ -31,6 +31,7 @@ from roles.compute_check import check_in_run
 from roles.device import DeviceMemory
 from roles.model_spec import ModelSpec
 from roles.weight_sync import bucket_device, bucket_nbytes, received
+from roles.rollout.aborts import generate_retrying
 from roles.rollout.sampling import parse_requests, request_seed
 from runtime import Actor, endpoint
 
@@ -66,6 +67,8 @@ class RolloutEngine(Actor):
       kv_cache_bytes: torch only: KV-cache budget; default: max_batch_size full-context rows.
       mem_fraction: fraction of one GPU for weights + KV cache (sglang's mem_fraction_static;
         torch: the KV budget is that fraction of the device minus the weights).
+      max_request_retries: how often a request the backend aborts (sglang's aborts; the
+        built-in engine out of memory) is issued again before `generate` gives up (aborts.py).
       options: extra backend options: torch {"cuda_graphs", "compile", "triton", "sync_every", "load_format"}
         (torch_engine/backend.py); sglang: any other `sglang.Engine` keyword (tp_size,
         attention_backend, ...).
@@ -92,6 +95,7 @@ class RolloutEngine(Actor):
         max_batch_size: int = 64,
         kv_cache_bytes: int | None = None,
         mem_fraction: float | None = None,
+        max_request_retries: int = 3,
         options: dict | None = None,
     ):
         if backend not in ("torch", "sglang"):
@@ -106,6 +110,10 @@ class RolloutEngine(Actor):
             raise ValueError(f"kv_cache_bytes={kv_cache_bytes!r} must be a positive int or None")
         if mem_fraction is not None and not 0 < mem_fraction <= 1:
             raise ValueError(f"mem_fraction={mem_fraction!r} must be in (0, 1] or None")
+        if not isinstance(max_request_retries, int) or isinstance(max_request_retries, bool) \
+                or max_request_retries < 0:
+            raise ValueError(f"max_request_retries={max_request_retries!r} must be an int >= 0")
+        self.max_request_retries = max_request_retries
         self.engine_index = engine_index
         self.seed = seed
         spec = ModelSpec.from_checkpoint(hf_checkpoint)
@@ -136,7 +144,10 @@ class RolloutEngine(Actor):
         "top_k", "max_new_tokens", "stop_token_ids", "ignore_eos", "seed"}} (see
         sampling.py for defaults and meaning). n samples of a prompt are n requests.
         result: {"id", "token_ids", "logprobs" (of each sampled token, temperature
-        applied), "finish_reason": "stop" | "length", "weight_version"}.
+        applied), "finish_reason": "stop" | "length", "weight_version", "num_aborts" (how
+        often the backend aborted the request and it was issued again, with its seed)}.
+        No requests: no results (the backend is not called). A request aborted more than
+        `max_request_retries` times raises RequestsGaveUp naming it.
 
         A request without a seed is seeded from (engine seed, engine_index, call number,
         request id): a run is reproducible, and a request's sample never depends on the
@@ -148,17 +159,28 @@ class RolloutEngine(Actor):
                 f"released (state {self.state}); call resume({sorted(self._released)}) first"
             )
         parsed = parse_requests(requests, vocab_size=self._vocab_size, max_positions=self._max_positions)
+        if not parsed:
+            return []
         seeds = [request_seed(self.seed, self.engine_index, self._num_generate_calls, r) for r in parsed]
         self._num_generate_calls += 1
         self.set_state("generating", num_requests=len(parsed))
         try:
             check_in_run(f"rollout engine {self.engine_index}")  # side by side under MPS: still computing right
-            results = self._backend.generate(parsed, seeds)
+            results = generate_retrying(self._backend.generate, parsed, seeds, where=f"rollout engine {self.engine_index}",
+                                        max_retries=self.max_request_retries)
         finally:
             self.set_state("ready")
         for result in results:
             result["weight_version"] = self._weight_version
         return results
+
+    def on_stop(self) -> None:
+        """The role is stopped (runtime.actor): the backend's shutdown (sglang's Engine.shutdown(),
+        the built-in engine's memory freed and reported). The runtime bounds it and then kills
+        what is left."""
+        backend = getattr(self, "_backend", None)  # None: __init__ failed before building it
+        if backend is not None:
+            backend.shutdown()
 
     # -- memory -----------------------------------------------------------------------
     @endpoint

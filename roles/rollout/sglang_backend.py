@@ -49,10 +49,24 @@ included, with the file and line each behaviour copies.
   SafeUnpickler blocks) or a tensor name the model lacks (models/qwen3.py:744) kills the
   scheduler and this process, so names, shapes and dtypes are checked against the checkpoint
   before anything is sent.
+- aborts: a request sglang aborts (its scheduler's FINISH_ABORT, schedule_batch.py:332-345,
+  e.g. out of memory even after retracting the rest of a decode batch, :3514-3519) reaches a
+  non-streaming `generate` through TokenizerManager._handle_abort_finish_reason
+  (tokenizer_manager.py:1891-1921; 0.5.21: 1790-1829): status 400 raises ValueError; 500 and
+  503 (0.5.21) or any 401-599 (0.5.23) raise fastapi.HTTPException; any other comes back as an
+  output whose finish_reason is "abort". A raise ends the whole batched call, its other results
+  lost (_collect_batch_responses gathers the requests, :2197-2208), and names no request. So a
+  raise aborts every request of the call, a returned abort only its own; either way
+  RequestsAborted carries the finished results, and RolloutEngine issues the aborted requests
+  again with their seeds (roles/rollout/aborts.py). sglang's own request validation raises
+  ValueError too; the requests reaching it are validated first (sampling.py), and a request
+  that keeps failing stops the call after the bounded tries, naming it.
+- no requests: not sent (sglang raises ValueError("input_ids cannot be empty."), io_struct.py:499).
 - pause/continue generation: not needed. Updates reach this actor only between `generate`
   calls (one message at a time), so sglang is idle when its weights change.
-- shutdown: sglang's Engine children (scheduler, detokenizer) die with the role: they stay
-  in the role's session, which the supervisor kills as one (runtime/process.py kill_tree).
+- shutdown: RolloutEngine.on_stop calls `Engine.shutdown()` when the role is stopped (SIGTERM),
+  within a timeout; what is left (its scheduler, detokenizer) is in the role's session, which
+  the role and then the supervisor kill (runtime/process.py).
 
 sglang is imported lazily: only this backend needs it, and only on a GPU machine.
 """
@@ -68,6 +82,7 @@ import torch
 
 from roles.device import DeviceMemory
 from roles.model_spec import ModelSpec
+from roles.rollout.aborts import RequestsAborted
 from roles.rollout.sampling import GenerateRequest
 from roles.weight_sync import dtype_name, unpack_bucket
 from roles.weight_views import LazyReshape, copy_into
@@ -113,6 +128,7 @@ def import_sglang() -> SimpleNamespace:
     """The sglang names the adapter uses, or an ImportError saying what to do."""
     try:
         import sglang
+        from fastapi import HTTPException  # a dependency of sglang: how its aborts reach us
         from sglang.srt.utils import MultiprocessingSerializer
         from sglang.srt.utils.patch_torch import monkey_patch_torch_reductions
         from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorMetadata
@@ -124,6 +140,7 @@ def import_sglang() -> SimpleNamespace:
         ) from e
     return SimpleNamespace(
         Engine=sglang.Engine,
+        HTTPException=HTTPException,
         MultiprocessingSerializer=MultiprocessingSerializer,
         FlattenedTensorMetadata=FlattenedTensorMetadata,
         monkey_patch_torch_reductions=monkey_patch_torch_reductions,
@@ -337,8 +354,9 @@ class SglangBackend:
     def _begin_update(self) -> None:
         # As miles: drop the prefix cache of the old weights, then open the session.
         flushed = self.engine.flush_cache()
-        if not flushed.success:
-            raise RuntimeError(f"sglang could not flush its cache before a weight update: {flushed.message}")
+        if not flushed.success:  # its scheduler refuses while requests are queued or running (no message)
+            raise RuntimeError("sglang could not flush its cache before a weight update: "
+                               f"{flushed.message or 'requests are still queued or running'}; nothing was loaded")
         success, message = self.engine.begin_weight_update()
         if not success:
             raise RuntimeError(f"sglang refused begin_weight_update(): {message}")
@@ -351,6 +369,12 @@ class SglangBackend:
         if not success:
             raise RuntimeError(f"sglang refused end_weight_update(): {message}")
         self._updating = False
+
+    def shutdown(self) -> None:
+        """sglang's Engine.shutdown(): kills its scheduler and detokenizer and waits until the
+        scheduler has released its GPU context (engine.py:1450-1497), which the role's exit by
+        os._exit would skip (it is an atexit hook there, engine.py:326)."""
+        self.engine.shutdown()
 
     def weights_checksum(self) -> dict[str, str]:
         raise RuntimeError("weights_checksum needs backend 'torch': sglang offers no exact read-back "
@@ -365,13 +389,30 @@ class SglangBackend:
                                f"{missing[:2]}) were not loaded since; push the weights (update_weights per "
                                "bucket, then set_weight_version) before generating, or start the engine with "
                                "options={'enable_weights_cpu_backup': True}")
-        outputs = self.engine.generate(
-            input_ids=[r.prompt_ids for r in requests],
-            sampling_params=[_sampling_params(r, seed if self.deterministic else None)
-                             for r, seed in zip(requests, seeds)],
-            return_logprob=True,
-        )
-        return [_result(r, out) for r, out in zip(requests, outputs)]
+        if not requests:  # sglang would raise ValueError("input_ids cannot be empty."): io_struct.py:499
+            return []
+        try:
+            outputs = self.engine.generate(
+                input_ids=[r.prompt_ids for r in requests],
+                sampling_params=[_sampling_params(r, seed if self.deterministic else None)
+                                 for r, seed in zip(requests, seeds)],
+                return_logprob=True,
+            )
+        except (ValueError, self.sgl.HTTPException) as e:
+            # An abort that sglang raises (module docstring, "aborts") names no request and
+            # loses the batch's other results: every request of the call is issued again.
+            raise RequestsAborted([r.id for r in requests], f"sglang {type(e).__name__}: {e}") from None
+        results, aborted, reason = [], [], ""
+        for r, out in zip(requests, outputs):
+            finish = out["meta_info"].get("finish_reason")
+            if isinstance(finish, dict) and finish.get("type") == "abort":  # an abort sglang returns
+                aborted.append(r.id)
+                reason = f"sglang aborted request id={r.id}: {finish.get('message')} (status {finish.get('status_code')})"
+            else:
+                results.append(_result(r, out))
+        if aborted:
+            raise RequestsAborted(aborted, reason, results)
+        return results
 
 
 def _sampling_params(request: GenerateRequest, seed: int | None) -> dict:

@@ -13,10 +13,10 @@ accepts exactly what the real Engine accepts.
 
 from __future__ import annotations
 
+import argparse
 import ast
 import json
 import re
-import sys
 import zipfile
 from pathlib import Path
 
@@ -65,4 +65,6 @@ def main(wheels: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    parser = argparse.ArgumentParser(description="Write sglang_server_args.json from sglang wheels.")
+    parser.add_argument("wheels", nargs="+", metavar="WHEEL", help="an sglang-VERSION-*.whl (one per version)")
+    main(parser.parse_args().wheels)

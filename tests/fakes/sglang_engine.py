@@ -16,6 +16,14 @@ modelled behaviour names the file and line it copies (sglang 0.5.23 wheel, `sgla
   "weights" without `enable_weights_cpu_backup` throws their contents away (torch_memory_saver
   unmaps the memory; resume maps new, uninitialised memory): the parameters become noise.
   Without the memory saver, release frees nothing and keeps everything.
+- aborts (`abort_prompts`): a request sglang's scheduler finishes with FINISH_ABORT
+  (schedule_batch.py:332-345), e.g. its out-of-memory retract (:3514-3519), comes back from a
+  non-streaming `generate` as the tokenizer manager hands it on, per version
+  (`_raise_for_abort`): a ValueError for status 400, a fastapi.HTTPException for 500/503
+  (0.5.21) or any 401-599 (0.5.23), the whole batch lost; other statuses as an output.
+- empty input: `generate(input_ids=[])` is io_struct.py's ValueError("input_ids cannot be empty.").
+- flush_cache refused while requests are pending (`pending_requests`, scheduler.py:5518-5547).
+- shutdown: `Engine.shutdown()` is recorded; its children (none here) would be killed.
 - death: where sglang's scheduler raises (resuming a tag that was not released, a weight name
   the model lacks, releasing weights under the weight cache, a forward over released memory)
   the scheduler dies and takes the engine's process with it: this fake SIGKILLs its own
@@ -58,6 +66,9 @@ from typing import List, Tuple
 import torch
 
 VERSION = "0.5.23"
+# For engines in role processes (write_package): JSON {call number: abort} -> the first request
+# of that `generate` call (0-based, per engine) is aborted as `abort_prompts` would
+ABORTS_ENV = "TANDEM_FAKE_SGLANG_ABORTS"
 EOS_ID = None  # install(eos_id=...) overrides the checkpoint's eos id (sglang reads it from the HF config)
 
 # srt/server_args.py:551-563 (0.5.21: 461-473): ServerArgs is a msgspec Struct built from the
@@ -195,6 +206,44 @@ class FlushCacheReqOutput:  # srt/managers/io_struct.py:1859
     message: str = ""
 
 
+try:  # sglang depends on fastapi; where it is absent, starlette's HTTPException stands in
+    from fastapi import HTTPException
+except ImportError:
+    class HTTPException(Exception):
+        """starlette/exceptions.py:7-20 (starlette 1.10), fastapi.HTTPException's base."""
+
+        def __init__(self, status_code: int, detail: str | None = None, headers=None):
+            self.status_code, self.detail, self.headers = status_code, detail or "", headers
+
+        def __str__(self) -> str:
+            return f"{self.status_code}: {self.detail}"
+
+# srt/managers/schedule_batch.py:3514-3519 (0.5.21: 3360-3365): retract_decode aborts the last
+# request of a decode batch that does not fit even alone
+OOM_RETRACT = {"message": "Out of memory even after retracting all other requests in the decode batch. "
+                          "Aborting the last request.", "status_code": 500}
+
+
+def _raise_for_abort(finish_reason: dict, version: str) -> None:
+    """TokenizerManager._handle_abort_finish_reason for a non-streaming call.
+
+    0.5.23 (tokenizer_manager.py:1891-1921): an abort with a status in [400, 600) raises,
+    ValueError for 400 and fastapi.HTTPException(status, message) otherwise. 0.5.21
+    (:1790-1829): ValueError for 400, HTTPException only for 500 and 503. Any other abort is
+    returned as an output. In a batch, _collect_batch_responses (0.5.23: :2197-2208; 0.5.21:
+    :2070-) gathers
+    the requests' waits: the first exception ends the call, and the batch's other results are lost.
+    """
+    if finish_reason.get("type") != "abort":
+        return
+    status = finish_reason.get("status_code")
+    if status == 400:
+        raise ValueError(finish_reason["message"])
+    raising = (500, 503) if version == "0.5.21" else range(400, 600)
+    if status in raising:
+        raise HTTPException(status_code=status, detail=finish_reason["message"])
+
+
 def scheduler_dies(exc: BaseException) -> None:
     """sglang's scheduler dying of `exc`, and the engine's process with it.
 
@@ -235,7 +284,13 @@ class FakeEngine:
         self.offload_tags: set[str] = set()
         self.session: str | None = None  # scheduler_components/weight_updater.py:81-99
         self.calls: list[tuple] = []
-        self.abort_prompts: dict[int, dict] = {}  # sum(prompt) -> finish_reason of an abort
+        self.version = VERSION  # whose abort handling generate copies (_raise_for_abort)
+        # sum(prompt) -> the finish_reasons ({"message", "status_code"}) of its next tries' aborts
+        self.abort_prompts: dict[int, list[dict]] = {}
+        self.call_aborts = {int(k): v for k, v in json.loads(os.environ.get(ABORTS_ENV, "{}")).items()}
+        self.num_generate_calls = 0
+        self.pending_requests = 0  # requests the scheduler still runs: flush_cache refuses
+        self.shut_down = False
         self.read_payloads: set[bytes] = set()
         self.cache_entries = 0  # requests served since the last flush (radix cache stand-in)
 
@@ -247,20 +302,22 @@ class FakeEngine:
     # -- srt/entrypoints/engine.py:433 generate --------------------------------------------
     def generate(self, prompt=None, sampling_params=None, input_ids=None, return_logprob=False,
                  logprob_start_len=None, top_logprobs_num=None, stream=False, rid=None):
-        assert prompt is None and isinstance(input_ids[0], list) and not stream
+        assert prompt is None and not stream
+        if len(input_ids) == 0:  # managers/io_struct.py:499 (0.5.21: 489), no session given
+            raise ValueError("input_ids cannot be empty.")
+        assert isinstance(input_ids[0], list)
         self.calls.append(("generate", sampling_params))
+        if self.num_generate_calls in self.call_aborts:
+            self.abort_prompts.setdefault(sum(input_ids[0]), []).append(self.call_aborts[self.num_generate_calls])
+        self.num_generate_calls += 1
         if self.memory_saver and self.offload_tags:
             # a forward over unmapped memory is a CUDA fault inside the scheduler
             scheduler_dies(RuntimeError(f"CUDA error: an illegal memory access was encountered "
                                         f"(memory {sorted(self.offload_tags)} released)"))
         outs = [self._one(ids, _verify(sp), return_logprob) for ids, sp in zip(input_ids, sampling_params)]
-        for out in outs:
-            # tokenizer_manager.py:1900-1921: an abort with a 400 status raises ValueError for a
-            # non-streaming call; one without a status comes back as an output.
-            reason = out["meta_info"]["finish_reason"]
-            if reason["type"] == "abort" and reason.get("status_code") == 400:
-                raise ValueError(reason["message"])
         self.cache_entries += len(outs)
+        for out in outs:
+            _raise_for_abort(out["meta_info"]["finish_reason"], self.version)
         return outs
 
     @torch.no_grad()
@@ -290,8 +347,8 @@ class FakeEngine:
                 finish = {"type": "stop", "matched": token}  # schedule_batch.py:284-293
             if finish:
                 break
-        if sum(ids) in self.abort_prompts:  # schedule_batch.py:332-345
-            finish = {"type": "abort", "status_code": None, "err_type": None, **self.abort_prompts[sum(ids)]}
+        if self.abort_prompts.get(sum(ids)):  # FINISH_ABORT.to_json, schedule_batch.py:332-345
+            finish = {"type": "abort", "status_code": None, "err_type": None, **self.abort_prompts[sum(ids)].pop(0)}
         meta = {"id": "rid", "finish_reason": finish, "prompt_tokens": len(ids), "completion_tokens": len(out)}
         if return_logprob:  # tokenizer_manager.py:3104-3108: (logprob, token_id, None) without text
             meta["output_token_logprobs"] = [(lp, t, None) for lp, t in zip(logprobs, out)]
@@ -331,8 +388,16 @@ class FakeEngine:
     # -- srt/entrypoints/engine.py:1506 flush_cache; scheduler.py:5518 ----------------------
     def flush_cache(self):
         self.calls.append(("flush_cache",))
+        if self.pending_requests:  # scheduler.py:5520, :5540-5547: not idle, nothing flushed
+            return FlushCacheReqOutput(success=False)  # flush_wrapper.py:31 sets no message
         self.cache_entries = 0
         return FlushCacheReqOutput(success=True)
+
+    # -- engine.py:1450-1497 (0.5.21: 1368-1413) shutdown: kills the engine's children, waits for the
+    # scheduler to release its GPU context ---------------------------------------------------
+    def shutdown(self):
+        self.calls.append(("shutdown",))
+        self.shut_down = True
 
     # -- engine.py:1643-1655 begin/end; weight_updater.py:309-335 -----------------------------
     def begin_weight_update(self, selector: str = "all"):
@@ -448,6 +513,9 @@ def install(monkeypatch, eos_id: int | None = None) -> type[FakeEngine]:
     mods["sglang.srt.utils"].MultiprocessingSerializer = MultiprocessingSerializer
     mods["sglang.srt.utils.patch_torch"].monkey_patch_torch_reductions = monkey_patch_torch_reductions
     mods["sglang.srt.weight_sync.tensor_bucket"] = tb if tb is not _COPY else _COPY_MODULE
+    if HTTPException.__module__ == __name__:  # no fastapi here: the adapter imports the stand-in
+        mods["fastapi"] = types.ModuleType("fastapi")
+        mods["fastapi"].HTTPException = HTTPException
     for name, mod in mods.items():
         monkeypatch.setitem(__import__("sys").modules, name, mod)
     from importlib import metadata
@@ -471,6 +539,8 @@ def write_package(root: Path) -> Path:
             "from tests.fakes.sglang_engine import FlattenedTensorBucket, FlattenedTensorMetadata\n",
         f"sglang-{VERSION}.dist-info/METADATA": f"Metadata-Version: 2.1\nName: sglang\nVersion: {VERSION}\n",
     }
+    if HTTPException.__module__ == __name__:  # no fastapi here: the stand-in, as `install` does
+        files["fastapi/__init__.py"] = "from tests.fakes.sglang_engine import HTTPException\n"
     for name, text in files.items():
         (root / name).parent.mkdir(parents=True, exist_ok=True)
         (root / name).write_text(text)

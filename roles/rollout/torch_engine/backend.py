@@ -16,9 +16,12 @@ Memory, under the engine's three tags (see RolloutEngine.release):
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from roles.device import CUDA_BLOCK, DeviceMemory, HostBlock, nbytes_of
+from roles.rollout.aborts import RequestsAborted
 from roles.rollout.sampling import GenerateRequest
 from roles.model_spec import ModelSpec
 from roles.rollout.torch_engine.decoder import Decoder, Weights
@@ -167,7 +170,34 @@ class TorchBackend:
 
     # -- generation -------------------------------------------------------------------
     def generate(self, requests: list[GenerateRequest], seeds: list[int]) -> list[dict]:
-        return self.scheduler.generate(requests, seeds)
+        """The scheduler's results. Its aborts, as sglang's (roles/rollout/aborts.py): out of
+        device memory aborts the whole call (the batch shares every buffer, so no request is
+        to blame; the graphs and slot state are dropped, to be built again on the next try); a
+        request whose log-probs are not finite (an internal error in its rows: a NaN from the
+        forward) is aborted alone, the others' results kept."""
+        if not requests:
+            return []
+        try:
+            results = self.scheduler.generate(requests, seeds)
+        except torch.OutOfMemoryError as e:
+            self.scheduler.drop_state()
+            if self.memory.kind == "cuda":
+                torch.cuda.empty_cache()
+            raise RequestsAborted([r.id for r in requests], f"out of memory in the built-in engine: {e}") from None
+        bad = [r["id"] for r in results if not all(math.isfinite(lp) for lp in r["logprobs"])]
+        if bad:
+            raise RequestsAborted(bad, f"request id={bad[0]}: non-finite log-probs (an internal error in the "
+                                       "built-in engine's forward)", [r for r in results if r["id"] not in bad])
+        return results
+
+    def shutdown(self) -> None:
+        """Free the device memory (KV cache, graphs, weights) and say so in the ledger, so that
+        an engine started next on this GPU finds it free."""
+        self.scheduler.drop_state()
+        self.cache.free()  # empties the allocator's cache on a GPU too
+        self.weights.storages.clear()
+        self.weights.named.clear()
+        self.memory.account("weights", 0)
 
 
 def _check_options(options: dict) -> dict:
