@@ -14,14 +14,14 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 MAIN_GUARD = re.compile(r'^if __name__ == "__main__":', re.M)
-SKIP = {"tests", ".venv", "runs", ".git"}
+SKIP = {"tests", "runs"}  # and hidden folders: .venv, .git, copies made for a GPU run
 
 
 def entry_points() -> list[str]:
     found = []
     for path in sorted(ROOT.rglob("*.py")):
         rel = path.relative_to(ROOT)
-        if rel.parts[0] in SKIP and rel.parts[:2] != ("tests", "fakes"):
+        if rel.parts[0].startswith(".") or rel.parts[0] in SKIP and rel.parts[:2] != ("tests", "fakes"):
             continue
         if MAIN_GUARD.search(path.read_text(errors="replace")):
             found.append(".".join(rel.with_suffix("").parts))
