@@ -16,7 +16,9 @@ miles, there is no ``args`` parameter: the function gets only the data.
 import hashlib
 import importlib
 import importlib.util
+import os
 import sys
+import traceback
 from collections.abc import Callable
 from pathlib import Path
 
@@ -71,3 +73,10 @@ def _load_file(spec: str, path: Path, setting: str):
         del sys.modules[module_name]
         raise
     return module
+
+
+def describe(error: BaseException) -> str:
+    """``"ValueError: msg (at file.py:12 in fn)"``: enough to find the failing line in a log."""
+    frames = traceback.extract_tb(error.__traceback__)
+    where = f" (at {os.path.basename(frames[-1].filename)}:{frames[-1].lineno} in {frames[-1].name})" if frames else ""
+    return f"{type(error).__name__}: {error}{where}"
