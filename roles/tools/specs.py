@@ -20,7 +20,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from roles.reward.custom import load_function
+from roles.reward.custom import describe, load_attribute, load_function
 
 SPECS_FLAG = "--generate-tool-specs-path"
 FUNCTION_FLAG = "--generate-execute-tool-function-path"
@@ -65,7 +65,7 @@ class ToolSet:
 def load_tools(specs_path: str, function_path: str) -> ToolSet:
     """The checked specs and function path; ValueError of one line naming the flag otherwise."""
     specs = _load_specs(specs_path)
-    check_tool_function(load_function(function_path, FUNCTION_FLAG), function_path)
+    check_tool_function(_load(function_path, FUNCTION_FLAG), function_path)
     return ToolSet(specs=specs, function_path=function_path)
 
 
@@ -80,6 +80,16 @@ def check_tool_function(function: Callable, function_path: str) -> None:
         pass
 
 
+def _load(path: str, flag: str, loader=load_function):
+    """``loader(path, flag)``, with what the user's module raises on import turned into one line too."""
+    try:
+        return loader(path, flag)
+    except ValueError:
+        raise
+    except Exception as e:  # SyntaxError, an ImportError inside the module, anything it raises
+        raise ValueError(f"{flag} {path}: importing it failed: {describe(e)}") from None
+
+
 def _load_specs(path: str) -> tuple[dict, ...]:
     where = f"{SPECS_FLAG} {path}"
     if path.endswith(".json"):
@@ -90,7 +100,7 @@ def _load_specs(path: str) -> tuple[dict, ...]:
         except json.JSONDecodeError as e:
             raise ValueError(f"{where}: not JSON ({e})") from None
     else:
-        specs = load_function(path, SPECS_FLAG)  # miles: the import path of a Python list
+        specs = _load(path, SPECS_FLAG, load_attribute)  # miles: the import path of a Python list
     if not isinstance(specs, (list, tuple)) or not specs:
         raise ValueError(f"{where}: expected a non-empty list of tool specs, got {type(specs).__name__}")
     names = []
