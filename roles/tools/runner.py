@@ -1,22 +1,22 @@
 """Runs one tool call inside the sandbox (a fresh ``python -I -S`` under bwrap, one per call).
 
-Started by ``roles.tools.sandbox`` with the job as one JSON line on stdin:
-``{"sys_path", "function_path", "name", "arguments", "uid", "limits": {...}, "check": bool}``.
-In order: the tool's own prints go to stderr (stdout carries only the answer); as root, the
-process takes the uid it is given, which drops every capability and makes RLIMIT_NPROC count
-(root is exempt from it); the resource limits are set, soft = hard so they cannot be raised;
-only then is the user's module imported and called. The answer is one JSON object on the
-saved stdout: ``{"ok": true, "text", "cut"}`` or ``{"ok": false, "kind", "error"}``.
+Started by ``roles.tools.sandbox`` with the job, marshalled, on stdin: ``{"sys_path",
+"function_path", "name", "arguments", "uid", "limits": {...}, "check": bool}`` (marshal, not
+json: importing json and the re module it needs costs each call more than the rest of the
+start-up). In order: the tool's own prints go to stderr (stdout carries only the answer); as
+root, the process takes the uid it is given, which drops every capability and makes
+RLIMIT_NPROC count (root is exempt from it); the resource limits are set, soft = hard so
+they cannot be raised; only then is the user's module imported and called. The answer, on
+the saved stdout, is ``ok\nCUT\nTEXT`` (CUT: the text's full length when it was cut, else 0)
+or ``error\nKIND\nMESSAGE``, UTF-8.
 
 ``check`` only loads the function and checks its signature: the executor's first call, so
 that a module the sandbox cannot import fails at start, not at the first tool call.
 """
 
 import errno
-import json
 import os
 import resource
-import socket
 import sys
 from collections.abc import Awaitable
 
@@ -36,8 +36,8 @@ def main(job: dict) -> None:
     answer = _answer(job)
     if os.getpid() != pid:  # a process the tool forked came back here: only the runner answers
         os._exit(0)
-    with os.fdopen(answer_fd, "w") as out:
-        out.write(json.dumps(answer))
+    with os.fdopen(answer_fd, "wb") as out:
+        out.write("\n".join(map(str, answer)).encode(errors="replace"))
 
 
 def _drop_privileges(uid: int | None) -> None:
@@ -57,7 +57,7 @@ def _limit(limits: dict) -> None:
     resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
 
 
-def _answer(job: dict) -> dict:
+def _answer(job: dict) -> tuple[str, int | str, str]:
     sys.path[:] = job["sys_path"]
     try:
         function = load_function(job["function_path"], "generate_execute_tool_function_path")
@@ -65,9 +65,9 @@ def _answer(job: dict) -> dict:
             from roles.tools.specs import check_tool_function
 
             check_tool_function(function, job["function_path"])
-            return {"ok": True, "text": "", "cut": 0}
+            return "ok", 0, ""
     except BaseException as e:
-        return {"ok": False, "kind": "crash", "error": f"the tool function did not load in the sandbox: {describe(e)}"}
+        return "error", "crash", f"the tool function did not load in the sandbox: {describe(e)}"
     try:
         text = function(job["name"], job["arguments"])
         if isinstance(text, Awaitable):
@@ -75,18 +75,19 @@ def _answer(job: dict) -> dict:
 
             text = asyncio.new_event_loop().run_until_complete(text)
     except BaseException as e:  # SystemExit and KeyboardInterrupt too: the call failed, the answer still goes back
-        return {"ok": False, "kind": _kind(e), "error": describe(e)}
+        return "error", _kind(e), describe(e)
     if not isinstance(text, str):
-        return {"ok": False, "kind": "crash", "error": f"the tool function returned a {type(text).__name__}, not a str"}
+        return "error", "crash", f"the tool function returned a {type(text).__name__}, not a str"
     limit = job["limits"]["max_output_chars"]
-    return {"ok": True, "text": text[:limit], "cut": len(text) if len(text) > limit else 0}
+    return "ok", len(text) if len(text) > limit else 0, text[:limit]
 
 
 def _kind(error: BaseException) -> str:
     """The error kind of an exception the tool raised (docs/tools.md lists them)."""
     if isinstance(error, MemoryError):
         return "memory"
-    if isinstance(error, socket.gaierror):
+    socket = sys.modules.get("socket")  # a name-lookup error comes from a tool that imported it
+    if socket is not None and isinstance(error, socket.gaierror):
         return "network"
     if isinstance(error, OSError):
         if error.errno == errno.EAGAIN:  # uncaught EAGAIN: fork or thread refused by RLIMIT_NPROC

@@ -21,7 +21,7 @@ same runner runs with the limits alone, in a fresh temporary directory (``choose
 
 from __future__ import annotations
 
-import json
+import marshal
 import os
 import selectors
 import shutil
@@ -38,7 +38,7 @@ _REPO_ROOT = str(Path(__file__).resolve().parents[2])
 HIDDEN = ("/tmp", "/var/tmp", "/root", "/home", "/run", "/dev/shm")
 WORK_DIR = "/tmp/work"
 NAMESPACES = ("--unshare-net", "--unshare-pid", "--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try")
-_BOOTSTRAP = ("import json, sys; job = json.loads(sys.stdin.readline()); sys.path[:] = job['sys_path']; "
+_BOOTSTRAP = ("import marshal, sys; job = marshal.loads(sys.stdin.buffer.read()); sys.path[:] = job['sys_path']; "
               "from roles.tools.runner import main; main(job)")
 # What the runner may report (roles.tools.runner._kind); the executor adds its own kinds.
 RUNNER_KINDS = ("crash", "memory", "network", "process_limit", "denied", "output_limit")
@@ -156,10 +156,10 @@ def _tool_file(function_path: str) -> tuple[str, ...]:
 
 def _finish(process: subprocess.Popen, job: dict, limits: Limits) -> Outcome:
     deadline = time.monotonic() + limits.timeout_s
-    process.stdin.write(json.dumps(job).encode() + b"\n")
+    process.stdin.write(marshal.dumps(job))
     process.stdin.close()
     answer, prints, printed, stop = bytearray(), bytearray(), 0, None
-    answer_cap = 6 * limits.max_output_chars + 4096  # a JSON-escaped answer of max_output_chars fits
+    answer_cap = 4 * limits.max_output_chars + 4096  # an answer of max_output_chars, 4 UTF-8 bytes each, fits
     with selectors.DefaultSelector() as sel:
         sel.register(process.stdout, selectors.EVENT_READ)
         sel.register(process.stderr, selectors.EVENT_READ)
@@ -214,15 +214,15 @@ def _kill(process: subprocess.Popen) -> None:
 
 
 def _outcome(code: int, answer: bytes, prints: str, limits: Limits) -> Outcome:
-    try:
-        message = json.loads(answer)
-    except ValueError:
-        message = None
-    if isinstance(message, dict) and message.get("ok") is True and isinstance(message.get("text"), str):
-        return Outcome(ok=True, text=message["text"], error_kind=None, cut=int(message.get("cut") or 0))
-    if isinstance(message, dict) and message.get("ok") is False:  # the tool could forge one: kinds are checked
-        kind = message.get("kind") if message.get("kind") in RUNNER_KINDS else "crash"
-        return Outcome(ok=False, error_kind=kind, text=f"error: {message.get('error')}")
+    # The runner's "ok\nCUT\nTEXT" or "error\nKIND\nMESSAGE"; the tool could forge one, so it is checked.
+    status, _, rest = answer.partition(b"\n")
+    detail, _, text = rest.partition(b"\n")
+    if status == b"ok" and detail.isdigit():
+        return Outcome(ok=True, text=text.decode(errors="replace"), error_kind=None, cut=int(detail))
+    if status == b"error":
+        kind = detail.decode(errors="replace")
+        return Outcome(ok=False, error_kind=kind if kind in RUNNER_KINDS else "crash",
+                       text=f"error: {text.decode(errors='replace')}")
     return _death(code, prints, limits)
 
 
