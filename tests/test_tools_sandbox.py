@@ -70,9 +70,21 @@ def execute(name, arguments):
     if what == "write_root":
         open("/tandem-sandbox-test", "w").write("x")
         return "wrote"
+    if what == "user_namespace":  # would hold every capability there, and mount a tmpfs no limit covers
+        import ctypes
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.unshare(0x10000000) != 0:  # CLONE_NEWUSER
+            raise OSError(ctypes.get_errno(), "unshare(CLONE_NEWUSER)")
+        return "a user namespace of its own"
     if what == "inside":
+        import subprocess, threading
+        ran = []
+        thread = threading.Thread(target=lambda: ran.append(1))  # clone3 refused: glibc falls back to clone
+        thread.start()
+        thread.join()
+        child = subprocess.run(["echo", "child"], capture_output=True, text=True).stdout.strip()
         return json.dumps({"uid": os.getuid(), "pid": os.getpid(), "cwd": os.getcwd(), "files": os.listdir("."),
-                           "tmp": sorted(os.listdir("/tmp")), "net": sorted(line.split(":")[0].strip() for line in open("/proc/net/dev").readlines()[2:])})
+                           "tmp": sorted(os.listdir("/tmp")), "thread": ran == [1], "child": child, "net": sorted(line.split(":")[0].strip() for line in open("/proc/net/dev").readlines()[2:])})
     return "unknown"
 '''
 SPECS = ({"type": "function", "function": {"name": "misbehave", "parameters": {
@@ -113,6 +125,7 @@ MISDEEDS = {
     "network": "network",
     "dns": "network",
     "write_root": "denied",  # the root is read-only
+    "user_namespace": "denied",  # the seccomp filter
 }
 
 
@@ -149,6 +162,7 @@ def test_a_call_sees_an_empty_work_dir_no_network_its_own_pids_and_not_root(exec
     assert inside["cwd"] == sandbox.WORK_DIR and inside["files"] == []
     assert inside["net"] == ["lo"]  # a network namespace of its own
     assert inside["pid"] < 10  # a PID namespace of its own
+    assert inside["thread"] and inside["child"] == "child"  # threads and subprocesses work under the filter
     assert inside["tmp"] == sorted([tool_file.parts[2], "work"])  # the host's /tmp is hidden, the tool bound back
     if os.geteuid() == 0:
         assert inside["uid"] >= 100_000  # no longer root: RLIMIT_NPROC holds, capabilities are gone

@@ -13,7 +13,8 @@ What bwrap gives each call (docs/tools.md says what holds where):
 - ``--tmpfs /tmp`` of ``max_file_bytes`` and ``--chdir /tmp/work``: an empty work dir of its own;
 - ``--new-session``: no terminal to inject keystrokes into;
 - ``--cap-drop ALL`` (bwrap keeps a root caller's capabilities unless told) except CAP_SETUID
-  and CAP_SETGID, which the runner uses once to become ``uid`` before any tool code runs.
+  and CAP_SETGID, which the runner uses once to become ``uid`` before any tool code runs;
+- ``--seccomp FD``: no new user namespaces (``roles.tools.seccomp`` says why).
 
 The runner then sets RLIMIT_CPU, RLIMIT_AS, RLIMIT_NPROC and RLIMIT_FSIZE. Without bwrap the
 same runner runs with the limits alone, in a fresh temporary directory (``choose_bwrap`` warns).
@@ -21,6 +22,7 @@ same runner runs with the limits alone, in a fresh temporary directory (``choose
 
 from __future__ import annotations
 
+import contextlib
 import marshal
 import os
 import selectors
@@ -32,6 +34,8 @@ import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+
+from roles.tools import seccomp
 
 _REPO_ROOT = str(Path(__file__).resolve().parents[2])
 # Hidden from the tool: other users' and other jobs' files (temporary files, homes, sockets).
@@ -73,8 +77,9 @@ def choose_bwrap() -> tuple[str | None, str | None]:
     fallback = "tool calls run WITHOUT network, PID and file-system isolation, with resource limits only"
     if path is None:
         return None, f"bwrap (bubblewrap) is not installed: {fallback}. Install it: apt-get install bubblewrap"
-    probe = subprocess.run([path, *bwrap_flags(max_file_bytes=1 << 20, python=sys.executable, import_paths=()),
-                            "true"], capture_output=True, text=True)
+    with _seccomp_fd() as fd:
+        flags = bwrap_flags(max_file_bytes=1 << 20, python=sys.executable, import_paths=(), seccomp_fd=fd)
+        probe = subprocess.run([path, *flags, "true"], capture_output=True, text=True, pass_fds=_fds(fd))
     if probe.returncode != 0:
         reason = probe.stderr.strip().splitlines()[-1] if probe.stderr.strip() else f"exit code {probe.returncode}"
         return None, f"bwrap cannot sandbox here ({reason}): {fallback}"
@@ -86,9 +91,11 @@ def sandbox_uid() -> int | None:
     return _UID_BASE + os.getpid() if os.geteuid() == 0 else None
 
 
-def bwrap_flags(*, max_file_bytes: int, python: str, import_paths: tuple[str, ...]) -> list[str]:
+def bwrap_flags(*, max_file_bytes: int, python: str, import_paths: tuple[str, ...], seccomp_fd: int | None) -> list[str]:
     flags = ["--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc", *NAMESPACES, "--die-with-parent",
              "--new-session", "--cap-drop", "ALL"]
+    if seccomp_fd is not None:
+        flags += ["--seccomp", str(seccomp_fd)]
     if os.geteuid() == 0:
         flags += ["--cap-add", "CAP_SETUID", "--cap-add", "CAP_SETGID"]
     for hidden in HIDDEN:
@@ -131,21 +138,43 @@ def run_call(*, bwrap: str | None, uid: int | None, limits: Limits, function_pat
            "uid": uid, "check": check, "limits": asdict(limits)}
     python = [sys.executable, "-I", "-S", "-c", _BOOTSTRAP]
     work_dir = None
-    if bwrap is not None:
-        paths = (*sys_path, *_tool_file(function_path))
-        command = [bwrap, *bwrap_flags(max_file_bytes=limits.max_file_bytes, python=sys.executable,
-                                       import_paths=paths), *python]
-    else:
+    if bwrap is None:
         work_dir = tempfile.mkdtemp(prefix="tandem-tool-")
         os.chmod(work_dir, 0o777)  # the runner may become another uid
-        command, job["uid"] = python, None  # no bind-back without bwrap: root's Python would become unreadable
+        job["uid"] = None  # no bind-back without bwrap: root's Python would become unreadable to another uid
     try:
-        process = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                   cwd=work_dir, start_new_session=True)
+        with _seccomp_fd() if bwrap is not None else contextlib.nullcontext() as fd:
+            command = python
+            if bwrap is not None:
+                command = [bwrap, *bwrap_flags(max_file_bytes=limits.max_file_bytes, python=sys.executable,
+                                               import_paths=(*sys_path, *_tool_file(function_path)),
+                                               seccomp_fd=fd), *python]
+            process = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                       stderr=subprocess.PIPE, cwd=work_dir, start_new_session=True,
+                                       pass_fds=_fds(fd))
         return _finish(process, job, limits)
     finally:
         if work_dir is not None:
             shutil.rmtree(work_dir, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def _seccomp_fd():
+    """A pipe's read end holding seccomp.no_new_user_namespaces() for bwrap; None where it is not built."""
+    if not seccomp.supported():
+        yield None
+        return
+    read_fd, write_fd = os.pipe()
+    try:
+        os.write(write_fd, seccomp.no_new_user_namespaces())  # ~100 bytes: the pipe holds them
+        os.close(write_fd)
+        yield read_fd
+    finally:
+        os.close(read_fd)
+
+
+def _fds(fd: int | None) -> tuple[int, ...]:
+    return () if fd is None else (fd,)
 
 
 def _tool_file(function_path: str) -> tuple[str, ...]:
