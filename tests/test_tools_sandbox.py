@@ -240,3 +240,21 @@ def test_the_calculator_runs_in_the_sandbox():
 def test_error_kinds_are_the_documented_ones():
     docs = open(os.path.join(os.path.dirname(__file__), "..", "docs", "tools.md")).read()
     assert all(f"`{kind}`" in docs for kind in ERROR_KINDS)
+
+
+@pytest.mark.timeout(60)
+def test_close_under_calls_fails_them_and_starts_no_worker():
+    tools = load_tools("roles.tools.calculator:TOOL_SPECS", "roles.tools.calculator:execute_tool")
+    ex = ToolExecutor(tools, LIMITS, num_workers=2)
+
+    async def close_under_calls():
+        calls = [asyncio.ensure_future(ex.call("calculator", {"expression": "1+1"})) for _ in range(6)]
+        await asyncio.sleep(0.05)
+        ex.close()
+        return await asyncio.gather(*calls, return_exceptions=True)
+
+    outcomes = asyncio.run(close_under_calls())
+    assert all(isinstance(o, (RuntimeError, asyncio.CancelledError)) or o.ok for o in outcomes), outcomes
+    with pytest.raises(RuntimeError, match="closed"):
+        asyncio.run(ex.call("calculator", {"expression": "1+1"}))
+    # the autouse no_orphans fixture (tests/conftest.py) checks that no worker or sandbox is left

@@ -137,8 +137,8 @@ class ToolExecutor:
         if problem is not None:
             kind, text = problem
             return self._count(ToolResult(text=f"error: {text}", ok=False, error_kind=kind, seconds=0.0))
-        answer = await asyncio.get_running_loop().run_in_executor(self._threads, self._run, name, arguments, False)
-        return self._count(self._result(answer, time.monotonic() - start))
+        # Counted in the thread: a call whose awaiting task is cancelled still runs to its end, and counts.
+        return await asyncio.get_running_loop().run_in_executor(self._threads, self._call, name, arguments, start)
 
     def stats(self) -> dict:
         """Counters since start: ``tool_calls``, ``tool_errors``, ``tool_errors/KIND``, ``tool_seconds``
@@ -169,6 +169,10 @@ class ToolExecutor:
             raise ValueError(f"--generate-execute-tool-function-path {self._tools.function_path}: "
                              f"{answer['text'].removeprefix('error: ')}")
 
+    def _call(self, name: str, arguments: dict, start: float) -> ToolResult:
+        answer = self._run(name, arguments, False)
+        return self._count(self._result(answer, time.monotonic() - start))
+
     def _run(self, name: str, arguments: dict, check: bool) -> dict:
         worker = self._idle.get()
         try:
@@ -194,6 +198,8 @@ class ToolExecutor:
 
     def _replace(self, worker: _Worker) -> _Worker:
         worker.kill()
+        if self._closed:  # close() killed it under the call: start nothing new
+            raise RuntimeError("the tool executor was closed during the call")
         with self._lock:
             i = self._workers.index(worker)
             self._counts["tool_worker_restarts"] += 1
