@@ -226,6 +226,17 @@ class ToolExecutor:
         return result
 
 
+def tool_metrics(before: dict, after: dict) -> dict:
+    """What a rollout logs from two ``stats()`` around it: ``rollout/tool_calls``, ``rollout/tool_errors``,
+    ``rollout/tool_timeouts``, ``rollout/tool_seconds``, ``rollout/tool_worker_restarts``, and
+    ``rollout/tool_errors/KIND`` for each kind that happened (as rollout/dynamic_filter/drop_REASON)."""
+    delta = {key: after[key] - before.get(key, 0) for key in after}
+    return {**{f"rollout/{key}": delta[key] for key in ("tool_calls", "tool_errors", "tool_timeouts", "tool_seconds",
+                                                       "tool_worker_restarts")},
+            **{f"rollout/tool_errors/{kind}": delta[f"tool_errors/{kind}"] for kind in ERROR_KINDS
+               if delta[f"tool_errors/{kind}"]}}
+
+
 def _kill_all(processes: list[subprocess.Popen]) -> None:
     for process in processes:
         _kill(process)
