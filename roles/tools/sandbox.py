@@ -37,7 +37,6 @@ from pathlib import Path
 
 from roles.tools import seccomp
 
-_REPO_ROOT = str(Path(__file__).resolve().parents[2])
 # Hidden from the tool: other users' and other jobs' files (temporary files, homes, sockets).
 HIDDEN = ("/tmp", "/var/tmp", "/root", "/home", "/run", "/dev/shm")
 WORK_DIR = "/tmp/work"
@@ -101,7 +100,8 @@ def bwrap_flags(*, max_file_bytes: int, python: str, import_paths: tuple[str, ..
     for hidden in HIDDEN:
         if os.path.isdir(hidden):
             size = ["--size", str(max_file_bytes)] if hidden in ("/tmp", "/dev/shm") else ["--size", "65536"]
-            flags += ["--perms", "1777" if hidden == "/tmp" else "0755", *size, "--tmpfs", hidden]
+            # /tmp and /dev/shm writable as on a host (multiprocessing's semaphores live in /dev/shm)
+            flags += ["--perms", "1777" if hidden in ("/tmp", "/dev/shm") else "0755", *size, "--tmpfs", hidden]
     flags += ["--perms", "0777", "--dir", WORK_DIR]
     flags += _bind_back(_needed_paths(python, import_paths))
     return flags + ["--clearenv", "--setenv", "PATH", "/usr/local/bin:/usr/bin:/bin", "--setenv", "HOME", WORK_DIR,
@@ -115,11 +115,14 @@ def _needed_paths(python: str, import_paths: tuple[str, ...]) -> list[str]:
 
 
 def _bind_back(paths: list[str]) -> list[str]:
-    flags, made = [], set()
-    for path in paths:
+    flags, made, bound = [], set(), []
+    for path in paths:  # sorted: a directory comes before what lies in it
         top = next((h for h in HIDDEN if path.startswith(h + "/")), None)
         if top is None:  # visible already, or a hidden directory itself (binding it back would unhide it)
             continue
+        if any(path.startswith(b + "/") for b in bound):
+            continue  # inside a directory bound back already
+        bound.append(path)
         # bwrap makes missing parents 0700, which the sandbox's uid could not pass through
         parent = top
         for part in Path(path).relative_to(top).parts[:-1]:
