@@ -72,7 +72,7 @@ class _Worker:
         if not ready:
             return None
         line = self.process.stdout.readline()
-        if not line:
+        if not line.endswith(b"\n"):  # nothing, or half a line: it died, perhaps while writing
             raise WorkerLost(f"tool worker {self.process.pid} exited with code {self.process.wait()}")
         return json.loads(line)
 
@@ -148,9 +148,11 @@ class ToolExecutor:
 
     def close(self) -> None:
         """Stop the workers (their sandboxes die with them); the executor cannot be used afterwards."""
-        self._closed = True
+        with self._lock:
+            self._closed = True
+            workers = list(self._workers)
         self._threads.shutdown(wait=False, cancel_futures=True)
-        for worker in self._workers:
+        for worker in workers:
             worker.kill()
         self._finalizer.detach()
 
@@ -182,8 +184,8 @@ class ToolExecutor:
             for attempt in range(2):  # once more on a new worker if this one dies under the call
                 try:
                     answer = worker.exchange(job, self._limits.timeout_s + _ANSWER_GRACE_S)
-                except WorkerLost as lost:
-                    worker = self._replace(worker)
+                except (WorkerLost, ValueError) as lost:  # ValueError: close() shut its pipes under us
+                    worker = self._replace(worker)  # raises if close() did
                     if attempt == 1:
                         return {"ok": False, "error_kind": "worker_lost", "cut": 0,
                                 "text": f"error: the tool's worker died twice during this call ({lost})"}
@@ -198,16 +200,19 @@ class ToolExecutor:
 
     def _replace(self, worker: _Worker) -> _Worker:
         worker.kill()
-        if self._closed:  # close() killed it under the call: start nothing new
-            raise RuntimeError("the tool executor was closed during the call")
         with self._lock:
+            if self._closed:  # close() killed it under the call: start nothing new
+                raise RuntimeError("the tool executor was closed during the call")
             i = self._workers.index(worker)
             self._counts["tool_worker_restarts"] += 1
         replacement = _Worker(self._setup)
         with self._lock:
-            self._workers[i] = replacement
-            self._processes[i] = replacement.process
-        return replacement
+            if not self._closed:
+                self._workers[i] = replacement
+                self._processes[i] = replacement.process
+                return replacement
+        replacement.kill()  # close() came while it started, and did not see it
+        raise RuntimeError("the tool executor was closed during the call")
 
     def _result(self, answer: dict, seconds: float) -> ToolResult:
         if answer["ok"] and answer["cut"]:
