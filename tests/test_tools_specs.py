@@ -109,12 +109,12 @@ def test_both_tool_flags_or_neither():
 
 
 @pytest.mark.slow  # the launcher imports torch and the roles (~7 s of CPU) before its pre-run checks
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(240)
 def test_a_bad_tool_function_stops_the_launcher_with_one_line_and_exit_2_before_any_role(tmp_path):
     run_dir = tmp_path / "run"
     proc = launch(["--generate-tool-specs-path", "roles.tools.calculator:TOOL_SPECS",
                    "--generate-execute-tool-function-path", "roles.tools.calculator:evaluate",
-                   "--run-dir", str(run_dir)], tmp_path, timeout=100)
+                   "--run-dir", str(run_dir)], tmp_path, timeout=210)
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert proc.stderr.strip().splitlines()[-1] == (
         "tandem: --generate-execute-tool-function-path roles.tools.calculator:evaluate: evaluate(expression: str) "

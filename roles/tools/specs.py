@@ -20,7 +20,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from roles.reward.custom import describe, load_attribute, load_function
+from roles.reward.custom import describe, load_object, load_function
 
 SPECS_FLAG = "--generate-tool-specs-path"
 FUNCTION_FLAG = "--generate-execute-tool-function-path"
@@ -100,7 +100,7 @@ def _load_specs(path: str) -> tuple[dict, ...]:
         except json.JSONDecodeError as e:
             raise ValueError(f"{where}: not JSON ({e})") from None
     else:
-        specs = _load(path, SPECS_FLAG, load_attribute)  # miles: the import path of a Python list
+        specs = _load(path, SPECS_FLAG, load_object)  # miles: the import path of a Python list
     if not isinstance(specs, (list, tuple)) or not specs:
         raise ValueError(f"{where}: expected a non-empty list of tool specs, got {type(specs).__name__}")
     names = []
