@@ -2,6 +2,7 @@
 function-path, as miles names them), the checks of a call's arguments, the calculator tool, and
 what a machine without bwrap is told. No sandbox runs here, except the launcher's exit-2 test."""
 
+import asyncio
 import json
 import random
 import shutil
@@ -175,3 +176,23 @@ def test_without_bwrap_the_sandbox_says_so_in_one_line(monkeypatch):
     assert path is None and "\n" not in warning
     assert warning.startswith("bwrap (bubblewrap) is not installed: tool calls run WITHOUT network, PID and file-system "
                               "isolation") and "apt-get install bubblewrap" in warning
+
+
+@pytest.mark.timeout(60)
+def test_without_bwrap_the_executor_warns_once_and_runs_calls_with_the_limits_alone(monkeypatch, capsys):
+    from roles.tools import executor as tool_executor
+    from roles.tools.sandbox import Limits
+
+    monkeypatch.setattr(shutil, "which", lambda name: None)
+    tools = load_tools("roles.tools.calculator:TOOL_SPECS", GOOD_FUNCTION)
+    limits = Limits(timeout_s=5.0, cpu_seconds=2, memory_bytes=512 << 20, max_processes=64, max_file_bytes=1 << 20,
+                    max_output_chars=5)
+    ex = tool_executor.ToolExecutor(tools, limits, num_workers=1)
+    try:
+        assert not ex.sandboxed
+        assert capsys.readouterr().err == f"tandem: warning: {ex.warning}\n"
+        assert asyncio.run(ex.call("calculator", {"expression": "6*7"})).text == "42"
+        cut = asyncio.run(ex.call("calculator", {"expression": "10**9"}))
+        assert (cut.ok, cut.error_kind, cut.text.splitlines()[0]) == (False, "output_limit", "10000")
+    finally:
+        ex.close()
