@@ -104,8 +104,11 @@ def bwrap_flags(*, max_file_bytes: int, python: str, import_paths: tuple[str, ..
             flags += ["--perms", "1777" if hidden in ("/tmp", "/dev/shm") else "0755", *size, "--tmpfs", hidden]
     flags += ["--perms", "0777", "--dir", WORK_DIR]
     flags += _bind_back(_needed_paths(python, import_paths))
-    return flags + ["--clearenv", "--setenv", "PATH", "/usr/local/bin:/usr/bin:/bin", "--setenv", "HOME", WORK_DIR,
-                    "--setenv", "LANG", "C.UTF-8", "--chdir", WORK_DIR, "--"]
+    env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": WORK_DIR, "LANG": "C.UTF-8",
+           # threads count against RLIMIT_NPROC: math libraries would start one per core of the host
+           **{name: "1" for name in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")}}
+    return [*flags, "--clearenv", *(word for name, value in env.items() for word in ("--setenv", name, value)),
+            "--chdir", WORK_DIR, "--"]
 
 
 def _needed_paths(python: str, import_paths: tuple[str, ...]) -> list[str]:
