@@ -168,7 +168,7 @@ def test_a_call_sees_an_empty_work_dir_no_network_its_own_pids_and_not_root(exec
     assert inside["thread"] and inside["child"] == "child"  # threads and subprocesses work under the filter
     assert inside["tmp"] == sorted([tool_file.parts[2], "work"])  # the host's /tmp is hidden, the tool bound back
     if os.geteuid() == 0:
-        assert inside["uid"] >= 100_000  # no longer root: RLIMIT_NPROC holds, capabilities are gone
+        assert inside["uid"] >= sandbox.UID_BASE  # no longer root: RLIMIT_NPROC holds, capabilities are gone
 
 
 @pytest.mark.timeout(60)

@@ -46,8 +46,10 @@ _BOOTSTRAP = ("import marshal, sys; job = marshal.loads(sys.stdin.buffer.read())
 # What the runner may report (roles.tools.runner._kind); the executor adds its own kinds.
 RUNNER_KINDS = ("crash", "memory", "network", "process_limit", "denied", "output_limit")
 _STDERR_TAIL = 2000  # bytes of the tool's prints and traceback kept for the error message
-# A uid no account uses, one per worker process (RLIMIT_NPROC counts the processes of a uid).
-_UID_BASE = 100_000
+# A uid no account uses, one per worker process (RLIMIT_NPROC counts the processes of a uid):
+# above the ranges that directories (LDAP often starts at 100000) and systemd's containers
+# (524288..1879048191) hand out, below 2**31.
+UID_BASE = 0x7000_0000
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -87,7 +89,7 @@ def choose_bwrap() -> tuple[str | None, str | None]:
 
 def sandbox_uid() -> int | None:
     """The uid the calls of this process run as: root's own is exempt from RLIMIT_NPROC."""
-    return _UID_BASE + os.getpid() if os.geteuid() == 0 else None
+    return UID_BASE + os.getpid() if os.geteuid() == 0 else None
 
 
 def bwrap_flags(*, max_file_bytes: int, python: str, import_paths: tuple[str, ...], seccomp_fd: int | None) -> list[str]:
