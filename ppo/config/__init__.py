@@ -55,6 +55,7 @@ from ppo.config.schema import (
     PPOConfig,
     RewardConfig,
     RolloutConfig,
+    ToolsConfig,
     TrainingConfig,
 )
 from ppo.config.serialize import from_dict, override, to_dict
@@ -64,7 +65,7 @@ __all__ = [
     "FIELDS", "GENERATED_PREFIX", "RM_TYPES",
     "CheckpointConfig", "ConfigError", "EngineConfig", "EvalConfig", "LoggingConfig", "OptimizerConfig",
     "OptimizerSettings", "ParallelismConfig", "PlacementConfig", "PPOAlgoConfig", "PPOConfig",
-    "RewardConfig", "RolloutConfig", "TrainingConfig",
+    "RewardConfig", "RolloutConfig", "ToolsConfig", "TrainingConfig",
     "actor_gpus_per_node", "actor_num_gpus", "actor_optimizer", "critic_load", "critic_optimizer",
     "critic_save", "data_parallel_size", "derived_values", "engines_discard_weights", "ensure_valid", "eps_clip_high",
     "from_dict", "global_batch_size", "model_parallel_size", "needs_ref", "num_critic_only_steps",

@@ -371,6 +371,29 @@ class EvalConfig:
 
 
 @dataclass(frozen=True, kw_only=True)
+class ToolsConfig:
+    """The tools of multi-turn rollouts (miles' flags) and the sandbox each call runs in
+    (roles.tools; docs/tools.md)."""
+
+    generate_tool_specs_path: str | None = knob(
+        None, "the tools' OpenAI-style function specs: a .json file of a list, or (miles) the import path "
+        "of a Python list, e.g. roles.tools.calculator:TOOL_SPECS")
+    generate_execute_tool_function_path: str | None = knob(
+        None, "the function that runs a tool call, execute(name, arguments) -> str (sync or async), named as "
+        "--custom-rm-path names one, e.g. roles.tools.calculator:execute_tool; each call runs in a sandbox")
+    num_tool_workers: int = knob(2, "tool worker processes: calls that run at once", ge=1)
+    tool_timeout: float = knob(10.0, "seconds of wall clock a tool call may take", gt=0.0)
+    tool_cpu_seconds: int = knob(5, "seconds of CPU time a tool call may use (RLIMIT_CPU)", ge=1)
+    tool_memory_mb: int = knob(1024, "address space of each process of a tool call (RLIMIT_AS), in MiB; "
+                               "Python itself needs about 64", ge=64)
+    tool_max_processes: int = knob(32, "processes a tool call may have at once (RLIMIT_NPROC)", ge=1)
+    tool_max_file_mb: int = knob(64, "MiB a tool call may write: its work dir's size and the largest file "
+                                 "(RLIMIT_FSIZE)", ge=1)
+    tool_max_output_chars: int = knob(8192, "a tool's answer is cut here (and counted as an output_limit "
+                                      "error)", ge=1)
+
+
+@dataclass(frozen=True, kw_only=True)
 class PPOConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
@@ -383,6 +406,7 @@ class PPOConfig:
     placement: PlacementConfig = field(default_factory=PlacementConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     evaluation: EvalConfig = field(default_factory=EvalConfig)
+    tools: ToolsConfig = field(default_factory=ToolsConfig)
 
 
 @dataclass(frozen=True)

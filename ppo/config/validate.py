@@ -40,7 +40,7 @@ def validate(cfg: PPOConfig, *, rm_types: Sequence[str] = RM_TYPES) -> list[str]
         return problems  # the rules below would compare a string with a number
     problems += (_required(cfg, rm_types) + _sampling(cfg) + _algorithm(cfg) + _optimizer(cfg)
                  + _backends(cfg) + _outputs(cfg) + _evaluation(cfg, rm_types) + _reward_model(cfg)
-                 + _asynchronous(cfg))
+                 + _asynchronous(cfg) + _tools(cfg))
     if not broken & _DIVISORS:  # these rules divide by those fields
         problems += _placement(cfg) + _batches(cfg)
     return problems
@@ -508,3 +508,13 @@ def _evaluation(cfg: PPOConfig, rm_types: Sequence[str]) -> list[str]:
     if e.eval_top_k is not None and not (e.eval_top_k == -1 or e.eval_top_k >= 1):
         out.append(_bad("eval_top_k", e.eval_top_k, "must be -1 (off) or >= 1"))
     return out
+
+
+def _tools(cfg: PPOConfig) -> list[str]:
+    """The specs say what the model may call, the function runs it: one without the other is a mistake."""
+    t = cfg.tools
+    pairs = (("generate_tool_specs_path", "generate_execute_tool_function_path", "module:execute"),
+             ("generate_execute_tool_function_path", "generate_tool_specs_path", "tools.json"))
+    return [_set_but(name, getattr(t, name), f"{FIELDS[other].flag} ({FIELDS[other].path}) is not. "
+                     f"Please add {FIELDS[other].flag} {hint}")
+            for name, other, hint in pairs if getattr(t, name) is not None and getattr(t, other) is None]

@@ -35,7 +35,7 @@ from ppo.setup.generated import resolve_eval_paths, resolve_paths
 from ppo.gpu.placement import Placement, plan_placement
 from ppo.state.rundir import RunDirError, RunDirLock, claim, load_problem
 from ppo.gpu.side_by_side import memory_budgets
-from ppo.setup.user_functions import UserFunctions, load_user_functions
+from ppo.setup.user_functions import UserFunctions, load_user_functions, tools_problem
 from roles.reward.role import RewardScorer
 from roles.reward.model_scorer import RewardModelScorer
 from roles.rollout.engine import RolloutEngine
@@ -291,11 +291,12 @@ def setup_problems(cfg: PPOConfig) -> list[str]:
     """Everything on this machine that would stop the run, each naming the flag and the fix,
     all at once: the trainers' layout, the rollout and training backends, the HF checkpoint and
     whether the prompt and response lengths fit its context, the checkpoint folders, the reward
-    service and the reward model."""
+    service, the reward model and the tools."""
     problems = [trainer_layout_problem(cfg), rollout_backend_problem(cfg), hf_checkpoint_problem(cfg),
                 reward_service_problem(cfg), reward_model_problem(cfg),
                 context_problem(cfg, cfg.checkpoint.hf_checkpoint), output_problem("--save", cfg.checkpoint.save),
-                output_problem("--critic-save", C.critic_save(cfg) if C.uses_critic(cfg) else None)]
+                output_problem("--critic-save", C.critic_save(cfg) if C.uses_critic(cfg) else None),
+                tools_problem(cfg)]
     try:
         trainer_classes(cfg.training.train_backend)
     except BackendUnavailable as e:  # megatron without megatron-core or CUDA

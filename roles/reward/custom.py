@@ -13,12 +13,14 @@ is ``{"index", "group_index", "prompt", "response", "label", "metadata"}``. Unli
 miles, there is no ``args`` parameter: the function gets only the data.
 """
 
-import hashlib
 import importlib
-import importlib.util
+import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
+
+# The tool sandbox imports this module once per call (roles.tools.runner): what only file paths
+# need (hashlib, importlib.util) is imported there, and describe() walks the traceback itself.
 
 _FORMS = "'package.module:function', 'path/to/file.py:function' or 'package.module.function'"
 
@@ -31,6 +33,16 @@ def load_reward_function(custom_rm_path: str) -> Callable:
 def load_function(spec: str, setting: str) -> Callable:
     """Import and return the function that ``spec`` names; ValueError naming ``setting`` (the
     config field that holds ``spec``) if it cannot."""
+    function = load_object(spec, setting)
+    if not callable(function):
+        name = spec.rpartition(":" if ":" in spec else ".")[2]
+        raise ValueError(f"{setting}={spec!r}: {name!r} is a {type(function).__name__}, not a function")
+    return function
+
+
+def load_object(spec: str, setting: str):
+    """Import and return whatever ``spec`` names (a function, or data such as a list of tool
+    specs); ValueError naming ``setting`` if it cannot."""
     if ":" in spec:
         location, _, name = spec.rpartition(":")
     else:
@@ -44,15 +56,15 @@ def load_function(spec: str, setting: str) -> Callable:
             module = importlib.import_module(location)
         except ModuleNotFoundError as e:
             raise ValueError(f"{setting}={spec!r}: cannot import {location!r} ({e})") from e
-    function = getattr(module, name, None)
-    if function is None:
+    if not hasattr(module, name):
         raise ValueError(f"{setting}={spec!r}: {location!r} has no attribute {name!r}")
-    if not callable(function):
-        raise ValueError(f"{setting}={spec!r}: {name!r} is a {type(function).__name__}, not a function")
-    return function
+    return getattr(module, name)
 
 
 def _load_file(spec: str, path: Path, setting: str):
+    import hashlib
+    import importlib.util
+
     path = path.expanduser().resolve()
     if not path.is_file():
         raise ValueError(f"{setting}={spec!r}: no such file {str(path)!r}")
@@ -71,3 +83,14 @@ def _load_file(spec: str, path: Path, setting: str):
         del sys.modules[module_name]
         raise
     return module
+
+
+def describe(error: BaseException) -> str:
+    """``"ValueError: msg (at file.py:12 in fn)"``: enough to find the failing line in a log."""
+    tb, where = error.__traceback__, ""
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    if tb is not None:
+        code = tb.tb_frame.f_code
+        where = f" (at {os.path.basename(code.co_filename)}:{tb.tb_lineno} in {code.co_name})"
+    return f"{type(error).__name__}: {error}{where}"

@@ -13,11 +13,10 @@ import inspect
 import os
 import signal
 import sys
-import traceback
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 
-from roles.reward.custom import load_reward_function
+from roles.reward.custom import describe, load_reward_function
 from roles.reward.values import reward_value
 
 _PR_SET_PDEATHSIG = 1
@@ -87,14 +86,7 @@ class JobEvaluator:
         return result
 
 
-def _describe(error: BaseException) -> str:
-    """``"ValueError: msg (at file.py:12 in fn)"``: enough to find the failing line in a log."""
-    frames = traceback.extract_tb(error.__traceback__)
-    where = f" (at {os.path.basename(frames[-1].filename)}:{frames[-1].lineno} in {frames[-1].name})" if frames else ""
-    return f"{type(error).__name__}: {error}{where}"
-
-
-def _die_with_parent(parent_pid: int) -> None:
+def die_with_parent(parent_pid: int) -> None:
     # A worker stuck in a job must not outlive a scorer that was SIGKILLed. The death
     # signal fires when the thread that started this process exits; the pool then sees
     # EOF and starts a new worker, so that case costs one worker restart, not a leak.
@@ -105,7 +97,7 @@ def _die_with_parent(parent_pid: int) -> None:
 
 
 def main(read_fd: int, write_fd: int, parent_pid: int) -> None:
-    _die_with_parent(parent_pid)
+    die_with_parent(parent_pid)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the scorer decides when workers stop
     inbox = Connection(read_fd, writable=False)
     outbox = Connection(write_fd, readable=False)
@@ -114,7 +106,7 @@ def main(read_fd: int, write_fd: int, parent_pid: int) -> None:
     try:
         evaluate = JobEvaluator(config)
     except Exception as e:
-        outbox.send(("startup_error", _describe(e)))
+        outbox.send(("startup_error", describe(e)))
         return
     outbox.send(("ready",))
     while True:
@@ -125,4 +117,4 @@ def main(read_fd: int, write_fd: int, parent_pid: int) -> None:
         try:
             outbox.send((job_id, "ok", evaluate(payload)))
         except (Exception, SystemExit) as e:  # a user function calling sys.exit() is an error, not a shutdown
-            outbox.send((job_id, "error", _describe(e)))
+            outbox.send((job_id, "error", describe(e)))

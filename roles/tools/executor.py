@@ -1,0 +1,247 @@
+"""``ToolExecutor``: ``await executor.call(name, arguments) -> ToolResult``, served by a pool of
+tool worker processes (``roles.tools.worker``), each call in a sandbox of its own.
+
+Supervision follows the reward scorer's pool (roles/reward/pool.py): workers are plain
+``subprocess`` children with pipes, started and checked before the first call; a worker that
+dies is replaced and counted (``tool_worker_restarts``). The call it was running is sent once
+more to the replacement (a sandbox keeps nothing between calls, so running a call again
+is safe), and answered with ``error_kind="worker_lost"`` if that worker dies too. Every call
+is counted once, whatever happened to its workers.
+
+The calls block on pipes in threads of the executor's own (one per worker), so ``call`` works
+from any event loop, including a new one per rollout.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import select
+import subprocess
+import sys
+import threading
+import time
+import weakref
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from queue import SimpleQueue
+
+from roles.tools.sandbox import Limits, choose_bwrap
+from roles.tools.specs import ToolSet
+
+_REPO_ROOT = str(Path(__file__).resolve().parents[2])
+_STARTUP_TIMEOUT_S = 60.0
+_ANSWER_GRACE_S = 10.0  # the worker stops a call at its timeout; past this it is stuck itself
+ERROR_KINDS = ("unknown_tool", "bad_arguments", "timeout", "memory", "process_limit", "output_limit", "network",
+               "denied", "crash", "worker_lost")
+
+
+@dataclass(frozen=True)
+class ToolResult:
+    text: str  # what the model reads: the tool's answer, or what went wrong
+    ok: bool
+    error_kind: str | None  # one of ERROR_KINDS when not ok
+    seconds: float  # wall clock of the call, queueing for a worker included
+
+
+class WorkerLost(RuntimeError):
+    pass
+
+
+class _Worker:
+    def __init__(self, setup: dict):
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (_REPO_ROOT, env.get("PYTHONPATH")) if p)
+        self.process = subprocess.Popen([sys.executable, "-m", "roles.tools.worker", str(os.getpid())],
+                                        stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env)
+        self._send(setup)
+        ready = self.receive(_STARTUP_TIMEOUT_S)
+        if ready is None or not ready.get("ready"):
+            self.kill()
+            raise RuntimeError(f"a tool worker did not start within {_STARTUP_TIMEOUT_S} s")
+
+    def exchange(self, job: dict, timeout: float) -> dict | None:
+        """The worker's answer to ``job``; None if none came within ``timeout``; WorkerLost if it died."""
+        self._send(job)
+        return self.receive(timeout)
+
+    def receive(self, timeout: float) -> dict | None:
+        ready, _, _ = select.select([self.process.stdout], [], [], timeout)
+        if not ready:
+            return None
+        line = self.process.stdout.readline()
+        if not line.endswith(b"\n"):  # nothing, or half a line: it died, perhaps while writing
+            raise WorkerLost(f"tool worker {self.process.pid} exited with code {self.process.wait()}")
+        return json.loads(line)
+
+    def _send(self, message: dict) -> None:
+        try:
+            self.process.stdin.write(json.dumps(message).encode() + b"\n")
+            self.process.stdin.flush()
+        except (BrokenPipeError, ConnectionResetError):
+            raise WorkerLost(f"tool worker {self.process.pid} is gone") from None
+
+    def kill(self) -> None:
+        _kill(self.process)
+
+
+def _kill(process: subprocess.Popen) -> None:
+    if process.poll() is None:
+        process.kill()
+    process.wait()
+    for pipe in (process.stdin, process.stdout):
+        try:
+            pipe.close()
+        except BrokenPipeError:
+            pass
+
+
+class ToolExecutor:
+    """Runs the calls of ``tools`` on ``num_workers`` worker processes, each call within ``limits``."""
+
+    def __init__(self, tools: ToolSet, limits: Limits, *, num_workers: int, sys_path: list[str] | None = None):
+        bwrap, self.warning = choose_bwrap()
+        if self.warning:
+            print(f"tandem: warning: {self.warning}", file=sys.stderr)  # never silently without the sandbox
+        self.sandboxed = bwrap is not None
+        self._tools = tools
+        self._limits = limits
+        self._setup = {"bwrap": bwrap, "limits": asdict(limits), "function_path": tools.function_path,
+                       "sys_path": list(sys.path if sys_path is None else sys_path)}
+        self._lock = threading.Lock()
+        self._counts = {"tool_calls": 0, "tool_errors": 0, "tool_seconds": 0.0, "tool_worker_restarts": 0,
+                        **{f"tool_errors/{kind}": 0 for kind in ERROR_KINDS}}
+        self._workers: list[_Worker] = []
+        self._processes: list[subprocess.Popen] = []  # shared with the finalizer
+        self._finalizer = weakref.finalize(self, _kill_all, self._processes)
+        self._idle: SimpleQueue[_Worker] = SimpleQueue()
+        self._threads = ThreadPoolExecutor(num_workers, thread_name_prefix="tool-call")
+        self._next_id = 0
+        self._closed = False
+        try:
+            for _ in range(num_workers):
+                self._add_worker()
+            self._check_function()
+        except BaseException:
+            self.close()
+            raise
+
+    async def call(self, name: str, arguments: dict) -> ToolResult:
+        """Run one tool call; every failure is a ToolResult with ``ok=False``, never an exception."""
+        if self._closed:
+            raise RuntimeError("the tool executor is closed")
+        start = time.monotonic()
+        problem = self._tools.argument_problem(name, arguments)
+        if problem is not None:
+            kind, text = problem
+            return self._count(ToolResult(text=f"error: {text}", ok=False, error_kind=kind, seconds=0.0))
+        # Counted in the thread: a call whose awaiting task is cancelled still runs to its end, and counts.
+        return await asyncio.get_running_loop().run_in_executor(self._threads, self._call, name, arguments, start)
+
+    def stats(self) -> dict:
+        """Counters since start: ``tool_calls``, ``tool_errors``, ``tool_errors/KIND``, ``tool_seconds``
+        (summed over calls), ``tool_worker_restarts``; ``tool_timeouts`` is ``tool_errors/timeout``."""
+        with self._lock:
+            return {**self._counts, "tool_timeouts": self._counts["tool_errors/timeout"]}
+
+    def close(self) -> None:
+        """Stop the workers (their sandboxes die with them); the executor cannot be used afterwards."""
+        with self._lock:
+            self._closed = True
+            workers = list(self._workers)
+        self._threads.shutdown(wait=False, cancel_futures=True)
+        for worker in workers:
+            worker.kill()
+        self._finalizer.detach()
+
+    def _add_worker(self) -> _Worker:
+        worker = _Worker(self._setup)
+        self._workers.append(worker)
+        self._processes.append(worker.process)
+        self._idle.put(worker)
+        return worker
+
+    def _check_function(self) -> None:
+        # The function imports in this process (ppo checks that before any role starts); this
+        # checks that it also imports inside the sandbox, where /tmp and the homes are hidden.
+        answer = self._run("", {}, True)
+        if not answer["ok"]:
+            raise ValueError(f"--generate-execute-tool-function-path {self._tools.function_path}: "
+                             f"{answer['text'].removeprefix('error: ')}")
+
+    def _call(self, name: str, arguments: dict, start: float) -> ToolResult:
+        answer = self._run(name, arguments, False)
+        return self._count(self._result(answer, time.monotonic() - start))
+
+    def _run(self, name: str, arguments: dict, check: bool) -> dict:
+        worker = self._idle.get()
+        try:
+            with self._lock:
+                self._next_id += 1
+                job = {"id": self._next_id, "name": name, "arguments": arguments, "check": check}
+            for attempt in range(2):  # once more on a new worker if this one dies under the call
+                try:
+                    answer = worker.exchange(job, self._limits.timeout_s + _ANSWER_GRACE_S)
+                except (WorkerLost, ValueError) as lost:  # ValueError: close() shut its pipes under us
+                    worker = self._replace(worker)  # raises if close() did
+                    if attempt == 1:
+                        return {"ok": False, "error_kind": "worker_lost", "cut": 0,
+                                "text": f"error: the tool's worker died twice during this call ({lost})"}
+                    continue
+                if answer is None:  # the worker itself hangs: the call cannot be trusted to end
+                    worker = self._replace(worker)
+                    return {"ok": False, "error_kind": "timeout", "cut": 0,
+                            "text": f"error: the tool ran longer than {self._limits.timeout_s:g} s and was stopped"}
+                return answer
+        finally:
+            self._idle.put(worker)
+
+    def _replace(self, worker: _Worker) -> _Worker:
+        worker.kill()
+        with self._lock:
+            if self._closed:  # close() killed it under the call: start nothing new
+                raise RuntimeError("the tool executor was closed during the call")
+            i = self._workers.index(worker)
+            self._counts["tool_worker_restarts"] += 1
+        replacement = _Worker(self._setup)
+        with self._lock:
+            if not self._closed:
+                self._workers[i] = replacement
+                self._processes[i] = replacement.process
+                return replacement
+        replacement.kill()  # close() came while it started, and did not see it
+        raise RuntimeError("the tool executor was closed during the call")
+
+    def _result(self, answer: dict, seconds: float) -> ToolResult:
+        if answer["ok"] and answer["cut"]:
+            limit = self._limits.max_output_chars
+            return ToolResult(text=f"{answer['text']}\n[output cut: {answer['cut']} characters, the limit is {limit}]",
+                              ok=False, error_kind="output_limit", seconds=seconds)
+        return ToolResult(text=answer["text"], ok=answer["ok"], error_kind=answer["error_kind"], seconds=seconds)
+
+    def _count(self, result: ToolResult) -> ToolResult:
+        with self._lock:
+            self._counts["tool_calls"] += 1
+            self._counts["tool_seconds"] += result.seconds
+            if not result.ok:
+                self._counts["tool_errors"] += 1
+                self._counts[f"tool_errors/{result.error_kind}"] += 1
+        return result
+
+
+def tool_metrics(before: dict, after: dict) -> dict:
+    """What a rollout logs from two ``stats()`` around it: ``rollout/tool_calls``, ``rollout/tool_errors``,
+    ``rollout/tool_timeouts``, ``rollout/tool_seconds``, ``rollout/tool_worker_restarts``, and
+    ``rollout/tool_errors/KIND`` for each kind that happened (as rollout/dynamic_filter/drop_REASON)."""
+    delta = {key: after[key] - before.get(key, 0) for key in after}
+    return {**{f"rollout/{key}": delta[key] for key in ("tool_calls", "tool_errors", "tool_timeouts", "tool_seconds",
+                                                       "tool_worker_restarts")},
+            **{f"rollout/tool_errors/{kind}": delta[f"tool_errors/{kind}"] for kind in ERROR_KINDS
+               if delta[f"tool_errors/{kind}"]}}
+
+
+def _kill_all(processes: list[subprocess.Popen]) -> None:
+    for process in processes:
+        _kill(process)
