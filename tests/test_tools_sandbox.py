@@ -76,6 +76,19 @@ def execute(name, arguments):
         if libc.unshare(0x10000000) != 0:  # CLONE_NEWUSER
             raise OSError(ctypes.get_errno(), "unshare(CLONE_NEWUSER)")
         return "a user namespace of its own"
+    if what == "memfd":  # memory that RLIMIT_AS does not count while unmapped (RLIMIT_FSIZE holds each, not many)
+        fd = os.memfd_create("held")
+        os.ftruncate(fd, 1 << 20)
+        return "a memfd of 1 MiB"
+    if what == "shm":  # a System V segment: the same, and it outlives its process
+        import ctypes
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.shmget(0, ctypes.c_size_t(64 << 20), 0o1600) < 0:  # IPC_PRIVATE, IPC_CREAT | 0600
+            raise OSError(ctypes.get_errno(), "shmget")
+        return "a shm segment of 64 MiB"
+    if what == "files":
+        held = [open("/dev/null") for _ in range(1000)]
+        return f"{len(held)} files open"
     if what == "inside":
         import subprocess, threading
         ran = []
@@ -126,6 +139,9 @@ MISDEEDS = {
     "dns": "network",
     "write_root": "denied",  # the root is read-only
     "user_namespace": "denied",  # the seccomp filter
+    "memfd": "denied",  # the seccomp filter: RLIMIT_AS does not count it
+    "shm": "denied",  # the same
+    "files": "crash",  # RLIMIT_NOFILE: EMFILE
 }
 
 
@@ -142,6 +158,7 @@ def test_each_misdeed_gets_its_error_kind_and_the_executor_keeps_serving(executo
         assert (r.ok, r.error_kind) == (False, kind), (what, r)
         assert r.text.startswith("error: ") or what == "big_answer", (what, r.text)
         assert r.seconds < LIMITS.timeout_s + 5
+    assert "Too many open files" in results["files"].text
     assert results["big_answer"].text.startswith("y" * 1000 + "\n[output cut: 10000000 characters")
     assert call(executor, "echo", "still here").text == "still here"
     after = executor.stats()

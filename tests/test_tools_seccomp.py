@@ -30,9 +30,10 @@ def run(program: bytes, nr: int, arch: int, arg0: int = 0) -> int:
         pc += 1
 
 
-def test_only_new_user_namespaces_are_refused():
-    program = seccomp.no_new_user_namespaces()
-    arch, unshare, clone, clone3 = seccomp._ARCHES[platform.machine()]
+def test_only_new_user_namespaces_and_uncounted_memory_are_refused():
+    program = seccomp.filter_program()
+    arch, nr = seccomp._ARCHES[platform.machine()]
+    unshare, clone, clone3 = nr["unshare"], nr["clone"], nr["clone3"]
     allow, eperm, enosys = 0x7FFF0000, 0x50000 | errno.EPERM, 0x50000 | errno.ENOSYS
     assert run(program, unshare, arch, seccomp.CLONE_NEWUSER | 0x20000) == eperm  # with CLONE_NEWNS
     assert run(program, clone, arch, seccomp.CLONE_NEWUSER) == eperm
@@ -40,5 +41,7 @@ def test_only_new_user_namespaces_are_refused():
     assert run(program, clone, arch, 0x11) == allow  # fork: SIGCHLD
     assert run(program, clone3, arch) == enosys  # its flags are in memory: glibc falls back to clone
     assert run(program, 0, arch) == allow and run(program, 1, arch) == allow
+    for name in ("memfd_create", "shmget", "mq_open"):  # memory that RLIMIT_AS and the tmpfs sizes miss
+        assert run(program, nr[name], arch) == eperm, name
     assert run(program, unshare, 0x40000003, seccomp.CLONE_NEWUSER) == enosys  # i386 (AUDIT_ARCH_I386)
     assert run(program, 0x40000000 | unshare, arch, seccomp.CLONE_NEWUSER) == enosys  # x32

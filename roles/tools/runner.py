@@ -5,7 +5,7 @@ Started by ``roles.tools.sandbox`` with the job, marshalled, on stdin: ``{"sys_p
 json: importing json and the re module it needs costs each call more than the rest of the
 start-up). In order: the tool's own prints go to stderr (stdout carries only the answer); as
 root, the process takes the uid it is given, which drops every capability and makes
-RLIMIT_NPROC count (root is exempt from it); the resource limits are set, soft = hard so
+RLIMIT_NPROC count (root is exempt from it); the resource limits (RLIMIT_NOFILE too) are set, soft = hard so
 they cannot be raised; only then is the user's module imported and called. The answer, on
 the saved stdout, is ``ok\nCUT\nTEXT`` (CUT: the text's full length when it was cut, else 0)
 or ``error\nKIND\nMESSAGE``, UTF-8.
@@ -25,6 +25,8 @@ from roles.reward.custom import describe, load_function
 _NETWORK = {errno.ENETUNREACH, errno.EHOSTUNREACH, errno.ENETDOWN, errno.EADDRNOTAVAIL}
 _DENIED = {errno.EROFS, errno.EACCES, errno.EPERM}
 _DISK = {errno.EFBIG, errno.ENOSPC, errno.EDQUOT}
+# Open files of each process: Python needs a dozen; inherited, it would be the host's (often tens of thousands)
+MAX_OPEN_FILES = 256
 
 
 def main(job: dict) -> None:
@@ -54,6 +56,7 @@ def _limit(limits: dict) -> None:
     for name, key in (("RLIMIT_AS", "memory_bytes"), ("RLIMIT_NPROC", "max_processes"),
                       ("RLIMIT_FSIZE", "max_file_bytes")):
         resource.setrlimit(getattr(resource, name), (limits[key], limits[key]))
+    resource.setrlimit(resource.RLIMIT_NOFILE, (MAX_OPEN_FILES, MAX_OPEN_FILES))
     resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
 
 

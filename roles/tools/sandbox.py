@@ -14,9 +14,10 @@ What bwrap gives each call (docs/tools.md says what holds where):
 - ``--new-session``: no terminal to inject keystrokes into;
 - ``--cap-drop ALL`` (bwrap keeps a root caller's capabilities unless told) except CAP_SETUID
   and CAP_SETGID, which the runner uses once to become ``uid`` before any tool code runs;
-- ``--seccomp FD``: no new user namespaces (``roles.tools.seccomp`` says why).
+- ``--seccomp FD``: no new user namespaces, no memfd, System V shm or POSIX message queue
+  (``roles.tools.seccomp`` says why).
 
-The runner then sets RLIMIT_CPU, RLIMIT_AS, RLIMIT_NPROC and RLIMIT_FSIZE. Without bwrap the
+The runner then sets RLIMIT_CPU, RLIMIT_AS, RLIMIT_NPROC, RLIMIT_FSIZE and RLIMIT_NOFILE. Without bwrap the
 same runner runs with the limits alone, in a fresh temporary directory (``choose_bwrap`` warns).
 """
 
@@ -168,13 +169,13 @@ def run_call(*, bwrap: str | None, uid: int | None, limits: Limits, function_pat
 
 @contextlib.contextmanager
 def _seccomp_fd():
-    """A pipe's read end holding seccomp.no_new_user_namespaces() for bwrap; None where it is not built."""
+    """A pipe's read end holding seccomp.filter_program() for bwrap; None where it is not built."""
     if not seccomp.supported():
         yield None
         return
     read_fd, write_fd = os.pipe()
     try:
-        os.write(write_fd, seccomp.no_new_user_namespaces())  # ~100 bytes: the pipe holds them
+        os.write(write_fd, seccomp.filter_program())  # ~100 bytes: the pipe holds them
         os.close(write_fd)
         yield read_fd
     finally:

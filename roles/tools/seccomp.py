@@ -1,5 +1,5 @@
 """The seccomp filter bwrap loads into each tool call (``bwrap --seccomp FD``): no new user
-namespaces.
+namespaces, and no memory that no limit counts.
 
 Why: inside a user namespace of its own a tool holds every capability there, and can mount a
 fresh tmpfs that no limit of ours covers (RLIMIT_AS does not count tmpfs pages, and the work
@@ -8,7 +8,11 @@ bwrap's own ``--disable-userns`` needs ``--unshare-user``, which as root would k
 uid 0 and so exempt it from RLIMIT_NPROC (roles.tools.sandbox). The filter answers EPERM to
 ``unshare`` and ``clone`` with CLONE_NEWUSER, and ENOSYS to ``clone3`` (whose flags sit in
 memory a filter cannot read; glibc then falls back to ``clone``) and to the syscalls of other
-ABIs (i386, x32), whose numbers would slip past the checks. The program is built here as the
+ABIs (i386, x32), whose numbers would slip past the checks. It also answers EPERM to
+``memfd_create``, ``shmget`` and ``mq_open``: their pages are not counted by RLIMIT_AS (a
+memfd or a System V segment holds them while unmapped) nor by any tmpfs size of ours (a call
+held 120 MiB of memfd and 400 MiB of shm under 256 MiB of RLIMIT_AS). ``shm_open`` needs no
+rule: it is a file in /dev/shm, a tmpfs of ``max_file_bytes``. The program is built here as the
 kernel reads it (``struct sock_filter``: u16 code, u8 jt, u8 jf, u32 k), without libseccomp.
 """
 
@@ -25,20 +29,25 @@ _ALLOW = 0x7FFF0000
 _ERRNO = 0x00050000
 CLONE_NEWUSER = 0x10000000
 _X32_BIT = 0x40000000
-# machine -> (AUDIT_ARCH_*, unshare, clone, clone3) from the kernel's syscall tables
+# machine -> (AUDIT_ARCH_*, {syscall: number}) from the kernel's syscall tables
 _ARCHES = {
-    "x86_64": (0xC000003E, 272, 56, 435),
-    "aarch64": (0xC00000B7, 97, 220, 435),
+    "x86_64": (0xC000003E, {"unshare": 272, "clone": 56, "clone3": 435, "memfd_create": 319, "shmget": 29,
+                            "mq_open": 240}),
+    "aarch64": (0xC00000B7, {"unshare": 97, "clone": 220, "clone3": 435, "memfd_create": 279, "shmget": 194,
+                             "mq_open": 180}),
 }
+# memory outside RLIMIT_AS and every tmpfs size: refused outright
+UNCOUNTED_MEMORY = ("memfd_create", "shmget", "mq_open")
 
 
 def supported() -> bool:
     return platform.machine() in _ARCHES
 
 
-def no_new_user_namespaces() -> bytes:
+def filter_program() -> bytes:
     """The BPF program for this machine's architecture; ``supported()`` must hold."""
-    arch, unshare, clone, clone3 = _ARCHES[platform.machine()]
+    arch, nr = _ARCHES[platform.machine()]
+    memfd_create, shmget, mq_open = (nr[name] for name in UNCOUNTED_MEMORY)
     enosys, eperm = _ERRNO | errno.ENOSYS, _ERRNO | errno.EPERM
     # (code, jt, jf, k); a jump's offsets count the instructions after it
     program = [
@@ -46,12 +55,15 @@ def no_new_user_namespaces() -> bytes:
         (_JEQ, 1, 0, arch),  # another ABI: skip to its refusal
         (_RET, 0, 0, enosys),
         (_LD_ABS, 0, 0, _NR),
-        (_JGE, 7, 0, _X32_BIT),  # x32 numbers -> ENOSYS (index 12)
-        (_JEQ, 6, 0, clone3),  # -> ENOSYS (index 12)
-        (_JEQ, 1, 0, unshare),  # -> the flags check (index 8)
-        (_JEQ, 0, 3, clone),  # not clone -> ALLOW (index 11)
+        (_JGE, 10, 0, _X32_BIT),  # x32 numbers -> ENOSYS (index 15)
+        (_JEQ, 9, 0, nr["clone3"]),  # -> ENOSYS (index 15)
+        (_JEQ, 6, 0, memfd_create),  # -> EPERM (index 13)
+        (_JEQ, 5, 0, shmget),  # -> EPERM (index 13)
+        (_JEQ, 4, 0, mq_open),  # -> EPERM (index 13)
+        (_JEQ, 1, 0, nr["unshare"]),  # -> the flags check (index 11)
+        (_JEQ, 0, 3, nr["clone"]),  # not clone -> ALLOW (index 14)
         (_LD_ABS, 0, 0, _ARG0_LOW),
-        (_JSET, 0, 1, CLONE_NEWUSER),  # no CLONE_NEWUSER -> ALLOW (index 11)
+        (_JSET, 0, 1, CLONE_NEWUSER),  # no CLONE_NEWUSER -> ALLOW (index 14)
         (_RET, 0, 0, eperm),
         (_RET, 0, 0, _ALLOW),
         (_RET, 0, 0, enosys),
