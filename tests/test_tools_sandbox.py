@@ -1,12 +1,12 @@
 """The tool sandbox for real: ``ToolExecutor`` on worker processes, each call under bubblewrap
-(skipped where bwrap is not installed) with its resource limits. A tool that hangs, crashes, forks
+(skipped where bwrap cannot sandbox: not installed, or refused namespaces, as in Docker's default
+profile; the executor would then run these misdeeds unsandboxed) with its resource limits. A tool that hangs, crashes, forks
 without end, writes gigabytes, reaches for the network or outside its work dir gets an error
 result with its error kind, and the executor keeps serving; a killed worker is replaced and the
 call in flight is answered once."""
 
 import asyncio
 import os
-import shutil
 import signal
 import time
 
@@ -18,8 +18,10 @@ from roles.tools.executor import ERROR_KINDS, ToolExecutor, tool_metrics
 from roles.tools.sandbox import Limits
 from roles.tools.specs import ToolSet, load_tools
 
-pytestmark = pytest.mark.skipif(shutil.which("bwrap") is None,
-                                reason="bwrap is not installed (apt-get install bubblewrap; .ci/run does)")
+# The executor's own probe: where it fails the executor falls back, and a fork bomb or a write to /
+# would run for real, as root on CI.
+BWRAP, NO_SANDBOX = sandbox.choose_bwrap()
+pytestmark = pytest.mark.skipif(BWRAP is None, reason=f"{NO_SANDBOX} (.ci/run says so)")
 
 LIMITS = Limits(timeout_s=2.0, cpu_seconds=1, memory_bytes=256 << 20, max_processes=16, max_file_bytes=4 << 20,
                 max_output_chars=1000)
