@@ -126,7 +126,7 @@ def call(ex: ToolExecutor, what: str, text: str = ""):
     return asyncio.run(ex.call("misbehave", {"what": what, "text": text}))
 
 
-# what the tool does -> its error kind
+# what the tool does -> its error kind; the first two are the timed ones (see below)
 MISDEEDS = {
     "hang": "timeout",  # RLIMIT_CPU: SIGXCPU after 1 s of CPU
     "sleep": "timeout",  # the wall clock: 2 s
@@ -159,7 +159,12 @@ def test_each_misdeed_gets_its_error_kind_and_the_executor_keeps_serving(executo
         r = results[what]
         assert (r.ok, r.error_kind) == (False, kind), (what, r)
         assert r.text.startswith("error: ") or what == "big_answer", (what, r.text)
-        assert r.seconds < LIMITS.timeout_s + 5
+    # Stopped at their limits, not by the executor's stuck-worker grace (timeout + 10 s). Only the
+    # first two calls are timed: they take the two idle workers at once, while a later call's
+    # seconds include its wait for a worker, which on a busy 2-core box can pass any fixed bound.
+    assert list(MISDEEDS)[:2] == ["hang", "sleep"]
+    for what in ("hang", "sleep"):
+        assert results[what].seconds < LIMITS.timeout_s + 5, results[what]
     assert "Too many open files" in results["files"].text
     assert results["big_answer"].text.startswith("y" * 1000 + "\n[output cut: 10000000 characters")
     assert call(executor, "echo", "still here").text == "still here"
