@@ -9,7 +9,8 @@ What bwrap gives each call (docs/tools.md says what holds where):
 - ``--unshare-ipc --unshare-uts --unshare-cgroup-try``: no System V IPC or host name shared;
 - ``--ro-bind / /``: the whole file system read-only, with what may hold other users' data
   (/tmp, /var/tmp, /root, /home, /run, /dev/shm) hidden under empty tmpfs mounts, and the
-  Python installation and import paths that lie under them bound back read-only;
+  Python installation, the import paths and the tool's code that lie under them bound back
+  read-only (never a home itself: ``_is_home``);
 - ``--tmpfs /tmp`` of ``max_file_bytes`` and ``--chdir /tmp/work``: an empty work dir of its own;
 - ``--new-session``: no terminal to inject keystrokes into;
 - ``--cap-drop ALL`` (bwrap keeps a root caller's capabilities unless told) except CAP_SETUID
@@ -24,6 +25,7 @@ same runner runs with the limits alone, in a fresh temporary directory (``choose
 from __future__ import annotations
 
 import contextlib
+import importlib.machinery
 import marshal
 import os
 import selectors
@@ -120,11 +122,18 @@ def _needed_paths(python: str, import_paths: tuple[str, ...]) -> list[str]:
     return sorted({os.path.realpath(p) for p in paths if os.path.exists(p)})
 
 
+def _is_home(path: str) -> bool:
+    """A home itself (``/home/NAME``; ``/root`` is a hidden directory itself): ``python -m`` run
+    from a home puts it on sys.path, and binding it back would show its keys and tokens (~/.ssh,
+    ~/.netrc, a Hugging Face token). What lies in it (a repo, a venv, the tool's file) is bound alone."""
+    return os.path.dirname(path) == "/home"
+
+
 def _bind_back(paths: list[str]) -> list[str]:
     flags, made, bound = [], set(), []
     for path in paths:  # sorted: a directory comes before what lies in it
         top = next((h for h in HIDDEN if path.startswith(h + "/")), None)
-        if top is None:  # visible already, or a hidden directory itself (binding it back would unhide it)
+        if top is None or _is_home(path):  # visible already, or a hidden directory or home itself
             continue
         if any(path.startswith(b + "/") for b in bound):
             continue  # inside a directory bound back already
@@ -156,7 +165,7 @@ def run_call(*, bwrap: str | None, uid: int | None, limits: Limits, function_pat
             command = python
             if bwrap is not None:
                 command = [bwrap, *bwrap_flags(max_file_bytes=limits.max_file_bytes, python=sys.executable,
-                                               import_paths=(*sys_path, *_tool_file(function_path)),
+                                               import_paths=(*sys_path, *_tool_paths(function_path, sys_path)),
                                                seccomp_fd=fd), *python]
             process = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                        stderr=subprocess.PIPE, cwd=work_dir, start_new_session=True,
@@ -186,10 +195,17 @@ def _fds(fd: int | None) -> tuple[int, ...]:
     return () if fd is None else (fd,)
 
 
-def _tool_file(function_path: str) -> tuple[str, ...]:
-    """A function named by file (``path/tools.py:execute``): that file, which may lie under /tmp."""
+def _tool_paths(function_path: str, sys_path: list[str]) -> tuple[str, ...]:
+    """What holds the tool's code, which may lie in a folder not bound back (/tmp, a home on
+    sys.path): a file named by path (``path/tools.py:execute``) or, for a module name, the file
+    or package folder of its top-level package, found on ``sys_path`` without importing it."""
     location = function_path.rpartition(":")[0]
-    return (os.path.abspath(location),) if location.endswith(".py") else ()
+    if location.endswith(".py"):
+        return (os.path.abspath(location),)
+    spec = importlib.machinery.PathFinder.find_spec(location.partition(".")[0], sys_path)
+    if spec is None:  # a built-in or frozen module, or one the sandbox will fail to load (and say so)
+        return ()
+    return tuple(spec.submodule_search_locations or ()) or ((spec.origin,) if spec.origin else ())
 
 
 def _finish(process: subprocess.Popen, job: dict, limits: Limits) -> Outcome:
