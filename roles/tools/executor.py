@@ -5,8 +5,9 @@ Supervision follows the reward scorer's pool (roles/reward/pool.py): workers are
 ``subprocess`` children with pipes, started and checked before the first call; a worker that
 dies is replaced and counted (``tool_worker_restarts``). The call it was running is sent once
 more to the replacement (a sandbox keeps nothing between calls, so running a call again
-is safe), and answered with ``error_kind="worker_lost"`` if that worker dies too. Every call
-is counted once, whatever happened to its workers.
+is safe), and answered with ``error_kind="worker_lost"`` if that worker dies too, or if no
+replacement starts (the dead worker then stays in the pool, replaced at its next call). Every
+call is counted once, whatever happened to its workers; ``call`` never raises for them.
 
 The calls block on pipes in threads of the executor's own (one per worker), so ``call`` works
 from any event loop, including a new one per rollout.
@@ -15,6 +16,7 @@ from any event loop, including a new one per rollout.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import select
@@ -56,8 +58,12 @@ class _Worker:
         env["PYTHONPATH"] = os.pathsep.join(p for p in (_REPO_ROOT, env.get("PYTHONPATH")) if p)
         self.process = subprocess.Popen([sys.executable, "-m", "roles.tools.worker", str(os.getpid())],
                                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env)
-        self._send(setup)
-        ready = self.receive(_STARTUP_TIMEOUT_S)
+        try:
+            self._send(setup)
+            ready = self.receive(_STARTUP_TIMEOUT_S)
+        except BaseException:  # died while starting (WorkerLost): no zombie, no open pipes
+            self.kill()
+            raise
         if ready is None or not ready.get("ready"):
             self.kill()
             raise RuntimeError(f"a tool worker did not start within {_STARTUP_TIMEOUT_S} s")
@@ -185,13 +191,16 @@ class ToolExecutor:
                 try:
                     answer = worker.exchange(job, self._limits.timeout_s + _ANSWER_GRACE_S)
                 except (WorkerLost, ValueError) as lost:  # ValueError: close() shut its pipes under us
-                    worker = self._replace(worker)  # raises if close() did
+                    try:
+                        worker = self._replace(worker)  # RuntimeError if close() did
+                    except WorkerLost as failed:  # the dead worker stays in the pool: replaced at its next call
+                        return _lost(f"the tool's worker died during this call ({lost}), and {failed}")
                     if attempt == 1:
-                        return {"ok": False, "error_kind": "worker_lost", "cut": 0,
-                                "text": f"error: the tool's worker died twice during this call ({lost})"}
+                        return _lost(f"the tool's worker died twice during this call ({lost})")
                     continue
                 if answer is None:  # the worker itself hangs: the call cannot be trusted to end
-                    worker = self._replace(worker)
+                    with contextlib.suppress(WorkerLost):  # killed; without a replacement, replaced at its next call
+                        worker = self._replace(worker)
                     return {"ok": False, "error_kind": "timeout", "cut": 0,
                             "text": f"error: the tool ran longer than {self._limits.timeout_s:g} s and was stopped"}
                 return answer
@@ -205,7 +214,10 @@ class ToolExecutor:
                 raise RuntimeError("the tool executor was closed during the call")
             i = self._workers.index(worker)
             self._counts["tool_worker_restarts"] += 1
-        replacement = _Worker(self._setup)
+        try:
+            replacement = _Worker(self._setup)
+        except (RuntimeError, OSError) as e:  # WorkerLost is one: it died while starting
+            raise WorkerLost(f"its replacement did not start ({e})") from e
         with self._lock:
             if not self._closed:
                 self._workers[i] = replacement
@@ -229,6 +241,10 @@ class ToolExecutor:
                 self._counts["tool_errors"] += 1
                 self._counts[f"tool_errors/{result.error_kind}"] += 1
         return result
+
+
+def _lost(why: str) -> dict:
+    return {"ok": False, "error_kind": "worker_lost", "cut": 0, "text": f"error: {why}"}
 
 
 def tool_metrics(before: dict, after: dict) -> dict:
