@@ -1,14 +1,17 @@
 """The tool sandbox for real: ``ToolExecutor`` on worker processes, each call under bubblewrap
-(skipped where bwrap cannot sandbox: not installed, or refused namespaces, as in Docker's default
-profile; the executor would then run these misdeeds unsandboxed) with its resource limits. A tool that hangs, crashes, forks
-without end, writes gigabytes, reaches for the network or outside its work dir gets an error
-result with its error kind, and the executor keeps serving; a killed worker is replaced and the
+with its resource limits (skipped where bwrap cannot sandbox: not installed, or refused
+namespaces, as in Docker's default profile; the executor would then run these misdeeds
+unsandboxed). A tool that hangs, crashes, forks without end, writes gigabytes, reaches for the
+network or outside its work dir gets an error result with its error kind, and the executor keeps serving; a killed worker is replaced and the
 call in flight is answered once."""
 
 import asyncio
+import contextlib
 import os
 import signal
+import tempfile
 import time
+from pathlib import Path
 
 import psutil
 import pytest
@@ -27,7 +30,7 @@ LIMITS = Limits(timeout_s=2.0, cpu_seconds=1, memory_bytes=256 << 20, max_proces
                 max_output_chars=1000)
 SECRET = "the host's secret"
 
-# A tool that misbehaves as it is asked to. It lives under pytest's /tmp, which the sandbox
+# A tool that misbehaves as it is asked to. It lives in the host's /tmp, which the sandbox
 # hides: the executor binds this one file back, read-only.
 TOOL = '''
 import json, os, socket, time
@@ -106,11 +109,26 @@ SPECS = ({"type": "function", "function": {"name": "misbehave", "parameters": {
     "type": "object", "properties": {"what": {"type": "string"}, "text": {"type": "string"}}, "required": ["what"]}}},)
 
 
+@contextlib.contextmanager
+def in_host_tmp():
+    """A folder in the host's /tmp, which the sandbox hides, wherever TMPDIR puts pytest's tmp_path
+    (elsewhere it is not hidden, and in root's 0700 pytest-of-root not readable by the sandbox's uid)."""
+    with tempfile.TemporaryDirectory(dir="/tmp", prefix="tandem-sandbox-test-") as folder:
+        yield Path(folder)
+
+
 @pytest.fixture(scope="module")
-def tool_file(tmp_path_factory):
-    path = tmp_path_factory.mktemp("tool") / "misbehave.py"
-    path.write_text(TOOL)
-    return path
+def tool_file():
+    with in_host_tmp() as folder:
+        path = folder / "misbehave.py"
+        path.write_text(TOOL)
+        yield path
+
+
+@pytest.fixture
+def host_tmp():
+    with in_host_tmp() as folder:
+        yield folder
 
 
 @pytest.fixture(scope="module")
@@ -196,8 +214,8 @@ def test_a_call_sees_an_empty_work_dir_no_network_its_own_pids_and_not_root(exec
 
 
 @pytest.mark.timeout(60)
-def test_files_outside_the_work_dir_stay_out_of_reach(executor, tmp_path):
-    secret = tmp_path / "secret.txt"  # on the host's /tmp, hidden in the sandbox
+def test_files_outside_the_work_dir_stay_out_of_reach(executor, host_tmp):
+    secret = host_tmp / "secret.txt"  # on the host's /tmp, hidden in the sandbox
     secret.write_text(SECRET)
     r = call(executor, "read", str(secret))
     assert (r.ok, r.error_kind) == (False, "crash") and "FileNotFoundError" in r.text and SECRET not in r.text
@@ -240,10 +258,10 @@ def test_a_worker_killed_under_a_call_is_replaced_and_the_call_answered_once(too
 
 
 @pytest.mark.timeout(60)
-def test_a_tool_module_the_sandbox_cannot_import_fails_at_start(tmp_path):
-    elsewhere = tmp_path / "data.txt"  # readable here, hidden in the sandbox
+def test_a_tool_module_the_sandbox_cannot_import_fails_at_start(host_tmp):
+    elsewhere = host_tmp / "data.txt"  # readable here, hidden in the sandbox
     elsewhere.write_text("x")
-    tool = tmp_path / "reads_at_import.py"
+    tool = host_tmp / "reads_at_import.py"
     tool.write_text(f"DATA = open({str(elsewhere)!r}).read()\ndef execute(name, arguments):\n    return DATA\n")
     tools = ToolSet(specs=SPECS, function_path=f"{tool}:execute")
     with pytest.raises(ValueError, match="^--generate-execute-tool-function-path .*did not load in the sandbox: "
