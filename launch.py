@@ -44,9 +44,7 @@ def main(argv: list[str] | None = None) -> None:
                                this_node=c.node_rank))
         return
     if (cfg.cluster.nnodes or 1) > 1:
-        print(f"tandem: --nnodes {cfg.cluster.nnodes}: a run across nodes cannot start yet (docs/multinode.md "
-              "says what exists); --dry-run shows its placement", file=sys.stderr)
-        sys.exit(2)
+        run_across_nodes(cfg)
     try:
         from ppo.state.checkpoint import SaveFailed
         from ppo.setup.job import JobSetupError  # imported late: they pull in torch and the roles
@@ -82,6 +80,24 @@ def main(argv: list[str] | None = None) -> None:
     finally:
         if sm is not None:  # stops the MPS daemon if we started it
             sm.close()
+
+
+def run_across_nodes(cfg) -> None:
+    """A node > 0 serves node 0's driver until the job ends; node 0's driver across nodes is not built yet."""
+    if cfg.cluster.node_rank == 0:
+        print(f"tandem: --nnodes {cfg.cluster.nnodes}: node 0's driver cannot place roles on other nodes yet "
+              "(docs/multinode.md says what exists); --dry-run shows the placement", file=sys.stderr)
+        sys.exit(2)
+    from ppo.setup.nodes import run_node
+    from runtime.rendezvous import RendezvousFailed
+
+    try:
+        reason = run_node(cfg)
+    except (RendezvousFailed, ValueError) as err:  # node 0 unreachable, a node missing, a bad address
+        print(f"tandem: node {cfg.cluster.node_rank}: {err}", file=sys.stderr)
+        sys.exit(2)
+    print(f"tandem: node {cfg.cluster.node_rank}: {reason}", file=sys.stderr)
+    sys.exit(0 if reason.startswith("node 0 stopped the job") else 1)
 
 
 if __name__ == "__main__":

@@ -65,14 +65,28 @@ def serve(sock: zmq.Socket, keys: KeyPair, host: str, port: int = 0) -> str:
     OS picks); returns the endpoint peers connect to. A wildcard host is refused."""
     check_bind_host(host)
     host = numeric(host)  # libzmq binds to an address or an interface name, not a host name
-    sock.curve_server = True
-    sock.curve_secretkey = keys.secret
-    sock.curve_publickey = keys.public
+    make_server(sock, keys)
     if port:
         sock.bind(f"tcp://{_bracket(host)}:{port}")
     else:
         sock.bind_to_random_port(f"tcp://{_bracket(host)}")
     return sock.getsockopt_string(zmq.LAST_ENDPOINT)
+
+
+def make_server(sock: zmq.Socket, keys: KeyPair) -> None:
+    """Make `sock` a CURVE server with `keys`; set before it binds."""
+    sock.curve_server = True
+    sock.curve_secretkey = keys.secret
+    sock.curve_publickey = keys.public
+
+
+def connect(sock: zmq.Socket, endpoint: str, job_keys: KeyPair | None) -> None:
+    """Connect `sock` to `endpoint`: as a CURVE client with the job's keys when the job has them
+    and the endpoint is tcp (ipc stays within a host, guarded by the socket folder's mode)."""
+    if job_keys is not None and endpoint.startswith("tcp://"):
+        dial(sock, job_keys, job_keys.public, endpoint)
+    else:
+        sock.connect(endpoint)
 
 
 def dial(sock: zmq.Socket, keys: KeyPair, server_public: bytes, endpoint: str) -> None:

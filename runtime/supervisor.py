@@ -38,7 +38,7 @@ from typing import Sequence
 
 import zmq
 
-from runtime import shm, wire
+from runtime import curve, shm, wire
 from runtime.actor import endpoints_of
 from runtime.child import (ERROR_FILE_ENV, ChildBoot, StartupError, child_main, control_message,
                            describe_silent_start, refuse_bootstrap_reentry)
@@ -64,12 +64,14 @@ class Supervisor:
                  ready_timeout_s: float = 300.0, transport: str = "ipc", host: str = "127.0.0.1",
                  max_message_bytes: int = 16 << 30, gpus: Sequence[int] = (), fake_gpus: int = 0,
                  fake_gpu_bytes: int = 80 << 30, stats_interval_s: float = 1.0, spin_us: int = 500,
-                 node: Node | None = None):
+                 node: Node | None = None, job_keys: curve.KeyPair | None = None, token: str | None = None):
         refuse_bootstrap_reentry("Supervisor()")  # a script without a __main__ guard, re-run in a role
         if transport not in ("ipc", "tcp"):
             raise ValueError(f"transport={transport!r}: allowed values are 'ipc' and 'tcp'")
         if not isinstance(spin_us, int) or not 0 <= spin_us <= 1_000_000:
             raise ValueError(f"spin_us={spin_us!r}: allowed range is 0..1000000 (0: never poll before sleeping)")
+        if job_keys is not None and transport != "tcp":
+            raise ValueError("job_keys (CURVE across nodes) needs transport='tcp'")
         if heartbeat_interval <= 0:
             raise ValueError(f"heartbeat_interval={heartbeat_interval}: must be > 0 seconds")
         self.node = node or Node.local(run_dir, gpus=gpus, fake_gpus=fake_gpus, fake_gpu_bytes=fake_gpu_bytes)
@@ -80,13 +82,15 @@ class Supervisor:
         self.shutdown_grace_s = shutdown_grace_s
         self.transport, self.host = transport, host
         self.run_id = secrets.token_hex(4)
-        self.cfg = wire.WireConfig(token=secrets.token_hex(16), max_message_bytes=max_message_bytes,
+        self.cfg = wire.WireConfig(token=token or secrets.token_hex(16), max_message_bytes=max_message_bytes,
                                    shm_prefix=f"tandem-{self.run_id}" if transport == "ipc" else None,
-                                   spin_us=spin_us)
+                                   spin_us=spin_us, curve=job_keys)
         if self.cfg._pool is not None:
             shm.set_process_pool(self.cfg._pool)  # runtime.shared_empty in the driver
 
         self._ctx = zmq.Context()
+        # across nodes, the control socket and the roles' mailboxes admit the job's key only
+        self._gate = curve.Gatekeeper(self._ctx, [job_keys.public]) if job_keys else None
         self._control = self._ctx.socket(zmq.ROUTER)
         self._control.setsockopt(zmq.LINGER, 0)
         self.control_endpoint = self._bind(self._control, "control")
@@ -320,6 +324,8 @@ class Supervisor:
         self._control.disable_monitor()
         self._control_watch.join(timeout=2)  # it publishes on the bus, which closes next
         self._control.close(linger=0)
+        if self._gate is not None:
+            self._gate.close()
         self._ctx.term()
         if self.cfg.shm_prefix:
             shm.clear_process_pool(self.cfg._pool)
@@ -331,6 +337,8 @@ class Supervisor:
     # -- starting ---------------------------------------------------------------------------
     def _bind(self, sock: zmq.Socket, name: str) -> str:
         if self.transport == "tcp":
+            if self.cfg.curve is not None:
+                return curve.serve(sock, self.cfg.curve, self.host)
             port = sock.bind_to_random_port(f"tcp://{self.host}")
             return f"tcp://{self.host}:{port}"
         ep = f"ipc://{self.sock_dir}/{name}.sock"
@@ -356,7 +364,7 @@ class Supervisor:
             token=self.cfg.token, max_message_bytes=self.cfg.max_message_bytes, spin_us=self.cfg.spin_us,
             shm_prefix=self.cfg.shm_prefix, heartbeat_interval=self.heartbeat_interval,
             parent_pid=os.getpid(), error_file=self._error_file(child), peers=peers,
-            group=spec.group)
+            group=spec.group, curve=(self.cfg.curve.public, self.cfg.curve.secret) if self.cfg.curve else None)
         env = {"CUDA_VISIBLE_DEVICES": ",".join(map(str, spec.gpus)), "CUDA_DEVICE_ORDER": "PCI_BUS_ID",
                **({"TANDEM_FAKE_GPU_DIR": self.fake_gpu_dir} if self.fake_gpu_dir else {}),
                ERROR_FILE_ENV: self._error_file(child), **spec.env}

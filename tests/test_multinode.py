@@ -1,0 +1,102 @@
+"""Two nodes on 127.0.0.1: node 0 in this process (a supervisor with the job's CURVE keys and a
+RemoteNode), node 1 a `launch.py --nnodes 2 --node-rank 1` process running its node agent
+(runtime.agent) on its own fake GPU. A role on node 1 is called from node 0; node 1 killed is
+noticed within a few heartbeats, and no role of it outlives it. One launcher process per test
+file: it imports torch (the rendezvous store), the bulk of its time. A clean stop and node 0
+lost are in tests/test_node_agent.py."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from runtime import ActorDied, RemoteError, Supervisor
+from runtime.agent import NodeLost, RemoteNode
+from runtime.curve import KeyPair
+from runtime.rendezvous import NodeEntry, meet
+from tests.actors import Echo
+
+REPO = Path(__file__).resolve().parents[1]
+HEARTBEAT_S = 0.2  # the supervisors' interval; the timeout is 5 of them
+pytestmark = pytest.mark.timeout(120)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_node_1(run_dir: Path, port: int) -> subprocess.Popen:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
+    return subprocess.Popen(
+        [sys.executable, "launch.py", "--num-gpus-per-node", "1", "--actor-num-gpus-per-node", "1",
+         "--actor-num-nodes", "2", "--nnodes", "2", "--node-rank", "1", "--master-addr", "127.0.0.1",
+         "--master-port", str(port), "--run-dir", str(run_dir), "--rendezvous-timeout-s", "30"],
+        cwd=REPO, env={**env, "PYTHONPATH": str(REPO)}, stderr=subprocess.PIPE, text=True,
+        start_new_session=True)
+
+
+def gone(pid: int, within_s: float) -> bool:
+    until = time.monotonic() + within_s
+    while time.monotonic() < until:
+        try:
+            if psutil.Process(pid).status() == psutil.STATUS_ZOMBIE:
+                return True
+        except psutil.NoSuchProcess:
+            return True
+        time.sleep(0.05)
+    return False
+
+
+@pytest.fixture
+def two_nodes(tmp_path):
+    port = free_port()
+    node1 = start_node_1(tmp_path, port)
+    keys = KeyPair.new()
+    sup = Supervisor(tmp_path / "node0", transport="tcp", job_keys=KeyPair.new(), heartbeat_interval=HEARTBEAT_S)
+    remote = None
+    try:
+        rdv = meet("127.0.0.1", port, nnodes=2, entry=NodeEntry(0, sup.control_endpoint, keys.public),
+                   timeout_s=60, host=True)
+        remote = RemoteNode(sup, rdv.nodes[1], keys, hello_timeout_s=30)
+        yield sup, remote, node1
+    finally:
+        if remote is not None:
+            remote.close()
+        sup.shutdown()
+        if node1.poll() is None:
+            node1.wait(timeout=15)
+
+
+def test_a_role_on_node_1_is_called_from_node_0_until_node_1_is_killed(two_nodes, tmp_path):
+    sup, remote, node1 = two_nodes
+    echo = remote.spawn("echo", Echo, "far", gpus=[0])
+    assert echo.ping(41) == 41
+    assert echo.env("CUDA_VISIBLE_DEVICES", "TANDEM_FAKE_GPU_DIR") == {
+        "CUDA_VISIBLE_DEVICES": "0", "TANDEM_FAKE_GPU_DIR": str(tmp_path / "node1" / "fakegpu")}
+    with pytest.raises(RemoteError, match="boom"):  # the error contract holds across nodes
+        echo.fail("boom")
+    assert echo.ping("again") == "again"
+    pid = echo.pid()
+
+    node1.send_signal(signal.SIGKILL)  # the launcher alone: its roles must follow it (PR_SET_PDEATHSIG)
+    killed = time.monotonic()
+    while remote.failure is None and time.monotonic() - killed < 10:
+        time.sleep(0.02)
+    noticed = time.monotonic() - killed
+    assert isinstance(remote.failure, NodeLost)
+    assert noticed < sup.heartbeat_timeout + 3 * HEARTBEAT_S, noticed
+    message = str(remote.failure)
+    assert "\n" not in message and message.startswith("node 1 lost: no heartbeat for")
+    with pytest.raises(ActorDied, match="node 1 lost"):
+        echo.ping(1)
+    assert gone(pid, 5), "a role of the killed node was left behind"

@@ -1,0 +1,92 @@
+"""The node agent's channel in one process (runtime.agent): a NodeAgent serving in a thread,
+node 0's RemoteNode beside it, both on 127.0.0.1 with their own CURVE keys. What the two-launcher
+test (tests/test_multinode.py) cannot show cheaply: a clean stop, node 0 going silent, and a
+node 0 without the job's key, which the agent never lets in."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import msgpack
+import psutil
+import pytest
+import zmq
+
+from runtime import Supervisor
+from runtime.agent import NodeAgent, RemoteNode
+from runtime.curve import KeyPair, dial
+from runtime.rendezvous import NodeEntry
+from tests.actors import Echo
+
+HEARTBEAT_S = 0.1
+pytestmark = pytest.mark.timeout(60)
+
+
+class Serving:
+    """A NodeAgent for node 1 whose serve() runs in a thread; `.reason` once it returned."""
+
+    def __init__(self, tmp_path, driver_key: bytes, hello_timeout_s: float = 10.0):
+        self.agent = NodeAgent(1, KeyPair.new(), "127.0.0.1", tmp_path / "node1", fake_gpus=1)
+        self.reason: str | None = None
+        self.thread = threading.Thread(target=self._serve, args=(driver_key, hello_timeout_s), daemon=True)
+        self.thread.start()
+
+    def _serve(self, driver_key, hello_timeout_s):
+        self.reason = self.agent.serve(driver_key, hello_timeout_s)
+
+    def wait(self, timeout: float) -> str | None:
+        self.thread.join(timeout)
+        return self.reason
+
+
+def gone(pid: int, within_s: float) -> bool:
+    until = time.monotonic() + within_s
+    while time.monotonic() < until:
+        if not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE:
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def test_node_0_stops_the_job_and_the_agent_stops_its_roles(tmp_path):
+    keys = KeyPair.new()
+    node1 = Serving(tmp_path, keys.public)
+    with Supervisor(tmp_path / "node0", transport="tcp", job_keys=KeyPair.new(), heartbeat_interval=HEARTBEAT_S) as sup:
+        remote = RemoteNode(sup, node1.agent.entry(), keys, hello_timeout_s=10)
+        echo = remote.spawn("echo", Echo, gpus=[0])
+        assert echo.ping([1, 2]) == [1, 2]
+        pid = echo.pid()
+        remote.close("done")
+        assert node1.wait(10) == "node 0 stopped the job: done"
+    assert gone(pid, 5)
+
+
+def test_node_0_silent_past_the_timeout_stops_the_node(tmp_path):
+    keys, job = KeyPair.new(), KeyPair.new()
+    node1 = Serving(tmp_path, keys.public)
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)  # node 0 as runtime.agent.RemoteNode speaks: hello, then nothing
+    sock.linger = 0
+    dial(sock, keys, node1.agent.keys.public, node1.agent.endpoint)
+    sock.send_multipart([b"hello", msgpack.packb({
+        "token": "t" * 32, "job_public": job.public, "job_secret": job.secret,
+        "heartbeat_interval": HEARTBEAT_S, "heartbeat_timeout": 0.5})])
+    assert sock.poll(10_000) and sock.recv_multipart()[0] == b"welcome"
+    started = time.monotonic()
+    reason = node1.wait(10)
+    assert reason == "node 0 stopped answering for 0.5 s: stopping this node's roles"
+    assert time.monotonic() - started < 3
+    sock.close()
+    ctx.term()
+
+
+def test_a_node_0_without_the_jobs_key_is_never_let_in(tmp_path):
+    node1 = Serving(tmp_path, KeyPair.new().public, hello_timeout_s=1.0)
+    with Supervisor(tmp_path / "node0", transport="tcp", job_keys=KeyPair.new(), heartbeat_interval=HEARTBEAT_S) as sup:
+        impostor = KeyPair.new()  # not the key node 1 read from the rendezvous store
+        entry = NodeEntry(1, node1.agent.endpoint, node1.agent.keys.public)
+        with pytest.raises(Exception, match="node 1 .*did not answer node 0's hello|node 1 lost"):
+            RemoteNode(sup, entry, impostor, hello_timeout_s=1.0)
+    assert node1.wait(5) == "node 0 did not say hello for 1 s: stopping this node's roles"
+    assert node1.agent.sup is None  # no supervisor was ever started for the impostor
