@@ -90,3 +90,22 @@ def test_a_node_0_without_the_jobs_key_is_never_let_in(tmp_path):
             RemoteNode(sup, entry, impostor, hello_timeout_s=1.0)
     assert node1.wait(5) == "node 0 did not say hello for 1 s: stopping this node's roles"
     assert node1.agent.sup is None  # no supervisor was ever started for the impostor
+
+
+def test_a_caller_without_the_jobs_key_cannot_reach_a_role(tmp_path):
+    from runtime import CallTimeout, wire
+    from runtime.handle import Caller
+
+    with Supervisor(tmp_path, transport="tcp", job_keys=KeyPair.new(), heartbeat_interval=HEARTBEAT_S) as sup:
+        echo = sup.spawn("echo", Echo)
+        assert echo.ping(1) == 1  # the driver's caller holds the job's key
+        ctx = zmq.Context()
+        # the wire token too: only the missing key keeps this caller out
+        stranger = Caller(ctx, wire.WireConfig(token=sup.cfg.token, curve=KeyPair.new()), "stranger", sup.directory)
+        try:
+            with pytest.raises(CallTimeout):
+                stranger.call("echo", "ping", (2,), {}, timeout=None).result(timeout=1.0)
+        finally:
+            stranger.close()
+            ctx.term()
+        assert echo.ping(3) == 3
