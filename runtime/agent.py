@@ -231,7 +231,7 @@ class RemoteNode:
             self._closing = True
             self._thread.join(timeout=5)
         if not self._ctx.closed:
-            self._sock.close(linger=0)
+            self._sock.close(linger=0 if self.failure else 1000)  # a live agent gets the stop
             self._ctx.term()
 
     # -- the channel's thread: the only one that touches the socket ------------------------
@@ -242,11 +242,12 @@ class RemoteNode:
     def _run(self) -> None:
         next_ping = 0.0
         while True:
+            closing = self._closing  # read first: close() posts "stop" before it sets _closing
             with self._cond:
                 outbox, self._outbox = self._outbox, []
             for kind, payload, frames in outbox:
                 _send(self._sock, kind, payload, frames)
-            if self._closing or self.failure is not None:
+            if closing or self.failure is not None:
                 return
             if self._sock.poll(int(TICK_S * 1000)):
                 kind, payload, *_ = self._sock.recv_multipart()

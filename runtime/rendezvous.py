@@ -65,12 +65,11 @@ def meet(master_addr: str, master_port: int, *, nnodes: int, entry: NodeEntry, t
     """Publish `entry` in the job's c10d TCPStore at master_addr:master_port and wait for the
     entries of all `nnodes` nodes. `host`: this node serves the store (node 0, unless torchrun's
     agent already serves one there). Raises RendezvousFailed within about `timeout_s`."""
-    import torch.distributed as dist  # only a multi-node launcher pays for the import
-
     deadline = time.monotonic() + timeout_s
     where = f"{master_addr}:{master_port}"
     if not host:  # fail with our own line, not c10d's retry log, when node 0 is not there
         _wait_reachable(master_addr, master_port, deadline, timeout_s)
+    import torch.distributed as dist  # only a launcher that reached the store pays for the import
     try:
         store = dist.TCPStore(master_addr, master_port, nnodes, is_master=host, wait_for_workers=False,
                               timeout=timedelta(seconds=max(1.0, deadline - time.monotonic())))

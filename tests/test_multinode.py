@@ -35,14 +35,20 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def node_1_command(run_dir: Path, port: int, timeout_s: float) -> list[str]:
+    return [sys.executable, "launch.py", "--num-gpus-per-node", "1", "--actor-num-gpus-per-node", "1",
+            "--actor-num-nodes", "2", "--nnodes", "2", "--node-rank", "1", "--master-addr", "127.0.0.1",
+            "--master-port", str(port), "--run-dir", str(run_dir), "--rendezvous-timeout-s", str(timeout_s)]
+
+
+ENV = {**{k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}, "PYTHONPATH": str(REPO)}
+
+
 def start_node_1(run_dir: Path, port: int) -> subprocess.Popen:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
-    return subprocess.Popen(
-        [sys.executable, "launch.py", "--num-gpus-per-node", "1", "--actor-num-gpus-per-node", "1",
-         "--actor-num-nodes", "2", "--nnodes", "2", "--node-rank", "1", "--master-addr", "127.0.0.1",
-         "--master-port", str(port), "--run-dir", str(run_dir), "--rendezvous-timeout-s", "30"],
-        cwd=REPO, env={**env, "PYTHONPATH": str(REPO)}, stderr=subprocess.PIPE, text=True,
-        start_new_session=True)
+    # a file, not a pipe: its roles write there too, and nobody would drain a pipe
+    with open(run_dir / "node1.log", "w") as log:
+        return subprocess.Popen(node_1_command(run_dir, port, 30), cwd=REPO, env=ENV, stderr=log,
+                                start_new_session=True)
 
 
 def gone(pid: int, within_s: float) -> bool:
@@ -73,8 +79,11 @@ def two_nodes(tmp_path):
         if remote is not None:
             remote.close()
         sup.shutdown()
-        if node1.poll() is None:
+        try:
             node1.wait(timeout=15)
+        except subprocess.TimeoutExpired:  # it never met node 0: its roles die with it
+            node1.kill()
+            node1.wait()
 
 
 def test_a_role_on_node_1_is_called_from_node_0_until_node_1_is_killed(two_nodes, tmp_path):
@@ -94,9 +103,18 @@ def test_a_role_on_node_1_is_called_from_node_0_until_node_1_is_killed(two_nodes
         time.sleep(0.02)
     noticed = time.monotonic() - killed
     assert isinstance(remote.failure, NodeLost)
-    assert noticed < sup.heartbeat_timeout + 3 * HEARTBEAT_S, noticed
+    assert noticed < sup.heartbeat_timeout + 5 * HEARTBEAT_S, noticed
     message = str(remote.failure)
     assert "\n" not in message and message.startswith("node 1 lost: no heartbeat for")
     with pytest.raises(ActorDied, match="node 1 lost"):
         echo.ping(1)
     assert gone(pid, 5), "a role of the killed node was left behind"
+
+
+def test_node_0_unreachable_is_one_line_and_exit_2(tmp_path):
+    out = subprocess.run(node_1_command(tmp_path, free_port(), 1), cwd=REPO, env=ENV, capture_output=True,
+                         text=True, timeout=60)
+    assert out.returncode == 2
+    assert out.stderr.splitlines() == [out.stderr.strip()], out.stderr
+    assert out.stderr.startswith("tandem: node 1: node 0's rendezvous store at 127.0.0.1:")
+    assert "did not answer within 1 s" in out.stderr
