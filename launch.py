@@ -12,7 +12,7 @@ import sys
 
 from ppo.config.cli import build_parser, parse_cli
 from ppo.config.cluster import from_environment
-from ppo.config import ConfigError, derived_values, to_dict
+from ppo.config import ConfigError, PPOConfig, derived_values, to_dict
 from ppo.gpu.placement import format_nodes, format_placement, plan_placement
 
 
@@ -82,7 +82,7 @@ def main(argv: list[str] | None = None) -> None:
             sm.close()
 
 
-def run_across_nodes(cfg) -> None:
+def run_across_nodes(cfg: PPOConfig) -> None:
     """A node > 0 serves node 0's driver until the job ends; node 0's driver across nodes is not built yet."""
     if cfg.cluster.node_rank == 0:
         print(f"tandem: --nnodes {cfg.cluster.nnodes}: node 0's driver cannot place roles on other nodes yet "

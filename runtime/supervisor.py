@@ -56,7 +56,11 @@ class Supervisor:
 
     `node` gives it the host's event bus, GPU leases and socket folder (runtime.node); by
     default it builds them for this host from `run_dir`, `gpus`, `fake_gpus` and
-    `fake_gpu_bytes`. Either way it closes them at shutdown."""
+    `fake_gpu_bytes`. Either way it closes them at shutdown.
+
+    Across nodes (runtime.agent) every supervisor of the job uses `transport="tcp"` bound to its
+    node's address, the job's CURVE key pair `job_keys` on every socket, and the job's wire
+    `token`, which node 0 hands the node agents."""
 
     def __init__(self, run_dir: str | os.PathLike, *, heartbeat_interval: float = 1.0,
                  heartbeat_timeout: float | None = None, max_restarts: int = 3,
