@@ -49,13 +49,16 @@ def gone(pid: int, within_s: float) -> bool:
     return False
 
 
-def test_node_0_stops_the_job_and_the_agent_stops_its_roles(tmp_path):
+def test_roles_call_across_nodes_until_node_0_stops_the_job(tmp_path):
     keys = KeyPair.new()
     node1 = Serving(tmp_path, keys.public)
     with Supervisor(tmp_path / "node0", transport="tcp", job_keys=KeyPair.new(), heartbeat_interval=HEARTBEAT_S) as sup:
         remote = RemoteNode(sup, node1.agent.entry(), keys, hello_timeout_s=10)
         echo = remote.spawn("echo", Echo, gpus=[0])
         assert echo.ping([1, 2]) == [1, 2]
+        near = sup.spawn("near", Echo)
+        # a handle passed as an argument carries its address: roles call across nodes both ways
+        assert echo.call_peer(near, 7) == 7 and near.call_peer(echo, 8) == 8
         pid = echo.pid()
         remote.close("done")
         assert node1.wait(10) == "node 0 stopped the job: done"
