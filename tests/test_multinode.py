@@ -1,5 +1,5 @@
-"""Two nodes on 127.0.0.1: node 0 in this process (a supervisor with the job's CURVE keys and a
-RemoteNode), node 1 a `launch.py --nnodes 2 --node-rank 1` process running its node agent
+"""Two nodes on 127.0.0.1: node 0 in this process (a supervisor with the job's CURVE keys, and
+ppo.setup.nodes.connect_nodes from the same command line with --node-rank 0), node 1 a `launch.py --nnodes 2 --node-rank 1` process running its node agent
 (runtime.agent) on its own fake GPU. A role on node 1 is called from node 0; node 1 killed is
 noticed within a few heartbeats, and no role of it outlives it. One launcher process per test
 file: it imports torch (the rendezvous store), the bulk of its time. A clean stop and node 0
@@ -19,9 +19,10 @@ import psutil
 import pytest
 
 from runtime import ActorDied, RemoteError, Supervisor
-from runtime.agent import NodeLost, RemoteNode
+from ppo.config.cli import parse_args
+from ppo.setup.nodes import connect_nodes, node_address
+from runtime.agent import NodeLost
 from runtime.curve import KeyPair
-from runtime.rendezvous import NodeEntry, meet
 from tests.actors import Echo
 
 REPO = Path(__file__).resolve().parents[1]
@@ -67,17 +68,16 @@ def gone(pid: int, within_s: float) -> bool:
 def two_nodes(tmp_path):
     port = free_port()
     node1 = start_node_1(tmp_path, port)
-    keys = KeyPair.new()
-    sup = Supervisor(tmp_path / "node0", transport="tcp", job_keys=KeyPair.new(), heartbeat_interval=HEARTBEAT_S)
-    remote = None
+    cfg = parse_args(node_1_command(tmp_path, port, 60)[2:] + ["--node-rank", "0"])  # node 0's own line
+    sup = Supervisor(tmp_path / "node0", transport="tcp", host=node_address(cfg), job_keys=KeyPair.new(),
+                     heartbeat_interval=HEARTBEAT_S)
+    nodes = None
     try:
-        rdv = meet("127.0.0.1", port, nnodes=2, entry=NodeEntry(0, sup.control_endpoint, keys.public),
-                   timeout_s=60, host=True)
-        remote = RemoteNode(sup, rdv.nodes[1], keys, hello_timeout_s=30)
-        yield sup, remote, node1
+        nodes = connect_nodes(cfg, sup, environ={})
+        yield sup, nodes.remotes[1], node1
     finally:
-        if remote is not None:
-            remote.close()
+        if nodes is not None:
+            nodes.close("the test ended")
         sup.shutdown()
         try:
             node1.wait(timeout=15)
