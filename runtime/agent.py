@@ -115,17 +115,27 @@ class NodeAgent:
                           fake_gpus=self.fake_gpus, fake_gpu_bytes=self.fake_gpu_bytes)
 
     def _spawn(self, req: dict, frames: list[bytes], known: dict) -> dict:
+        """Supervisor.spawn, or spawn_group for this node's slice of a rank group (`ranks` set)."""
         try:
             cfg = self.sup.cfg
             hdr = wire.decode_header(cfg, frames)
             args, kwargs = wire.decode_body(cfg, hdr, frames)
-            handle = self.sup.spawn(req["name"], pickle.loads(req["cls"]), *args, gpus=req["gpus"],
-                                    restart=req["restart"], group=req["group"], env=req["env"], **kwargs)
+            cls, ranks = pickle.loads(req["cls"]), req.get("ranks")
+            if ranks is None:
+                handles = [self.sup.spawn(req["name"], cls, *args, gpus=req["gpus"], restart=req["restart"],
+                                          group=req["group"], env=req["env"], **kwargs)]
+            else:
+                handles = self.sup.spawn_group(req["name"], cls, *args, gpus=req["gpus"], env=req["env"],
+                                               world_size=ranks["world_size"], first_rank=ranks["first_rank"],
+                                               master=tuple(ranks["master"]), **kwargs)
         except Exception as e:  # the driver raises it where it called spawn
             return {"req": req["req"], "error": f"{type(e).__name__}: {e}"}
-        addr = self.sup.directory.resolve(handle.name)
-        known[addr.name] = (addr.incarnation, None)
-        return {"req": req["req"], "name": addr.name, "inc": addr.incarnation, "endpoint": addr.endpoint}
+        roles = []
+        for h in handles:
+            addr = self.sup.directory.resolve(h.name)
+            known[addr.name] = (addr.incarnation, None)
+            roles.append({"name": addr.name, "inc": addr.incarnation, "endpoint": addr.endpoint})
+        return {"req": req["req"], "roles": roles}
 
     def _report(self, driver: bytes, known: dict) -> str | None:
         """A heartbeat, then each restart and death of a role since the last one; or, when the
@@ -198,6 +208,20 @@ class RemoteNode:
               group: str | None = None, env: dict[str, str] | None = None, timeout: float = 60.0,
               **kwargs) -> ActorHandle:
         """Supervisor.spawn on this node; `gpus` are the node's own GPU ids."""
+        return self._spawn(name, cls, args, kwargs, gpus=gpus, restart=restart, group=group, env=env,
+                           ranks=None, timeout=timeout)[0]
+
+    def spawn_group(self, name: str, cls: type, *args, gpus: Sequence[int], world_size: int, first_rank: int,
+                    master: tuple[str, int], env: dict[str, str] | None = None, timeout: float = 60.0,
+                    **kwargs) -> list[ActorHandle]:
+        """This node's slice of rank group `name` (Supervisor.spawn_group): ranks `first_rank` on,
+        one per GPU of `gpus` (the node's own ids), joining the store at `master`."""
+        ranks = {"world_size": world_size, "first_rank": first_rank, "master": list(master)}
+        return self._spawn(name, cls, args, kwargs, gpus=gpus, restart="temporary", group=name, env=env,
+                           ranks=ranks, timeout=timeout)
+
+    def _spawn(self, name: str, cls: type, args: tuple, kwargs: dict, *, gpus: Sequence[int], restart: str,
+               group: str | None, env: dict[str, str] | None, ranks: dict | None, timeout: float) -> list[ActorHandle]:
         self.check()
         init = wire.encode(wire.WireConfig(token=self.sup.cfg.token), {
             "kind": "init", "id": 0, "src": "supervisor", "dst": name, "method": "__init__",
@@ -206,7 +230,7 @@ class RemoteNode:
             self._req += 1
             req = self._req
         self._post("spawn", {"req": req, "name": name, "cls": pickle.dumps(cls), "gpus": [int(g) for g in gpus],
-                             "restart": restart, "group": group, "env": dict(env or {})},
+                             "restart": restart, "group": group, "env": dict(env or {}), "ranks": ranks},
                    [bytes(f) for f in init.frames])
         with self._cond:
             if not self._cond.wait_for(lambda: req in self._replies or self.failure, timeout=timeout):
@@ -215,9 +239,12 @@ class RemoteNode:
             reply = self._replies.pop(req)
         if "error" in reply:
             raise RuntimeActorError(f"node {self.rank} could not spawn {name!r}: {reply['error']}")
-        self.sup.directory.update(Address(name, reply["inc"], reply["endpoint"]))
-        self._roles[name] = reply["inc"]
-        return ActorHandle(name, cls.__name__, endpoints_of(cls), self.sup.caller)
+        handles = []
+        for role in reply["roles"]:
+            self.sup.directory.update(Address(role["name"], role["inc"], role["endpoint"]))
+            self._roles[role["name"]] = role["inc"]
+            handles.append(ActorHandle(role["name"], cls.__name__, endpoints_of(cls), self.sup.caller))
+        return handles
 
     def check(self) -> None:
         """Raise NodeLost if the node was lost or its supervisor gave up."""

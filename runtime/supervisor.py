@@ -177,6 +177,7 @@ class Supervisor:
         return self.handle(name)
 
     def spawn_group(self, name: str, cls: type, *args, gpus: Sequence[int], env: dict[str, str] | None = None,
+                    world_size: int | None = None, first_rank: int = 0, master: tuple[str, int] | None = None,
                     **kwargs) -> list[ActorHandle]:
         """Start a rank group: ``cls(*args, **kwargs)`` once per GPU, rank i named ``f"{name}.{i}"``
         on ``gpus[i]`` alone, with the torch.distributed environment set before any import:
@@ -189,21 +190,37 @@ class Supervisor:
         dies the others are stopped, and calls to any of them raise the ActorDied of the rank
         that died. The supervisor never restarts it by itself (its state is the run's, which
         only the driver can reload); the driver may, with `respawn_group`.
+
+        Across nodes (runtime.agent) each node starts its slice: ranks ``first_rank`` on of a group
+        of ``world_size``, LOCAL_RANK counting from 0 on each node. Node 0's supervisor hosts the
+        store on its host; the others are given it as ``master`` (address, port). What one slice's
+        death does to the others' is the driver's to decide (docs/multinode.md).
         """
         if not gpus:
             raise ValueError(f"{name}: a rank group needs gpus (one rank per GPU)")
         if "." in name:
             raise ValueError(f"rank group name {name!r}: must not contain '.' (ranks are named NAME.RANK)")
+        world = len(gpus) if world_size is None else world_size
+        if not 0 <= first_rank <= world - len(gpus):
+            raise ValueError(f"{name}: ranks {first_rank}..{first_rank + len(gpus) - 1} do not fit a group of "
+                             f"world_size={world}")
         with self._lock:
             if any(c.spec.group == name for c in self._children.values()):
                 raise ValueError(f"a group named {name!r} already exists")
-            self._stores[name] = store = host_store("127.0.0.1", len(gpus))
-        port = store.port
-        return [self.spawn(f"{name}.{rank}", cls, *args, gpus=[gpu], restart="temporary", group=name,
-                           env={**(env or {}), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-                                "RANK": str(rank), "WORLD_SIZE": str(len(gpus)), "LOCAL_RANK": str(rank)},
+            if master is None:
+                self._stores[name] = store = host_store(self.host, world)
+                master = (self.host, store.port)
+        return [self.spawn(f"{name}.{first_rank + i}", cls, *args, gpus=[gpu], restart="temporary", group=name,
+                           env={**(env or {}), "MASTER_ADDR": master[0], "MASTER_PORT": str(master[1]),
+                                "RANK": str(first_rank + i), "WORLD_SIZE": str(world), "LOCAL_RANK": str(i)},
                            **kwargs)
-                for rank, gpu in enumerate(gpus)]
+                for i, gpu in enumerate(gpus)]
+
+    def group_master(self, name: str) -> tuple[str, int]:
+        """(address, port) of the store this supervisor hosts for rank group `name`: what the
+        slices of the group on other nodes are given as `master`."""
+        with self._lock:
+            return self.host, self._stores[name].port
 
     def respawn_group(self, name: str, reason: str, timeout: float = 60.0) -> list[ActorHandle]:
         """Start rank group `name` again: its live ranks are stopped, then every rank starts as
@@ -217,6 +234,8 @@ class Supervisor:
             members = [c for c in self._children.values() if c.spec.group == name and c.spec.restart == "temporary"]
         if not members:
             raise ValueError(f"no rank group named {name!r}")
+        if int(members[0].spec.env["WORLD_SIZE"]) != len(members):
+            raise ValueError(f"rank group {name!r} spans nodes: respawning it is not built yet")
         members.sort(key=lambda c: int(c.spec.env["RANK"]))
         # A rank's death stops its peers in the watch thread, which then drops the store:
         # wait for that, so that no stop of an old incarnation lands on a new one.

@@ -13,7 +13,7 @@ import psutil
 import pytest
 import zmq
 
-from runtime import Supervisor
+from runtime import Actor, Supervisor, endpoint
 from runtime.agent import NodeAgent, RemoteNode
 from runtime.curve import KeyPair, dial
 from runtime.rendezvous import NodeEntry
@@ -112,3 +112,49 @@ def test_a_caller_without_the_jobs_key_cannot_reach_a_role(tmp_path):
             stranger.close()
             ctx.term()
         assert echo.ping(3) == 3
+
+
+class GlooRank(Actor):
+    """A rank that joins its group as the trainers do (roles.trainer.distributed.init_from_env)."""
+
+    def __init__(self):
+        from roles.trainer.distributed import init_from_env
+
+        self.rank = init_from_env("gloo")
+
+    @endpoint
+    def all_reduce(self, value: float) -> list:
+        import os
+
+        import torch
+        import torch.distributed as dist
+
+        t = torch.tensor([value])
+        dist.all_reduce(t)
+        return [self.rank.rank, self.rank.world_size, int(os.environ["LOCAL_RANK"]), float(t.item())]
+
+
+@pytest.mark.timeout(120)
+def test_a_rank_group_spans_two_nodes_over_gloo(tmp_path):
+    keys = KeyPair.new()
+    node1 = Serving(tmp_path, keys.public)
+    # the default heartbeats: a rank importing torch on a busy 2-core machine misses short ones
+    with Supervisor(tmp_path / "node0", transport="tcp", job_keys=KeyPair.new(), fake_gpus=1) as sup:
+        remote = RemoteNode(sup, node1.agent.entry(), keys, hello_timeout_s=10)
+        try:
+            here = sup.spawn_group("actor", GlooRank, gpus=[0], world_size=2, first_rank=0)
+            there = remote.spawn_group("actor", GlooRank, gpus=[0], world_size=2, first_rank=1,
+                                       master=sup.group_master("actor"))
+            futures = [h.all_reduce.call(float(10 ** rank)) for rank, h in enumerate(here + there)]
+            # [rank, world size, LOCAL_RANK on its node, 10**0 + 10**1 summed over both nodes]
+            assert [f.result(timeout=60) for f in futures] == [[0, 2, 0, 11.0], [1, 2, 0, 11.0]]
+            assert [h.name for h in here + there] == ["actor.0", "actor.1"]
+        finally:
+            remote.close("done")
+    assert node1.wait(10) == "node 0 stopped the job: done"
+
+
+def test_a_slice_of_ranks_past_the_world_size_is_refused(tmp_path):
+    with Supervisor(tmp_path, transport="tcp", job_keys=KeyPair.new()) as sup:
+        with pytest.raises(ValueError, match=r"ranks 1..2 do not fit a group of world_size=2"):
+            sup.spawn_group("actor", Echo, gpus=[0, 1], world_size=2, first_rank=1, master=("127.0.0.1", 1))
