@@ -38,8 +38,11 @@ def run_node(cfg: PPOConfig) -> str:
     agent = NodeAgent(c.node_rank, KeyPair.new(), node_address(cfg), Path(cfg.logging.run_dir) / f"node{c.node_rank}",
                       gpus=range(per_node), fake_gpus=per_node if plan.fake_gpus else 0,
                       fake_gpu_bytes=FAKE_GPU_BYTES)
-    # SIGTERM (scancel, a node's shutdown) stops the roles through serve()'s finally
+    # SIGTERM (scancel, a node's shutdown) stops the roles through serve()'s finally. Slurm's
+    # --signal=USR1@T reaches every task: node 0 saves the checkpoint and stops the job, so here
+    # it must not take the default action (the process ends, and node 0 loses the node mid-save)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    signal.signal(signal.SIGUSR1, signal.SIG_IGN)
     try:
         rdv = meet(c.master_addr, c.master_port, nnodes=c.nnodes, entry=agent.entry(),
                    timeout_s=c.rendezvous_timeout_s, host=False)  # node 0 serves the store
