@@ -94,7 +94,9 @@ def test_a_role_on_node_1_is_called_from_node_0_until_node_1_is_killed(two_nodes
         "CUDA_VISIBLE_DEVICES": "0", "TANDEM_FAKE_GPU_DIR": str(tmp_path / "node1" / "fakegpu")}
     with pytest.raises(RemoteError, match="boom"):  # the error contract holds across nodes
         echo.fail("boom")
-    assert echo.ping("again") == "again"
+    node1.send_signal(signal.SIGUSR1)  # Slurm's --signal=USR1 reaches every task; node 0's to act on
+    time.sleep(2 * HEARTBEAT_S)
+    assert node1.poll() is None and echo.ping("again") == "again"
     pid = echo.pid()
 
     node1.send_signal(signal.SIGKILL)  # the launcher alone: its roles must follow it (PR_SET_PDEATHSIG)
