@@ -49,6 +49,12 @@ def _send(sock: zmq.Socket, kind: str, payload: dict, frames: Sequence[bytes] = 
     sock.send_multipart([*head, kind.encode(), msgpack.packb(payload, use_bin_type=True), *frames])
 
 
+def _aside(fn, *args) -> None:
+    """Run `fn` in a thread of its own: stopping roles waits out their grace period, which must not
+    hold up a channel whose silence the other side takes for a lost node."""
+    threading.Thread(target=fn, args=args, name="tandem-stop-group", daemon=True).start()
+
+
 class NodeAgent:
     """Node `rank`'s agent. Binds its channel at once (`endpoint`, to publish in the rendezvous
     store); `serve` then runs the node until node 0 stops the job or is lost."""
@@ -86,6 +92,9 @@ class NodeAgent:
                         _send(self._sock, "welcome", {"rank": self.rank}, ident=driver)
                     elif kind == b"spawn" and self.sup is not None:
                         _send(self._sock, "spawned", self._spawn(body, frames, known), ident=driver)
+                    elif kind == b"stop_group" and self.sup is not None:
+                        cause = ActorDied(body["role"], body["inc"], body["reason"])
+                        _aside(self.sup.stop_group, body["group"], cause)
                     elif kind == b"stop":
                         return f"node 0 stopped the job: {body.get('reason', '')}".rstrip(": ")
                 now = time.monotonic()
@@ -181,6 +190,10 @@ class RemoteNode:
         self._outbox: list[tuple[str, dict, list]] = []
         self._replies: dict[int, dict] = {}
         self._roles: dict[str, int] = {}  # name: incarnation, the roles spawned on this node
+        # rank groups with a slice here: {group: (world size, ranks here)}; a death elsewhere in one
+        # stops the slice here, and a death here the slice on node 0 (a group dies as one)
+        self._groups: dict[str, tuple[int, set[int]]] = {}
+        self._stopped_groups: set[str] = set()
         self._cond = threading.Condition()
         self._req = 0
         self.failure: NodeLost | None = None
@@ -217,8 +230,11 @@ class RemoteNode:
         """This node's slice of rank group `name` (Supervisor.spawn_group): ranks `first_rank` on,
         one per GPU of `gpus` (the node's own ids), joining the store at `master`."""
         ranks = {"world_size": world_size, "first_rank": first_rank, "master": list(master)}
-        return self._spawn(name, cls, args, kwargs, gpus=gpus, restart="temporary", group=name, env=env,
-                           ranks=ranks, timeout=timeout)
+        handles = self._spawn(name, cls, args, kwargs, gpus=gpus, restart="temporary", group=name, env=env,
+                              ranks=ranks, timeout=timeout)
+        with self._cond:
+            self._groups[name] = (world_size, set(range(first_rank, first_rank + len(gpus))))
+        return handles
 
     def _spawn(self, name: str, cls: type, args: tuple, kwargs: dict, *, gpus: Sequence[int], restart: str,
                group: str | None, env: dict[str, str] | None, ranks: dict | None, timeout: float) -> list[ActorHandle]:
@@ -288,6 +304,7 @@ class RemoteNode:
                 return
             if now >= next_ping:
                 self._post("ping", {})
+                self._stop_slices_of_dead_groups()
                 next_ping = now + self.sup.heartbeat_interval
 
     def _on_message(self, kind: str, body: dict) -> None:
@@ -307,8 +324,30 @@ class RemoteNode:
                             body.get("error_file"), body.get("error_text"))
             self.sup.directory.mark_dead(body["name"], body["inc"], err)
             self.sup.caller.fail_destination(body["name"], body["inc"], err)
+            group = body["name"].rpartition(".")[0]
+            if group in self._groups:  # node 0's slice of the group goes with it
+                _aside(self.sup.stop_group, group, err)
         elif kind == "failed":
             self._lose(f"node {self.rank}'s supervisor gave up: {body['reason']}")
+
+    def _stop_slices_of_dead_groups(self) -> None:
+        """A rank of a group elsewhere (node 0's slice, another node's) dead in node 0's
+        directory: ask the agent to stop this node's slice, once."""
+        for group, (world, here) in list(self._groups.items()):
+            if group in self._stopped_groups:
+                continue
+            for rank in range(world):
+                if rank in here:
+                    continue
+                try:
+                    self.sup.directory.resolve(f"{group}.{rank}")
+                except ActorDied as e:
+                    self._stopped_groups.add(group)
+                    self._post("stop_group", {"group": group, "role": e.role, "inc": e.incarnation,
+                                              "reason": e.reason})
+                    break
+                except KeyError:  # not started yet
+                    continue
 
     def _lose(self, reason: str) -> None:
         """Fail every call to this node's roles, then make check() raise."""

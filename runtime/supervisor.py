@@ -105,7 +105,7 @@ class Supervisor:
         self.leases.listen(self._on_lease_event)
         self._deferred: dict[str, str] = {}  # children whose restart waits for their leases: reason
         self._stores: dict[str, object] = {}  # rank group name: its rendezvous store (a TCPStore server)
-        self._respawning: set[str] = set()  # rank groups that respawn_group stops: their deaths are its own
+        self._respawning: set[str] = set()  # rank groups that respawn_group or stop_group stops: their deaths are its own
 
         self._children: dict[str, Child] = {}
         self._lock = threading.RLock()          # guards _children and restart bookkeeping
@@ -313,6 +313,20 @@ class Supervisor:
             if time.monotonic() > until:
                 raise TimeoutError(f"{name} was not restarted within {timeout} s")
             time.sleep(0.01)
+
+    def stop_group(self, name: str, cause: ActorDied) -> None:
+        """Stop the live ranks of rank group `name` here because a rank elsewhere died (a slice
+        on another node, runtime.agent); calls to them raise `cause`. Nothing when none runs here."""
+        with self._lock:
+            live = [c for c in self._children.values() if c.spec.group == name and c.state != "dead"]
+            self._stores.pop(name, None)
+            self._respawning.add(name)  # the watch thread leaves their deaths to us: they carry `cause`
+        try:
+            self._stop_children(live, reason=f"stopped with its group {name!r}: {cause.role!r} died "
+                                f"({cause.reason})", cause=cause)
+        finally:
+            with self._lock:
+                self._respawning.discard(name)
 
     def kill(self, name: str, sig: int = signal.SIGKILL) -> None:
         with self._lock:

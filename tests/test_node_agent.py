@@ -13,7 +13,7 @@ import psutil
 import pytest
 import zmq
 
-from runtime import Actor, Supervisor, endpoint
+from runtime import Actor, ActorDied, Supervisor, endpoint
 from runtime.agent import NodeAgent, RemoteNode
 from runtime.curve import KeyPair, dial
 from runtime.rendezvous import NodeEntry
@@ -158,3 +158,35 @@ def test_a_slice_of_ranks_past_the_world_size_is_refused(tmp_path):
     with Supervisor(tmp_path, transport="tcp", job_keys=KeyPair.new()) as sup:
         with pytest.raises(ValueError, match=r"ranks 1..2 do not fit a group of world_size=2"):
             sup.spawn_group("actor", Echo, gpus=[0, 1], world_size=2, first_rank=1, master=("127.0.0.1", 1))
+
+
+def test_a_rank_group_across_nodes_dies_as_one_from_either_side(tmp_path):
+    import os
+    import signal
+
+    keys = KeyPair.new()
+    node1 = Serving(tmp_path, keys.public)
+    with Supervisor(tmp_path / "node0", transport="tcp", job_keys=KeyPair.new(), heartbeat_interval=HEARTBEAT_S,
+                    fake_gpus=1) as sup:
+        remote = RemoteNode(sup, node1.agent.entry(), keys, hello_timeout_s=10)
+        try:
+            slices = {}
+            for group in ("left", "right"):
+                here = sup.spawn_group(group, Echo, gpus=[0], world_size=2)
+                there = remote.spawn_group(group, Echo, gpus=[0], world_size=2, first_rank=1,
+                                           master=sup.group_master(group))
+                assert here[0].ping(0) == 0 and there[0].ping(1) == 1
+                slices[group] = (here[0], there[0], there[0].pid())
+            here, there, pid = slices["left"]
+            os.kill(pid, signal.SIGKILL)  # node 1's rank dies: node 0's rank stops with it
+            with pytest.raises(ActorDied, match="left.1"):
+                for _ in range(100):
+                    here.ping(2, timeout=5)
+                    time.sleep(0.05)
+            here, there, pid = slices["right"]
+            sup.kill("right.0")  # node 0's rank dies: node 1's rank stops with it
+            assert gone(pid, 5)
+            with pytest.raises(ActorDied):
+                there.ping(3, timeout=5)
+        finally:
+            remote.close("done")
