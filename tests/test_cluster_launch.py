@@ -25,13 +25,16 @@ def hosts(nodelist: str) -> list[str]:
 
 
 def test_slurm_task_id_is_the_node_rank_and_the_first_host_is_node_0():
-    env = {"SLURM_PROCID": "1", "SLURM_NTASKS": "2", "SLURM_NNODES": "2", "SLURM_NODEID": "1",
+    env = {"SLURM_PROCID": "1", "SLURM_STEP_NUM_TASKS": "2", "SLURM_NNODES": "2", "SLURM_NODEID": "1",
            "SLURM_STEP_NODELIST": "gpu[07-08]"}
     assert from_environment(env, hosts) == {"nnodes": 2, "node_rank": 1, "master_addr": "gpu07"}
 
 
-def test_slurm_outside_a_task_gives_nothing():
-    assert from_environment({"SLURM_JOB_ID": "5", "SLURM_NNODES": "2"}, hosts) == {}
+def test_slurm_outside_an_srun_step_gives_nothing():
+    # an sbatch script running launch.py itself: one task per GPU asked for, but one host
+    batch = {"SLURM_JOB_ID": "5", "SLURM_NNODES": "1", "SLURM_NTASKS": "8", "SLURM_PROCID": "0",
+             "SLURM_JOB_NODELIST": "gpu07"}
+    assert from_environment(batch, hosts) == {}
 
 
 def test_torchrun_group_rank_and_master():
@@ -43,20 +46,20 @@ def test_torchrun_group_rank_and_master():
 
 
 def test_torchrun_inside_srun_wins_on_rank():
-    env = {"SLURM_PROCID": "0", "SLURM_NTASKS": "2", "SLURM_STEP_NODELIST": "gpu[07-08]",
+    env = {"SLURM_PROCID": "0", "SLURM_STEP_NUM_TASKS": "2", "SLURM_STEP_NODELIST": "gpu[07-08]",
            "GROUP_RANK": "1", "NNODES": "2", "MASTER_ADDR": "gpu08"}
     assert from_environment(env, hosts) == {"nnodes": 2, "node_rank": 1, "master_addr": "gpu08"}
 
 
 def test_slurm_and_torchrun_counting_different_nodes_is_one_line():
     with pytest.raises(ValueError) as err:
-        from_environment({"SLURM_PROCID": "0", "SLURM_NTASKS": "4", "NNODES": "2", "NODE_RANK": "0"}, hosts)
-    assert "\n" not in str(err.value) and "SLURM_NTASKS" in str(err.value)
+        from_environment({"SLURM_PROCID": "0", "SLURM_STEP_NUM_TASKS": "4", "NNODES": "2", "NODE_RANK": "0"}, hosts)
+    assert "\n" not in str(err.value) and "SLURM_STEP_NUM_TASKS" in str(err.value)
 
 
 def test_a_garbled_variable_names_itself():
     with pytest.raises(ValueError, match="SLURM_PROCID='x'"):
-        from_environment({"SLURM_PROCID": "x", "SLURM_NTASKS": "2"}, hosts)
+        from_environment({"SLURM_PROCID": "x", "SLURM_STEP_NUM_TASKS": "2"}, hosts)
 
 
 def test_flags_win_over_the_scheduler():
@@ -92,6 +95,6 @@ def test_dry_run_shows_every_node_from_torchrun_environment():
 
 
 def test_contradicting_schedulers_exit_2_with_one_line():
-    out = launch(["--dry-run"], {"SLURM_PROCID": "0", "SLURM_NTASKS": "3", "NNODES": "2", "NODE_RANK": "0"})
+    out = launch(["--dry-run"], {"SLURM_PROCID": "0", "SLURM_STEP_NUM_TASKS": "3", "NNODES": "2", "NODE_RANK": "0"})
     assert out.returncode == 2 and out.stdout == ""
     assert len(out.stderr.strip().splitlines()) == 1 and out.stderr.startswith("tandem: Slurm starts 3 tasks")

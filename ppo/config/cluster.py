@@ -8,9 +8,12 @@ else from the environment of the launcher that started it:
   GROUP_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR and MASTER_PORT
   (torch/distributed/elastic/agent/server/local_elastic_agent.py, `_start_workers`); scripts
   in the manner of Megatron-LM's and torchtitan's set NNODES and NODE_RANK themselves.
-- Slurm (`srun python launch.py ...`, one task per node) gives SLURM_NTASKS, SLURM_PROCID and
-  SLURM_STEP_NODELIST, whose first host (`scontrol show hostnames`) is node 0. The task id,
-  not SLURM_NODEID, is the node rank, so that `srun -n2` on one machine is two nodes (tests).
+- Slurm (`srun python launch.py ...`, one task per node) gives each task of the step
+  SLURM_STEP_NUM_TASKS, SLURM_PROCID and SLURM_STEP_NODELIST, whose first host (`scontrol show
+  hostnames`) is node 0. The task id, not SLURM_NODEID, is the node rank, so that `srun -n2` on
+  one machine is two nodes (tests). Only a step's variables count: an sbatch script that runs
+  `python launch.py` itself has SLURM_NTASKS (often one per GPU) and SLURM_PROCID=0 too, and
+  is one host.
 
 Under `srun torchrun ...` torchrun is the launcher that started this process and its ranks
 win; the two only contradict each other when they count different nodes.
@@ -32,7 +35,7 @@ def from_environment(env: Mapping[str, str],
     ValueError, one line, when the environment contradicts itself."""
     slurm, torchrun = _slurm(env, hostnames or scontrol_hostnames), _torchrun(env)
     if slurm.get("nnodes") and torchrun.get("nnodes") and slurm["nnodes"] != torchrun["nnodes"]:
-        raise ValueError(f"Slurm starts {slurm['nnodes']} tasks (SLURM_NTASKS) but torchrun counts "
+        raise ValueError(f"Slurm starts {slurm['nnodes']} tasks (SLURM_STEP_NUM_TASKS) but torchrun counts "
                          f"{torchrun['nnodes']} nodes: run one torchrun per node "
                          "(srun --ntasks-per-node=1 torchrun --nnodes $SLURM_NNODES ...) or pass --nnodes")
     return {**slurm, **torchrun}
@@ -84,11 +87,10 @@ def cluster_problems(cfg: PPOConfig, num_placed_nodes: int) -> list[str]:
 
 
 def _slurm(env: Mapping[str, str], hostnames: Callable[[str], list[str]]) -> dict[str, Any]:
-    if "SLURM_PROCID" not in env or "SLURM_NTASKS" not in env and "SLURM_NNODES" not in env:
-        return {}  # salloc's shell or an sbatch script outside srun: no task of ours yet
-    out: dict[str, Any] = {"nnodes": _int(env, "SLURM_NTASKS" if "SLURM_NTASKS" in env else "SLURM_NNODES"),
-                           "node_rank": _int(env, "SLURM_PROCID")}
-    nodelist = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST")
+    if "SLURM_PROCID" not in env or "SLURM_STEP_NUM_TASKS" not in env:
+        return {}  # salloc's shell or an sbatch script outside srun: not a task of a step
+    out: dict[str, Any] = {"nnodes": _int(env, "SLURM_STEP_NUM_TASKS"), "node_rank": _int(env, "SLURM_PROCID")}
+    nodelist = env.get("SLURM_STEP_NODELIST")
     if nodelist:
         hosts = hostnames(nodelist)
         if hosts:

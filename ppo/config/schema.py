@@ -330,7 +330,7 @@ class ClusterConfig:
     Slurm's or torchrun's environment (ppo.config.cluster); flags win over it. Unset everywhere:
     one host, as without these flags."""
 
-    nnodes: int | None = knob(None, "nodes in the job, one launcher each; unset: SLURM_NTASKS or "
+    nnodes: int | None = knob(None, "nodes in the job, one launcher each; unset: SLURM_STEP_NUM_TASKS or "
                               "torchrun's, else one host", ge=1)
     node_rank: int | None = knob(None, "this launcher's node; 0 runs the driver and hosts the rendezvous "
                                  "store; unset: SLURM_PROCID or torchrun's GROUP_RANK", ge=0)
