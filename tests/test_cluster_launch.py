@@ -30,6 +30,13 @@ def test_slurm_task_id_is_the_node_rank_and_the_first_host_is_node_0():
     assert from_environment(env, hosts) == {"nnodes": 2, "node_rank": 1, "master_addr": "gpu07"}
 
 
+def test_an_sbatch_scripts_exported_master_wins_over_the_node_list():
+    env = {"SLURM_PROCID": "0", "SLURM_STEP_NUM_TASKS": "2", "SLURM_STEP_NODELIST": "gpu[07-08]",
+           "MASTER_ADDR": "10.0.0.7", "MASTER_PORT": "12345"}
+    assert from_environment(env, hosts) == {"nnodes": 2, "node_rank": 0, "master_addr": "10.0.0.7",
+                                            "master_port": 12345}
+
+
 def test_slurm_outside_an_srun_step_gives_nothing():
     # an sbatch script running launch.py itself: one task per GPU asked for, but one host
     batch = {"SLURM_JOB_ID": "5", "SLURM_NNODES": "1", "SLURM_NTASKS": "8", "SLURM_PROCID": "0",

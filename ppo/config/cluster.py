@@ -10,10 +10,11 @@ else from the environment of the launcher that started it:
   in the manner of Megatron-LM's and torchtitan's set NNODES and NODE_RANK themselves.
 - Slurm (`srun python launch.py ...`, one task per node) gives each task of the step
   SLURM_STEP_NUM_TASKS, SLURM_PROCID and SLURM_STEP_NODELIST, whose first host (`scontrol show
-  hostnames`) is node 0. The task id, not SLURM_NODEID, is the node rank, so that `srun -n2` on
-  one machine is two nodes (tests). Only a step's variables count: an sbatch script that runs
-  `python launch.py` itself has SLURM_NTASKS (often one per GPU) and SLURM_PROCID=0 too, and
-  is one host.
+  hostnames`) is node 0, unless the sbatch script exported MASTER_ADDR (and MASTER_PORT), as
+  scripts written for torch.distributed do. The task id, not SLURM_NODEID, is the node rank,
+  so that `srun -n2` on one machine is two nodes (tests). Only a step's variables count: an
+  sbatch script that runs `python launch.py` itself has SLURM_NTASKS (often one per GPU) and
+  SLURM_PROCID=0 too, and is one host.
 
 Under `srun torchrun ...` torchrun is the launcher that started this process and its ranks
 win; the two only contradict each other when they count different nodes.
@@ -90,11 +91,13 @@ def _slurm(env: Mapping[str, str], hostnames: Callable[[str], list[str]]) -> dic
     if "SLURM_PROCID" not in env or "SLURM_STEP_NUM_TASKS" not in env:
         return {}  # salloc's shell or an sbatch script outside srun: not a task of a step
     out: dict[str, Any] = {"nnodes": _int(env, "SLURM_STEP_NUM_TASKS"), "node_rank": _int(env, "SLURM_PROCID")}
-    nodelist = env.get("SLURM_STEP_NODELIST")
-    if nodelist:
-        hosts = hostnames(nodelist)
-        if hosts:
+    if "MASTER_ADDR" in env:  # exported by the sbatch script, as many do for torch.distributed
+        out["master_addr"] = env["MASTER_ADDR"]
+    elif nodelist := env.get("SLURM_STEP_NODELIST"):
+        if hosts := hostnames(nodelist):
             out["master_addr"] = hosts[0]
+    if "MASTER_PORT" in env:
+        out["master_port"] = _int(env, "MASTER_PORT")
     return out
 
 

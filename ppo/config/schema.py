@@ -337,7 +337,7 @@ class ClusterConfig:
     master_addr: str | None = knob(None, "node 0's address, where the rendezvous store listens; unset: "
                                    "MASTER_ADDR or the first host of SLURM_STEP_NODELIST")
     master_port: int = knob(29500, "the rendezvous store's port on node 0 (torchrun's default); "
-                            "under torchrun, its MASTER_PORT", ge=1, le=65535)
+                            "under torchrun or srun, MASTER_PORT when set", ge=1, le=65535)
     node_ip: str | None = knob(None, "the address this node's control sockets bind; unset: the one "
                                "that routes to --master-addr (never 0.0.0.0)")
     rendezvous_timeout_s: float = knob(60.0, "how long a node waits for node 0's store and for the "
