@@ -350,11 +350,14 @@ class RemoteNode:
                     continue
 
     def _lose(self, reason: str) -> None:
-        """Fail every call to this node's roles, then make check() raise."""
+        """Fail every call to this node's roles, stop node 0's slices of rank groups that had
+        ranks there (they would wait in a collective for ever), then make check() raise."""
         for name, inc in list(self._roles.items()):
             err = ActorDied(name, inc, reason)
             self.sup.directory.mark_dead(name, inc, err)
             self.sup.caller.fail_destination(name, inc, err)
+            if (group := name.rpartition(".")[0]) in self._groups:
+                _aside(self.sup.stop_group, group, err)
         with self._cond:
             self.failure = NodeLost(reason)
             self._cond.notify_all()

@@ -70,7 +70,7 @@ def two_nodes(tmp_path):
     node1 = start_node_1(tmp_path, port)
     cfg = parse_args(node_1_command(tmp_path, port, 60)[2:] + ["--node-rank", "0"])  # node 0's own line
     sup = Supervisor(tmp_path / "node0", transport="tcp", host=node_address(cfg), job_keys=KeyPair.new(),
-                     heartbeat_interval=HEARTBEAT_S)
+                     heartbeat_interval=HEARTBEAT_S, fake_gpus=1)
     nodes = None
     try:
         nodes = connect_nodes(cfg, sup, environ={})
@@ -90,6 +90,8 @@ def test_a_role_on_node_1_is_called_from_node_0_until_node_1_is_killed(two_nodes
     sup, remote, node1 = two_nodes
     echo = remote.spawn("echo", Echo, "far", gpus=[0])
     assert echo.ping(41) == 41
+    near_rank = sup.spawn_group("grp", Echo, gpus=[0], world_size=2)[0]  # a rank group across both nodes
+    remote.spawn_group("grp", Echo, gpus=[0], world_size=2, first_rank=1, master=sup.group_master("grp"))
     assert echo.env("CUDA_VISIBLE_DEVICES", "TANDEM_FAKE_GPU_DIR") == {
         "CUDA_VISIBLE_DEVICES": "0", "TANDEM_FAKE_GPU_DIR": str(tmp_path / "node1" / "fakegpu")}
     with pytest.raises(RemoteError, match="boom"):  # the error contract holds across nodes
@@ -110,6 +112,10 @@ def test_a_role_on_node_1_is_called_from_node_0_until_node_1_is_killed(two_nodes
     assert "\n" not in message and message.startswith("node 1 lost: no heartbeat for")
     with pytest.raises(ActorDied, match="node 1 lost"):
         echo.ping(1)
+    with pytest.raises(ActorDied, match="node 1 lost"):  # node 0's slice of the group went with the node
+        for _ in range(100):
+            near_rank.ping(2, timeout=5)
+            time.sleep(0.05)
     assert gone(pid, 5), "a role of the killed node was left behind"
 
 
