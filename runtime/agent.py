@@ -19,6 +19,7 @@ arguments in wire format, as Supervisor.spawn sends them to a child.
 
 from __future__ import annotations
 
+import collections
 import os
 import pickle
 import threading
@@ -33,20 +34,26 @@ from runtime import wire
 from runtime.actor import endpoints_of
 from runtime.curve import Gatekeeper, KeyPair, dial, serve
 from runtime.errors import ActorDied, RuntimeActorError, SupervisionFailed
+from runtime.events import follow_events
 from runtime.handle import ActorHandle, Address
 from runtime.rendezvous import NodeEntry
 from runtime.supervisor import Supervisor
 
 TICK_S = 0.02  # how often each side's loop looks at its socket and its clock
+# The events of a node's roles that node 0's bus carries too (with node=R), so that the monitor
+# attached at node 0 shows every node's roles. Leases and GPU bytes stay on their node: their
+# GPU ids are the node's own.
+ROLE_EVENTS = frozenset({"spawned", "ready", "state", "died", "stopped", "restarted", "hung", "role_stats"})
 
 
 class NodeLost(RuntimeActorError):
     """A node stopped answering, or its supervisor gave up; the message is one line."""
 
 
-def _send(sock: zmq.Socket, kind: str, payload: dict, frames: Sequence[bytes] = (), ident: bytes | None = None):
+def _send(sock: zmq.Socket, kind: str, payload: dict, frames: Sequence[bytes] = (), ident: bytes | None = None,
+          flags: int = 0):
     head = [ident] if ident is not None else []
-    sock.send_multipart([*head, kind.encode(), msgpack.packb(payload, use_bin_type=True), *frames])
+    sock.send_multipart([*head, kind.encode(), msgpack.packb(payload, use_bin_type=True), *frames], flags)
 
 
 def _aside(fn, *args) -> None:
@@ -69,6 +76,7 @@ class NodeAgent:
         self._sock.linger = 0
         self.endpoint = serve(self._sock, keys, host)
         self.sup: Supervisor | None = None
+        self._events: collections.deque[dict] = collections.deque()  # role events for node 0's bus
 
     def entry(self) -> NodeEntry:
         return NodeEntry(self.rank, self.endpoint, self.keys.public)
@@ -88,6 +96,7 @@ class NodeAgent:
                     driver, last_heard = ident, time.monotonic()
                     if kind == b"hello" and self.sup is None:
                         self.sup = self._start(body)
+                        threading.Thread(target=self._follow, name="tandem-node-events", daemon=True).start()
                         timeout = body["heartbeat_timeout"]
                         _send(self._sock, "welcome", {"rank": self.rank}, ident=driver)
                     elif kind == b"spawn" and self.sup is not None:
@@ -101,12 +110,21 @@ class NodeAgent:
                 if now - last_heard > timeout:
                     what = "did not say hello" if self.sup is None else "stopped answering"
                     return f"node 0 {what} for {timeout:g} s: stopping this node's roles"
+                while self._events and driver is not None:
+                    _send(self._sock, "event", self._events.popleft(), ident=driver)
                 if self.sup is not None and driver is not None and now >= next_beat:
                     if failure := self._report(driver, known):
                         return f"this node's supervisor gave up: {failure}"
                     next_beat = now + self.sup.heartbeat_interval
         finally:
             self.close()
+
+    def _follow(self) -> None:
+        """Queue this node's role events for node 0 (the serve loop sends them); ends with the
+        supervisor's shutdown event."""
+        for event in follow_events(self.run_dir):
+            if event["event"] in ROLE_EVENTS:
+                self._events.append(event)
 
     def close(self) -> None:
         if self.sup is not None:
@@ -288,8 +306,14 @@ class RemoteNode:
             closing = self._closing  # read first: close() posts "stop" before it sets _closing
             with self._cond:
                 outbox, self._outbox = self._outbox, []
-            for kind, payload, frames in outbox:
-                _send(self._sock, kind, payload, frames)
+            for i, (kind, payload, frames) in enumerate(outbox):
+                try:  # never block: a DEALER with no connected peer (the agent refused us, or is
+                    # gone) would hold this thread in send, past close()
+                    _send(self._sock, kind, payload, frames, flags=zmq.NOBLOCK)
+                except zmq.Again:
+                    with self._cond:
+                        self._outbox[:0] = outbox[i:]  # in order, before what came since
+                    break
             if closing or self.failure is not None:
                 return
             if self._sock.poll(int(TICK_S * 1000)):
@@ -327,6 +351,9 @@ class RemoteNode:
             group = body["name"].rpartition(".")[0]
             if group in self._groups:  # node 0's slice of the group goes with it
                 _aside(self.sup.stop_group, group, err)
+        elif kind == "event":  # a role event of that node, for the monitor at node 0
+            fields = {k: v for k, v in body.items() if k not in ("event", "seq", "ts")}
+            self.sup.bus.publish(body["event"], node=self.rank, **fields)
         elif kind == "failed":
             self._lose(f"node {self.rank}'s supervisor gave up: {body['reason']}")
 

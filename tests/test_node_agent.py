@@ -12,10 +12,13 @@ import msgpack
 import psutil
 import pytest
 import zmq
+from rich.console import Console
 
 from runtime import Actor, ActorDied, Supervisor, endpoint
 from runtime.agent import NodeAgent, RemoteNode
 from runtime.curve import KeyPair, dial
+from runtime.events import read_events
+from runtime.monitor import MonitorState, render
 from runtime.rendezvous import NodeEntry
 from tests.actors import Echo
 
@@ -60,6 +63,22 @@ def test_roles_call_across_nodes_until_node_0_stops_the_job(tmp_path):
         # a handle passed as an argument carries its address: roles call across nodes both ways
         assert echo.call_peer(near, 7) == 7 and near.call_peer(echo, 8) == 8
         pid = echo.pid()
+        # node 1's role events reach node 0's bus, so the monitor attached at node 0 shows it
+        state = MonitorState()
+        until = time.monotonic() + 10
+        while state.roles.get("echo") is None or state.roles["echo"].state != "ready":
+            assert time.monotonic() < until, "node 1's role events did not reach node 0's bus"
+            time.sleep(0.1)
+            state = MonitorState()
+            for event in read_events(tmp_path / "node0"):
+                state.apply(event)
+        assert (state.roles["echo"].node, state.roles["echo"].pid) == (1, pid)
+        assert state.roles["near"].node is None
+        console = Console(record=True, width=160)
+        console.print(render(state, "node0"))
+        cells = [[c.strip() for c in line.split("│")] for line in console.export_text().splitlines()]
+        rows = {c[1]: c[2] for c in cells if len(c) > 2 and c[1] in ("echo", "near")}
+        assert rows == {"echo": "1", "near": "0"}  # the node column, there only across nodes
         remote.close("done")
         assert node1.wait(10) == "node 0 stopped the job: done"
     assert gone(pid, 5)
