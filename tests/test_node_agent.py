@@ -27,10 +27,10 @@ pytestmark = pytest.mark.timeout(60)
 
 
 class Serving:
-    """A NodeAgent for node 1 whose serve() runs in a thread; `.reason` once it returned."""
+    """A NodeAgent (node 1 unless told) whose serve() runs in a thread; `.reason` once it returned."""
 
-    def __init__(self, tmp_path, driver_key: bytes, hello_timeout_s: float = 10.0):
-        self.agent = NodeAgent(1, KeyPair.new(), "127.0.0.1", tmp_path / "node1", fake_gpus=1)
+    def __init__(self, tmp_path, driver_key: bytes, hello_timeout_s: float = 10.0, rank: int = 1):
+        self.agent = NodeAgent(rank, KeyPair.new(), "127.0.0.1", tmp_path / f"node{rank}", fake_gpus=1)
         self.reason: str | None = None
         self.thread = threading.Thread(target=self._serve, args=(driver_key, hello_timeout_s), daemon=True)
         self.thread.start()
@@ -209,3 +209,29 @@ def test_a_rank_group_across_nodes_dies_as_one_from_either_side(tmp_path):
                 there.ping(3, timeout=5)
         finally:
             remote.close("done")
+
+
+def test_three_nodes_a_rank_group_dies_as_one_across_all_of_them(tmp_path):
+    import os
+    import signal
+
+    keys = KeyPair.new()
+    agents = {rank: Serving(tmp_path / f"n{rank}", keys.public, rank=rank) for rank in (1, 2)}
+    with Supervisor(tmp_path / "node0", transport="tcp", job_keys=KeyPair.new(), heartbeat_interval=HEARTBEAT_S,
+                    fake_gpus=1) as sup:
+        remotes = {r: RemoteNode(sup, a.agent.entry(), keys, hello_timeout_s=10) for r, a in agents.items()}
+        try:
+            ranks = sup.spawn_group("grp", Echo, gpus=[0], world_size=3)
+            for r, remote in remotes.items():
+                ranks += remote.spawn_group("grp", Echo, gpus=[0], world_size=3, first_rank=r,
+                                            master=sup.group_master("grp"))
+            pids = [h.pid() for h in ranks]
+            assert [h.name for h in ranks] == ["grp.0", "grp.1", "grp.2"]
+            os.kill(pids[2], signal.SIGKILL)  # node 2's rank: node 0's and node 1's ranks stop with it
+            assert gone(pids[1], 5), "node 1's rank outlived the death of node 2's"
+            with pytest.raises(ActorDied, match="grp.2"):
+                ranks[0].ping(0, timeout=5)
+        finally:
+            for remote in remotes.values():
+                remote.close("done")
+    assert [a.wait(10) for a in agents.values()] == ["node 0 stopped the job: done"] * 2
