@@ -5,8 +5,10 @@ Node 0's driver holds a `RemoteNode` per other node; each node runs a `NodeAgent
 over one tcp channel: the agent's ROUTER, a CURVE server with the node's key pair that admits
 node 0's public key only (both keys come from the rendezvous store, runtime.rendezvous), and a
 DEALER in the driver. Over it node 0 sends the job's secrets (the wire token and the job's CURVE
-key pair, which the store must not carry), spawn requests and pings; the agent answers with the
-spawned roles' addresses, heartbeats, and each death or restart its supervisor sees.
+key pair, which the store must not carry), spawn requests (a role, or the node's slice of a
+rank group), pings, and the stop of a slice whose group lost a rank elsewhere; the agent answers
+with the spawned roles' addresses, heartbeats, each death or restart its supervisor sees, and
+its roles' events for the monitor at node 0.
 
 Calls do not go through the agent: the driver's caller dials the remote role's mailbox itself
 (tcp, CURVE with the job's key), as it calls a local role. Either side that hears nothing from
