@@ -117,15 +117,17 @@ def route_to(master_addr: str, port: int = 9) -> str:
 
 
 def numeric(host: str) -> str:
-    """`host` as an IP address (a host name resolved)."""
+    """`host` as an IP address (a host name resolved, IPv4 first: the supervisor's tcp endpoints
+    are written without IPv6 brackets)."""
     try:
         return str(ipaddress.ip_address(host))
     except ValueError:
         pass
     try:
-        return socket.getaddrinfo(host, None, proto=socket.IPPROTO_TCP)[0][4][0]
+        infos = socket.getaddrinfo(host, None, proto=socket.IPPROTO_TCP)
     except socket.gaierror as e:
         raise ValueError(f"address {host!r}: cannot resolve it ({e.strerror})") from None
+    return min(infos, key=lambda info: info[0] != socket.AF_INET)[4][0]
 
 
 def _bracket(host: str) -> str:

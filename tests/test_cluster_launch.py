@@ -105,3 +105,13 @@ def test_contradicting_schedulers_exit_2_with_one_line():
     out = launch(["--dry-run"], {"SLURM_PROCID": "0", "SLURM_STEP_NUM_TASKS": "3", "NNODES": "2", "NODE_RANK": "0"})
     assert out.returncode == 2 and out.stdout == ""
     assert len(out.stderr.strip().splitlines()) == 1 and out.stderr.startswith("tandem: Slurm starts 3 tasks")
+
+
+def test_a_host_name_for_node_ip_binds_its_address():
+    from ppo.setup.nodes import node_address
+
+    cfg, _ = parse_cli(build_parser(), TWO_NODES + ["--nnodes", "2", "--node-rank", "1", "--master-addr", "127.0.0.1",
+                                                    "--node-ip", "localhost"])
+    assert node_address(cfg) == "127.0.0.1"
+    cfg, _ = parse_cli(build_parser(), TWO_NODES + ["--nnodes", "2", "--node-rank", "1", "--master-addr", "127.0.0.1"])
+    assert node_address(cfg) == "127.0.0.1"  # the route to node 0

@@ -19,14 +19,15 @@ from ppo.config.cluster import uses_agent_store
 from ppo.gpu.placement import FAKE_GPU_BYTES, plan_placement
 from runtime import Supervisor
 from runtime.agent import NodeAgent, RemoteNode
-from runtime.curve import KeyPair, route_to
+from runtime.curve import KeyPair, numeric, route_to
 from runtime.rendezvous import NodeEntry, Rendezvous, meet
 
 
 def node_address(cfg: PPOConfig) -> str:
-    """Where this node's sockets bind: --node-ip, else its address on the route to node 0."""
+    """Where this node's sockets bind, as an IP address (libzmq binds no host names): --node-ip,
+    else this node's address on the route to node 0. ValueError when it does not resolve."""
     assert cfg.cluster.master_addr, "validate() requires --master-addr with --nnodes > 1"
-    return cfg.cluster.node_ip or route_to(cfg.cluster.master_addr)
+    return numeric(cfg.cluster.node_ip) if cfg.cluster.node_ip else route_to(cfg.cluster.master_addr)
 
 
 def run_node(cfg: PPOConfig) -> str:
