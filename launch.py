@@ -7,11 +7,13 @@ others. Configuration errors are all printed at once and exit with status 2.
 from __future__ import annotations
 
 import json
+import os
 import sys
 
 from ppo.config.cli import build_parser, parse_cli
-from ppo.config import ConfigError, derived_values, to_dict
-from ppo.gpu.placement import format_placement, plan_placement
+from ppo.config.cluster import from_environment
+from ppo.config import ConfigError, PPOConfig, derived_values, to_dict
+from ppo.gpu.placement import format_nodes, format_placement, plan_placement
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -19,7 +21,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--dry-run", action="store_true", default=False,
                         help="print the resolved config and the GPU placement; start nothing")
     try:
-        cfg, args = parse_cli(parser, argv)
+        scheduler = from_environment(os.environ)  # Slurm's or torchrun's node rank and master
+    except ValueError as err:  # they contradict each other: one line
+        print(f"tandem: {err}", file=sys.stderr)
+        sys.exit(2)
+    try:
+        cfg, args = parse_cli(parser, argv, scheduler=scheduler)
     except ConfigError as err:
         print(err, file=sys.stderr)
         sys.exit(2)
@@ -29,8 +36,15 @@ def main(argv: list[str] | None = None) -> None:
               "initial weights", file=sys.stderr)
     if args.dry_run:
         print(json.dumps({"config": to_dict(cfg), "derived": derived_values(cfg)}, indent=2))
-        print(format_placement(plan_placement(cfg)))
+        plan = plan_placement(cfg)
+        print(format_placement(plan))
+        if cfg.cluster.nnodes is not None or plan.num_nodes > 1:
+            c = cfg.cluster
+            print(format_nodes(plan, master=c.master_addr and f"{c.master_addr}:{c.master_port}",
+                               this_node=c.node_rank))
         return
+    if (cfg.cluster.nnodes or 1) > 1:
+        run_across_nodes(cfg)
     try:
         from ppo.state.checkpoint import SaveFailed
         from ppo.setup.job import JobSetupError  # imported late: they pull in torch and the roles
@@ -67,6 +81,24 @@ def main(argv: list[str] | None = None) -> None:
     finally:
         if sm is not None:  # stops the MPS daemon if we started it
             sm.close()
+
+
+def run_across_nodes(cfg: PPOConfig) -> None:
+    """A node > 0 serves node 0's driver until the job ends; node 0's driver across nodes is not built yet."""
+    if cfg.cluster.node_rank == 0:
+        print(f"tandem: --nnodes {cfg.cluster.nnodes}: node 0's driver cannot place roles on other nodes yet "
+              "(docs/multinode.md says what exists); --dry-run shows the placement", file=sys.stderr)
+        sys.exit(2)
+    from ppo.setup.nodes import run_node
+    from runtime.rendezvous import RendezvousFailed
+
+    try:
+        reason = run_node(cfg)
+    except (RendezvousFailed, ValueError) as err:  # node 0 unreachable, a node missing, a bad address
+        print(f"tandem: node {cfg.cluster.node_rank}: {err}", file=sys.stderr)
+        sys.exit(2)
+    print(f"tandem: node {cfg.cluster.node_rank}: {reason}", file=sys.stderr)
+    sys.exit(0 if reason.startswith("node 0 stopped the job") else 1)
 
 
 if __name__ == "__main__":

@@ -32,7 +32,7 @@ from dataclasses import dataclass, fields
 import msgpack
 import zmq
 
-from runtime import shm, wire
+from runtime import curve, shm, wire
 from runtime.actor import ActorContext, endpoints_of
 from runtime.errors import ActorDied
 from runtime.handle import Address, Caller, Directory
@@ -65,6 +65,7 @@ class ChildBoot:
     peers: tuple[tuple[str, int, str], ...]  # (name, incarnation, endpoint) known at spawn
     group: str | None = None  # the child spec's group (a rank group's role name)
     stop_timeout_s: float = 2.0  # the role's on_stop; then its session is killed (under the supervisor's grace)
+    curve: tuple[bytes, bytes] | None = None  # the job's CURVE key pair (public, secret) across nodes
 
     def __reduce__(self):
         # The class goes as pickled bytes: unpickling it imports the user's module, and an
@@ -238,8 +239,11 @@ class _Child:
         self.phase = "connecting"  # what the error file says the role was doing when it failed
         self.obj = None  # the role, once its __init__ runs
         self.ctx = zmq.Context()
+        keys = curve.KeyPair(*boot.curve) if boot.curve else None
         self.cfg = wire.WireConfig(token=boot.token, max_message_bytes=boot.max_message_bytes,
-                                   shm_prefix=boot.shm_prefix, spin_us=boot.spin_us)
+                                   shm_prefix=boot.shm_prefix, spin_us=boot.spin_us, curve=keys)
+        # a ZAP handler of this process's context: only the job's key gets into the mailbox
+        self.gate = curve.Gatekeeper(self.ctx, [keys.public]) if keys else None
         shm.set_process_pool(self.cfg._pool)  # runtime.shared_empty in this role
         self.directory = Directory()
         for name, inc, ep in boot.peers:
@@ -249,7 +253,7 @@ class _Child:
         self._events = self.ctx.socket(zmq.DEALER)
         self._events.setsockopt(zmq.LINGER, 2000)
         self._events.setsockopt(zmq.IDENTITY, f"{boot.name}#{boot.incarnation}#events".encode())
-        self._events.connect(boot.control)
+        curve.connect(self._events, boot.control, self.cfg.curve)
         self._events_lock = threading.Lock()
         self._loop: asyncio.AbstractEventLoop | None = None
 
@@ -263,6 +267,8 @@ class _Child:
         mailbox = self.ctx.socket(zmq.ROUTER)
         mailbox.setsockopt(zmq.LINGER, 1000)
         mailbox.setsockopt(zmq.MAXMSGSIZE, boot.max_message_bytes)
+        if self.cfg.curve is not None:
+            curve.make_server(mailbox, self.cfg.curve)
         mailbox.bind(boot.mailbox)
         threading.Thread(target=self._control_loop, name="tandem-control", daemon=True).start()
 
@@ -356,7 +362,7 @@ class _Child:
         sock = self.ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.IDENTITY, f"{boot.name}#{boot.incarnation}".encode())
-        sock.connect(boot.control)
+        curve.connect(sock, boot.control, self.cfg.curve)
         next_beat = 0.0
         while True:
             if os.getppid() != boot.parent_pid:

@@ -25,7 +25,7 @@ from typing import Any, Iterable
 
 import zmq
 
-from runtime import wire
+from runtime import curve, wire
 from runtime.errors import ActorDied, CallTimeout, RemoteError, RuntimeActorError
 
 
@@ -176,7 +176,7 @@ class Caller:
             sock = self._ctx.socket(zmq.DEALER)
             sock.setsockopt(zmq.LINGER, 0)
             sock.setsockopt(zmq.RECONNECT_IVL, 10)
-            sock.connect(endpoint)
+            curve.connect(sock, endpoint, self._cfg.curve)
             self._sockets[endpoint] = sock
             self._poller.register(sock, zmq.POLLIN)
         return sock

@@ -28,6 +28,7 @@ from runtime.units import format_bytes
 @dataclass(kw_only=True)
 class RoleRow:
     name: str
+    node: int | None = None  # a job across nodes: the node the role runs on (runtime.agent)
     incarnation: int = 0
     state: str = "starting"
     gpus: list[int] = field(default_factory=list)
@@ -76,7 +77,7 @@ class MonitorState:
 
     def _row(self, event: dict) -> RoleRow:
         row = self.roles.setdefault(event["role"], RoleRow(name=event["role"]))
-        for name in ("incarnation", "pid", "gpus"):
+        for name in ("incarnation", "pid", "gpus", "node"):
             if event.get(name) is not None:
                 setattr(row, name, event[name])
         return row
@@ -171,13 +172,16 @@ class MonitorState:
 def render(state: MonitorState, run_dir: str) -> Group:
     status = f"ended ({state.shutdown_reason})" if state.ended else "running"
     table = Table(title=f"{run_dir}: {status}, {state.last_seq} events", title_justify="left")
-    for column in ("role", "inc", "state", "gpus", "pid", "rss", "calls/s", "errors", "restarts"):
+    nodes = any(row.node is not None for row in state.roles.values())  # a column only across nodes
+    for column in ("role", *(("node",) if nodes else ()), "inc", "state", "gpus", "pid", "rss", "calls/s",
+                   "errors", "restarts"):
         table.add_column(column, no_wrap=True)
     # The one column that wraps, so the others stay readable on an 80-column terminal.
     table.add_column("last error", overflow="fold", min_width=12, ratio=1)
     for row in state.roles.values():
         table.add_row(
-            row.name, str(row.incarnation), row.state, ",".join(map(str, row.gpus)) or "-",
+            row.name, *((str(row.node if row.node is not None else 0),) if nodes else ()),
+            str(row.incarnation), row.state, ",".join(map(str, row.gpus)) or "-",
             _or_dash(row.pid), format_bytes(row.rss_bytes) if row.rss_bytes is not None else "-",
             f"{row.calls_per_s:.1f}" if row.calls_per_s is not None else "-",
             str(row.errors_total), str(row.restarts), row.last_error or "")

@@ -5,9 +5,20 @@ by binding port 0 and closing it leaves a window in which another process can ta
 saw a rank fail with EADDRINUSE). The launcher hosts the store instead: the store's own
 server binds port 0 and keeps the port until the launcher drops it, and every rank connects
 as a client (roles.trainer.distributed.init_from_env).
+
+The nodes of a multi-node job meet the same way (`meet`): node 0 serves the job's store
+(the c10d TCPStore torchrun uses; under torchrun its agent's), and every node publishes there
+its control endpoint and CURVE public key (runtime.curve) and reads the others'.
 """
 
 from __future__ import annotations
+
+import json
+import socket
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
 
 
 def host_store(host: str, world_size: int):
@@ -16,3 +27,88 @@ def host_store(host: str, world_size: int):
     import torch.distributed as dist  # only launchers of rank groups pay for the import
 
     return dist.TCPStore(host, 0, world_size, is_master=True, wait_for_workers=False)
+
+
+class RendezvousFailed(Exception):
+    """The nodes of a job did not meet; the message is one line that says what to do."""
+
+
+@dataclass(frozen=True)
+class NodeEntry:
+    """What a node publishes in the job's store: where its control socket listens and the CURVE
+    public key it answers with (runtime.curve)."""
+
+    rank: int
+    endpoint: str  # tcp://ADDRESS:PORT
+    public_key: bytes  # Z85
+
+    def encode(self) -> bytes:
+        return json.dumps({"rank": self.rank, "endpoint": self.endpoint,
+                           "public_key": self.public_key.decode()}).encode()
+
+    @classmethod
+    def decode(cls, raw: bytes) -> "NodeEntry":
+        d = json.loads(raw)
+        return cls(int(d["rank"]), str(d["endpoint"]), str(d["public_key"]).encode())
+
+
+@dataclass
+class Rendezvous:
+    """Every node's entry, by rank. Node 0's store serves while this object lives."""
+
+    nodes: list[NodeEntry]
+    store: Any
+
+
+def meet(master_addr: str, master_port: int, *, nnodes: int, entry: NodeEntry, timeout_s: float,
+         host: bool, prefix: str = "tandem") -> Rendezvous:
+    """Publish `entry` in the job's c10d TCPStore at master_addr:master_port and wait for the
+    entries of all `nnodes` nodes. `host`: this node serves the store (node 0, unless torchrun's
+    agent already serves one there). Raises RendezvousFailed within about `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    where = f"{master_addr}:{master_port}"
+    if not host:  # fail with our own line, not c10d's retry log, when node 0 is not there
+        _wait_reachable(master_addr, master_port, deadline, timeout_s)
+    import torch.distributed as dist  # only a launcher that reached the store pays for the import
+    try:
+        store = dist.TCPStore(master_addr, master_port, nnodes, is_master=host, wait_for_workers=False,
+                              timeout=timedelta(seconds=max(1.0, deadline - time.monotonic())))
+    except (RuntimeError, OSError) as e:  # DistNetworkError is a RuntimeError
+        if host:
+            raise RendezvousFailed(f"node 0 cannot serve the rendezvous store on port {master_port} "
+                                   f"({_first_line(e)}): another job may hold it; pass another --master-port") from None
+        raise RendezvousFailed(f"node 0's rendezvous store at {where} did not answer ({_first_line(e)}): "
+                               "check --master-addr and --master-port") from None
+    if store.add(f"{prefix}/claim/{entry.rank}", 1) > 1:
+        raise RendezvousFailed(f"another launcher already joined as node {entry.rank}: give each launcher "
+                               "its own --node-rank")
+    store.set(f"{prefix}/node/{entry.rank}", entry.encode())
+    keys = [f"{prefix}/node/{r}" for r in range(nnodes)]
+    while not store.check(keys):  # polled: c10d's blocking wait logs its timeout on stderr
+        if time.monotonic() > deadline:
+            missing = [r for r, k in enumerate(keys) if not store.check([k])]
+            raise RendezvousFailed(f"node(s) {', '.join(map(str, missing))} of {nnodes} did not join the "
+                                   f"rendezvous at {where} within {timeout_s:g} s (--rendezvous-timeout-s): "
+                                   "start one launcher per node")
+        time.sleep(0.05)
+    return Rendezvous([NodeEntry.decode(store.get(k)) for k in keys], store)
+
+
+def _wait_reachable(addr: str, port: int, deadline: float, timeout_s: float) -> None:
+    last: Exception | None = None
+    while True:
+        try:
+            with socket.create_connection((addr, port), timeout=max(0.1, min(1.0, deadline - time.monotonic()))):
+                return
+        except OSError as e:
+            last = e
+        if time.monotonic() >= deadline:
+            reason = last.strerror if isinstance(last, OSError) and last.strerror else str(last)
+            raise RendezvousFailed(f"node 0's rendezvous store at {addr}:{port} did not answer within "
+                                   f"{timeout_s:g} s ({reason}): start node 0 (--node-rank 0), or check "
+                                   "--master-addr and --master-port")
+        time.sleep(0.1)
+
+
+def _first_line(e: BaseException) -> str:
+    return (str(e).strip().splitlines() or [type(e).__name__])[0]

@@ -38,7 +38,7 @@ from typing import Sequence
 
 import zmq
 
-from runtime import shm, wire
+from runtime import curve, shm, wire
 from runtime.actor import endpoints_of
 from runtime.child import (ERROR_FILE_ENV, ChildBoot, StartupError, child_main, control_message,
                            describe_silent_start, refuse_bootstrap_reentry)
@@ -56,7 +56,11 @@ class Supervisor:
 
     `node` gives it the host's event bus, GPU leases and socket folder (runtime.node); by
     default it builds them for this host from `run_dir`, `gpus`, `fake_gpus` and
-    `fake_gpu_bytes`. Either way it closes them at shutdown."""
+    `fake_gpu_bytes`. Either way it closes them at shutdown.
+
+    Across nodes (runtime.agent) every supervisor of the job uses `transport="tcp"` bound to its
+    node's address, the job's CURVE key pair `job_keys` on every socket, and the job's wire
+    `token`, which node 0 hands the node agents."""
 
     def __init__(self, run_dir: str | os.PathLike, *, heartbeat_interval: float = 1.0,
                  heartbeat_timeout: float | None = None, max_restarts: int = 3,
@@ -64,12 +68,14 @@ class Supervisor:
                  ready_timeout_s: float = 300.0, transport: str = "ipc", host: str = "127.0.0.1",
                  max_message_bytes: int = 16 << 30, gpus: Sequence[int] = (), fake_gpus: int = 0,
                  fake_gpu_bytes: int = 80 << 30, stats_interval_s: float = 1.0, spin_us: int = 500,
-                 node: Node | None = None):
+                 node: Node | None = None, job_keys: curve.KeyPair | None = None, token: str | None = None):
         refuse_bootstrap_reentry("Supervisor()")  # a script without a __main__ guard, re-run in a role
         if transport not in ("ipc", "tcp"):
             raise ValueError(f"transport={transport!r}: allowed values are 'ipc' and 'tcp'")
         if not isinstance(spin_us, int) or not 0 <= spin_us <= 1_000_000:
             raise ValueError(f"spin_us={spin_us!r}: allowed range is 0..1000000 (0: never poll before sleeping)")
+        if job_keys is not None and transport != "tcp":
+            raise ValueError("job_keys (CURVE across nodes) needs transport='tcp'")
         if heartbeat_interval <= 0:
             raise ValueError(f"heartbeat_interval={heartbeat_interval}: must be > 0 seconds")
         self.node = node or Node.local(run_dir, gpus=gpus, fake_gpus=fake_gpus, fake_gpu_bytes=fake_gpu_bytes)
@@ -80,13 +86,15 @@ class Supervisor:
         self.shutdown_grace_s = shutdown_grace_s
         self.transport, self.host = transport, host
         self.run_id = secrets.token_hex(4)
-        self.cfg = wire.WireConfig(token=secrets.token_hex(16), max_message_bytes=max_message_bytes,
+        self.cfg = wire.WireConfig(token=token or secrets.token_hex(16), max_message_bytes=max_message_bytes,
                                    shm_prefix=f"tandem-{self.run_id}" if transport == "ipc" else None,
-                                   spin_us=spin_us)
+                                   spin_us=spin_us, curve=job_keys)
         if self.cfg._pool is not None:
             shm.set_process_pool(self.cfg._pool)  # runtime.shared_empty in the driver
 
         self._ctx = zmq.Context()
+        # across nodes, the control socket and the roles' mailboxes admit the job's key only
+        self._gate = curve.Gatekeeper(self._ctx, [job_keys.public]) if job_keys else None
         self._control = self._ctx.socket(zmq.ROUTER)
         self._control.setsockopt(zmq.LINGER, 0)
         self.control_endpoint = self._bind(self._control, "control")
@@ -97,7 +105,7 @@ class Supervisor:
         self.leases.listen(self._on_lease_event)
         self._deferred: dict[str, str] = {}  # children whose restart waits for their leases: reason
         self._stores: dict[str, object] = {}  # rank group name: its rendezvous store (a TCPStore server)
-        self._respawning: set[str] = set()  # rank groups that respawn_group stops: their deaths are its own
+        self._respawning: set[str] = set()  # rank groups that respawn_group or stop_group stops: their deaths are its own
 
         self._children: dict[str, Child] = {}
         self._lock = threading.RLock()          # guards _children and restart bookkeeping
@@ -169,6 +177,7 @@ class Supervisor:
         return self.handle(name)
 
     def spawn_group(self, name: str, cls: type, *args, gpus: Sequence[int], env: dict[str, str] | None = None,
+                    world_size: int | None = None, first_rank: int = 0, master: tuple[str, int] | None = None,
                     **kwargs) -> list[ActorHandle]:
         """Start a rank group: ``cls(*args, **kwargs)`` once per GPU, rank i named ``f"{name}.{i}"``
         on ``gpus[i]`` alone, with the torch.distributed environment set before any import:
@@ -181,21 +190,37 @@ class Supervisor:
         dies the others are stopped, and calls to any of them raise the ActorDied of the rank
         that died. The supervisor never restarts it by itself (its state is the run's, which
         only the driver can reload); the driver may, with `respawn_group`.
+
+        Across nodes (runtime.agent) each node starts its slice: ranks ``first_rank`` on of a group
+        of ``world_size``, LOCAL_RANK counting from 0 on each node. Node 0's supervisor hosts the
+        store on its host; the others are given it as ``master`` (address, port). What one slice's
+        death does to the others' is the driver's to decide (docs/multinode.md).
         """
         if not gpus:
             raise ValueError(f"{name}: a rank group needs gpus (one rank per GPU)")
         if "." in name:
             raise ValueError(f"rank group name {name!r}: must not contain '.' (ranks are named NAME.RANK)")
+        world = len(gpus) if world_size is None else world_size
+        if not 0 <= first_rank <= world - len(gpus):
+            raise ValueError(f"{name}: ranks {first_rank}..{first_rank + len(gpus) - 1} do not fit a group of "
+                             f"world_size={world}")
         with self._lock:
             if any(c.spec.group == name for c in self._children.values()):
                 raise ValueError(f"a group named {name!r} already exists")
-            self._stores[name] = store = host_store("127.0.0.1", len(gpus))
-        port = store.port
-        return [self.spawn(f"{name}.{rank}", cls, *args, gpus=[gpu], restart="temporary", group=name,
-                           env={**(env or {}), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-                                "RANK": str(rank), "WORLD_SIZE": str(len(gpus)), "LOCAL_RANK": str(rank)},
+            if master is None:
+                self._stores[name] = store = host_store(self.host, world)
+                master = (self.host, store.port)
+        return [self.spawn(f"{name}.{first_rank + i}", cls, *args, gpus=[gpu], restart="temporary", group=name,
+                           env={**(env or {}), "MASTER_ADDR": master[0], "MASTER_PORT": str(master[1]),
+                                "RANK": str(first_rank + i), "WORLD_SIZE": str(world), "LOCAL_RANK": str(i)},
                            **kwargs)
-                for rank, gpu in enumerate(gpus)]
+                for i, gpu in enumerate(gpus)]
+
+    def group_master(self, name: str) -> tuple[str, int]:
+        """(address, port) of the store this supervisor hosts for rank group `name`: what the
+        slices of the group on other nodes are given as `master`."""
+        with self._lock:
+            return self.host, self._stores[name].port
 
     def respawn_group(self, name: str, reason: str, timeout: float = 60.0) -> list[ActorHandle]:
         """Start rank group `name` again: its live ranks are stopped, then every rank starts as
@@ -209,6 +234,8 @@ class Supervisor:
             members = [c for c in self._children.values() if c.spec.group == name and c.spec.restart == "temporary"]
         if not members:
             raise ValueError(f"no rank group named {name!r}")
+        if int(members[0].spec.env["WORLD_SIZE"]) != len(members):
+            raise ValueError(f"rank group {name!r} spans nodes: respawning it is not built yet")
         members.sort(key=lambda c: int(c.spec.env["RANK"]))
         # A rank's death stops its peers in the watch thread, which then drops the store:
         # wait for that, so that no stop of an old incarnation lands on a new one.
@@ -287,6 +314,20 @@ class Supervisor:
                 raise TimeoutError(f"{name} was not restarted within {timeout} s")
             time.sleep(0.01)
 
+    def stop_group(self, name: str, cause: ActorDied) -> None:
+        """Stop the live ranks of rank group `name` here because a rank elsewhere died (a slice
+        on another node, runtime.agent); calls to them raise `cause`. Nothing when none runs here."""
+        with self._lock:
+            live = [c for c in self._children.values() if c.spec.group == name and c.state != "dead"]
+            self._stores.pop(name, None)
+            self._respawning.add(name)  # the watch thread leaves their deaths to us: they carry `cause`
+        try:
+            self._stop_children(live, reason=f"stopped with its group {name!r}: {cause.role!r} died "
+                                f"({cause.reason})", cause=cause)
+        finally:
+            with self._lock:
+                self._respawning.discard(name)
+
     def kill(self, name: str, sig: int = signal.SIGKILL) -> None:
         with self._lock:
             proc = self._children[name].process
@@ -320,6 +361,8 @@ class Supervisor:
         self._control.disable_monitor()
         self._control_watch.join(timeout=2)  # it publishes on the bus, which closes next
         self._control.close(linger=0)
+        if self._gate is not None:
+            self._gate.close()
         self._ctx.term()
         if self.cfg.shm_prefix:
             shm.clear_process_pool(self.cfg._pool)
@@ -331,6 +374,8 @@ class Supervisor:
     # -- starting ---------------------------------------------------------------------------
     def _bind(self, sock: zmq.Socket, name: str) -> str:
         if self.transport == "tcp":
+            if self.cfg.curve is not None:
+                return curve.serve(sock, self.cfg.curve, self.host)
             port = sock.bind_to_random_port(f"tcp://{self.host}")
             return f"tcp://{self.host}:{port}"
         ep = f"ipc://{self.sock_dir}/{name}.sock"
@@ -356,7 +401,8 @@ class Supervisor:
             token=self.cfg.token, max_message_bytes=self.cfg.max_message_bytes, spin_us=self.cfg.spin_us,
             shm_prefix=self.cfg.shm_prefix, heartbeat_interval=self.heartbeat_interval,
             parent_pid=os.getpid(), error_file=self._error_file(child), peers=peers,
-            group=spec.group, stop_timeout_s=self.shutdown_grace_s / 2)  # the rest of the grace: its SIGKILL
+            group=spec.group, stop_timeout_s=self.shutdown_grace_s / 2,  # the rest of the grace: its SIGKILL
+            curve=(self.cfg.curve.public, self.cfg.curve.secret) if self.cfg.curve else None)
         env = {"CUDA_VISIBLE_DEVICES": ",".join(map(str, spec.gpus)), "CUDA_DEVICE_ORDER": "PCI_BUS_ID",
                **({"TANDEM_FAKE_GPU_DIR": self.fake_gpu_dir} if self.fake_gpu_dir else {}),
                ERROR_FILE_ENV: self._error_file(child), **spec.env}

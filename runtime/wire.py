@@ -131,6 +131,9 @@ class WireConfig:
     # (handle.Caller._spin, child._Child._serve): a ZeroMQ round trip crosses six threads, and
     # waking them across vCPUs is most of its time (python -m bench.transport_floor).
     spin_us: int = 500
+    # Across nodes (runtime.agent): the job's runtime.curve.KeyPair. Every tcp socket is then a
+    # CURVE server or client with it, and only holders of its secret key get through.
+    curve: Any = None
     _pool: shm.SegmentPool | None = field(default=None, repr=False)
     _reader: shm.SegmentReader | None = field(default=None, repr=False)
 

@@ -44,6 +44,7 @@ from ppo.config.schema import (
     GENERATED_PREFIX,
     RM_TYPES,
     CheckpointConfig,
+    ClusterConfig,
     ConfigError,
     EngineConfig,
     EvalConfig,
@@ -63,7 +64,7 @@ from ppo.config.validate import ensure_valid, validate
 
 __all__ = [
     "FIELDS", "GENERATED_PREFIX", "RM_TYPES",
-    "CheckpointConfig", "ConfigError", "EngineConfig", "EvalConfig", "LoggingConfig", "OptimizerConfig",
+    "CheckpointConfig", "ClusterConfig", "ConfigError", "EngineConfig", "EvalConfig", "LoggingConfig", "OptimizerConfig",
     "OptimizerSettings", "ParallelismConfig", "PlacementConfig", "PPOAlgoConfig", "PPOConfig",
     "RewardConfig", "RolloutConfig", "ToolsConfig", "TrainingConfig",
     "actor_gpus_per_node", "actor_num_gpus", "actor_optimizer", "critic_load", "critic_optimizer",

@@ -16,7 +16,7 @@ import argparse
 import difflib
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from ppo.config.schema import FIELDS, RM_TYPES, ConfigError, FieldSpec, PPOConfig
@@ -55,8 +55,11 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
 
 def parse_cli(parser: argparse.ArgumentParser,
               argv: Sequence[str] | None = None, *,
-              rm_types: Sequence[str] = RM_TYPES) -> tuple[PPOConfig, argparse.Namespace]:
-    """The validated config and the namespace (for flags the caller added to `parser`)."""
+              rm_types: Sequence[str] = RM_TYPES,
+              scheduler: Mapping[str, Any] | None = None) -> tuple[PPOConfig, argparse.Namespace]:
+    """The validated config and the namespace (for flags the caller added to `parser`).
+    `scheduler` holds the values Slurm's or torchrun's environment gives
+    (ppo.config.cluster.from_environment); flags win over them."""
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
         ns, extras = parser.parse_known_args(argv)
@@ -73,6 +76,7 @@ def parse_cli(parser: argparse.ArgumentParser,
     recipe = getattr(ns, "recipe", DEFAULT_RECIPE)
     if recipe not in RECIPES:
         raise ConfigError(problems + [f"--recipe {recipe!r}: must be one of: {', '.join(RECIPES)}"])
+    values = {**(scheduler or {}), **values}
     values.setdefault("run_dir", f"runs/{recipe}-{time.strftime('%Y%m%d-%H%M%S')}")
     cfg = override(RECIPES[recipe](), **values)
     problems += validate(cfg, rm_types=rm_types)

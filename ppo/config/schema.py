@@ -328,6 +328,26 @@ class PlacementConfig:
 
 
 @dataclass(frozen=True, kw_only=True)
+class ClusterConfig:
+    """Which node of a multi-node job this launcher is (docs/multinode.md). Unset fields come from
+    Slurm's or torchrun's environment (ppo.config.cluster); flags win over it. Unset everywhere:
+    one host, as without these flags."""
+
+    nnodes: int | None = knob(None, "nodes in the job, one launcher each; unset: SLURM_STEP_NUM_TASKS or "
+                              "torchrun's, else one host", ge=1)
+    node_rank: int | None = knob(None, "this launcher's node; 0 runs the driver and hosts the rendezvous "
+                                 "store; unset: SLURM_PROCID or torchrun's GROUP_RANK", ge=0)
+    master_addr: str | None = knob(None, "node 0's address, where the rendezvous store listens; unset: "
+                                   "MASTER_ADDR or the first host of SLURM_STEP_NODELIST")
+    master_port: int = knob(29500, "the rendezvous store's port on node 0 (torchrun's default); "
+                            "under torchrun or srun, MASTER_PORT when set", ge=1, le=65535)
+    node_ip: str | None = knob(None, "the address this node's control sockets bind; unset: the one "
+                               "that routes to --master-addr (never 0.0.0.0)")
+    rendezvous_timeout_s: float = knob(60.0, "how long a node waits for node 0's store and for the "
+                                       "other nodes before it stops", gt=0)
+
+
+@dataclass(frozen=True, kw_only=True)
 class LoggingConfig:
     run_dir: str = knob("runs/ppo", "logs, events, config.json and error files go here; on the "
                         "command line the default is runs/<recipe>-<date>-<time>")
@@ -404,6 +424,7 @@ class PPOConfig:
     parallelism: ParallelismConfig = field(default_factory=ParallelismConfig)
     engine: EngineConfig = field(default_factory=EngineConfig)
     placement: PlacementConfig = field(default_factory=PlacementConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     evaluation: EvalConfig = field(default_factory=EvalConfig)
     tools: ToolsConfig = field(default_factory=ToolsConfig)

@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from ppo.config import derived as d
+from ppo.config.cluster import cluster_problems
 from ppo.config.schema import (
     FIELDS,
     GENERATED_DATASETS,
@@ -42,7 +43,12 @@ def validate(cfg: PPOConfig, *, rm_types: Sequence[str] = RM_TYPES) -> list[str]
                  + _backends(cfg) + _outputs(cfg) + _evaluation(cfg, rm_types) + _reward_model(cfg)
                  + _asynchronous(cfg) + _tools(cfg))
     if not broken & _DIVISORS:  # these rules divide by those fields
-        problems += _placement(cfg) + _batches(cfg)
+        placement = _placement(cfg)
+        problems += placement + _batches(cfg)
+        if not placement:  # the cluster rules count the nodes that the placement uses
+            from ppo.gpu.placement import plan_placement  # it imports this package
+
+            problems += cluster_problems(cfg, plan_placement(cfg).num_nodes)
     return problems
 
 

@@ -15,6 +15,8 @@ from dataclasses import dataclass
 
 from ppo.config import PPOConfig, actor_gpus_per_node, data_parallel_size, num_engines, uses_critic
 
+FAKE_GPU_BYTES = 80 << 30  # the memory of each fake GPU (--fake-gpus), on every node
+
 
 @dataclass(frozen=True, kw_only=True)
 class Placement:
@@ -121,3 +123,23 @@ def _span(ids: list[int]) -> str:
         else:
             runs.append([g])
     return ",".join(str(r[0]) if len(r) == 1 else f"{r[0]}-{r[-1]}" for r in runs)
+
+
+def format_nodes(plan: Placement, master: str | None = None, this_node: int | None = None) -> str:
+    """One line per node: its roles with the node's own GPU ids (CUDA_VISIBLE_DEVICES there).
+    Node 0 runs the driver and, at `master`, the rendezvous store; `this_node` is marked."""
+    roles: dict[int, list[str]] = {n: [] for n in range(plan.num_nodes)}
+    named = [("actor", plan.actor_gpus), ("critic", plan.critic_gpus), ("reward model", plan.reward_model_gpus)]
+    named += [(f"engine {i}", gpus) for i, gpus in enumerate(plan.engines)]
+    for role, gpus in named:
+        for node in sorted({plan.node_of(g) for g in gpus}):
+            local = [plan.local_gpu(g) for g in gpus if plan.node_of(g) == node]
+            roles[node].append(f"{role} [{_span(local)}]")
+    lines = []
+    for node, placed in roles.items():
+        head = f"node {node}" + (" (this one)" if node == this_node else "")
+        extra = ["driver", f"{plan.num_reward_workers} reward worker(s)"] if node == 0 else []
+        if node == 0 and master:
+            extra.append(f"rendezvous store at {master}")
+        lines.append(f"{head}: " + ", ".join(extra + placed or ["idle"]))
+    return "\n".join(lines)

@@ -32,7 +32,7 @@ from ppo.observe.console import RunConsole, ready_seconds
 from ppo.prompts.dataset import PromptDataset
 from ppo.generate.evaluation import EvalSet, load_eval_sets
 from ppo.setup.generated import resolve_eval_paths, resolve_paths
-from ppo.gpu.placement import Placement, plan_placement
+from ppo.gpu.placement import FAKE_GPU_BYTES, Placement, plan_placement
 from ppo.state.rundir import RunDirError, RunDirLock, claim, load_problem
 from ppo.gpu.side_by_side import memory_budgets
 from ppo.setup.user_functions import UserFunctions, load_user_functions, tools_problem
@@ -44,7 +44,6 @@ from runtime import ActorHandle, Supervisor
 from runtime.events import read_events
 
 logger = logging.getLogger(__name__)
-FAKE_GPU_BYTES = 80 << 30
 # Quiet, single-threaded library defaults for every role process: roles share the host's
 # cores, and per-process thread pools sized for the whole machine fight each other.
 ROLE_ENV = {"TOKENIZERS_PARALLELISM": "false", "TRANSFORMERS_VERBOSITY": "error",

@@ -1,0 +1,90 @@
+"""The launcher's part in a job across nodes (docs/multinode.md).
+
+A node other than 0 (`run_node`) meets the others in node 0's store, then runs its node agent
+(runtime.agent) until node 0 stops the job or is lost. Node 0 (`connect_nodes`) serves the
+store (or joins torchrun's), meets the others and opens a RemoteNode to each; node 0's driver
+does not place roles through them yet.
+"""
+
+from __future__ import annotations
+
+import signal
+import sys
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+from ppo.config import PPOConfig
+from ppo.config.cluster import uses_agent_store
+from ppo.gpu.placement import FAKE_GPU_BYTES, plan_placement
+from runtime import Supervisor
+from runtime.agent import NodeAgent, RemoteNode
+from runtime.curve import KeyPair, numeric, route_to
+from runtime.rendezvous import NodeEntry, Rendezvous, meet
+
+
+def node_address(cfg: PPOConfig) -> str:
+    """Where this node's sockets bind, as an IP address (libzmq binds no host names): --node-ip,
+    else this node's address on the route to node 0. ValueError when it does not resolve."""
+    assert cfg.cluster.master_addr, "validate() requires --master-addr with --nnodes > 1"
+    return numeric(cfg.cluster.node_ip) if cfg.cluster.node_ip else route_to(cfg.cluster.master_addr)
+
+
+def run_node(cfg: PPOConfig) -> str:
+    """Serve as node `--node-rank` (> 0) of the job; returns why it stopped, one line. Raises
+    RendezvousFailed when the nodes do not meet, ValueError for an unresolvable address."""
+    c, plan = cfg.cluster, plan_placement(cfg)
+    assert c.nnodes and c.node_rank and c.master_addr, "validate() requires them on a node > 0"
+    per_node = plan.num_gpus_per_node
+    agent = NodeAgent(c.node_rank, KeyPair.new(), node_address(cfg), Path(cfg.logging.run_dir) / f"node{c.node_rank}",
+                      gpus=range(per_node), fake_gpus=per_node if plan.fake_gpus else 0,
+                      fake_gpu_bytes=FAKE_GPU_BYTES)
+    # SIGTERM (scancel, a node's shutdown) stops the roles through serve()'s finally. Slurm's
+    # --signal=USR1@T reaches every task: node 0 saves the checkpoint and stops the job, so here
+    # it must not take the default action (the process ends, and node 0 loses the node mid-save)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    signal.signal(signal.SIGUSR1, signal.SIG_IGN)
+    try:
+        rdv = meet(c.master_addr, c.master_port, nnodes=c.nnodes, entry=agent.entry(),
+                   timeout_s=c.rendezvous_timeout_s, host=False)  # node 0 serves the store
+    except BaseException:
+        agent.close()
+        raise
+    return agent.serve(rdv.nodes[0].public_key, hello_timeout_s=c.rendezvous_timeout_s)
+
+
+@dataclass
+class Nodes:
+    """Node 0's view of the other nodes: a RemoteNode per node rank > 0. The store (in
+    `rendezvous`) serves while this object lives."""
+
+    rendezvous: Rendezvous
+    remotes: dict[int, RemoteNode]
+
+    def check(self) -> None:
+        """Raise the NodeLost of the first node lost."""
+        for remote in self.remotes.values():
+            remote.check()
+
+    def close(self, reason: str) -> None:
+        for remote in self.remotes.values():
+            remote.close(reason)
+
+
+def connect_nodes(cfg: PPOConfig, sup: Supervisor, environ: Mapping[str, str]) -> Nodes:
+    """Node 0: meet the other nodes and open a RemoteNode to each. `sup` is node 0's supervisor,
+    made with transport="tcp", host=node_address(cfg) and the job's key pair. Raises
+    RendezvousFailed, or NodeLost when a node does not answer node 0's hello."""
+    c = cfg.cluster
+    assert c.nnodes and c.node_rank == 0 and c.master_addr, "validate() requires them on node 0"
+    keys = KeyPair.new()  # node 0's own: the agents admit it on their channels
+    rdv = meet(c.master_addr, c.master_port, nnodes=c.nnodes, entry=NodeEntry(0, sup.control_endpoint, keys.public),
+               timeout_s=c.rendezvous_timeout_s, host=not uses_agent_store(environ))
+    remotes: dict[int, RemoteNode] = {}
+    try:
+        for entry in rdv.nodes[1:]:
+            remotes[entry.rank] = RemoteNode(sup, entry, keys, hello_timeout_s=c.rendezvous_timeout_s)
+    except BaseException:
+        Nodes(rdv, remotes).close("node 0 could not reach every node")
+        raise
+    return Nodes(rdv, remotes)

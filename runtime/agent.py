@@ -1,0 +1,392 @@
+"""The node agent: on a node other than 0, the same Supervisor spawns and supervises the roles
+on that node's GPUs, under node 0's driver (docs/multinode.md).
+
+Node 0's driver holds a `RemoteNode` per other node; each node runs a `NodeAgent`. They talk
+over one tcp channel: the agent's ROUTER, a CURVE server with the node's key pair that admits
+node 0's public key only (both keys come from the rendezvous store, runtime.rendezvous), and a
+DEALER in the driver. Over it node 0 sends the job's secrets (the wire token and the job's CURVE
+key pair, which the store must not carry), spawn requests (a role, or the node's slice of a
+rank group), pings, and the stop of a slice whose group lost a rank elsewhere; the agent answers
+with the spawned roles' addresses, heartbeats, each death or restart its supervisor sees, and
+its roles' events for the monitor at node 0.
+
+Calls do not go through the agent: the driver's caller dials the remote role's mailbox itself
+(tcp, CURVE with the job's key), as it calls a local role. Either side that hears nothing from
+the other for `heartbeat_timeout` seconds takes the other for lost: node 0 fails the calls to
+that node's roles and raises NodeLost; the agent stops its roles and returns.
+
+Messages are frames [kind, msgpack(payload), *wire frames]; a spawn request carries the role's
+arguments in wire format, as Supervisor.spawn sends them to a child.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import pickle
+import threading
+import time
+from pathlib import Path
+from typing import Sequence
+
+import msgpack
+import zmq
+
+from runtime import wire
+from runtime.actor import endpoints_of
+from runtime.curve import Gatekeeper, KeyPair, dial, serve
+from runtime.errors import ActorDied, RuntimeActorError, SupervisionFailed
+from runtime.events import follow_events
+from runtime.handle import ActorHandle, Address
+from runtime.rendezvous import NodeEntry
+from runtime.supervisor import Supervisor
+
+TICK_S = 0.02  # how often each side's loop looks at its socket and its clock
+# The events of a node's roles that node 0's bus carries too (with node=R), so that the monitor
+# attached at node 0 shows every node's roles. Leases and GPU bytes stay on their node: their
+# GPU ids are the node's own.
+ROLE_EVENTS = frozenset({"spawned", "ready", "state", "died", "stopped", "restarted", "hung", "role_stats"})
+
+
+class NodeLost(RuntimeActorError):
+    """A node stopped answering, or its supervisor gave up; the message is one line."""
+
+
+def _send(sock: zmq.Socket, kind: str, payload: dict, frames: Sequence[bytes] = (), ident: bytes | None = None,
+          flags: int = 0):
+    head = [ident] if ident is not None else []
+    sock.send_multipart([*head, kind.encode(), msgpack.packb(payload, use_bin_type=True), *frames], flags)
+
+
+def _aside(fn, *args) -> None:
+    """Run `fn` in a thread of its own: stopping roles waits out their grace period, which must not
+    hold up a channel whose silence the other side takes for a lost node."""
+    threading.Thread(target=fn, args=args, name="tandem-stop-group", daemon=True).start()
+
+
+class NodeAgent:
+    """Node `rank`'s agent. Binds its channel at once (`endpoint`, to publish in the rendezvous
+    store); `serve` then runs the node until node 0 stops the job or is lost."""
+
+    def __init__(self, rank: int, keys: KeyPair, host: str, run_dir: str | os.PathLike, *,
+                 gpus: Sequence[int] = (), fake_gpus: int = 0, fake_gpu_bytes: int = 80 << 30):
+        self.rank, self.keys, self.host = rank, keys, host
+        self.run_dir, self.gpus, self.fake_gpus, self.fake_gpu_bytes = Path(run_dir), gpus, fake_gpus, fake_gpu_bytes
+        self._ctx = zmq.Context()
+        self._gate = Gatekeeper(self._ctx)  # admits node 0 once the rendezvous names its key
+        self._sock = self._ctx.socket(zmq.ROUTER)
+        self._sock.linger = 0
+        self.endpoint = serve(self._sock, keys, host)
+        self.sup: Supervisor | None = None
+        self._events: collections.deque[dict] = collections.deque()  # role events for node 0's bus
+
+    def entry(self) -> NodeEntry:
+        return NodeEntry(self.rank, self.endpoint, self.keys.public)
+
+    def serve(self, driver_key: bytes, hello_timeout_s: float) -> str:
+        """Run this node for node 0 (known by `driver_key`) until it says stop or goes silent;
+        returns why it stopped, one line. Stops every role of the node before it returns."""
+        self._gate.allow(driver_key)
+        driver, last_heard, timeout = None, time.monotonic(), hello_timeout_s
+        known: dict[str, tuple[int, str | None]] = {}  # role: (incarnation, its death once reported)
+        next_beat = 0.0
+        try:
+            while True:
+                if self._sock.poll(int(TICK_S * 1000)):
+                    ident, kind, payload, *frames = self._sock.recv_multipart()
+                    body = msgpack.unpackb(payload, raw=False)
+                    driver, last_heard = ident, time.monotonic()
+                    if kind == b"hello" and self.sup is None:
+                        self.sup = self._start(body)
+                        threading.Thread(target=self._follow, name="tandem-node-events", daemon=True).start()
+                        timeout = body["heartbeat_timeout"]
+                        _send(self._sock, "welcome", {"rank": self.rank}, ident=driver)
+                    elif kind == b"spawn" and self.sup is not None:
+                        _send(self._sock, "spawned", self._spawn(body, frames, known), ident=driver)
+                    elif kind == b"stop_group" and self.sup is not None:
+                        cause = ActorDied(body["role"], body["inc"], body["reason"])
+                        _aside(self.sup.stop_group, body["group"], cause)
+                    elif kind == b"stop":
+                        return f"node 0 stopped the job: {body.get('reason', '')}".rstrip(": ")
+                now = time.monotonic()
+                if now - last_heard > timeout:
+                    what = "did not say hello" if self.sup is None else "stopped answering"
+                    return f"node 0 {what} for {timeout:g} s: stopping this node's roles"
+                while self._events and driver is not None:
+                    _send(self._sock, "event", self._events.popleft(), ident=driver)
+                if self.sup is not None and driver is not None and now >= next_beat:
+                    if failure := self._report(driver, known):
+                        return f"this node's supervisor gave up: {failure}"
+                    next_beat = now + self.sup.heartbeat_interval
+        finally:
+            self.close()
+
+    def _follow(self) -> None:
+        """Queue this node's role events for node 0 (the serve loop sends them); ends with the
+        supervisor's shutdown event."""
+        for event in follow_events(self.run_dir):
+            if event["event"] in ROLE_EVENTS:
+                self._events.append(event)
+
+    def close(self) -> None:
+        if self.sup is not None:
+            self.sup.shutdown()
+            self.sup = None
+        if not self._ctx.closed:
+            self._sock.close(linger=0)
+            self._gate.close()
+            self._ctx.term()
+
+    def _start(self, hello: dict) -> Supervisor:
+        return Supervisor(self.run_dir, transport="tcp", host=self.host, token=hello["token"],
+                          job_keys=KeyPair(hello["job_public"], hello["job_secret"]),
+                          heartbeat_interval=hello["heartbeat_interval"], gpus=self.gpus,
+                          fake_gpus=self.fake_gpus, fake_gpu_bytes=self.fake_gpu_bytes)
+
+    def _spawn(self, req: dict, frames: list[bytes], known: dict) -> dict:
+        """Supervisor.spawn, or spawn_group for this node's slice of a rank group (`ranks` set)."""
+        try:
+            cfg = self.sup.cfg
+            hdr = wire.decode_header(cfg, frames)
+            args, kwargs = wire.decode_body(cfg, hdr, frames)
+            cls, ranks = pickle.loads(req["cls"]), req.get("ranks")
+            if ranks is None:
+                handles = [self.sup.spawn(req["name"], cls, *args, gpus=req["gpus"], restart=req["restart"],
+                                          group=req["group"], env=req["env"], **kwargs)]
+            else:
+                handles = self.sup.spawn_group(req["name"], cls, *args, gpus=req["gpus"], env=req["env"],
+                                               world_size=ranks["world_size"], first_rank=ranks["first_rank"],
+                                               master=tuple(ranks["master"]), **kwargs)
+        except Exception as e:  # the driver raises it where it called spawn
+            return {"req": req["req"], "error": f"{type(e).__name__}: {e}"}
+        roles = []
+        for h in handles:
+            addr = self.sup.directory.resolve(h.name)
+            known[addr.name] = (addr.incarnation, None)
+            roles.append({"name": addr.name, "inc": addr.incarnation, "endpoint": addr.endpoint})
+        return {"req": req["req"], "roles": roles}
+
+    def _report(self, driver: bytes, known: dict) -> str | None:
+        """A heartbeat, then each restart and death of a role since the last one; or, when the
+        supervisor gave up, that (returned too)."""
+        try:
+            self.sup.check()
+        except SupervisionFailed as e:
+            reason = str(e).splitlines()[0]
+            _send(self._sock, "failed", {"reason": reason}, ident=driver)
+            return reason
+        _send(self._sock, "heartbeat", {"roles": len(known)}, ident=driver)
+        for name, (inc, reported) in list(known.items()):
+            try:
+                addr = self.sup.directory.resolve(name)
+            except ActorDied as e:
+                if reported is None:
+                    known[name] = (inc, e.reason)
+                    _send(self._sock, "died", {"name": name, "inc": e.incarnation, "reason": e.reason,
+                                               "error_file": e.error_file, "error_text": e.error_text},
+                          ident=driver)
+                continue
+            if addr.incarnation != inc:
+                known[name] = (addr.incarnation, None)
+                _send(self._sock, "started", {"name": name, "inc": addr.incarnation, "endpoint": addr.endpoint},
+                      ident=driver)
+        return None
+
+
+class RemoteNode:
+    """Node 0's side of one other node: spawns roles there and watches it. Calls to its roles
+    go through `sup`'s caller, straight to their mailboxes; `sup` must use tcp with the job's
+    key pair (Supervisor(transport="tcp", job_keys=...)), whose token and keys go to the agent."""
+
+    def __init__(self, sup: Supervisor, entry: NodeEntry, keys: KeyPair, *, hello_timeout_s: float = 60.0):
+        if sup.cfg.curve is None:
+            raise ValueError("a RemoteNode needs a Supervisor with job_keys (CURVE across nodes)")
+        self.sup, self.rank = sup, entry.rank
+        self.heartbeat_timeout = sup.heartbeat_timeout
+        self._ctx = zmq.Context()
+        self._sock = self._ctx.socket(zmq.DEALER)
+        self._sock.linger = 0
+        dial(self._sock, keys, entry.public_key, entry.endpoint)
+        self._outbox: list[tuple[str, dict, list]] = []
+        self._replies: dict[int, dict] = {}
+        self._roles: dict[str, int] = {}  # name: incarnation, the roles spawned on this node
+        # rank groups with a slice here: {group: (world size, ranks here)}; a death elsewhere in one
+        # stops the slice here, and a death here the slice on node 0 (a group dies as one)
+        self._groups: dict[str, tuple[int, set[int]]] = {}
+        self._stopped_groups: set[str] = set()
+        self._cond = threading.Condition()
+        self._req = 0
+        self.failure: NodeLost | None = None
+        self._closing = False
+        job = sup.cfg.curve
+        self._post("hello", {"token": sup.cfg.token, "job_public": job.public, "job_secret": job.secret,
+                             "heartbeat_interval": sup.heartbeat_interval,
+                             "heartbeat_timeout": self.heartbeat_timeout})
+        self._last_heard = time.monotonic()
+        self._hello_timeout_s = hello_timeout_s
+        self._welcomed = False
+        self._thread = threading.Thread(target=self._run, name=f"tandem-node{self.rank}", daemon=True)
+        self._thread.start()
+        with self._cond:
+            if not self._cond.wait_for(lambda: self._welcomed or self.failure, timeout=hello_timeout_s + 1):
+                self.failure = NodeLost(f"node {self.rank} at {entry.endpoint} did not answer node 0's hello "
+                                        f"within {hello_timeout_s:g} s")
+        if self.failure is not None:  # the channel's thread ends at its next tick
+            self._thread.join(timeout=2)
+            self._sock.close(linger=0)
+            self._ctx.term()
+            raise self.failure
+
+    def spawn(self, name: str, cls: type, *args, gpus: Sequence[int] = (), restart: str = "one_for_one",
+              group: str | None = None, env: dict[str, str] | None = None, timeout: float = 60.0,
+              **kwargs) -> ActorHandle:
+        """Supervisor.spawn on this node; `gpus` are the node's own GPU ids."""
+        return self._spawn(name, cls, args, kwargs, gpus=gpus, restart=restart, group=group, env=env,
+                           ranks=None, timeout=timeout)[0]
+
+    def spawn_group(self, name: str, cls: type, *args, gpus: Sequence[int], world_size: int, first_rank: int,
+                    master: tuple[str, int], env: dict[str, str] | None = None, timeout: float = 60.0,
+                    **kwargs) -> list[ActorHandle]:
+        """This node's slice of rank group `name` (Supervisor.spawn_group): ranks `first_rank` on,
+        one per GPU of `gpus` (the node's own ids), joining the store at `master`."""
+        ranks = {"world_size": world_size, "first_rank": first_rank, "master": list(master)}
+        handles = self._spawn(name, cls, args, kwargs, gpus=gpus, restart="temporary", group=name, env=env,
+                              ranks=ranks, timeout=timeout)
+        with self._cond:
+            self._groups[name] = (world_size, set(range(first_rank, first_rank + len(gpus))))
+        return handles
+
+    def _spawn(self, name: str, cls: type, args: tuple, kwargs: dict, *, gpus: Sequence[int], restart: str,
+               group: str | None, env: dict[str, str] | None, ranks: dict | None, timeout: float) -> list[ActorHandle]:
+        self.check()
+        init = wire.encode(wire.WireConfig(token=self.sup.cfg.token), {
+            "kind": "init", "id": 0, "src": "supervisor", "dst": name, "method": "__init__",
+            "inc": 0, "deadline": None}, [list(args), kwargs])
+        with self._cond:
+            self._req += 1
+            req = self._req
+        self._post("spawn", {"req": req, "name": name, "cls": pickle.dumps(cls), "gpus": [int(g) for g in gpus],
+                             "restart": restart, "group": group, "env": dict(env or {}), "ranks": ranks},
+                   [bytes(f) for f in init.frames])
+        with self._cond:
+            if not self._cond.wait_for(lambda: req in self._replies or self.failure, timeout=timeout):
+                raise TimeoutError(f"node {self.rank} did not confirm the spawn of {name!r} within {timeout} s")
+            self.check()
+            reply = self._replies.pop(req)
+        if "error" in reply:
+            raise RuntimeActorError(f"node {self.rank} could not spawn {name!r}: {reply['error']}")
+        handles = []
+        for role in reply["roles"]:
+            self.sup.directory.update(Address(role["name"], role["inc"], role["endpoint"]))
+            self._roles[role["name"]] = role["inc"]
+            handles.append(ActorHandle(role["name"], cls.__name__, endpoints_of(cls), self.sup.caller))
+        return handles
+
+    def check(self) -> None:
+        """Raise NodeLost if the node was lost or its supervisor gave up."""
+        if self.failure is not None:
+            raise self.failure
+
+    def close(self, reason: str = "the run ended") -> None:
+        """Tell the agent to stop its roles, and stop watching it."""
+        if self._thread.is_alive():
+            self._post("stop", {"reason": reason})
+            self._closing = True
+            self._thread.join(timeout=5)
+        if not self._ctx.closed:
+            self._sock.close(linger=0 if self.failure else 1000)  # a live agent gets the stop
+            self._ctx.term()
+
+    # -- the channel's thread: the only one that touches the socket ------------------------
+    def _post(self, kind: str, payload: dict, frames: list | None = None) -> None:
+        with self._cond:
+            self._outbox.append((kind, payload, frames or []))
+
+    def _run(self) -> None:
+        next_ping = 0.0
+        while True:
+            closing = self._closing  # read first: close() posts "stop" before it sets _closing
+            with self._cond:
+                outbox, self._outbox = self._outbox, []
+            for i, (kind, payload, frames) in enumerate(outbox):
+                try:  # never block: a DEALER with no connected peer (the agent refused us, or is
+                    # gone) would hold this thread in send, past close()
+                    _send(self._sock, kind, payload, frames, flags=zmq.NOBLOCK)
+                except zmq.Again:
+                    with self._cond:
+                        self._outbox[:0] = outbox[i:]  # in order, before what came since
+                    break
+            if closing or self.failure is not None:
+                return
+            if self._sock.poll(int(TICK_S * 1000)):
+                kind, payload, *_ = self._sock.recv_multipart()
+                self._last_heard = time.monotonic()
+                self._on_message(kind.decode(), msgpack.unpackb(payload, raw=False))
+            now = time.monotonic()
+            silent = now - self._last_heard
+            if silent > (self.heartbeat_timeout if self._welcomed else self._hello_timeout_s):
+                self._lose(f"node {self.rank} lost: no heartbeat for {silent:.1f} s "
+                           f"(heartbeat timeout {self.heartbeat_timeout:g} s)")
+                return
+            if now >= next_ping:
+                self._post("ping", {})
+                self._stop_slices_of_dead_groups()
+                next_ping = now + self.sup.heartbeat_interval
+
+    def _on_message(self, kind: str, body: dict) -> None:
+        if kind == "welcome":
+            with self._cond:
+                self._welcomed = True
+                self._cond.notify_all()
+        elif kind == "spawned":
+            with self._cond:
+                self._replies[body["req"]] = body
+                self._cond.notify_all()
+        elif kind == "started":
+            self._roles[body["name"]] = body["inc"]
+            self.sup.directory.update(Address(body["name"], body["inc"], body["endpoint"]))
+        elif kind == "died":
+            err = ActorDied(body["name"], body["inc"], f"on node {self.rank}: {body['reason']}",
+                            body.get("error_file"), body.get("error_text"))
+            self.sup.directory.mark_dead(body["name"], body["inc"], err)
+            self.sup.caller.fail_destination(body["name"], body["inc"], err)
+            group = body["name"].rpartition(".")[0]
+            if group in self._groups:  # node 0's slice of the group goes with it
+                _aside(self.sup.stop_group, group, err)
+        elif kind == "event":  # a role event of that node, for the monitor at node 0
+            fields = {k: v for k, v in body.items() if k not in ("event", "seq", "ts")}
+            self.sup.bus.publish(body["event"], node=self.rank, **fields)
+        elif kind == "failed":
+            self._lose(f"node {self.rank}'s supervisor gave up: {body['reason']}")
+
+    def _stop_slices_of_dead_groups(self) -> None:
+        """A rank of a group elsewhere (node 0's slice, another node's) dead in node 0's
+        directory: ask the agent to stop this node's slice, once."""
+        for group, (world, here) in list(self._groups.items()):
+            if group in self._stopped_groups:
+                continue
+            for rank in range(world):
+                if rank in here:
+                    continue
+                try:
+                    self.sup.directory.resolve(f"{group}.{rank}")
+                except ActorDied as e:
+                    self._stopped_groups.add(group)
+                    self._post("stop_group", {"group": group, "role": e.role, "inc": e.incarnation,
+                                              "reason": e.reason})
+                    break
+                except KeyError:  # not started yet
+                    continue
+
+    def _lose(self, reason: str) -> None:
+        """Fail every call to this node's roles, stop node 0's slices of rank groups that had
+        ranks there (they would wait in a collective for ever), then make check() raise."""
+        for name, inc in list(self._roles.items()):
+            err = ActorDied(name, inc, reason)
+            self.sup.directory.mark_dead(name, inc, err)
+            self.sup.caller.fail_destination(name, inc, err)
+            if (group := name.rpartition(".")[0]) in self._groups:
+                _aside(self.sup.stop_group, group, err)
+        with self._cond:
+            self.failure = NodeLost(reason)
+            self._cond.notify_all()

@@ -1,0 +1,62 @@
+"""The nodes of a job meet in node 0's c10d TCPStore (runtime.rendezvous.meet): each publishes
+its control endpoint and CURVE public key and reads the others'; every way it fails is one
+line within the timeout."""
+
+from __future__ import annotations
+
+import socket
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from runtime.curve import KeyPair
+from runtime.rendezvous import NodeEntry, RendezvousFailed, meet
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def entry(rank: int) -> NodeEntry:
+    return NodeEntry(rank, f"tcp://127.0.0.1:{7000 + rank}", KeyPair.new().public)
+
+
+def test_every_node_reads_every_entry():
+    port, entries = free_port(), [entry(r) for r in range(3)]
+    with ThreadPoolExecutor(3) as pool:
+        host = pool.submit(meet, "127.0.0.1", port, nnodes=3, entry=entries[0], timeout_s=20, host=True)
+        time.sleep(0.2)  # node 0 first, as a launcher that waits for it would find it
+        others = [pool.submit(meet, "127.0.0.1", port, nnodes=3, entry=e, timeout_s=20, host=False)
+                  for e in entries[1:]]
+        seen = [f.result(timeout=30).nodes for f in [host, *others]]
+    assert all(nodes == entries for nodes in seen)
+
+
+def test_node_0_unreachable_is_one_line_within_the_timeout():
+    started = time.monotonic()
+    with pytest.raises(RendezvousFailed) as err:
+        meet("127.0.0.1", free_port(), nnodes=2, entry=entry(1), timeout_s=1.0, host=False)
+    assert time.monotonic() - started < 3
+    assert "\n" not in str(err.value) and "did not answer within 1 s" in str(err.value)
+    assert "--master-addr" in str(err.value)
+
+
+def test_a_missing_node_is_named():
+    with pytest.raises(RendezvousFailed, match=r"node\(s\) 1, 2 of 3 did not join .* within 0.5 s"):
+        meet("127.0.0.1", free_port(), nnodes=3, entry=entry(0), timeout_s=0.5, host=True)
+
+
+def test_two_launchers_with_one_rank_are_refused():
+    port = free_port()
+    with ThreadPoolExecutor(1) as pool:
+        host = pool.submit(meet, "127.0.0.1", port, nnodes=2, entry=entry(0), timeout_s=10, host=True)
+        time.sleep(0.2)
+        with ThreadPoolExecutor(1) as second:
+            first = second.submit(meet, "127.0.0.1", port, nnodes=2, entry=entry(1), timeout_s=10, host=False)
+            first.result(timeout=20)
+        with pytest.raises(RendezvousFailed, match="already joined as node 1"):
+            meet("127.0.0.1", port, nnodes=2, entry=entry(1), timeout_s=5, host=False)
+        host.result(timeout=20)
