@@ -97,3 +97,23 @@ def test_a_killed_run_is_resumed_only_from_its_own_checkpoints(tmp_path):
     (tmp_path / "empty").mkdir()
     assert load_problem(fresh) is None
     claim(fresh).release()
+
+
+def test_a_save_folder_holding_another_runs_checkpoints_is_refused_and_touches_nothing(tmp_path, capsys):
+    run, save = _earlier_run(tmp_path)
+    other_run, other_save = _earlier_run(tmp_path, "other")
+    new_run = tmp_path / "new-run"
+    before = _files(tmp_path)
+    err = _refused(capsys, "--run-dir", str(new_run), "--save", str(save))  # a new run onto old checkpoints
+    assert f"--save {save} holds an earlier run's checkpoints (latest, rollout_00003), and this run starts anew" in err
+    err = _refused(capsys, "--run-dir", str(new_run), "--load", str(other_save), "--save", str(save))
+    assert f"this run starts from --load {other_save}" in err
+    # --load and --save one folder, but another run's: a new run dir would save over that run
+    err = _refused(capsys, "--run-dir", str(new_run), "--load", str(save), "--save", str(save), "--num-rollout", "8")
+    assert f"written with --run-dir {run}: this run's saves would overwrite and prune them" in err
+    assert _files(tmp_path) == before and not new_run.exists()
+    # the run's own resume (miles' recipes: one folder for both), and a new run saving elsewhere, go on
+    cfg = ensure_valid(override(tiny_ppo(), run_dir=str(run), load=str(save), save=str(save), num_rollout=8))
+    assert load_problem(cfg) is None
+    assert load_problem(override(cfg, run_dir=str(new_run), save=str(tmp_path / "new-save"))) is None
+

@@ -300,6 +300,14 @@ def model_signature(hf_checkpoint: str) -> dict:
     return {k: hf_config[k] for k in MODEL_KEYS if k in hf_config}
 
 
+def saved_names(folder: str) -> list[str]:
+    """What a run saved in `folder` that a later run's saves would replace or prune: its
+    `latest` and rollout_NNNNN folders (none when the folder does not exist)."""
+    if not os.path.isdir(folder):
+        return []
+    return sorted(n for n in os.listdir(folder) if n == TRACKER or _ROLLOUT_DIR.fullmatch(n))
+
+
 def newest_state(load_dir: str) -> dict | None:
     """The driver_state.json of the newest checkpoint under `load_dir` that has a readable one
     (the one `latest` names first), unverified; None when there is none. For the checks made
