@@ -117,3 +117,25 @@ def test_a_save_folder_holding_another_runs_checkpoints_is_refused_and_touches_n
     assert load_problem(cfg) is None
     assert load_problem(override(cfg, run_dir=str(new_run), save=str(tmp_path / "new-save"))) is None
 
+
+def test_a_run_started_with_a_relative_run_dir_is_resumed_from_another_working_directory(tmp_path, monkeypatch):
+    from types import SimpleNamespace
+
+    from ppo.state.checkpoint import driver_state
+
+    (tmp_path / "hf").mkdir()
+    (tmp_path / "hf" / "config.json").write_text("{}")
+    (tmp_path / "job").mkdir()
+    monkeypatch.chdir(tmp_path / "job")
+    cfg = ensure_valid(override(tiny_ppo(), run_dir="runs/a", save="ck", num_rollout=8))
+    state = driver_state(cfg, 3, data=SimpleNamespace(state_dict=lambda: {}), version=3,
+                         hf_checkpoint=str(tmp_path / "hf"))
+    run, save = tmp_path / "job" / "runs" / "a", tmp_path / "job" / "ck"
+    (save / "rollout_00003").mkdir(parents=True)
+    (save / "rollout_00003" / "driver_state.json").write_text(json.dumps(state))
+    run.mkdir(parents=True)
+    (run / "metrics.jsonl").write_text("{}\n")
+    monkeypatch.chdir(tmp_path)  # the resume, from elsewhere, names the same folders
+    resumed = override(cfg, run_dir=str(run), load=str(save), save=str(save))
+    assert load_problem(resumed) is None
+    claim(resumed).release()

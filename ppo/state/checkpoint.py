@@ -226,9 +226,12 @@ def _free_bytes(path: str) -> int | None:
 def driver_state(cfg: PPOConfig, step: int, *, data: PromptDataset, version: int, hf_checkpoint: str,
                  counters: RunCounters | None = None) -> dict:
     """What the driver process must restore besides the trainers: driver_state.json."""
+    config = to_dict(cfg)
+    # absolute: a resume compares it with its --run-dir (ppo.state.rundir), maybe from another cwd
+    config["logging"]["run_dir"] = os.path.abspath(cfg.logging.run_dir)
     return {"format": FORMAT, "rollout_step": step, "weight_version": version, "data": data.state_dict(),
             "rng": capture_rng(), "counters": asdict(counters or RunCounters()),
-            "model": model_signature(hf_checkpoint), "config": to_dict(cfg)}
+            "model": model_signature(hf_checkpoint), "config": config}
 
 
 def save_checkpoint(save_dir: str, step: int, *, actor: Saver, state: dict, critic: Saver | None = None,

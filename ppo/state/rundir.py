@@ -126,7 +126,8 @@ def _save_problem(cfg: PPOConfig) -> str | None:
 
 
 def _written_run_dir(state: dict | None) -> str | None:
-    """The --run-dir of the run that wrote checkpoint state `state`, or None."""
+    """The --run-dir of the run that wrote checkpoint state `state`, or None; absolute
+    (ppo.state.checkpoint.driver_state), but in a checkpoint older than that rule."""
     return ((state or {}).get("config") or {}).get("logging", {}).get("run_dir")
 
 
