@@ -84,11 +84,22 @@ def test_an_empty_request_list_is_answered_without_asking_sglang(ckpt, fake_sgla
     assert eng.generate([]) == []
     assert eng._backend.generate([], []) == []
     assert len(fake.calls) == calls
+    # nor while the weights are released, or lost to a release without a CPU backup
+    saver = RolloutEngine(ckpt, backend="sglang", options={**DETERMINISTIC, "enable_memory_saver": True})
+    saver.release(["weights", "kv_cache"])
+    assert saver.generate([]) == []
+    saver.resume(["weights", "kv_cache"])
+    with pytest.raises(RuntimeError, match="threw their contents away"):
+        saver.generate(_requests([1]))
+    assert saver.generate([]) == [] and saver._backend.generate([], []) == []
 
 
 def test_the_built_in_engine_answers_an_empty_list_and_retries_its_own_aborts(ckpt, monkeypatch):
     eng = RolloutEngine(ckpt, dtype="float32", max_batch_size=4)
     assert eng.generate([]) == [] and eng._backend.generate([], []) == []
+    eng.release(["weights", "kv_cache"])
+    assert eng.generate([]) == []  # no weights needed for nothing
+    eng.resume(["weights", "kv_cache"])
     clean = eng.generate(_requests([1, 2], [5]))
     scheduler = eng._backend.scheduler
     real = scheduler.generate

@@ -382,6 +382,8 @@ class SglangBackend:
 
     # -- generation -------------------------------------------------------------------
     def generate(self, requests: list[GenerateRequest], seeds: list[int]) -> list[dict]:
+        if not requests:  # sglang would raise ValueError("input_ids cannot be empty."): io_struct.py:499
+            return []
         if self._discarded:
             missing = sorted(self._discarded)
             raise RuntimeError(f"backend 'sglang': the engine's weights were released without a CPU backup, "
@@ -389,8 +391,6 @@ class SglangBackend:
                                f"{missing[:2]}) were not loaded since; push the weights (update_weights per "
                                "bucket, then set_weight_version) before generating, or start the engine with "
                                "options={'enable_weights_cpu_backup': True}")
-        if not requests:  # sglang would raise ValueError("input_ids cannot be empty."): io_struct.py:499
-            return []
         try:
             outputs = self.engine.generate(
                 input_ids=[r.prompt_ids for r in requests],
