@@ -120,6 +120,7 @@ def table(metrics: dict[str, float], names: list[str]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from ppo.generate.rollout import RequestsFailed
     from ppo.setup.job import JobSetupError
 
     try:
@@ -132,6 +133,9 @@ def main(argv: list[str] | None = None) -> int:
     except JobSetupError as err:
         print(f"tandem: {err}", file=sys.stderr)
         return 2
+    except RequestsFailed as err:  # an engine gave up on a request: its one line says which and why
+        print(f"tandem: {err}", file=sys.stderr)
+        return 1
     print(table(metrics, list(cfg.evaluation.eval_prompt_data[0::2])))
     print(json.dumps({"hf_checkpoint": cfg.checkpoint.hf_checkpoint, "metrics": metrics}))
     return 0

@@ -86,30 +86,30 @@ def kill_tree(pid: int) -> None:
         pass
 
 
-def kill_session_but_self() -> None:
+def kill_session_but_self(timeout_s: float = 2.0) -> None:
     """SIGKILL every other process of this process's session: what a role started and left
-    (a role is a session leader, runtime.child)."""
-    me = os.getpid()
-    for pid in _session_members(os.getsid(0)):
-        if pid != me:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+    (a role is a session leader, runtime.child). Repeated until none is left (a process that
+    forks between the listing and the kill would otherwise escape), at most `timeout_s`."""
+    end_session(os.getsid(0), timeout_s, spare=os.getpid())
 
 
-def end_session(session: int, timeout_s: float = 10.0) -> None:
+def end_session(session: int, timeout_s: float = 10.0, spare: int | None = None) -> None:
     """SIGKILL what is left of session `session` (a dead role's: what it started, e.g. an
-    inference server's scheduler, which may still hold GPU memory) and wait, at most
-    `timeout_s`, until none of it runs (zombies hold no memory)."""
+    inference server's scheduler, which may still hold GPU memory), but `spare`, and wait, at
+    most `timeout_s`, until none of it runs (zombies hold no memory). A process that may not be
+    signalled (EPERM: another user's, e.g. a setuid helper) is left alone and not waited for:
+    this runs in the supervisor's watcher thread, which must never die of it."""
     deadline = time.monotonic() + timeout_s
+    untouchable: set[int] = set()
     while True:
-        left = _session_members(session)
+        left = [pid for pid in _session_members(session) if pid != spare and pid not in untouchable]
         for pid in left:
             try:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
+            except PermissionError:
+                untouchable.add(pid)
         if not left or time.monotonic() >= deadline:
             return
         time.sleep(0.01)

@@ -565,7 +565,7 @@ class Supervisor:
 
     def _stop_children(self, children: list[Child], reason: str, event: str = "died",
                        cause: ActorDied | None = None) -> None:
-        """SIGTERM all at once, wait the grace period, SIGKILL the rest (and their descendants).
+        """SIGTERM all at once, wait the grace period, SIGKILL the rest and their sessions.
 
         `event` is "died" when the stop is a failure's consequence, "stopped" at a clean shutdown.
         `cause`: the error that calls to the stopped children raise (default: their own death)."""
@@ -582,6 +582,10 @@ class Supervisor:
             if c.process is not None:
                 kill_tree(c.process.pid)
                 c.process.join(timeout=5)
+                # what it started in a process group of its own (an sglang scheduler) outlives
+                # the group kill: end its session and its memory, as on a death (_on_death)
+                end_session(c.process.pid)
+                self.leases.drop_dead_memory(list(c.spec.gpus), c.spec.name)
         for c in children:
             if c.state != "dead":
                 c.state = "dead"

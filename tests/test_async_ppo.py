@@ -100,7 +100,8 @@ def test_a_checkpoint_taken_with_a_rollout_ahead_resumes_with_that_rollouts_prom
     train(tiny(tmp_path / "a", **values))  # saves after rollouts 1 (rollout 2 ahead) and 3
     write_tracker(str(ckpt), rollout_dir_name(1))
     write_tracker(str(ckpt) + "_critic", rollout_dir_name(1))
-    history = train(tiny(tmp_path / "b", **values, load=str(ckpt)))
+    # its own --save: the checkpoints under --load are run a's, which b's saves must not replace
+    history = train(tiny(tmp_path / "b", **{**values, "save": str(tmp_path / "ckpt-b")}, load=str(ckpt)))
     assert [h["step"] for h in history] == [2, 3]
     for step in (2, 3):
         assert [s["prompt"] for s in dumped(tmp_path / "b", step)] == [s["prompt"] for s in dumped(tmp_path / "a", step)]

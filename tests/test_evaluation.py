@@ -203,3 +203,18 @@ def test_ppo_evaluate_judges_a_checkpoint_alone_and_prints_a_table_and_json(tmp_
     assert metrics == json.loads((run_dir / "eval.json").read_text())["metrics"]
     assert 0 <= metrics["eval/sums-pass@1"] <= metrics["eval/sums-pass@4"] <= 1
     assert len((run_dir / "samples" / "eval_sums_00000.jsonl").read_text().splitlines()) == 5 * 4
+
+
+def test_ppo_evaluate_stops_in_one_line_when_an_engine_gives_up_on_a_request(tmp_path, capsys, monkeypatch):
+    import ppo.evaluate
+    from ppo.generate.rollout import RequestsFailed
+
+    line = "rollout engine 0: request id=1 was aborted 4 times (the last: sglang HTTPException: 500: Out of memory)"
+
+    def gives_up(cfg):  # what ppo/generate/rollout.py raises when an engine's generate raised RequestsGaveUp
+        raise RequestsFailed(line)
+
+    monkeypatch.setattr(ppo.evaluate, "evaluate_checkpoint", gives_up)
+    assert ppo.evaluate.main(["--hf-checkpoint", str(tmp_path), "--eval-prompt-data", "sums",
+                              "generated:arithmetic_heldout", "--run-dir", str(tmp_path / "run")]) == 1
+    assert capsys.readouterr().err == f"tandem: {line}\n"

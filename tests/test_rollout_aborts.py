@@ -72,6 +72,10 @@ def test_a_request_aborted_past_the_limit_stops_in_one_line_naming_it(ckpt, fake
     assert "--rollout-max-request-retries" in str(e.value)
     fake.abort_prompts[5] = [OOM_RETRACT] * 2  # raised (500): twice is within the limit
     assert [r["num_aborts"] for r in eng.generate(_requests([1, 2], [5]))] == [2, 2]
+    fake.abort_prompts[5] = [OOM_RETRACT] * 3  # raised: it names no request, and the call lost them all
+    with pytest.raises(RequestsGaveUp, match=r": all 2 requests of the call were aborted 3 times \(the last: "
+                                             r"sglang HTTPException: 500: Out of memory"):
+        eng.generate(_requests([1, 2], [5]))
     with pytest.raises(ValueError, match="max_request_retries=-1 must be an int >= 0"):
         RolloutEngine(ckpt, backend="sglang", max_request_retries=-1)
 
@@ -84,11 +88,22 @@ def test_an_empty_request_list_is_answered_without_asking_sglang(ckpt, fake_sgla
     assert eng.generate([]) == []
     assert eng._backend.generate([], []) == []
     assert len(fake.calls) == calls
+    # nor while the weights are released, or lost to a release without a CPU backup
+    saver = RolloutEngine(ckpt, backend="sglang", options={**DETERMINISTIC, "enable_memory_saver": True})
+    saver.release(["weights", "kv_cache"])
+    assert saver.generate([]) == []
+    saver.resume(["weights", "kv_cache"])
+    with pytest.raises(RuntimeError, match="threw their contents away"):
+        saver.generate(_requests([1]))
+    assert saver.generate([]) == [] and saver._backend.generate([], []) == []
 
 
 def test_the_built_in_engine_answers_an_empty_list_and_retries_its_own_aborts(ckpt, monkeypatch):
     eng = RolloutEngine(ckpt, dtype="float32", max_batch_size=4)
     assert eng.generate([]) == [] and eng._backend.generate([], []) == []
+    eng.release(["weights", "kv_cache"])
+    assert eng.generate([]) == []  # no weights needed for nothing
+    eng.resume(["weights", "kv_cache"])
     clean = eng.generate(_requests([1, 2], [5]))
     scheduler = eng._backend.scheduler
     real = scheduler.generate
@@ -108,7 +123,7 @@ def test_the_built_in_engine_answers_an_empty_list_and_retries_its_own_aborts(ck
     assert [r["token_ids"] for r in results] == [r["token_ids"] for r in clean]
     assert [r["num_aborts"] for r in results] == [1, 2]  # the OOM hit both, the NaN the last one
     faults[:] = ["oom"] * 4
-    with pytest.raises(RequestsGaveUp, match="request id=0 was aborted 4 times .*out of memory"):
+    with pytest.raises(RequestsGaveUp, match="all 2 requests of the call were aborted 4 times .*out of memory"):
         eng.generate(_requests([1, 2], [5]))
 
 

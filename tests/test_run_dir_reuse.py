@@ -97,3 +97,45 @@ def test_a_killed_run_is_resumed_only_from_its_own_checkpoints(tmp_path):
     (tmp_path / "empty").mkdir()
     assert load_problem(fresh) is None
     claim(fresh).release()
+
+
+def test_a_save_folder_holding_another_runs_checkpoints_is_refused_and_touches_nothing(tmp_path, capsys):
+    run, save = _earlier_run(tmp_path)
+    other_run, other_save = _earlier_run(tmp_path, "other")
+    new_run = tmp_path / "new-run"
+    before = _files(tmp_path)
+    err = _refused(capsys, "--run-dir", str(new_run), "--save", str(save))  # a new run onto old checkpoints
+    assert f"--save {save} holds an earlier run's checkpoints (latest, rollout_00003), and this run starts anew" in err
+    err = _refused(capsys, "--run-dir", str(new_run), "--load", str(other_save), "--save", str(save))
+    assert f"this run starts from --load {other_save}" in err
+    # --load and --save one folder, but another run's: a new run dir would save over that run
+    err = _refused(capsys, "--run-dir", str(new_run), "--load", str(save), "--save", str(save), "--num-rollout", "8")
+    assert f"written with --run-dir {run}: this run's saves would overwrite and prune them" in err
+    assert _files(tmp_path) == before and not new_run.exists()
+    # the run's own resume (miles' recipes: one folder for both), and a new run saving elsewhere, go on
+    cfg = ensure_valid(override(tiny_ppo(), run_dir=str(run), load=str(save), save=str(save), num_rollout=8))
+    assert load_problem(cfg) is None
+    assert load_problem(override(cfg, run_dir=str(new_run), save=str(tmp_path / "new-save"))) is None
+
+
+def test_a_run_started_with_a_relative_run_dir_is_resumed_from_another_working_directory(tmp_path, monkeypatch):
+    from types import SimpleNamespace
+
+    from ppo.state.checkpoint import driver_state
+
+    (tmp_path / "hf").mkdir()
+    (tmp_path / "hf" / "config.json").write_text("{}")
+    (tmp_path / "job").mkdir()
+    monkeypatch.chdir(tmp_path / "job")
+    cfg = ensure_valid(override(tiny_ppo(), run_dir="runs/a", save="ck", num_rollout=8))
+    state = driver_state(cfg, 3, data=SimpleNamespace(state_dict=lambda: {}), version=3,
+                         hf_checkpoint=str(tmp_path / "hf"))
+    run, save = tmp_path / "job" / "runs" / "a", tmp_path / "job" / "ck"
+    (save / "rollout_00003").mkdir(parents=True)
+    (save / "rollout_00003" / "driver_state.json").write_text(json.dumps(state))
+    run.mkdir(parents=True)
+    (run / "metrics.jsonl").write_text("{}\n")
+    monkeypatch.chdir(tmp_path)  # the resume, from elsewhere, names the same folders
+    resumed = override(cfg, run_dir=str(run), load=str(save), save=str(save))
+    assert load_problem(resumed) is None
+    claim(resumed).release()

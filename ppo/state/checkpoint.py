@@ -226,9 +226,12 @@ def _free_bytes(path: str) -> int | None:
 def driver_state(cfg: PPOConfig, step: int, *, data: PromptDataset, version: int, hf_checkpoint: str,
                  counters: RunCounters | None = None) -> dict:
     """What the driver process must restore besides the trainers: driver_state.json."""
+    config = to_dict(cfg)
+    # absolute: a resume compares it with its --run-dir (ppo.state.rundir), maybe from another cwd
+    config["logging"]["run_dir"] = os.path.abspath(cfg.logging.run_dir)
     return {"format": FORMAT, "rollout_step": step, "weight_version": version, "data": data.state_dict(),
             "rng": capture_rng(), "counters": asdict(counters or RunCounters()),
-            "model": model_signature(hf_checkpoint), "config": to_dict(cfg)}
+            "model": model_signature(hf_checkpoint), "config": config}
 
 
 def save_checkpoint(save_dir: str, step: int, *, actor: Saver, state: dict, critic: Saver | None = None,
@@ -298,6 +301,14 @@ def model_signature(hf_checkpoint: str) -> dict:
     with open(os.path.join(hf_checkpoint, "config.json")) as f:
         hf_config = json.load(f)
     return {k: hf_config[k] for k in MODEL_KEYS if k in hf_config}
+
+
+def saved_names(folder: str) -> list[str]:
+    """What a run saved in `folder` that a later run's saves would replace or prune: its
+    `latest` and rollout_NNNNN folders (none when the folder does not exist)."""
+    if not os.path.isdir(folder):
+        return []
+    return sorted(n for n in os.listdir(folder) if n == TRACKER or _ROLLOUT_DIR.fullmatch(n))
 
 
 def newest_state(load_dir: str) -> dict | None:

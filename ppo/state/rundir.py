@@ -8,7 +8,8 @@ resume of that same run: its newest checkpoint must have been written with this 
 (driver_state.json keeps the run's config). A plain rerun, a --load of a folder with no
 checkpoint or of another run's, would start over on the earlier run's metrics and samples.
 A --load that does not exist, or whose newest checkpoint leaves no rollout to run, is refused
-before the run dir is even made (`load_problem`).
+before the run dir is even made (`load_problem`), and so is a --save folder holding another
+run's checkpoints, which this run's saves would overwrite and prune.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import fcntl
 import os
 from pathlib import Path
 
-from ppo.state.checkpoint import newest_state
+from ppo.state.checkpoint import newest_state, saved_names
 from ppo.config import PPOConfig
 
 LOCK_FILE = ".lock"
@@ -73,11 +74,17 @@ def claim(cfg: PPOConfig) -> RunDirLock:
 
 
 def load_problem(cfg: PPOConfig) -> str | None:
-    """Why --load cannot be resumed from, seen before anything is written, or None: a path
-    that does not exist (a typo would otherwise start a new run) or is not a folder, or a
-    newest checkpoint after which --num-rollout leaves nothing to run (a finished run).
-    --load and --save on one folder that does not exist yet is miles' first run of a job
-    (its recipes pass both): --save makes it, and the run starts from --hf-checkpoint."""
+    """Why --load cannot be resumed from or --save not saved to, seen before anything is
+    written, or None: see `_load_problem` and `_save_problem`."""
+    return _load_problem(cfg) or _save_problem(cfg)
+
+
+def _load_problem(cfg: PPOConfig) -> str | None:
+    """Why --load cannot be resumed from, or None: a path that does not exist (a typo would
+    otherwise start a new run) or is not a folder, or a newest checkpoint after which
+    --num-rollout leaves nothing to run (a finished run). --load and --save on one folder
+    that does not exist yet is miles' first run of a job (its recipes pass both): --save
+    makes it, and the run starts from --hf-checkpoint."""
     load, save = cfg.checkpoint.load, cfg.checkpoint.save
     if load is None:
         return None
@@ -96,6 +103,34 @@ def load_problem(cfg: PPOConfig) -> str | None:
     return None
 
 
+def _save_problem(cfg: PPOConfig) -> str | None:
+    """Why --save may not take this run's checkpoints, or None: it holds another run's
+    (`latest`, rollout_NNNNN), which this run's saves would overwrite (same step), repoint
+    (`latest`) and prune. They are this run's only when it resumes from them: --load is the
+    same folder and their newest was written with this --run-dir (miles' recipes pass one
+    folder to both; on a job's first run it is empty)."""
+    save, load = cfg.checkpoint.save, cfg.checkpoint.load
+    held = saved_names(save) if save is not None else []
+    if not held:
+        return None
+    what = f"--save {save} holds an earlier run's checkpoints ({', '.join(held[:3])}{', ...' if len(held) > 3 else ''})"
+    if load is None or os.path.abspath(load) != os.path.abspath(save):
+        start = "this run starts anew" if load is None else f"this run starts from --load {load}"
+        return (f"{what}, and {start}: its saves would overwrite and prune them; pass an empty --save folder, "
+                f"or resume that run with --load {save}")
+    wrote = _written_run_dir(newest_state(save))
+    if wrote is not None and Path(wrote).resolve() != Path(cfg.logging.run_dir).resolve():
+        return (f"{what}, written with --run-dir {wrote}: this run's saves would overwrite and prune them; "
+                f"pass a new --save folder (--load {load} may stay), or resume that run with --run-dir {wrote}")
+    return None
+
+
+def _written_run_dir(state: dict | None) -> str | None:
+    """The --run-dir of the run that wrote checkpoint state `state`, or None; absolute
+    (ppo.state.checkpoint.driver_state), but in a checkpoint older than that rule."""
+    return ((state or {}).get("config") or {}).get("logging", {}).get("run_dir")
+
+
 def _earlier_run_problem(cfg: PPOConfig, run_dir: Path, old: list[str]) -> str | None:
     """Why this run may not use a run dir holding an earlier run (its files `old`), or None
     when it resumes that run from one of its checkpoints."""
@@ -108,7 +143,7 @@ def _earlier_run_problem(cfg: PPOConfig, run_dir: Path, old: list[str]) -> str |
     if state is None:
         return (f"{held}, and --load {load} holds no checkpoint to resume it from (starting over would mix "
                 "two runs there); pass that run's --save folder, or a new --run-dir to start another run")
-    wrote = (state.get("config") or {}).get("logging", {}).get("run_dir")
+    wrote = _written_run_dir(state)
     if wrote is not None and Path(wrote).resolve() != run_dir.resolve():
         return (f"{held}, and the newest checkpoint under --load {load} is another run's (written with "
                 f"--run-dir {wrote}); resume this run from its own --save folder, or pass a new --run-dir "

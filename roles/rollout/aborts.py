@@ -5,7 +5,8 @@ non-finite result) raises RequestsAborted naming the requests it hit and carryin
 of the others. `generate_retrying` issues the hit requests again, each with its own seed (so
 a request that succeeds on a later try yields the sample it would have yielded at first, where
 the engine honours per-request seeds), at most `max_retries` times per request; one abort more
-ends the call with RequestsGaveUp, one line naming the request, its tries and the last reason.
+ends the call with RequestsGaveUp, one line naming the request (or, where the whole call was
+aborted, all of its requests), its tries and the last reason.
 """
 
 from __future__ import annotations
@@ -48,10 +49,15 @@ def generate_retrying(generate: Callable[[list[GenerateRequest], list[int]], lis
             results[by_id[result["id"]]] = result
         for i in hit:
             aborts[i] += 1
-            if aborts[i] > max_retries:
-                raise RequestsGaveUp(
-                    f"{where}: request id={requests[i].id} was aborted {aborts[i]} times (the last: {reason}); "
-                    f"it was issued again {max_retries} times (--rollout-max-request-retries)")
+        over = [i for i in hit if aborts[i] > max_retries]
+        if over:
+            # an abort of the whole call (sglang raised; the built-in engine out of memory)
+            # names no request of its own: say so rather than pick one
+            who = (f"all {len(hit)} requests of the call were" if len(hit) == len(pending) > 1
+                   else f"request id={requests[over[0]].id} was")
+            times = max(aborts[i] for i in over)
+            raise RequestsGaveUp(f"{where}: {who} aborted {times} times (the last: {reason}); a request is "
+                                 f"issued again at most {max_retries} times (--rollout-max-request-retries)")
         pending = hit
     for result, n in zip(results, aborts):
         result["num_aborts"] = n

@@ -146,21 +146,21 @@ class RolloutEngine(Actor):
         result: {"id", "token_ids", "logprobs" (of each sampled token, temperature
         applied), "finish_reason": "stop" | "length", "weight_version", "num_aborts" (how
         often the backend aborted the request and it was issued again, with its seed)}.
-        No requests: no results (the backend is not called). A request aborted more than
+        No requests: no results, in any memory state (the backend is not called). A request aborted more than
         `max_request_retries` times raises RequestsGaveUp naming it.
 
         A request without a seed is seeded from (engine seed, engine_index, call number,
         request id): a run is reproducible, and a request's sample never depends on the
         other requests in its batch.
         """
+        if isinstance(requests, list) and not requests:  # nothing to generate needs no weights nor memory
+            return []
         if self._released:
             raise RuntimeError(
                 f"rollout engine {self.engine_index}: generate() while {sorted(self._released)} "
                 f"released (state {self.state}); call resume({sorted(self._released)}) first"
             )
         parsed = parse_requests(requests, vocab_size=self._vocab_size, max_positions=self._max_positions)
-        if not parsed:
-            return []
         seeds = [request_seed(self.seed, self.engine_index, self._num_generate_calls, r) for r in parsed]
         self._num_generate_calls += 1
         self.set_state("generating", num_requests=len(parsed))

@@ -382,6 +382,8 @@ class SglangBackend:
 
     # -- generation -------------------------------------------------------------------
     def generate(self, requests: list[GenerateRequest], seeds: list[int]) -> list[dict]:
+        if not requests:  # sglang would raise ValueError("input_ids cannot be empty."): io_struct.py:499
+            return []
         if self._discarded:
             missing = sorted(self._discarded)
             raise RuntimeError(f"backend 'sglang': the engine's weights were released without a CPU backup, "
@@ -389,15 +391,11 @@ class SglangBackend:
                                f"{missing[:2]}) were not loaded since; push the weights (update_weights per "
                                "bucket, then set_weight_version) before generating, or start the engine with "
                                "options={'enable_weights_cpu_backup': True}")
-        if not requests:  # sglang would raise ValueError("input_ids cannot be empty."): io_struct.py:499
-            return []
+        # built outside the try: only sglang's own ValueError is an abort
+        input_ids = [r.prompt_ids for r in requests]
+        sampling_params = [_sampling_params(r, seed if self.deterministic else None) for r, seed in zip(requests, seeds)]
         try:
-            outputs = self.engine.generate(
-                input_ids=[r.prompt_ids for r in requests],
-                sampling_params=[_sampling_params(r, seed if self.deterministic else None)
-                                 for r, seed in zip(requests, seeds)],
-                return_logprob=True,
-            )
+            outputs = self.engine.generate(input_ids=input_ids, sampling_params=sampling_params, return_logprob=True)
         except (ValueError, self.sgl.HTTPException) as e:
             # An abort that sglang raises (module docstring, "aborts") names no request and
             # loses the batch's other results: every request of the call is issued again.
