@@ -17,7 +17,11 @@ from ppo.placement import format_placement, plan_placement
 def main(argv: list[str] | None = None) -> None:
     parser = build_parser(prog="launch.py")
     parser.add_argument("--dry-run", action="store_true", default=False,
-                        help="print the resolved config and the GPU placement; start nothing")
+                        help="print the resolved config, the GPU placement and the memory plan; start nothing")
+    parser.add_argument("--gpu-memory-gb", type=float, default=None, metavar="N",
+                        help="with --dry-run: plan memory for GPUs of N GiB instead of this machine's "
+                             "(nvidia-smi; fake GPUs: their 80 GiB), which a run plans for, refusing a plan "
+                             "that does not fit before any role starts")
     try:
         cfg, args = parse_cli(parser, argv)
     except ConfigError as err:
@@ -27,9 +31,19 @@ def main(argv: list[str] | None = None) -> None:
         print(f"tandem: note: --ref-load {cfg.checkpoint.ref_load} is not read: the trainers start from "
               f"--hf-checkpoint {cfg.checkpoint.hf_checkpoint}, the reference policy is the actor's "
               "initial weights", file=sys.stderr)
+    if args.gpu_memory_gb is not None and args.gpu_memory_gb <= 0:
+        print(f"--gpu-memory-gb {args.gpu_memory_gb}: must be > 0 (GiB of one GPU)", file=sys.stderr)
+        sys.exit(2)
     if args.dry_run:
         print(json.dumps({"config": to_dict(cfg), "derived": derived_values(cfg)}, indent=2))
         print(format_placement(plan_placement(cfg)))
+        from ppo.gpu.dry_run import memory_plan_text  # imports torch (the model spec)
+
+        text, refused = memory_plan_text(cfg, gpu_memory_gb=args.gpu_memory_gb)
+        print(text)
+        if refused:
+            print(f"tandem: {refused}", file=sys.stderr)
+            sys.exit(2)
         return
     try:
         from ppo.checkpoint import SaveFailed

@@ -28,6 +28,9 @@ from ppo.console import RunConsole, ready_seconds
 from ppo.data import PromptDataset
 from ppo.evaluation import EvalSet, load_eval_sets
 from ppo.generated import resolve_eval_paths, resolve_paths
+from ppo.gpu.dry_run import check_memory_plan
+from ppo.gpu.memory_plan import MemoryPlan
+from ppo.gpu.sizing import DEFAULT_PROMPT_LEN, FAKE_GPU_BYTES, gpu_capacity_bytes
 from ppo.placement import Placement, plan_placement
 from ppo.rundir import RunDirError, RunDirLock, claim
 from ppo.side_by_side import memory_budgets
@@ -39,7 +42,6 @@ from roles.trainer import BackendUnavailable, TrainerGroup, trainer_classes
 from runtime import ActorHandle, Supervisor
 from runtime.events import read_events
 
-FAKE_GPU_BYTES = 80 << 30
 # Quiet, single-threaded library defaults for every role process: roles share the host's
 # cores, and per-process thread pools sized for the whole machine fight each other.
 ROLE_ENV = {"TOKENIZERS_PARALLELISM": "false", "TRANSFORMERS_VERBOSITY": "error",
@@ -74,6 +76,7 @@ class Job:
     resume_from: Checkpoint | None  # the intact --load checkpoint to resume, if any (ppo.checkpoint.locate)
     functions: UserFunctions  # the user's dynamic-sampling filter, TIS function, reward post-process
     eval_sets: list[EvalSet] = field(default_factory=list)  # --eval-prompt-data, loaded (ppo.evaluation)
+    memory_plan: MemoryPlan | None = None  # what each role holds per phase (ppo.gpu.memory_plan); None unplanned
 
     def close(self) -> None:
         try:
@@ -146,19 +149,6 @@ def reward_model_problem(cfg: PPOConfig) -> str | None:
         problem = budget_problem(path, dtype=compute_dtype(cfg), max_tokens=cfg.reward.reward_model_max_tokens_per_gpu,
                                  capacity=capacity)
     return problem
-
-
-def gpu_capacity_bytes() -> int | None:
-    """Memory of GPU 0 as nvidia-smi reports it (the driver process makes no CUDA context of its
-    own: it would hold GPU memory for the whole run), or None without one."""
-    import subprocess
-
-    try:
-        out = subprocess.run(["nvidia-smi", "--query-gpu=memory.total", "--format=csv,noheader,nounits", "-i", "0"],
-                             capture_output=True, text=True, timeout=30, check=True).stdout
-        return int(out.split()[0]) << 20
-    except (OSError, subprocess.SubprocessError, ValueError, IndexError):
-        return None
 
 
 def compute_dtype(cfg: PPOConfig) -> str:
@@ -384,6 +374,10 @@ def _start(cfg: PPOConfig, console: RunConsole, lock: RunDirLock, actor_cls, cri
     except (ValueError, FileNotFoundError) as e:  # BadSample and CheckpointError are ValueErrors
         raise JobSetupError(str(e)) from e
     plan = plan_placement(cfg)
+    try:  # refused in one line before any role starts (ppo.gpu.memory_plan)
+        memory = check_memory_plan(cfg, prompt_len=data.longest_prompt or DEFAULT_PROMPT_LEN)
+    except ValueError as e:
+        raise JobSetupError(str(e)) from None
     dtype = compute_dtype(cfg)
     num_gpus = plan.num_gpus_per_node * plan.num_nodes
     sup = Supervisor(run_dir, gpus=range(num_gpus), fake_gpus=num_gpus if cfg.placement.fake_gpus else 0,
@@ -411,19 +405,28 @@ def _start(cfg: PPOConfig, console: RunConsole, lock: RunDirLock, actor_cls, cri
                                    restart="one_for_one", env=ROLE_ENV)
                          for i, g in enumerate(plan.reward_model_gpus)]
         t0 = time.monotonic()
-        # Trainers are rank groups, one process per GPU (roles.trainer.group); they die as one.
-        actor = TrainerGroup.spawn(sup, "actor", actor_cls,
-                                   trainer_config(cfg, hf_checkpoint, critic=False, dtype=dtype),
-                                   gpus=plan.actor_gpus, env=trainer_env)
-        critic = None
+        colocation = Colocation(sup.leases)
+        # megatron builds its buffers on the GPU and offloads them at the end of its construction:
+        # the trainers are built before the engines take their memory, at once where the memory
+        # plan says both fit, else one after the other, each under its GPUs' leases (on one 80 GB
+        # GPU, two Qwen3-4B trainers building at once do not fit)
+        megatron = cfg.training.train_backend == "megatron"
+        in_turn = megatron and memory is not None and memory.builds_in_turn
+        groups = [("actor", actor_cls, False, plan.actor_gpus)]
         if C.uses_critic(cfg):
-            critic = TrainerGroup.spawn(sup, "critic", critic_cls,
-                                        trainer_config(cfg, hf_checkpoint, critic=True, dtype=dtype),
-                                        gpus=plan.critic_gpus, env=trainer_env)
-        if cfg.training.train_backend == "megatron":
-            # megatron builds its buffers on the GPU and offloads them at the end of its
-            # construction: it must be done before the engines take their memory (on one GPU,
-            # two Qwen3-4B trainers building beside an engine's KV cache would not fit)
+            groups.append(("critic", critic_cls, True, plan.critic_gpus))
+        trainers = []
+        for name, cls, is_critic, gpus in groups:
+            # Trainers are rank groups, one process per GPU (roles.trainer.group); they die as one.
+            group = TrainerGroup.spawn(sup, name, cls, trainer_config(cfg, hf_checkpoint, critic=is_critic, dtype=dtype),
+                                       gpus=gpus, env=trainer_env)
+            trainers.append(group)
+            if in_turn:
+                console.begin(f"building the {name} on its GPUs")
+                colocation.build(trainer_tenant(group, tuple(gpus), frees=C.train_offload_tags(cfg)),
+                                 lambda: sup.wait_ready([r.name for r in group.ranks]))
+        actor, critic = trainers[0], (trainers[1] if len(trainers) > 1 else None)
+        if megatron and not in_turn:
             console.begin("waiting for the trainers to build on their GPUs")
             sup.wait_ready()
         engines, engine_tenants = [], []
@@ -431,6 +434,7 @@ def _start(cfg: PPOConfig, console: RunConsole, lock: RunDirLock, actor_cls, cri
             name = f"rollout-{i}"
             for g in gpus:
                 sup.leases.acquire(g, name)
+            colocation.holding.add(name)
             engines.append(sup.spawn(
                 name, RolloutEngine, hf_checkpoint, backend=cfg.engine.rollout_backend, engine_index=i,
                 seed=cfg.rollout.rollout_seed, dtype=dtype, gpus=gpus, restart="one_for_one",
@@ -455,4 +459,4 @@ def _start(cfg: PPOConfig, console: RunConsole, lock: RunDirLock, actor_cls, cri
                reward_model_tenants=[trainer_tenant(rm, (g,), frees=() if cfg.reward.reward_model_num_gpus
                                                     else ("weights",))
                                      for rm, g in zip(reward_models, plan.reward_model_gpus)],
-               colocation=Colocation(sup.leases, holding=tuple(t.name for t in engine_tenants)))
+               colocation=colocation, memory_plan=memory)
