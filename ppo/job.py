@@ -378,6 +378,8 @@ def _start(cfg: PPOConfig, console: RunConsole, lock: RunDirLock, actor_cls, cri
         memory = check_memory_plan(cfg, prompt_len=data.longest_prompt or DEFAULT_PROMPT_LEN)
     except ValueError as e:
         raise JobSetupError(str(e)) from None
+    if memory is not None:
+        (run_dir / "memory_plan.json").write_text(json.dumps(memory.to_dict(), indent=1))
     dtype = compute_dtype(cfg)
     num_gpus = plan.num_gpus_per_node * plan.num_nodes
     sup = Supervisor(run_dir, gpus=range(num_gpus), fake_gpus=num_gpus if cfg.placement.fake_gpus else 0,

@@ -82,6 +82,11 @@ class MemoryPlan:
     def fits(self) -> bool:
         return self.worst().peak <= self.capacity
 
+    def to_dict(self) -> dict:
+        """RUN_DIR/memory_plan.json: what a run planned, for bench.iteration to hold its peaks against."""
+        return {"capacity": self.capacity, "notes": list(self.notes),
+                "phases": [{"phase": p.phase, "gpu": p.gpu, "peak": p.peak, "held": p.held} for p in self.phases]}
+
 
 def model_parameters(spec: ModelSpec, *, lm_head: bool, value_head: bool = False, tp: int = 1) -> int:
     """Parameters of one tensor-parallel rank of the whole model: the embedding (vocab padded to
