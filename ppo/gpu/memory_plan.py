@@ -195,6 +195,7 @@ def plan_memory(cfg: PPOConfig, spec: ModelSpec, *, capacity: int, prompt_len: i
                                  prompt_len=prompt_len))
     engines = [_engine(cfg, spec, i, gpus, fake=fake, capacity=capacity) for i, gpus in enumerate(plan.engines)]
     train_frees, rollout_frees = C.train_offload_tags(cfg), C.rollout_offload_tags(cfg)
+    senders = _sending_gpus(cfg, plan)
     megatron = cfg.training.train_backend == "megatron"
     bucket = cfg.engine.update_weight_buffer_size
 
@@ -207,12 +208,14 @@ def plan_memory(cfg: PPOConfig, spec: ModelSpec, *, capacity: int, prompt_len: i
         return {"weights": 0 if "weights" in rollout_frees else e.weights,
                 "kv_cache": 0 if "kv_cache" in rollout_frees else e.kv_cache}
 
-    def turn(tr: _Trainer, phase: str) -> dict[str, int]:
-        """The trainer's state while it computes `phase`."""
+    def turn(tr: _Trainer, phase: str, g: int) -> dict[str, int]:
+        """The trainer's state on GPU `g` while it computes `phase`."""
         if phase == "build":  # megatron: the module's own parameters live until DDP's buffer holds their copy
             return {"weights": 2 * tr.weights, "grads": tr.grads, "optimizer": tr.build_optimizer}
         if phase in ("log_probs", "values"):
             return {**at_rest(tr), "weights": tr.weights, "activations": tr.forward}
+        if phase == "weight_sync" and g not in senders:
+            return {**at_rest(tr), "weights": tr.weights}
         if phase == "weight_sync":
             buffers = bucket * min(2, -(-tr.weights // bucket))  # double-buffered buckets (roles.weight_sync)
             return {**at_rest(tr), "weights": tr.weights, "sync_buffers": buffers}
@@ -239,8 +242,8 @@ def plan_memory(cfg: PPOConfig, spec: ModelSpec, *, capacity: int, prompt_len: i
         started = names if active not in names or not building else names[:names.index(active) + 1]
         for tr in trainers:
             if g in tr.gpus and tr.name in started:  # building in turn: the earlier ones offloaded everything
-                held[tr.name] = (turn(tr, "build") if active in ("build", tr.name) else {}) if building \
-                    else turn(tr, phase) if tr.name == active else at_rest(tr)
+                held[tr.name] = (turn(tr, "build", g) if active in ("build", tr.name) else {}) if building \
+                    else turn(tr, phase, g) if tr.name == active else at_rest(tr)
         for e in engines:  # they spawn once the trainers are built
             if g not in e.gpus or building:
                 continue
@@ -267,3 +270,14 @@ def plan_memory(cfg: PPOConfig, spec: ModelSpec, *, capacity: int, prompt_len: i
     if cfg.reward.reward_model_path is not None:
         notes.append("the reward model's turn on the engines' GPUs is not in this plan")
     return MemoryPlan(capacity=capacity, phases=tuple(build + phases_of(sequence)), notes=tuple(notes))
+
+
+def _sending_gpus(cfg: PPOConfig, plan: Placement) -> set[int]:
+    """The actor's GPUs whose ranks gather and send the weights in a sync: data-parallel and
+    context-parallel rank 0 (roles.trainer.megatron.core `gathers_weights`; megatron's rank
+    order tp, cp, dp, pp), every TP shard and pipeline stage of it; the torch backend's rank 0."""
+    if cfg.training.train_backend != "megatron":
+        return {plan.actor_gpus[0]}
+    par = plan.trainer_parallel
+    tp, cp, dp = par["tp"], par["cp"], par["dp"]
+    return {g for rank, g in enumerate(plan.actor_gpus) if (rank // tp) % cp == 0 and (rank // (tp * cp)) % dp == 0}
