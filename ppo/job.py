@@ -271,7 +271,7 @@ def setup_problems(cfg: PPOConfig) -> list[str]:
     whether the prompt and response lengths fit its context, the checkpoint folders, the reward
     service and the reward model."""
     problems = [trainer_layout_problem(cfg), rollout_backend_problem(cfg), hf_checkpoint_problem(cfg),
-                reward_service_problem(cfg), reward_model_problem(cfg),
+                reward_service_problem(cfg), reward_model_problem(cfg), optimizer_offload_problem(cfg),
                 context_problem(cfg, cfg.checkpoint.hf_checkpoint), output_problem("--save", cfg.checkpoint.save),
                 output_problem("--critic-save", C.critic_save(cfg) if C.uses_critic(cfg) else None)]
     try:
@@ -279,6 +279,15 @@ def setup_problems(cfg: PPOConfig) -> list[str]:
     except BackendUnavailable as e:  # megatron without megatron-core or CUDA
         problems.insert(1, str(e))
     return [p for p in problems if p is not None]
+
+
+def optimizer_offload_problem(cfg: PPOConfig) -> str | None:
+    """--optimizer-cpu-offload is a memory plan for GPUs under 80 GB (docs/benchmarks.md): the
+    megatron trainer's offload by tag does not know megatron-core's CPU optimizer yet."""
+    if not cfg.optimizer.optimizer_cpu_offload:
+        return None
+    return ("--optimizer-cpu-offload: the memory plan counts it (see it with --dry-run), but the megatron "
+            "trainer does not build megatron-core's CPU optimizer yet; run on a GPU the plan fits without it")
 
 
 def hf_checkpoint_problem(cfg: PPOConfig) -> str | None:

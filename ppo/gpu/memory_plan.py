@@ -13,7 +13,9 @@ Sizes, per GPU (P: the parameters a rank holds, from the spec; w: the compute dt
     kind          megatron                               torch backend
     weights       P x w (DDP's param buffer)             P x w + RoPE buffers
     grads         P x 4 (grad_reduce_in_fp32)            P x w, inside train only
-    optimizer     P x 12 / dp (fp32 main params, Adam)   P x 2w (Adam's moments)
+    optimizer     P x 12 / dp (fp32 main params, Adam),  P x 2w (Adam's moments)
+                  less --optimizer-offload-fraction
+                  with --optimizer-cpu-offload
     activations   roles.phase_memory.micro_batch_bytes of the largest micro-batch
     kv_cache      the engine's budget: mem_fraction x GPU - its weights on a GPU, else
                   max_batch_size rows of the full context (roles.rollout.torch_engine.backend)
@@ -151,9 +153,10 @@ def _trainer(cfg: PPOConfig, spec: ModelSpec, name: str, gpus: list[int], *, cri
                                  dtype=dtype, training=training, gradient_checkpointing=recompute,
                                  with_logits=not critic)
 
-    if megatron:
-        optimizer = params * 12 // dp
-        weights, grads, build = params * w, params * 4, params * 4 // dp
+    if megatron:  # --optimizer-cpu-offload keeps a share of the optimizer in host memory for good
+        on_gpu = 1 - cfg.optimizer.optimizer_offload_fraction if cfg.optimizer.optimizer_cpu_offload else 1
+        optimizer = int(params * 12 // dp * on_gpu)
+        weights, grads, build = params * w, params * 4, int(params * 4 // dp * on_gpu)
     else:
         rope = 2 * (spec.head_dim // 2) * 4  # HF's rotary buffers inv_freq and original_inv_freq, float32
         weights, grads, optimizer, build = params * w + rope, params * w, params * 2 * w, 0
@@ -178,9 +181,16 @@ def _engine(cfg: PPOConfig, spec: ModelSpec, index: int, gpus: list[int], *, fak
     if fraction and not fake:  # ppo.job.engine_settings: a share of the real GPU
         kv = int(capacity * fraction) - weights
     else:  # the built-in engine's default budget: max_batch_size full-context rows
-        rows = cfg.engine.sglang_max_running_requests or C.samples_per_rollout(cfg)
+        rows = _engine_rows(cfg)
         kv = rows * spec.max_positions * spec.kv_elements_per_token * w // tp
     return _Engine(f"rollout-{index}", tuple(gpus), weights, max(kv, 0))
+
+
+def _engine_rows(cfg: PPOConfig) -> int:
+    """Sequences an engine runs at once: the rollout's samples (the built-in engine's max_batch_size),
+    or sglang's --sglang-max-running-requests (ppo.job.engine_settings)."""
+    samples = C.samples_per_rollout(cfg)
+    return samples if cfg.engine.rollout_backend != "sglang" else cfg.engine.sglang_max_running_requests or samples
 
 
 def plan_memory(cfg: PPOConfig, spec: ModelSpec, *, capacity: int, prompt_len: int,
@@ -247,7 +257,7 @@ def plan_memory(cfg: PPOConfig, spec: ModelSpec, *, capacity: int, prompt_len: i
         for e in engines:  # they spawn once the trainers are built
             if g not in e.gpus or building:
                 continue
-            if active == "engines" or not any(g in tr.gpus for tr in trainers):
+            if active == "engines":
                 held[e.name] = {"weights": e.weights, "kv_cache": e.kv_cache}
             elif phase == "weight_sync":  # the weights come back first, the KV cache after the sync
                 held[e.name] = {**engine_at_rest(e), "weights": e.weights}
@@ -267,6 +277,14 @@ def plan_memory(cfg: PPOConfig, spec: ModelSpec, *, capacity: int, prompt_len: i
         if max(p.peak for p in build) > capacity and len(trainers) > 1:
             build = phases_of([(f"build_{t.name}", t.name) for t in trainers])
     notes = []
+    rows = _engine_rows(cfg)
+    sequence_bytes = (prompt_len + (cfg.rollout.rollout_max_response_len or 0)) * spec.kv_elements_per_token \
+        * (4 if fake else 2)
+    for e in engines:
+        held = e.kv_cache * len(e.gpus) // sequence_bytes
+        if held < rows:
+            notes.append(f"{e.name}'s KV cache holds {held} of the {rows} sequences it may run at once "
+                         "(a larger --sglang-mem-fraction-static holds more)")
     if cfg.reward.reward_model_path is not None:
         notes.append("the reward model's turn on the engines' GPUs is not in this plan")
     return MemoryPlan(capacity=capacity, phases=tuple(build + phases_of(sequence)), notes=tuple(notes))

@@ -14,12 +14,14 @@ _SHORT = {"weights": "w", "grads": "g", "optimizer": "o", "kv_cache": "kv", "act
 
 # What a user can move, cheapest first: the engines free their KV cache (their graphs are
 # captured again), then their weights too; the trainers move their weights as well as their
-# optimizer; full recomputation; smaller micro-batches. Each fix keeps the ones before it.
+# optimizer; full recomputation; a growing share of the optimizer kept and stepped on the CPU
+# (megatron). Each fix keeps the ones before it.
 FIXES: tuple[dict, ...] = (
     {"offload_rollout": True, "offload_rollout_level": "kv_cache"},
     {"offload_rollout": True, "offload_rollout_level": "all"},
     {"offload_train": True, "offload_train_level": "all"},
     {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1},
+    *({"optimizer_cpu_offload": True, "optimizer_offload_fraction": f} for f in (0.25, 0.5, 0.75, 1.0)),
 )
 
 
@@ -75,9 +77,12 @@ def _gib(nbytes: int) -> str:
 
 
 def _value(cfg: PPOConfig, name: str):
+    """The field's value in effect (an unset offload switch follows the placement)."""
+    from ppo import config as C
     from ppo.config.serialize import FIELDS
 
-    return getattr(getattr(cfg, FIELDS[name].group), name)
+    effective = {"offload_train": C.offload_train, "offload_rollout": C.offload_rollout}
+    return effective[name](cfg) if name in effective else getattr(getattr(cfg, FIELDS[name].group), name)
 
 
 def _flag(name: str, value) -> str:
