@@ -422,7 +422,7 @@ def _start(cfg: PPOConfig, console: RunConsole, lock: RunDirLock, actor_cls, cri
         # plan says both fit, else one after the other, each under its GPUs' leases (on one 80 GB
         # GPU, two Qwen3-4B trainers building at once do not fit)
         megatron = cfg.training.train_backend == "megatron"
-        in_turn = megatron and memory is not None and memory.builds_in_turn
+        in_turn = memory is not None and memory.builds_in_turn  # only megatron plans have build phases
         groups = [("actor", actor_cls, False, plan.actor_gpus)]
         if C.uses_critic(cfg):
             groups.append(("critic", critic_cls, True, plan.critic_gpus))

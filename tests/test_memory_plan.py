@@ -121,3 +121,29 @@ def test_tiny_ppo_plans_its_fake_gpus_exactly():
     assert rollout[0].held == {"actor": {}, "critic": {}, "rollout-0": {"weights": 320_512, "kv_cache": 4_194_304}}
     sync = {x.gpu: x.held["actor"] for x in p.phases if x.phase == "weight_sync"}
     assert sync[0]["sync_buffers"] == 512 << 20 and "sync_buffers" not in sync[1]  # rank 0 sends
+
+
+@pytest.mark.timeout(300)
+def test_trainers_the_plan_builds_in_turn_take_the_leases_one_after_the_other(tmp_path, monkeypatch):
+    """Start-up follows the plan: each trainer holds its GPUs' leases while it builds and gives
+    them up empty before the next one is spawned; the engines come after. (The torch backend
+    builds on the CPU: the plan is made to say "in turn", as a megatron plan on 80 GB does.)"""
+    import ppo.job
+    from ppo.gpu.memory_plan import MemoryPlan, PhaseMemory
+    from ppo.job import start_job
+    from runtime.fakegpu import FakeDevice
+
+    in_turn = MemoryPlan(capacity=80 * GIB, phases=tuple(
+        PhaseMemory(phase=f"build_{role}", gpu=g, held={role: {}}) for role in ("actor", "critic") for g in (0, 1)))
+    monkeypatch.setattr(ppo.job, "check_memory_plan", lambda cfg, prompt_len: in_turn)
+    job = start_job(override(tiny_ppo(), run_dir=str(tmp_path / "run"), num_rollout=1, rollout_batch_size=16))
+    try:
+        for gpu in (0, 1):
+            leases = [(h["holder"], h["lease_holder"]) for h in FakeDevice(tmp_path / "run" / "fakegpu", gpu).history()
+                      if h["kind"] == "lease"]
+            # (new holder, holder after the change) of each lease change: None when released
+            assert leases[:5] == [("actor", "actor"), (None, None), ("critic", "critic"), (None, None),
+                                  (f"rollout-{gpu}", f"rollout-{gpu}")]
+        assert job.colocation.holding == {"rollout-0", "rollout-1"}  # the engines hold theirs, the trainers none
+    finally:
+        job.close()
