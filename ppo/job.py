@@ -30,7 +30,7 @@ from ppo.evaluation import EvalSet, load_eval_sets
 from ppo.generated import resolve_eval_paths, resolve_paths
 from ppo.gpu.dry_run import check_memory_plan
 from ppo.gpu.memory_plan import MemoryPlan
-from ppo.gpu.sizing import DEFAULT_PROMPT_LEN, FAKE_GPU_BYTES, gpu_capacity_bytes
+from ppo.gpu.sizing import DEFAULT_PROMPT_LEN, FAKE_GPU_BYTES, compute_dtype, gpu_capacity_bytes
 from ppo.placement import Placement, plan_placement
 from ppo.rundir import RunDirError, RunDirLock, claim
 from ppo.side_by_side import memory_budgets
@@ -149,11 +149,6 @@ def reward_model_problem(cfg: PPOConfig) -> str | None:
         problem = budget_problem(path, dtype=compute_dtype(cfg), max_tokens=cfg.reward.reward_model_max_tokens_per_gpu,
                                  capacity=capacity)
     return problem
-
-
-def compute_dtype(cfg: PPOConfig) -> str:
-    """The roles' compute dtype: float32 on fake GPUs (the CPU computes), bfloat16 on GPUs."""
-    return "float32" if cfg.placement.fake_gpus else "bfloat16"
 
 
 def reward_service_problem(cfg: PPOConfig) -> str | None:

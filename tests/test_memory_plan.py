@@ -123,6 +123,7 @@ def test_tiny_ppo_plans_its_fake_gpus_exactly():
     assert sync[0]["sync_buffers"] == 512 << 20 and "sync_buffers" not in sync[1]  # rank 0 sends
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_trainers_the_plan_builds_in_turn_take_the_leases_one_after_the_other(tmp_path, monkeypatch):
     """Start-up follows the plan: each trainer holds its GPUs' leases while it builds and gives

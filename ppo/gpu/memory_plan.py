@@ -36,6 +36,7 @@ import torch
 
 from ppo import config as C
 from ppo.config import PPOConfig
+from ppo.gpu.sizing import compute_dtype
 from ppo.placement import Placement, plan_placement
 from roles.model_spec import ModelSpec
 from roles.phase_memory import micro_batch_bytes
@@ -122,11 +123,11 @@ class _Trainer:
     grads_beside_activations: bool  # torch: only from a step's second micro-batch on
 
 
-def _trainer(cfg: PPOConfig, spec: ModelSpec, name: str, gpus: list[int], *, critic: bool, fake: bool,
+def _trainer(cfg: PPOConfig, spec: ModelSpec, name: str, gpus: list[int], *, critic: bool,
              prompt_len: int) -> _Trainer:
     t, par = cfg.training, cfg.parallelism
     megatron = t.train_backend == "megatron"
-    dtype = torch.float32 if fake else torch.bfloat16  # ppo.job.compute_dtype
+    dtype = getattr(torch, compute_dtype(cfg))
     w = dtype.itemsize
     tp, pp = (par.tensor_model_parallel_size, par.pipeline_model_parallel_size) if megatron else (1, 1)
     params = model_parameters(spec, lm_head=not critic, value_head=critic, tp=tp) // pp
@@ -174,7 +175,7 @@ class _Engine:
 
 
 def _engine(cfg: PPOConfig, spec: ModelSpec, index: int, gpus: list[int], *, fake: bool, capacity: int) -> _Engine:
-    w = 4 if fake else 2  # ppo.job.compute_dtype
+    w = getattr(torch, compute_dtype(cfg)).itemsize
     tp = len(gpus)
     weights = model_parameters(spec, lm_head=True, tp=tp) * w
     fraction = cfg.engine.sglang_mem_fraction_static
@@ -199,10 +200,9 @@ def plan_memory(cfg: PPOConfig, spec: ModelSpec, *, capacity: int, prompt_len: i
     longest prompt in tokens (the dry run's bound: --rollout-max-prompt-len or DEFAULT_PROMPT_LEN)."""
     plan = placement or plan_placement(cfg)
     fake = plan.fake_gpus
-    trainers = [_trainer(cfg, spec, "actor", plan.actor_gpus, critic=False, fake=fake, prompt_len=prompt_len)]
+    trainers = [_trainer(cfg, spec, "actor", plan.actor_gpus, critic=False, prompt_len=prompt_len)]
     if plan.critic_gpus:
-        trainers.append(_trainer(cfg, spec, "critic", plan.critic_gpus, critic=True, fake=fake,
-                                 prompt_len=prompt_len))
+        trainers.append(_trainer(cfg, spec, "critic", plan.critic_gpus, critic=True, prompt_len=prompt_len))
     engines = [_engine(cfg, spec, i, gpus, fake=fake, capacity=capacity) for i, gpus in enumerate(plan.engines)]
     train_frees, rollout_frees = C.train_offload_tags(cfg), C.rollout_offload_tags(cfg)
     senders = _sending_gpus(cfg, plan)
@@ -279,7 +279,7 @@ def plan_memory(cfg: PPOConfig, spec: ModelSpec, *, capacity: int, prompt_len: i
     notes = []
     rows = _engine_rows(cfg)
     sequence_bytes = (prompt_len + (cfg.rollout.rollout_max_response_len or 0)) * spec.kv_elements_per_token \
-        * (4 if fake else 2)
+        * getattr(torch, compute_dtype(cfg)).itemsize
     for e in engines:
         held = e.kv_cache * len(e.gpus) // sequence_bytes
         if held < rows:

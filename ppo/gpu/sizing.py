@@ -15,6 +15,11 @@ FAKE_GPU_BYTES = 80 << 30  # each fake GPU's capacity
 DEFAULT_PROMPT_LEN = 512
 
 
+def compute_dtype(cfg: PPOConfig) -> str:
+    """The roles' compute dtype: float32 on fake GPUs (the CPU computes), bfloat16 on GPUs."""
+    return "float32" if cfg.placement.fake_gpus else "bfloat16"
+
+
 def gpu_capacity_bytes() -> int | None:
     """Memory of GPU 0 as nvidia-smi reports it (the driver process makes no CUDA context of its
     own: it would hold GPU memory for the whole run), or None without one."""
