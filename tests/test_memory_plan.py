@@ -9,8 +9,8 @@ import pytest
 import launch
 from ppo.config import override
 from ppo.config.validate import ensure_valid
-from ppo.gpu.memory_plan import CUDA_CONTEXT_BYTES, model_parameters, plan_memory
-from ppo.gpu.plan_report import GIB, refusal
+from ppo.gpu.memory_plan import CUDA_CONTEXT_BYTES, GIB, model_parameters, plan_memory
+from ppo.gpu.plan_report import refusal
 from ppo.gpu.sizing import plan_spec
 from ppo.recipes import qwen3_4b_ppo_1gpu, qwen3_4b_ppo_1gpu_80gb, tiny_ppo
 

@@ -4,8 +4,8 @@ makes before any role starts."""
 from __future__ import annotations
 
 from ppo.config import PPOConfig
-from ppo.gpu.memory_plan import MemoryPlan, plan_memory
-from ppo.gpu.plan_report import GIB, format_memory_plan, refusal
+from ppo.gpu.memory_plan import GIB, MemoryPlan, plan_memory
+from ppo.gpu.plan_report import format_memory_plan, refusal
 from ppo.gpu.sizing import DEFAULT_PROMPT_LEN, FAKE_GPU_BYTES, gpu_capacity_bytes, plan_spec
 
 NOMINAL_GPU_BYTES = 80 * GIB  # planned for when no GPU is here to read and none is named: an 80 GB card

@@ -6,9 +6,8 @@ from __future__ import annotations
 from typing import Callable
 
 from ppo.config import PPOConfig, override
-from ppo.gpu.memory_plan import KINDS, MemoryPlan
+from ppo.gpu.memory_plan import GIB, KINDS, MemoryPlan
 
-GIB = 1 << 30
 _SHORT = {"weights": "w", "grads": "g", "optimizer": "o", "kv_cache": "kv", "activations": "a",
           "sync_buffers": "s", "cuda_context": "c"}
 
