@@ -19,7 +19,11 @@ from ppo.gpu.placement import format_nodes, format_placement, plan_placement
 def main(argv: list[str] | None = None) -> None:
     parser = build_parser(prog="launch.py")
     parser.add_argument("--dry-run", action="store_true", default=False,
-                        help="print the resolved config and the GPU placement; start nothing")
+                        help="print the resolved config, the GPU placement and the memory plan; start nothing")
+    parser.add_argument("--gpu-memory-gb", type=float, default=None, metavar="N",
+                        help="with --dry-run: plan memory for GPUs of N GiB instead of this machine's "
+                             "(nvidia-smi; fake GPUs: their 80 GiB), which a run plans for, refusing a plan "
+                             "that does not fit before any role starts")
     try:
         scheduler = from_environment(os.environ)  # Slurm's or torchrun's node rank and master
     except ValueError as err:  # they contradict each other: one line
@@ -34,6 +38,9 @@ def main(argv: list[str] | None = None) -> None:
         print(f"tandem: note: --ref-load {cfg.checkpoint.ref_load} is not read: the trainers start from "
               f"--hf-checkpoint {cfg.checkpoint.hf_checkpoint}, the reference policy is the actor's "
               "initial weights", file=sys.stderr)
+    if args.gpu_memory_gb is not None and args.gpu_memory_gb <= 0:
+        print(f"--gpu-memory-gb {args.gpu_memory_gb}: must be > 0 (GiB of one GPU)", file=sys.stderr)
+        sys.exit(2)
     if args.dry_run:
         print(json.dumps({"config": to_dict(cfg), "derived": derived_values(cfg)}, indent=2))
         plan = plan_placement(cfg)
@@ -42,6 +49,13 @@ def main(argv: list[str] | None = None) -> None:
             c = cfg.cluster
             print(format_nodes(plan, master=c.master_addr and f"{c.master_addr}:{c.master_port}",
                                this_node=c.node_rank))
+        from ppo.gpu.dry_run import memory_plan_text  # imports torch (the model spec)
+
+        text, refused = memory_plan_text(cfg, gpu_memory_gb=args.gpu_memory_gb)
+        print(text)
+        if refused:
+            print(f"tandem: {refused}", file=sys.stderr)
+            sys.exit(2)
         return
     if (cfg.cluster.nnodes or 1) > 1:
         run_across_nodes(cfg)

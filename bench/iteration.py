@@ -172,6 +172,21 @@ def _row(phase: str, t0: float, t1: float, samples) -> dict:
     return {"phase": phase, "seconds": t1 - t0, "gpu_peak_gib": gpu, "host_peak_gib": host}
 
 
+def planned_peaks(run_dir: Path) -> dict[str, float]:
+    """{phase: GPU 0's planned peak in GiB} from the run's RUN_DIR/memory_plan.json (ppo.gpu.memory_plan)."""
+    path = run_dir / "memory_plan.json"
+    if not path.exists():
+        return {}
+    return {p["phase"]: p["peak"] / GIB for p in json.loads(path.read_text())["phases"] if p["gpu"] == 0}
+
+
+def startup_peak_gib(run_dir: Path, samples) -> float | None:
+    """The GPU's peak before the first step: the trainers' builds and the engines' start."""
+    events = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines() if line]
+    first = next((e["ts"] for e in events if e["event"] == "phase" and e.get("phase") == "step"), None)
+    return None if first is None or not samples else MemorySampler.peak(samples, samples[0][0], first)[0]
+
+
 def _move(e: dict, rates: dict[str, float]) -> dict:
     into_gpu = e["phase"] in ("onload", "resume")
     # a rate counts bytes copied, not grads merely freed or zeroed; None: the role could not
@@ -222,9 +237,11 @@ def report(steps: list[dict], rates: dict[str, float]) -> str:
     for s in steps:
         lines.append(f"\nstep {s['step']}: {s['step_s']:.2f} s, compute {s['compute_s']:.2f} s, outside compute "
                      f"{s['outside_s']:.2f} s ({100 * s['outside_share']:.1f}%)")
-        lines.append(f"  {'phase':<34}{'s':>8}{'GPU peak GiB':>14}{'host peak GiB':>15}")
+        lines.append(f"  {'phase':<34}{'s':>8}{'GPU peak GiB':>14}{'plan GiB':>10}{'host peak GiB':>15}")
         for r in s["phases"]:
-            lines.append(f"  {r['phase']:<34}{r['seconds']:>8.3f}{r['gpu_peak_gib']:>14.1f}{r['host_peak_gib']:>15.1f}")
+            plan = f"{r['plan_gib']:.1f}" if r.get("plan_gib") is not None else "-"
+            lines.append(f"  {r['phase']:<34}{r['seconds']:>8.3f}{r['gpu_peak_gib']:>14.1f}{plan:>10}"
+                         f"{r['host_peak_gib']:>15.1f}")
         rate = s["rollout_tokens_per_s"]
         ahead = f" (generated in {s['rollout_ahead_s']:.2f} s beside the step before)" if s.get("rollout_ahead_s") else ""
         lines.append(f"  rollout: {s['response_tokens']:.0f} response tokens, "
@@ -304,12 +321,19 @@ def main(argv: list[str] | None = None) -> int:
 
         prompts = prompt_tokens(run_dir, resolve_paths(cfg, run_dir)[0])
     steps = analyse(run_dir, samples, rates, samples_per_rollout(cfg), prompts)
+    plan = planned_peaks(run_dir)
+    for r in (r for s in steps for r in s["phases"]):
+        r["plan_gib"] = plan.get(r["phase"])
     print(report(steps, rates), flush=True)
+    builds = {k: round(v, 2) for k, v in plan.items() if k.startswith("build")}
+    startup = startup_peak_gib(run_dir, samples)
+    if startup is not None:
+        print(f"start-up: GPU peak {startup:.1f} GiB; planned builds {builds or '-'} GiB", flush=True)
     if args.against:
         other = json.loads((Path(args.against) / "iteration.json").read_text())["steps"]
         print(steady_ratio(steps, other, name=Path(args.against).name), flush=True)
     (out / "iteration.json").write_text(json.dumps(
-        {"pinned_gb_per_s": rates, "steps": steps, "error": error,
+        {"pinned_gb_per_s": rates, "steps": steps, "error": error, "planned_gib": plan, "startup_peak_gib": startup,
          "memory_samples": [(round(t, 3), g, h) for t, g, h in samples]}, indent=1))
     return 1 if error else 0
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # qwen3_4b_ppo_1gpu (qwen3_4b_ppo scaled to one GPU), measured by bench.iteration (docs/benchmarks.md).
 #
-#   [PLANS="ppo grpo" PPO_ROLLOUTS=3 GRPO_ROLLOUTS=2 GRPO_S=130 RESPONSE_LEN=2048 EVAL=0 RM=0 ASYNC=0 SIDE=0] \
+#   [RECIPE=qwen3_4b_ppo_1gpu PLANS="ppo grpo" PPO_ROLLOUTS=3 GRPO_ROLLOUTS=2 GRPO_S=130 RESPONSE_LEN=2048 EVAL=0 RM=0 ASYNC=0 SIDE=0] \
 #     bash bench/qwen3_4b_one_gpu.sh OUT_DIR [BUDGET_S]
 #
 # EVAL=1 adds the eval of ppo.generate.evaluation: 256 prompts the run does not train on x 4 samples at
@@ -28,6 +28,8 @@
 # cache (and graphs) around the trainers' calls, and the GRPO actor moves its optimizer too.
 # Measured 2026-12-03: one iteration 293 s (PPO) / 202 s (GRPO), so one device call (10 min)
 # holds start-up and one iteration of either (docs/benchmarks.md).
+# RECIPE=qwen3_4b_ppo_1gpu_80gb: the 80 GB GPU's plan (H100): the engine frees its weights and KV
+#    cache after generating, each trainer moves its weights and optimizer around its calls.
 # Every step is time-limited; whatever ran is analysed. OUT_DIR gets the logs, each run's
 # analysis (NAME_iteration.json) and event log; the run directories stay in /tmp/runs.
 set -u
@@ -42,7 +44,7 @@ TINY=/tmp/qwen3-tiny-random
 
 # The recipe carries the one-GPU layout and the 2048-token memory plan (ppo/config/recipes.py); the
 # bench only saves nothing, prints plain lines and varies the plan.
-COMMON=(--recipe qwen3_4b_ppo_1gpu --load none --save none --save-interval none --log-format plain)
+COMMON=(--recipe "${RECIPE:-qwen3_4b_ppo_1gpu}" --load none --save none --save-interval none --log-format plain)
 LEN=${RESPONSE_LEN:-2048}
 if [ "$LEN" -le 2048 ]; then
   PPO_PLAN=()

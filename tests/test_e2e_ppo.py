@@ -8,6 +8,7 @@ from ppo.config import PPOConfig
 from ppo.config.serialize import override
 from ppo.config.validate import ensure_valid
 from ppo.setup.job import start_job
+from ppo.gpu.plan_check import plan_mismatches
 from ppo.gpu.handoffs import check_weights_equal
 from ppo.loop import run, train
 from ppo.config.recipes import tiny_ppo
@@ -28,6 +29,9 @@ def test_colocated_iterations_never_overlap_and_weights_match_after_every_sync(t
     assert "train/pg_loss" not in history[0] and "train/pg_loss" in history[1]  # warm-up step
     assert all(h["rollout/log_probs_diff"] < 1e-4 for h in history)  # engines run the actor's policy
     assert_colocated_ledgers(tmp_path / "run")
+    # the memory plan: each phase's peak on each fake GPU, steady (step 2: the optimizers exist)
+    # exactly or below by what narrower micro-batches left out (ppo.gpu.plan_check)
+    assert plan_mismatches(tmp_path / "run", 2, below=0.15) == []
     from runtime.events import read_events
     moves = [(e["role"], e["new"]) for e in read_events(tmp_path / "run") if e["event"] == "state"]
     # trainers are rank groups (one process per GPU); each rank publishes its lifecycle

@@ -13,6 +13,7 @@ import pytest
 from ppo.config import num_critic_only_steps
 from ppo.config.serialize import override
 from ppo.config.validate import ensure_valid
+from ppo.gpu.plan_check import plan_mismatches
 from ppo.loop import train
 from ppo.config.recipes import tiny_ppo
 from runtime.fakegpu import FakeDevice, check_no_overlap
@@ -75,6 +76,9 @@ def test_placement_mode_learns_and_the_ledger_holds(tmp_path, mode):
     assert last - first >= 0.1, f"{mode}: reward did not rise: first 3 {first:.2f}, last 3 {last:.2f}"
     for gpu, hist in devices.items():
         assert check_no_overlap(hist) == [], f"{mode}: gpu {gpu}"
+    # each phase's peak on each fake GPU is the memory plan's (ppo.gpu.plan_check), or below it by
+    # what narrower micro-batches left out
+    assert plan_mismatches(tmp_path / "run", NUM_ROLLOUT - 1, below=0.15) == [], mode
     growers = {g: {h["holder"] for h in hist if h["kind"] == "usage" and h["nbytes"]} for g, hist in devices.items()}
     if mode.startswith("colocated-"):
         assert_resident_tags(mode, devices[0])

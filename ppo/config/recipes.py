@@ -112,7 +112,7 @@ def qwen3_4b_ppo() -> PPOConfig:
 
 
 def qwen3_4b_ppo_1gpu() -> PPOConfig:
-    """Qwen3-4B PPO on one GPU (H200, 141 GB): 64 x 2048-token responses, the measured plan.
+    """Qwen3-4B PPO on one GPU of 141 GB (H200): 64 x 2048-token responses, the measured plan.
 
     qwen3_4b_ppo with everything on GPU 0: megatron actor and critic at TP1 PP1 CP1 with full
     recompute, the built-in engine taking 22% of the GPU. Both trainers keep their bf16
@@ -120,7 +120,7 @@ def qwen3_4b_ppo_1gpu() -> PPOConfig:
     train calls (about 100 GiB of host memory); the engine keeps its weights and KV cache.
     docs/journal/, "qwen3_4b_ppo on one GPU", has the iteration this plan measured and
     why it fits; `bench/qwen3_4b_one_gpu.sh` runs it. Longer responses need another memory
-    plan (the script's RESPONSE_LEN > 2048 branch).
+    plan (the script's RESPONSE_LEN > 2048 branch), an 80 GB GPU `qwen3_4b_ppo_1gpu_80gb`.
     """
     return override(
         qwen3_4b_ppo(),
@@ -138,6 +138,29 @@ def qwen3_4b_ppo_1gpu() -> PPOConfig:
         sglang_mem_fraction_static=0.22,
         offload_train_level="optimizer",
         offload_rollout=False,
+    )
+
+
+def qwen3_4b_ppo_1gpu_80gb() -> PPOConfig:
+    """Qwen3-4B PPO on one 80 GB GPU (H100, A100 80GB, H800): the one-GPU recipe, moving more.
+
+    A train call holds its trainer's whole state (bf16 weights 7.5 GiB, float32 grads 15 and
+    optimizer 45) and its activations, so nothing else may stay beside it: the engine frees its
+    weights and KV cache once it has generated, and each trainer moves its weights as well as its
+    optimizer to pinned host memory between its calls (~113 GiB pinned in all). Micro-batches of
+    8k tokens leave 4 GiB of the 79.6 GiB free in the actor's train call; the engine takes 40%
+    of the GPU, a KV cache for 64 responses of 2048 tokens. The trainers build one after the
+    other (the memory plan, `--dry-run`, shows each phase).
+    """
+    return override(
+        qwen3_4b_ppo_1gpu(),
+        load="runs/qwen3_4b_ppo_1gpu_80gb/checkpoints",
+        save="runs/qwen3_4b_ppo_1gpu_80gb/checkpoints",
+        offload_train_level="all",
+        offload_rollout=True,
+        offload_rollout_level="all",
+        sglang_mem_fraction_static=0.4,
+        max_tokens_per_gpu=8192,
     )
 
 
@@ -182,6 +205,7 @@ def tiny_ppo() -> PPOConfig:
 RECIPES: dict[str, Callable[[], PPOConfig]] = {
     "qwen3_4b_ppo": qwen3_4b_ppo,
     "qwen3_4b_ppo_1gpu": qwen3_4b_ppo_1gpu,
+    "qwen3_4b_ppo_1gpu_80gb": qwen3_4b_ppo_1gpu_80gb,
     "tiny_ppo": tiny_ppo,
 }
 DEFAULT_RECIPE = "tiny_ppo"

@@ -223,6 +223,12 @@ class OptimizerConfig:
     critic_lr: float | None = knob(None, "falls back to --lr", gt=0.0)
     critic_weight_decay: float | None = knob(None, "falls back to --weight-decay", ge=0.0)
     critic_lr_warmup_iters: int | None = knob(None, "falls back to --lr-warmup-iters", ge=0)
+    optimizer_cpu_offload: bool = knob(
+        False, "megatron-core's optimizer CPU offload: --optimizer-offload-fraction of the float32 main "
+        "params and Adam moments stay in host memory and step on the CPU. The memory plan (--dry-run) "
+        "counts it; the megatron trainer does not build it yet, so a run with it stops at start-up")
+    optimizer_offload_fraction: float = knob(1.0, "the optimizer state's share kept on the CPU with "
+                                             "--optimizer-cpu-offload", ge=0.0, le=1.0)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -282,6 +282,8 @@ def _optimizer(cfg: PPOConfig) -> list[str]:
         out.append(_bad("min_lr", o.min_lr, f"must be <= --lr {o.lr}"))
     if o.critic_lr is not None and d.uses_critic(cfg) and 0 < o.critic_lr < o.min_lr:
         out.append(_bad("min_lr", o.min_lr, f"must be <= --critic-lr {o.critic_lr}"))
+    if o.optimizer_cpu_offload and cfg.training.train_backend != "megatron":
+        out.append(_bad("optimizer_cpu_offload", True, "needs --train-backend megatron (megatron-core's CPU optimizer)"))
     return out
 
 

@@ -1,1 +1,2 @@
-"""Which GPUs each role gets and how GPU memory passes between roles: placement, leases, handoffs, side by side."""
+"""Which GPUs each role gets and how GPU memory passes between roles: placement, the phase plan
+and its memory plan, leases, handoffs, side by side."""

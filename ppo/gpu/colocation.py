@@ -24,6 +24,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Iterator
 
+from roles.trainer.config import MEMORY_TAGS
 from runtime import ActorHandle, gather
 from runtime.memory import LeaseError, LeaseTable
 from runtime.units import format_bytes
@@ -97,6 +98,22 @@ class Colocation:
         self.leases = leases
         self.holding = set(holding)
         self.seconds = 0.0  # time spent handing memory over, for perf/offload_time
+
+    def build(self, tenant: Tenant, wait: Callable[[], None]) -> None:
+        """A tenant that builds on its GPUs (a megatron trainer: DDP allocates its buffers there)
+        holds their leases until `wait` returns (it is built), then gives them up having offloaded
+        all it built: the next one builds on a GPU this one left empty (ppo.gpu.memory_plan's
+        start-up phases)."""
+        self.leases.acquire_all(list(tenant.gpus), tenant.name)
+        self.holding.add(tenant.name)
+        wait()
+        rep = tenant.report().result()
+        try:
+            self.leases.release_all(list(tenant.gpus), tenant.name, per_gpu(tenant, rep),
+                                    may_keep=allowed_residual(tenant, rep, list(MEMORY_TAGS)))
+        except LeaseError as e:
+            raise LeaseError(f"{e}{untracked_note(rep)}") from None
+        self.holding.discard(tenant.name)
 
     def vacate(self, tenants: list[Tenant], tags: list[str], *, keep: str | None = None) -> None:
         """Give up the tenants' leases: each tenant frees those of `tags` it frees (in

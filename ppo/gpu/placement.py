@@ -15,8 +15,6 @@ from dataclasses import dataclass
 
 from ppo.config import PPOConfig, actor_gpus_per_node, data_parallel_size, num_engines, uses_critic
 
-FAKE_GPU_BYTES = 80 << 30  # the memory of each fake GPU (--fake-gpus), on every node
-
 
 @dataclass(frozen=True, kw_only=True)
 class Placement:

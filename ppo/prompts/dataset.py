@@ -100,6 +100,13 @@ class PromptDataset:
     def __len__(self) -> int:
         return len(self._samples)
 
+    @property
+    def longest_prompt(self) -> int | None:
+        """Tokens of the longest prompt (what the memory plan sizes activations by); None
+        without a tokenizer."""
+        lengths = [len(s["prompt_ids"]) for s in self._samples if s["prompt_ids"] is not None]
+        return max(lengths) if lengths else None
+
     def next_batch(self, n: int) -> list[dict]:
         """The next ``n`` samples ``{"prompt", "prompt_ids", "label", "metadata"}`` (and ``"messages"``, the
         chat before its template, with ``apply_chat_template``), crossing epochs as needed.

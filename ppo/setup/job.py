@@ -32,7 +32,10 @@ from ppo.observe.console import RunConsole, ready_seconds
 from ppo.prompts.dataset import PromptDataset
 from ppo.generate.evaluation import EvalSet, load_eval_sets
 from ppo.setup.generated import resolve_eval_paths, resolve_paths
-from ppo.gpu.placement import FAKE_GPU_BYTES, Placement, plan_placement
+from ppo.gpu.dry_run import check_memory_plan
+from ppo.gpu.memory_plan import MemoryPlan
+from ppo.gpu.sizing import DEFAULT_PROMPT_LEN, FAKE_GPU_BYTES, compute_dtype, gpu_capacity_bytes
+from ppo.gpu.placement import Placement, plan_placement
 from ppo.state.rundir import RunDirError, RunDirLock, claim, load_problem
 from ppo.gpu.side_by_side import memory_budgets
 from ppo.setup.user_functions import UserFunctions, load_user_functions, tools_problem
@@ -78,6 +81,7 @@ class Job:
     resume_from: Checkpoint | None  # the intact --load checkpoint to resume, if any (ppo.state.checkpoint.locate)
     functions: UserFunctions  # the user's dynamic-sampling filter, TIS function, reward post-process
     eval_sets: list[EvalSet] = field(default_factory=list)  # --eval-prompt-data, loaded (ppo.generate.evaluation)
+    memory_plan: MemoryPlan | None = None  # what each role holds per phase (ppo.gpu.memory_plan); None unplanned
 
     @functools.cached_property
     def phases(self) -> Phases:
@@ -156,24 +160,6 @@ def reward_model_problem(cfg: PPOConfig) -> str | None:
         problem = budget_problem(path, dtype=compute_dtype(cfg), max_tokens=cfg.reward.reward_model_max_tokens_per_gpu,
                                  capacity=capacity)
     return problem
-
-
-def gpu_capacity_bytes() -> int | None:
-    """Memory of GPU 0 as nvidia-smi reports it (the driver process makes no CUDA context of its
-    own: it would hold GPU memory for the whole run), or None without one."""
-    import subprocess
-
-    try:
-        out = subprocess.run(["nvidia-smi", "--query-gpu=memory.total", "--format=csv,noheader,nounits", "-i", "0"],
-                             capture_output=True, text=True, timeout=30, check=True).stdout
-        return int(out.split()[0]) << 20
-    except (OSError, subprocess.SubprocessError, ValueError, IndexError):
-        return None
-
-
-def compute_dtype(cfg: PPOConfig) -> str:
-    """The roles' compute dtype: float32 on fake GPUs (the CPU computes), bfloat16 on GPUs."""
-    return "float32" if cfg.placement.fake_gpus else "bfloat16"
 
 
 def reward_service_problem(cfg: PPOConfig) -> str | None:
@@ -292,7 +278,7 @@ def setup_problems(cfg: PPOConfig) -> list[str]:
     whether the prompt and response lengths fit its context, the checkpoint folders, the reward
     service, the reward model and the tools."""
     problems = [trainer_layout_problem(cfg), rollout_backend_problem(cfg), hf_checkpoint_problem(cfg),
-                reward_service_problem(cfg), reward_model_problem(cfg),
+                reward_service_problem(cfg), reward_model_problem(cfg), optimizer_offload_problem(cfg),
                 context_problem(cfg, cfg.checkpoint.hf_checkpoint), output_problem("--save", cfg.checkpoint.save),
                 output_problem("--critic-save", C.critic_save(cfg) if C.uses_critic(cfg) else None),
                 tools_problem(cfg)]
@@ -301,6 +287,15 @@ def setup_problems(cfg: PPOConfig) -> list[str]:
     except BackendUnavailable as e:  # megatron without megatron-core or CUDA
         problems.insert(1, str(e))
     return [p for p in problems if p is not None]
+
+
+def optimizer_offload_problem(cfg: PPOConfig) -> str | None:
+    """--optimizer-cpu-offload is a memory plan for GPUs under 80 GB (docs/benchmarks.md): the
+    megatron trainer's offload by tag does not know megatron-core's CPU optimizer yet."""
+    if not cfg.optimizer.optimizer_cpu_offload:
+        return None
+    return ("--optimizer-cpu-offload: the memory plan counts it (see it with --dry-run), but the megatron "
+            "trainer does not build megatron-core's CPU optimizer yet; run on a GPU the plan fits without it")
 
 
 def hf_checkpoint_problem(cfg: PPOConfig) -> str | None:
@@ -401,6 +396,12 @@ def _start(cfg: PPOConfig, console: RunConsole, lock: RunDirLock, actor_cls, cri
         logger.warning("--load %s holds no checkpoint yet: starting from --hf-checkpoint %s",
                        cfg.checkpoint.load, cfg.checkpoint.hf_checkpoint)
     plan = plan_placement(cfg)
+    try:  # refused in one line before any role starts (ppo.gpu.memory_plan)
+        memory = check_memory_plan(cfg, prompt_len=data.longest_prompt or DEFAULT_PROMPT_LEN)
+    except ValueError as e:
+        raise JobSetupError(str(e)) from None
+    if memory is not None:
+        (run_dir / "memory_plan.json").write_text(json.dumps(memory.to_dict(), indent=1))
     dtype = compute_dtype(cfg)
     num_gpus = plan.num_gpus_per_node * plan.num_nodes
     sup = Supervisor(run_dir, gpus=range(num_gpus), fake_gpus=num_gpus if cfg.placement.fake_gpus else 0,
@@ -428,19 +429,28 @@ def _start(cfg: PPOConfig, console: RunConsole, lock: RunDirLock, actor_cls, cri
                                    restart="one_for_one", env=ROLE_ENV)
                          for i, g in enumerate(plan.reward_model_gpus)]
         t0 = time.monotonic()
-        # Trainers are rank groups, one process per GPU (roles.trainer.group); they die as one.
-        actor = TrainerGroup.spawn(sup, "actor", actor_cls,
-                                   trainer_config(cfg, hf_checkpoint, critic=False, dtype=dtype),
-                                   gpus=plan.actor_gpus, env=trainer_env)
-        critic = None
+        colocation = Colocation(sup.leases)
+        # megatron builds its buffers on the GPU and offloads them at the end of its construction:
+        # the trainers are built before the engines take their memory, at once where the memory
+        # plan says both fit, else one after the other, each under its GPUs' leases (on one 80 GB
+        # GPU, two Qwen3-4B trainers building at once do not fit)
+        megatron = cfg.training.train_backend == "megatron"
+        in_turn = memory is not None and memory.builds_in_turn  # only megatron plans have build phases
+        groups = [("actor", actor_cls, False, plan.actor_gpus)]
         if C.uses_critic(cfg):
-            critic = TrainerGroup.spawn(sup, "critic", critic_cls,
-                                        trainer_config(cfg, hf_checkpoint, critic=True, dtype=dtype),
-                                        gpus=plan.critic_gpus, env=trainer_env)
-        if cfg.training.train_backend == "megatron":
-            # megatron builds its buffers on the GPU and offloads them at the end of its
-            # construction: it must be done before the engines take their memory (on one GPU,
-            # two Qwen3-4B trainers building beside an engine's KV cache would not fit)
+            groups.append(("critic", critic_cls, True, plan.critic_gpus))
+        trainers = []
+        for name, cls, is_critic, gpus in groups:
+            # Trainers are rank groups, one process per GPU (roles.trainer.group); they die as one.
+            group = TrainerGroup.spawn(sup, name, cls, trainer_config(cfg, hf_checkpoint, critic=is_critic, dtype=dtype),
+                                       gpus=gpus, env=trainer_env)
+            trainers.append(group)
+            if in_turn:
+                console.begin(f"building the {name} on its GPUs")
+                colocation.build(trainer_tenant(group, tuple(gpus), frees=C.train_offload_tags(cfg)),
+                                 lambda: sup.wait_ready([r.name for r in group.ranks]))
+        actor, critic = trainers[0], (trainers[1] if len(trainers) > 1 else None)
+        if megatron and not in_turn:
             console.begin("waiting for the trainers to build on their GPUs")
             sup.wait_ready()
         engines, engine_tenants = [], []
@@ -448,6 +458,7 @@ def _start(cfg: PPOConfig, console: RunConsole, lock: RunDirLock, actor_cls, cri
             name = f"rollout-{i}"
             for g in gpus:
                 sup.leases.acquire(g, name)
+            colocation.holding.add(name)
             engines.append(sup.spawn(
                 name, RolloutEngine, hf_checkpoint, backend=cfg.engine.rollout_backend, engine_index=i,
                 seed=cfg.rollout.rollout_seed, dtype=dtype, gpus=gpus, restart="one_for_one",
@@ -472,4 +483,4 @@ def _start(cfg: PPOConfig, console: RunConsole, lock: RunDirLock, actor_cls, cri
                reward_model_tenants=[trainer_tenant(rm, (g,), frees=() if cfg.reward.reward_model_num_gpus
                                                     else ("weights",))
                                      for rm, g in zip(reward_models, plan.reward_model_gpus)],
-               colocation=Colocation(sup.leases, holding=tuple(t.name for t in engine_tenants)))
+               colocation=colocation, memory_plan=memory)

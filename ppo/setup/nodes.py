@@ -16,7 +16,8 @@ from pathlib import Path
 
 from ppo.config import PPOConfig
 from ppo.config.cluster import uses_agent_store
-from ppo.gpu.placement import FAKE_GPU_BYTES, plan_placement
+from ppo.gpu.placement import plan_placement
+from ppo.gpu.sizing import FAKE_GPU_BYTES
 from runtime import Supervisor
 from runtime.agent import NodeAgent, RemoteNode
 from runtime.curve import KeyPair, numeric, route_to

@@ -61,6 +61,35 @@ def _build_tokenizer(model_max_length: int) -> PreTrainedTokenizerFast:
     )
 
 
+def tiny_config(*, hidden_size: int = 64, num_layers: int = 2, num_heads: int = 4, num_kv_heads: int = 2,
+                head_dim: int = 16, intermediate_size: int = 128, max_position_embeddings: int = 64,
+                tie_word_embeddings: bool = False, vocab_size: int | None = None) -> Qwen3Config:
+    """The HF config of the tiny model `build_tiny_checkpoint` writes with the same sizes (the
+    memory plan reads it without building anything); `vocab_size` defaults to the tokenizer's."""
+    if vocab_size is None:
+        vocab_size = len(_build_tokenizer(max_position_embeddings))
+    if num_heads % num_kv_heads != 0:
+        raise ValueError(
+            f"num_heads={num_heads} must be a multiple of num_kv_heads={num_kv_heads} "
+            "(grouped-query attention shares each kv head among num_heads/num_kv_heads heads)"
+        )
+    return Qwen3Config(
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads,
+        head_dim=head_dim,
+        max_position_embeddings=max_position_embeddings,
+        tie_word_embeddings=tie_word_embeddings,
+        pad_token_id=PAD_ID,
+        bos_token_id=BOS_ID,
+        eos_token_id=EOS_ID,
+        dtype="float32",
+    )
+
+
 def build_tiny_checkpoint(
     out_dir: str,
     *,
@@ -82,27 +111,11 @@ def build_tiny_checkpoint(
     The same `seed` and sizes always give byte-identical weights. The global torch RNG is
     left untouched. Weights are stored in float32; pick the compute dtype when loading.
     """
-    if num_heads % num_kv_heads != 0:
-        raise ValueError(
-            f"num_heads={num_heads} must be a multiple of num_kv_heads={num_kv_heads} "
-            "(grouped-query attention shares each kv head among num_heads/num_kv_heads heads)"
-        )
     tokenizer = _build_tokenizer(max_position_embeddings)
-    config = Qwen3Config(
-        vocab_size=len(tokenizer),
-        hidden_size=hidden_size,
-        intermediate_size=intermediate_size,
-        num_hidden_layers=num_layers,
-        num_attention_heads=num_heads,
-        num_key_value_heads=num_kv_heads,
-        head_dim=head_dim,
-        max_position_embeddings=max_position_embeddings,
-        tie_word_embeddings=tie_word_embeddings,
-        pad_token_id=PAD_ID,
-        bos_token_id=BOS_ID,
-        eos_token_id=EOS_ID,
-        dtype="float32",
-    )
+    config = tiny_config(hidden_size=hidden_size, num_layers=num_layers, num_heads=num_heads,
+                         num_kv_heads=num_kv_heads, head_dim=head_dim, intermediate_size=intermediate_size,
+                         max_position_embeddings=max_position_embeddings, tie_word_embeddings=tie_word_embeddings,
+                         vocab_size=len(tokenizer))
     if reward_model:
         config.num_labels = 1
         tokenizer.chat_template = TINY_CHAT_TEMPLATE

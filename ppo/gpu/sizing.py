@@ -1,0 +1,51 @@
+"""What the memory plan is computed from, before any role starts: the GPU's memory and the
+model spec of --hf-checkpoint."""
+
+from __future__ import annotations
+
+import os
+
+from ppo.config import PPOConfig
+from ppo.config.schema import GENERATED_PREFIX
+from roles.model_spec import ModelSpec
+
+FAKE_GPU_BYTES = 80 << 30  # the memory of each fake GPU (--fake-gpus), on every node
+# The dry run's bound on a prompt when --rollout-max-prompt-len is unset; a run plans with
+# its data's longest prompt (ppo.setup.job).
+DEFAULT_PROMPT_LEN = 512
+
+
+def compute_dtype(cfg: PPOConfig) -> str:
+    """The roles' compute dtype: float32 on fake GPUs (the CPU computes), bfloat16 on GPUs."""
+    return "float32" if cfg.placement.fake_gpus else "bfloat16"
+
+
+def gpu_capacity_bytes() -> int | None:
+    """Memory of GPU 0 as nvidia-smi reports it (the driver process makes no CUDA context of its
+    own: it would hold GPU memory for the whole run), or None without one."""
+    import subprocess
+
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=memory.total", "--format=csv,noheader,nounits", "-i", "0"],
+                             capture_output=True, text=True, timeout=30, check=True).stdout
+        return int(out.split()[0]) << 20
+    except (OSError, subprocess.SubprocessError, ValueError, IndexError):
+        return None
+
+
+def plan_spec(cfg: PPOConfig) -> ModelSpec | None:
+    """The spec of --hf-checkpoint without loading it: a generated model's, a local checkpoint's
+    config.json, or, for a path that does not exist here but is named after an architecture
+    `python -m ppo.make_model` knows (/root/models/Qwen3-4B), that architecture's published
+    config; None otherwise (the dry run then has no memory plan to show)."""
+    path = cfg.checkpoint.hf_checkpoint
+    if path.startswith(GENERATED_PREFIX):
+        from ppo.setup.tiny_model import tiny_config
+
+        return ModelSpec.from_hf(tiny_config())
+    if os.path.exists(os.path.join(path, "config.json")):
+        return ModelSpec.from_checkpoint(path)
+    from ppo.make_model import ARCHS, arch_config
+
+    arch = os.path.basename(path.rstrip("/")).lower()
+    return ModelSpec.from_hf(arch_config(arch)) if arch in ARCHS else None
