@@ -47,6 +47,7 @@ from ppo.config.schema import (
     ConfigError,
     EngineConfig,
     EvalConfig,
+    GenerateConfig,
     LoggingConfig,
     OptimizerConfig,
     ParallelismConfig,
@@ -62,7 +63,7 @@ from ppo.config.validate import ensure_valid, validate
 
 __all__ = [
     "FIELDS", "GENERATED_PREFIX", "RM_TYPES",
-    "CheckpointConfig", "ConfigError", "EngineConfig", "EvalConfig", "LoggingConfig", "OptimizerConfig",
+    "CheckpointConfig", "ConfigError", "EngineConfig", "EvalConfig", "GenerateConfig", "LoggingConfig", "OptimizerConfig",
     "OptimizerSettings", "ParallelismConfig", "PlacementConfig", "PPOAlgoConfig", "PPOConfig",
     "RewardConfig", "RolloutConfig", "TrainingConfig",
     "actor_gpus_per_node", "actor_num_gpus", "actor_optimizer", "critic_load", "critic_optimizer",

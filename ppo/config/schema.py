@@ -48,6 +48,9 @@ GENERATED_DATASETS = ("arithmetic", "column_sums", "column_sums_small")
 # Sets for --eval-prompt-data (ppo.tasks.EVAL_TASKS): the sums the training task leaves out, and the rest.
 GENERATED_EVAL_DATASETS = ("arithmetic_heldout", "arithmetic_seen", "column_sums_heldout", "column_sums_seen",
                            "column_sums_small_heldout", "column_sums_small_seen")
+# --generate-tool-call-parser: sglang's parser names for `<tool_call>{json}</tool_call>` (Qwen2.5/Qwen3, Hermes)
+TOOL_CALL_PARSERS = ("qwen25", "qwen", "hermes")
+
 # What the run prints (ppo.console): "auto" is a progress bar on a terminal and one plain line
 # per rollout otherwise (a file, a pipe, nohup, Slurm); "json" is one JSON object per line.
 LOG_FORMATS = ("auto", "rich", "plain", "json")
@@ -368,6 +371,23 @@ class EvalConfig:
 
 
 @dataclass(frozen=True, kw_only=True)
+class GenerateConfig:
+    """Per-trajectory generation (ppo.generate, docs/multi_turn.md); miles' flags."""
+
+    custom_generate_function_path: str | None = knob(
+        None, "async def generate(args, sample, sampling_params) that runs one trajectory (module:function, "
+        "as --custom-rm-path names one); unset: one response per prompt, or the built-in tool loop "
+        "(ppo.generate.tool_loop:generate) when --generate-tool-specs-path is set")
+    generate_tool_specs_path: str | None = knob(
+        None, "the tools' OpenAI-style specs: a list, or a function returning one (module:name)")
+    generate_execute_tool_function_path: str | None = knob(
+        None, "async def execute(name, arguments) -> str that runs one tool call (module:function)")
+    generate_tool_call_parser: str = knob("qwen25", "how tool calls are written: <tool_call>{json}</tool_call>",
+                                          choices=TOOL_CALL_PARSERS)
+    generate_max_turns: int = knob(16, "most model turns of one trajectory (the tool loop)", ge=1)
+
+
+@dataclass(frozen=True, kw_only=True)
 class PPOConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
@@ -380,6 +400,7 @@ class PPOConfig:
     placement: PlacementConfig = field(default_factory=PlacementConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     evaluation: EvalConfig = field(default_factory=EvalConfig)
+    generate: GenerateConfig = field(default_factory=GenerateConfig)
 
 
 @dataclass(frozen=True)

@@ -40,7 +40,7 @@ def validate(cfg: PPOConfig, *, rm_types: Sequence[str] = RM_TYPES) -> list[str]
         return problems  # the rules below would compare a string with a number
     problems += (_required(cfg, rm_types) + _sampling(cfg) + _algorithm(cfg) + _optimizer(cfg)
                  + _backends(cfg) + _outputs(cfg) + _evaluation(cfg, rm_types) + _reward_model(cfg)
-                 + _asynchronous(cfg))
+                 + _asynchronous(cfg) + _generate(cfg))
     if not broken & _DIVISORS:  # these rules divide by those fields
         problems += _placement(cfg) + _batches(cfg)
     return problems
@@ -267,6 +267,20 @@ def _dynamic_sampling(cfg: PPOConfig) -> list[str]:
     if r.rollout_batch_size is not None and r.over_sampling_batch_size < r.rollout_batch_size:
         out.append(_bad("over_sampling_batch_size", r.over_sampling_batch_size,
                         f"must be >= --rollout-batch-size {r.rollout_batch_size}"))
+    return out
+
+
+def _generate(cfg: PPOConfig) -> list[str]:
+    g, out = cfg.generate, []
+    if g.generate_execute_tool_function_path is not None and g.generate_tool_specs_path is None:
+        out.append(_set_but("generate_execute_tool_function_path", g.generate_execute_tool_function_path,
+                            "--generate-tool-specs-path is not: the model must be told which tools it has. "
+                            "Please add --generate-tool-specs-path"))
+    if (g.generate_tool_specs_path is not None and g.generate_execute_tool_function_path is None
+            and g.custom_generate_function_path is None):
+        out.append(_set_but("generate_tool_specs_path", g.generate_tool_specs_path,
+                            "--generate-execute-tool-function-path is not: the tool loop has nothing to run the "
+                            "calls with. Please add --generate-execute-tool-function-path"))
     return out
 
 
