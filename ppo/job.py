@@ -27,6 +27,7 @@ from ppo.config.serialize import to_dict
 from ppo.console import RunConsole, ready_seconds
 from ppo.data import PromptDataset
 from ppo.evaluation import EvalSet, load_eval_sets
+from ppo.generate.setup import check_generation
 from ppo.generated import resolve_eval_paths, resolve_paths
 from ppo.placement import Placement, plan_placement
 from ppo.rundir import RunDirError, RunDirLock, claim
@@ -344,7 +345,10 @@ def start_job(cfg: PPOConfig, console: RunConsole | None = None,
         raise JobSetupError(problems[0] if len(problems) == 1 else
                             f"{len(problems)} problems stop this run (nothing was started):\n"
                             + "\n".join(f"  - {p}" for p in problems))
-    functions = load_user_functions(cfg)  # a bad path fails before anything is written
+    try:
+        functions = load_user_functions(cfg)  # a bad path fails before anything is written
+    except ValueError as e:
+        raise JobSetupError(str(e)) from None
     actor_cls, critic_cls = trainer_classes(cfg.training.train_backend)
     try:
         lock = claim(cfg)  # before anything is written: a live run's folder is refused untouched
@@ -370,6 +374,7 @@ def _start(cfg: PPOConfig, console: RunConsole, lock: RunDirLock, actor_cls, cri
     try:
         if problem := context_problem(cfg, hf_checkpoint):  # a generated model's context is known only now
             raise ValueError(problem)
+        check_generation(functions.generation, tok)
         data = PromptDataset(prompt_data, input_key=cfg.rollout.input_key, label_key=cfg.rollout.label_key,
                              tokenizer=tok, apply_chat_template=cfg.rollout.apply_chat_template,
                              max_prompt_len=cfg.rollout.rollout_max_prompt_len,

@@ -31,6 +31,16 @@ def load_reward_function(custom_rm_path: str) -> Callable:
 def load_function(spec: str, setting: str) -> Callable:
     """Import and return the function that ``spec`` names; ValueError naming ``setting`` (the
     config field that holds ``spec``) if it cannot."""
+    function = load_object(spec, setting)
+    if not callable(function):
+        name = spec.rpartition(":" if ":" in spec else ".")[2]
+        raise ValueError(f"{setting}={spec!r}: {name!r} is a {type(function).__name__}, not a function")
+    return function
+
+
+def load_object(spec: str, setting: str):
+    """Import and return whatever ``spec`` names (a function, or data such as a list of tool
+    specs); ValueError naming ``setting`` if it cannot."""
     if ":" in spec:
         location, _, name = spec.rpartition(":")
     else:
@@ -44,12 +54,9 @@ def load_function(spec: str, setting: str) -> Callable:
             module = importlib.import_module(location)
         except ModuleNotFoundError as e:
             raise ValueError(f"{setting}={spec!r}: cannot import {location!r} ({e})") from e
-    function = getattr(module, name, None)
-    if function is None:
+    if not hasattr(module, name):
         raise ValueError(f"{setting}={spec!r}: {location!r} has no attribute {name!r}")
-    if not callable(function):
-        raise ValueError(f"{setting}={spec!r}: {name!r} is a {type(function).__name__}, not a function")
-    return function
+    return getattr(module, name)
 
 
 def _load_file(spec: str, path: Path, setting: str):
