@@ -43,11 +43,11 @@ REMOTE_RM = "remote_rm"  # miles' --rm-type of a reward service at --rm-url (rol
 # `generated:NAME` in --hf-checkpoint / --prompt-data asks the launcher to build a tiny
 # random-init model / a synthetic task instead of reading a path (no hub on CPU machines).
 GENERATED_PREFIX = "generated:"
-GENERATED_MODELS = ("tiny-qwen3",)
-GENERATED_DATASETS = ("arithmetic", "column_sums", "column_sums_small")
+GENERATED_MODELS = ("tiny-qwen3", "tiny-qwen3-tools")  # -tools: knows the calculator call (ppo.generate.tiny_tools)
+GENERATED_DATASETS = ("arithmetic", "column_sums", "column_sums_small", "tool_sums")
 # Sets for --eval-prompt-data (ppo.tasks.EVAL_TASKS): the sums the training task leaves out, and the rest.
 GENERATED_EVAL_DATASETS = ("arithmetic_heldout", "arithmetic_seen", "column_sums_heldout", "column_sums_seen",
-                           "column_sums_small_heldout", "column_sums_small_seen")
+                           "column_sums_small_heldout", "column_sums_small_seen", "tool_sums_eval")
 # --generate-tool-call-parser: sglang's parser names for `<tool_call>{json}</tool_call>` (Qwen2.5/Qwen3, Hermes)
 TOOL_CALL_PARSERS = ("qwen25", "qwen", "hermes")
 
