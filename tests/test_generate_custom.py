@@ -131,3 +131,39 @@ def test_generate_function_path_must_name_an_async_function_of_three_arguments(t
 def test_sample_starts_its_trajectory_at_the_prompt():
     s = Sample(index=0, group_index=0, prompt="x", prompt_ids=[1, 2])
     assert s.trajectory.ids == [1, 2] and s.trajectory.turns == []
+
+
+def test_an_engine_killed_mid_trajectory_is_replaced_and_every_trajectory_finishes_as_without(ckpt, tmp_path):
+    """The dead engine's turns are sent again to its restarted incarnation, with the same seeds:
+    the trajectories are those of an undisturbed run, and no turn is counted twice."""
+    sup = Supervisor(tmp_path / "run", heartbeat_interval=0.1, heartbeat_timeout=1.0, shutdown_grace_s=2.0)
+    try:
+        engine = sup.spawn("rollout-0", RolloutEngine, ckpt, dtype="float32", max_batch_size=8,
+                           restart="one_for_one")
+        killed = []
+
+        async def kill_on_second_turn(args, sample, sampling_params):
+            for turn in range(3):
+                if turn == 1 and sample.index == 0 and not killed:
+                    killed.append(True)
+                    engine.kill()  # sample 0's second turn, and every other sample's, meet a dead engine
+                turn_params = dict(sampling_params, max_new_tokens=len(sample.trajectory.response_ids) + 5)
+                if await args.generate(sample, turn_params) is None:
+                    break
+                if turn < 2:
+                    sample.trajectory.add_env_turn(ENV_IDS)
+            return sample
+
+        def rollout(fn):
+            return generate_trajectories_and_score(
+                [engine], [], PROMPTS, PARAMS, step=0, decode=str, eos_id=EOS_ID,
+                recover=lambda role, dead: sup.wait_restarted(role.name, dead), generate_fn=fn,
+                make_args=lambda client: GenerateArgs(config=None, tokenizer=None, max_context=64, client=client))
+
+        disturbed = rollout(kill_on_second_turn)
+        assert killed and sup.restart_counts()["rollout-0"] == 1
+        undisturbed = rollout(three_turns)
+        assert [s["response_ids"] for s in disturbed] == [s["response_ids"] for s in undisturbed]
+        assert all(s["num_turns"] == 3 for s in disturbed)
+    finally:
+        sup.shutdown()
