@@ -1,6 +1,8 @@
 """Per-trajectory generation on real engine processes: a custom generate function per sample,
 many at once, turns batched across trajectories, token-faithful records."""
 
+from types import SimpleNamespace
+
 import pytest
 
 from ppo.generate.custom import GenerateArgs, Sample, load_generate_function, turn_seed
@@ -167,3 +169,18 @@ def test_an_engine_killed_mid_trajectory_is_replaced_and_every_trajectory_finish
         assert all(s["num_turns"] == 3 for s in disturbed)
     finally:
         sup.shutdown()
+
+
+class Stop(BaseException):
+    """As ppo.signals.RunStopped: a BaseException raised in the driver by a signal handler."""
+
+
+def test_a_signal_raised_while_the_engines_are_called_stops_the_rollout_instead_of_hanging():
+    def call(requests):  # where the handler's exception lands: in EndpointRef.call (runtime/handle.py)
+        raise Stop()
+
+    engine = SimpleNamespace(generate=SimpleNamespace(call=call))
+    with pytest.raises(Stop):
+        generate_trajectories_and_score([engine], [], PROMPTS, PARAMS, step=0, decode=str, eos_id=EOS_ID,
+                                        recover=lambda role, dead: None, generate_fn=three_turns,
+                                        make_args=lambda client: GenerateArgs(None, None, 64, client))

@@ -30,7 +30,7 @@ class Batcher:
         self._queues: list[list[tuple[dict, asyncio.Future]]] = [[] for _ in roles]
         self._wake = [asyncio.Event() for _ in roles]
         self.num_calls = 0  # calls issued, re-issues after a death included
-        self._workers = [asyncio.create_task(self._serve(i)) for i in range(len(roles))]
+        self.tasks = [asyncio.create_task(self._serve(i)) for i in range(len(roles))]  # one per role, until cancelled
 
     async def submit(self, i: int, item: dict):
         fut = asyncio.get_running_loop().create_future()
@@ -64,9 +64,6 @@ class Batcher:
             except ActorDied as e:
                 self._recover(self.roles[i], e.incarnation)
 
-    def close(self) -> None:
-        for w in self._workers:
-            w.cancel()
 
 
 class EngineClient:
@@ -80,11 +77,12 @@ class EngineClient:
     def num_calls(self) -> int:
         return self._batcher.num_calls
 
+    @property
+    def tasks(self) -> list:
+        return self._batcher.tasks
+
     async def generate(self, sample_index: int, prompt_ids: list[int], sampling: dict) -> dict:
         """The engine's result {"token_ids", "logprobs", "finish_reason", "weight_version"}."""
         request = {"id": self._next_id, "prompt_ids": list(prompt_ids), "sampling": dict(sampling)}
         self._next_id += 1
         return await self._batcher.submit(sample_index % len(self._batcher.roles), request)
-
-    def close(self) -> None:
-        self._batcher.close()

@@ -67,13 +67,24 @@ async def _rollout(engines, scorers, prompts, params, step, decode, eos_id, reco
             r.update(reward=res["reward"], reward_status=res["status"])
         return rows
 
+    background = [pumping, *client.tasks, *(scoring.tasks if scoring is not None else ())]
+    trajectories = asyncio.ensure_future(
+        asyncio.gather(*(one(r) for r in make_requests(prompts, params, step, sampling_round))))
+    # read when cancelled on the way out, so asyncio does not report an unread error
+    trajectories.add_done_callback(lambda f: f.cancelled() or f.exception())
     try:
-        per_request = await asyncio.gather(*(one(r) for r in make_requests(prompts, params, step, sampling_round)))
+        # the background tasks never end by themselves: one that does was stopped by an exception
+        # no trajectory would ever see (the driver's RunStopped raised by a signal while it ran)
+        done, _ = await asyncio.wait([trajectories, *background], return_when=asyncio.FIRST_COMPLETED)
+        for task in done:
+            if task is not trajectories:
+                task.result()
+                raise RuntimeError(f"a rollout task ended early: {task!r}")
+        per_request = trajectories.result()
     finally:
-        client.close()
-        if scoring is not None:
-            scoring.close()
-        pumping.cancel()
+        trajectories.cancel()
+        for task in background:
+            task.cancel()
     if len({len(rows) for rows in per_request}) > 1:
         raise ValueError("the generate function returned lists of different lengths; every trajectory must give "
                          "the same number of samples, so that each prompt has the same number of rows")
