@@ -6,7 +6,7 @@ from types import SimpleNamespace
 import pytest
 
 from ppo.generate.custom import GenerateArgs, Sample, load_generate_function, turn_seed
-from ppo.generate.rollout import generate_trajectories_and_score
+from ppo.generate.trajectories import generate_trajectories_and_score
 from ppo.rollout import SamplingParams, generate_and_score
 from ppo.tiny_model import EOS_ID
 from roles.rollout import RolloutEngine

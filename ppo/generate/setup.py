@@ -13,7 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from ppo.generate.custom import GenerateArgs, load_generate_function
-from ppo.generate.rollout import generate_trajectories_and_score
+from ppo.generate.trajectories import generate_trajectories_and_score
 from ppo.generate.tools import ToolSetup, check_chat_template, load_tool_setup
 from ppo.rollout import generate_and_score
 
