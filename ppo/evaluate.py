@@ -51,9 +51,10 @@ def evaluate_checkpoint(cfg: PPOConfig, log=lambda line: print(line, file=sys.st
     from transformers import AutoTokenizer
 
     from ppo.generate.evaluation import evaluate, load_eval_sets
+    from ppo.generate.setup import check_generation, load_generation, rollout_function
     from ppo.setup.generated import resolve_eval_paths
     from ppo.setup.job import (FAKE_GPU_BYTES, ROLE_ENV, JobSetupError, engine_settings, hf_checkpoint_problem,
-                         reward_service_problem, rollout_backend_problem, scorer_settings)
+                         model_context, reward_service_problem, rollout_backend_problem, scorer_settings)
     from ppo.observe.logger import write_samples
     from ppo.gpu.placement import plan_placement
     from roles.reward.role import RewardScorer
@@ -69,8 +70,11 @@ def evaluate_checkpoint(cfg: PPOConfig, log=lambda line: print(line, file=sys.st
     tok = AutoTokenizer.from_pretrained(ckpt)
     try:
         sets = load_eval_sets(cfg, resolve_eval_paths(cfg, run_dir), tok)
+        generation = load_generation(cfg)  # judged with its tools, as in training
+        check_generation(generation, tok)
     except (ValueError, FileNotFoundError) as e:  # a bad line names FILE:LINE
         raise JobSetupError(str(e)) from e
+    rollout = rollout_function(generation, cfg, tok, model_context(ckpt))
     plan = plan_placement(cfg)
     num_gpus = plan.num_gpus_per_node * plan.num_nodes
     sup = Supervisor(run_dir, gpus=range(num_gpus), fake_gpus=num_gpus if cfg.placement.fake_gpus else 0,
@@ -93,7 +97,7 @@ def evaluate_checkpoint(cfg: PPOConfig, log=lambda line: print(line, file=sys.st
         t0 = time.monotonic()
         # a restarted engine loads the checkpoint again: nothing to sync
         metrics, samples = evaluate(engines, scorers, sets, 0, decode=tok.decode, eos_id=tok.eos_token_id,
-                                    recover=lambda role, dead: sup.wait_restarted(role.name, dead))
+                                    recover=lambda role, dead: sup.wait_restarted(role.name, dead), rollout=rollout)
         metrics["perf/eval_time"] = time.monotonic() - t0
     finally:
         sup.shutdown()

@@ -43,11 +43,13 @@ from ppo import config as C
 from ppo.generate.batch import build_batch, select
 from ppo.config import PPOConfig
 from ppo.config.serialize import to_dict
-from ppo.setup.job import Job, start_job
+from ppo.generate.metrics import trajectory_metrics
+from ppo.generate.setup import rollout_function
+from ppo.setup.job import Job, model_context, start_job
 from ppo.observe.console import RunConsole
 from ppo.generate.dynamic_sampling import sample_batch
 from ppo.observe.logger import RunLogger
-from ppo.generate.rollout import SamplingParams, generate_and_score
+from ppo.generate.rollout import SamplingParams
 from ppo.generate.rollout_ahead import Rollouts
 from ppo.gpu.side_by_side import SmPartition
 from ppo.state.signals import SignalStops
@@ -214,10 +216,11 @@ def rollout_source(job: Job) -> Rollouts:
     An engine or scorer that dies is replaced; an engine is brought to the actor's version."""
     cfg, tok = job.cfg, job.tok
     sampling = sampling_params(cfg, tok.eos_token_id)
+    rollout = job_rollout_function(job)
 
     def generate(prompts: list[dict], step: int, sampling_round: int) -> list[dict]:
-        return generate_and_score(job.engines, job.scorers, prompts, sampling, step, decode=tok.decode,
-                                  eos_id=tok.eos_token_id, recover=recover_engine, sampling_round=sampling_round)
+        return rollout(job.engines, job.scorers, prompts, sampling, step, decode=tok.decode,
+                       eos_id=tok.eos_token_id, recover=recover_engine, sampling_round=sampling_round)
 
     def recover_engine(role, dead: int) -> None:
         with rollouts.lock:  # ahead, the driver's thread may be training meanwhile (ppo.generate.rollout_ahead)
@@ -231,13 +234,18 @@ def rollout_source(job: Job) -> Rollouts:
     return rollouts
 
 
+def job_rollout_function(job: Job):
+    """One response per prompt (ppo.generate.rollout), or the configured generate function's trajectories."""
+    return rollout_function(job.functions.generation, job.cfg, job.tok, model_context(job.hf_checkpoint))
+
+
 def run_eval(job: Job, log: RunLogger, perf, tag: int, version: int) -> None:
     """Evaluate the engines' weights (policy `version`) on the eval sets, timed as phase `eval`
     (perf/eval_time of the step); logged and dumped under step `tag` (ppo.generate.evaluation)."""
     with perf.phase("eval"):
         metrics, samples = evaluation.evaluate(
             job.engines, job.scorers, job.eval_sets, tag, decode=job.tok.decode, eos_id=job.tok.eos_token_id,
-            recover=lambda role, dead: recover(job, role, dead, version))
+            recover=lambda role, dead: recover(job, role, dead, version), rollout=job_rollout_function(job))
     log.log_eval(tag, {**metrics, "eval/weight_version": version}, samples)
 
 
@@ -330,4 +338,5 @@ def rollout_metrics(batch: dict, samples: list[dict]) -> dict[str, float]:
                                   / n_tok.item(),
         "rollout/advantages": (batch["advantages"] * mask).sum().item() / n_tok.item(),
         "rollout/returns": (batch["returns"] * mask).sum().item() / n_tok.item(),
+        **trajectory_metrics(samples),
     }

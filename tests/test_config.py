@@ -199,7 +199,7 @@ def test_from_dict_rejects_unknown_and_misplaced_keys():
         from_dict(d)
     assert sorted(info.value.problems) == [
         "'extras': unknown config group; allowed: checkpoint, rollout, reward, ppo, optimizer, "
-        "training, parallelism, engine, placement, cluster, logging, evaluation, tools",
+        "training, parallelism, engine, placement, cluster, logging, evaluation, tools, generate",
         "optimizer.momentum: unknown config key",
         "rollout.lr: unknown config key (it belongs to optimizer.lr)",
     ]

@@ -48,6 +48,7 @@ from ppo.config.schema import (
     ConfigError,
     EngineConfig,
     EvalConfig,
+    GenerateConfig,
     LoggingConfig,
     OptimizerConfig,
     ParallelismConfig,
@@ -64,7 +65,7 @@ from ppo.config.validate import ensure_valid, validate
 
 __all__ = [
     "FIELDS", "GENERATED_PREFIX", "RM_TYPES",
-    "CheckpointConfig", "ClusterConfig", "ConfigError", "EngineConfig", "EvalConfig", "LoggingConfig", "OptimizerConfig",
+    "CheckpointConfig", "ClusterConfig", "ConfigError", "EngineConfig", "EvalConfig", "GenerateConfig", "LoggingConfig", "OptimizerConfig",
     "OptimizerSettings", "ParallelismConfig", "PlacementConfig", "PPOAlgoConfig", "PPOConfig",
     "RewardConfig", "RolloutConfig", "ToolsConfig", "TrainingConfig",
     "actor_gpus_per_node", "actor_num_gpus", "actor_optimizer", "critic_load", "critic_optimizer",

@@ -43,11 +43,14 @@ REMOTE_RM = "remote_rm"  # miles' --rm-type of a reward service at --rm-url (rol
 # `generated:NAME` in --hf-checkpoint / --prompt-data asks the launcher to build a tiny
 # random-init model / a synthetic task instead of reading a path (no hub on CPU machines).
 GENERATED_PREFIX = "generated:"
-GENERATED_MODELS = ("tiny-qwen3",)
-GENERATED_DATASETS = ("arithmetic", "column_sums", "column_sums_small")
+GENERATED_MODELS = ("tiny-qwen3", "tiny-qwen3-tools")  # -tools: knows the calculator call (ppo.generate.tiny_tools)
+GENERATED_DATASETS = ("arithmetic", "column_sums", "column_sums_small", "tool_sums")
 # Sets for --eval-prompt-data (ppo.prompts.tasks.EVAL_TASKS): the sums the training task leaves out, and the rest.
 GENERATED_EVAL_DATASETS = ("arithmetic_heldout", "arithmetic_seen", "column_sums_heldout", "column_sums_seen",
-                           "column_sums_small_heldout", "column_sums_small_seen")
+                           "column_sums_small_heldout", "column_sums_small_seen", "tool_sums_eval")
+# --generate-tool-call-parser: sglang's parser names for `<tool_call>{json}</tool_call>` (Qwen2.5/Qwen3, Hermes)
+TOOL_CALL_PARSERS = ("qwen25", "qwen", "hermes")
+
 # What the run prints (ppo.observe.console): "auto" is a progress bar on a terminal and one plain line
 # per rollout otherwise (a file, a pipe, nohup, Slurm); "json" is one JSON object per line.
 LOG_FORMATS = ("auto", "rich", "plain", "json")
@@ -398,15 +401,9 @@ class EvalConfig:
 
 @dataclass(frozen=True, kw_only=True)
 class ToolsConfig:
-    """The tools of multi-turn rollouts (miles' flags) and the sandbox each call runs in
-    (roles.tools; docs/tools.md)."""
+    """The sandbox each tool call of a multi-turn rollout runs in (roles.tools; docs/tools.md);
+    the tools themselves are GenerateConfig's (miles' flags)."""
 
-    generate_tool_specs_path: str | None = knob(
-        None, "the tools' OpenAI-style function specs: a .json file of a list, or (miles) the import path "
-        "of a Python list, e.g. roles.tools.calculator:TOOL_SPECS")
-    generate_execute_tool_function_path: str | None = knob(
-        None, "the function that runs a tool call, execute(name, arguments) -> str (sync or async), named as "
-        "--custom-rm-path names one, e.g. roles.tools.calculator:execute_tool; each call runs in a sandbox")
     num_tool_workers: int = knob(2, "tool worker processes: calls that run at once", ge=1)
     tool_timeout: float = knob(10.0, "seconds of wall clock a tool call may take", gt=0.0)
     tool_cpu_seconds: int = knob(5, "seconds of CPU time a tool call may use (RLIMIT_CPU)", ge=1)
@@ -417,6 +414,23 @@ class ToolsConfig:
                                  "(RLIMIT_FSIZE)", ge=1)
     tool_max_output_chars: int = knob(8192, "a tool's answer is cut here (and counted as an output_limit "
                                       "error)", ge=1)
+
+
+@dataclass(frozen=True, kw_only=True)
+class GenerateConfig:
+    """Per-trajectory generation (ppo.generate, docs/multi_turn.md); miles' flags."""
+
+    custom_generate_function_path: str | None = knob(
+        None, "async def generate(args, sample, sampling_params) that runs one trajectory (module:function, "
+        "as --custom-rm-path names one); unset: one response per prompt, or the built-in tool loop "
+        "(ppo.generate.tool_loop:generate) when --generate-tool-specs-path is set")
+    generate_tool_specs_path: str | None = knob(
+        None, "the tools' OpenAI-style specs: a list, or a function returning one (module:name)")
+    generate_execute_tool_function_path: str | None = knob(
+        None, "async def execute(name, arguments) -> str that runs one tool call (module:function)")
+    generate_tool_call_parser: str = knob("qwen25", "how tool calls are written: <tool_call>{json}</tool_call>",
+                                          choices=TOOL_CALL_PARSERS)
+    generate_max_turns: int = knob(16, "most model turns of one trajectory (the tool loop)", ge=1)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -434,6 +448,7 @@ class PPOConfig:
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     evaluation: EvalConfig = field(default_factory=EvalConfig)
     tools: ToolsConfig = field(default_factory=ToolsConfig)
+    generate: GenerateConfig = field(default_factory=GenerateConfig)
 
 
 @dataclass(frozen=True)

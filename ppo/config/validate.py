@@ -41,7 +41,7 @@ def validate(cfg: PPOConfig, *, rm_types: Sequence[str] = RM_TYPES) -> list[str]
         return problems  # the rules below would compare a string with a number
     problems += (_required(cfg, rm_types) + _sampling(cfg) + _algorithm(cfg) + _optimizer(cfg)
                  + _backends(cfg) + _outputs(cfg) + _evaluation(cfg, rm_types) + _reward_model(cfg)
-                 + _asynchronous(cfg) + _tools(cfg))
+                 + _asynchronous(cfg) + _generate(cfg))
     if not broken & _DIVISORS:  # these rules divide by those fields
         placement = _placement(cfg)
         problems += placement + _batches(cfg)
@@ -273,6 +273,20 @@ def _dynamic_sampling(cfg: PPOConfig) -> list[str]:
     if r.rollout_batch_size is not None and r.over_sampling_batch_size < r.rollout_batch_size:
         out.append(_bad("over_sampling_batch_size", r.over_sampling_batch_size,
                         f"must be >= --rollout-batch-size {r.rollout_batch_size}"))
+    return out
+
+
+def _generate(cfg: PPOConfig) -> list[str]:
+    g, out = cfg.generate, []
+    if g.generate_execute_tool_function_path is not None and g.generate_tool_specs_path is None:
+        out.append(_set_but("generate_execute_tool_function_path", g.generate_execute_tool_function_path,
+                            "--generate-tool-specs-path is not: the model must be told which tools it has. "
+                            "Please add --generate-tool-specs-path"))
+    if (g.generate_tool_specs_path is not None and g.generate_execute_tool_function_path is None
+            and g.custom_generate_function_path is None):
+        out.append(_set_but("generate_tool_specs_path", g.generate_tool_specs_path,
+                            "--generate-execute-tool-function-path is not: the tool loop has nothing to run the "
+                            "calls with. Please add --generate-execute-tool-function-path"))
     return out
 
 
@@ -517,12 +531,3 @@ def _evaluation(cfg: PPOConfig, rm_types: Sequence[str]) -> list[str]:
         out.append(_bad("eval_top_k", e.eval_top_k, "must be -1 (off) or >= 1"))
     return out
 
-
-def _tools(cfg: PPOConfig) -> list[str]:
-    """The specs say what the model may call, the function runs it: one without the other is a mistake."""
-    t = cfg.tools
-    pairs = (("generate_tool_specs_path", "generate_execute_tool_function_path", "module:execute"),
-             ("generate_execute_tool_function_path", "generate_tool_specs_path", "tools.json"))
-    return [_set_but(name, getattr(t, name), f"{FIELDS[other].flag} ({FIELDS[other].path}) is not. "
-                     f"Please add {FIELDS[other].flag} {hint}")
-            for name, other, hint in pairs if getattr(t, name) is not None and getattr(t, other) is None]

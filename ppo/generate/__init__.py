@@ -1,1 +1,3 @@
-"""Making a rollout batch: generation on the engines, rewards, dynamic sampling, the rollout one step ahead, evaluation."""
+"""Making a rollout batch: generation on the engines, one response per prompt or a trajectory
+of many turns (custom generate functions, the built-in tool loop: docs/multi_turn.md), rewards,
+dynamic sampling, the rollout one step ahead, evaluation."""

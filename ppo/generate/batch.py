@@ -6,8 +6,10 @@ see roles.trainer.batching for the trainer side of the same schema:
     input_ids          int64 [N, L]  prompt, response, then padding
     prompt_lens        int64 [N]
     response_lens      int64 [N]
-    loss_mask          float [N, R]  1 on response tokens that count
-    rollout_log_probs  float [N, R]  the engine's log-probs of the sampled tokens
+    loss_mask          float [N, R]  1 on response tokens that count: the sample's "loss_mask" where it
+                                     has one (a multi-turn trajectory: 0 on tool/environment tokens,
+                                     ppo.generate.trajectory), else every response token
+    rollout_log_probs  float [N, R]  the engine's log-probs of the sampled tokens (0 where masked)
     scores             float [N]     outcome rewards
     ... and, added by the loop: old_log_probs, ref_log_probs, values/old_values,
     advantages, returns (all [N, R])
@@ -31,7 +33,7 @@ def build_batch(samples: list[dict], pad_id: int) -> dict:
         input_ids[i, :len(seq)] = torch.tensor(seq)
         m = len(s["response_ids"])
         rollout_log_probs[i, :m] = torch.tensor(s["rollout_log_probs"])
-        loss_mask[i, :m] = 1.0
+        loss_mask[i, :m] = torch.tensor(s["loss_mask"], dtype=loss_mask.dtype) if "loss_mask" in s else 1.0
     return {"input_ids": input_ids, "prompt_lens": prompt_lens, "response_lens": response_lens,
             "loss_mask": loss_mask, "rollout_log_probs": rollout_log_probs,
             "scores": torch.tensor([float(s["reward"]) for s in samples])}

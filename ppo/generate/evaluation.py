@@ -91,14 +91,16 @@ def load_eval_sets(cfg: PPOConfig, paths: list[tuple[str, str]], tok) -> list[Ev
 
 
 def evaluate(engines, scorers, sets: list[EvalSet], step: int, *, decode, eos_id: int,
-             recover) -> tuple[dict[str, float], dict[str, list[dict]]]:
+             recover, rollout=generate_and_score) -> tuple[dict[str, float], dict[str, list[dict]]]:
     """Generate and score every set on the engines (which hold the weights to judge); returns
     (metrics of all sets, samples by set). `step` is the eval's tag: it seeds the requests, so
-    each eval draws fresh samples and a re-run of the same eval the same ones."""
+    each eval draws fresh samples and a re-run of the same eval the same ones. `rollout`: the
+    training rollout's (ppo.generate.setup.rollout_function), so a tool-using policy is judged
+    with its tools."""
     metrics, samples = {}, {}
     for s in sets:
-        samples[s.name] = generate_and_score(engines, scorers, s.prompts, s.sampling, step,
-                                             decode=decode, eos_id=eos_id, recover=recover)
+        samples[s.name] = rollout(engines, scorers, s.prompts, s.sampling, step,
+                                  decode=decode, eos_id=eos_id, recover=recover)
         metrics |= set_metrics(s.name, samples[s.name], s.sampling.n_samples_per_prompt)
     # all sets' response tokens, EOS included: with perf/eval_time, the eval's throughput (bench.iteration)
     metrics["eval/response_tokens"] = float(sum(len(x["response_ids"]) for v in samples.values() for x in v))

@@ -142,12 +142,14 @@ class RunLogger:
 
 
 def write_samples(path: Path, samples: list[dict]) -> None:
-    """Samples as jsonl: prompt, response, label, reward and how each ended."""
+    """Samples as jsonl: prompt, response, label, reward and how each ended; a multi-turn
+    trajectory's turns one by one ({"source": "model" | "env", "text"})."""
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "w") as f:
         for s in samples:
             f.write(json.dumps({k: s[k] for k in ("index", "group_index", "prompt", "response", "label",
                                                   "reward", "reward_status", "finish_reason",
                                                   "weight_version")}
-                               # the reward's parts, when a reward model or a post-process made it (ppo.generate.rewards)
-                               | {k: s[k] for k in ("rm_score", "raw_reward") if k in s}) + "\n")
+                               # the reward's parts, when a reward model or a post-process made it (ppo.generate.rewards);
+                               # a multi-turn trajectory's turns, model and environment (ppo.generate)
+                               | {k: s[k] for k in ("rm_score", "raw_reward", "turns", "stats") if k in s}) + "\n")

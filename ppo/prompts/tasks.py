@@ -140,6 +140,12 @@ def _write_lines(path: str | Path, lines: list[str]) -> str:
     return str(path)
 
 
+def _tool_sums(path: str | Path, *, num_prompts: int, seed: int) -> str:
+    from ppo.generate.tiny_tools import write_tool_sum_task  # the tool task lives with its tool
+
+    return write_tool_sum_task(path, num_prompts=num_prompts, seed=seed)
+
+
 @dataclass(kw_only=True, frozen=True)
 class GeneratedTask:
     write: Callable[..., str]  # write(path, *, num_prompts, seed) -> path
@@ -163,6 +169,9 @@ TASKS: dict[str, GeneratedTask] = {
     # trained ones (docs/evaluation.md)
     "column_sums_small": GeneratedTask(write=functools.partial(write_column_sum_task, max_tens=3, max_units=3),
                                        rm_type="tiny_digits", charset=ARITHMETIC_CHARSET, answer_digits=2),
+    # tiny_tools' task: three-digit sums with carries, out of the tiny model's reach without its
+    # calculator (ppo.generate.tiny_tools; graded by its answer_reward, digit by digit)
+    "tool_sums": GeneratedTask(write=_tool_sums, rm_type="tiny_digits", charset=ARITHMETIC_CHARSET, answer_digits=3),
 }
 # `generated:NAME` eval sets (--eval-prompt-data): write(path) -> path. The held-out sums
 # measure generalisation; the seen ones, beside them, what training taught.
@@ -173,4 +182,5 @@ EVAL_TASKS: dict[str, Callable[[str | Path], str]] = {
     "column_sums_seen": functools.partial(write_column_sum_table, held_out=False),
     "column_sums_small_heldout": functools.partial(write_column_sum_table, held_out=True, max_tens=3, max_units=3),
     "column_sums_small_seen": functools.partial(write_column_sum_table, held_out=False, max_tens=3, max_units=3),
+    "tool_sums_eval": lambda path: _tool_sums(path, num_prompts=64, seed=7),  # 64 sums of tiny_tools' kind
 }

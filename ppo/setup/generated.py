@@ -49,8 +49,14 @@ def resolve_paths(cfg: PPOConfig, run_dir: Path,
             # on prompts of the arithmetic task's shape (its lines are read by the loop, which
             # reports bad ones by file and line)
             prompts = task_prompts or [f"{a}+{b}=" for a in range(5) for b in range(5)]
-            begin(f"building the tiny model ({WARM_START_STEPS} warm-start steps)")
-            _build_tiny_model(ckpt, prompts, answer_digits=answer_digits, seed=cfg.training.seed)
+            if ckpt.endswith("tiny-qwen3-tools"):  # the format taught is the calculator call's
+                from ppo.generate import tiny_tools
+
+                begin(f"building the tiny tool-calling model ({tiny_tools.WARM_START_STEPS} warm-start steps)")
+                tiny_tools.build_tool_model(ckpt, prompts, seed=cfg.training.seed)
+            else:
+                begin(f"building the tiny model ({WARM_START_STEPS} warm-start steps)")
+                _build_tiny_model(ckpt, prompts, answer_digits=answer_digits, seed=cfg.training.seed)
     return ckpt, data
 
 

@@ -32,6 +32,7 @@ from ppo.observe.console import RunConsole, ready_seconds
 from ppo.prompts.dataset import PromptDataset
 from ppo.generate.evaluation import EvalSet, load_eval_sets
 from ppo.setup.generated import resolve_eval_paths, resolve_paths
+from ppo.generate.setup import check_generation
 from ppo.gpu.dry_run import check_memory_plan
 from ppo.gpu.memory_plan import MemoryPlan
 from ppo.gpu.sizing import DEFAULT_PROMPT_LEN, FAKE_GPU_BYTES, compute_dtype, gpu_capacity_bytes
@@ -353,7 +354,10 @@ def start_job(cfg: PPOConfig, console: RunConsole | None = None,
         raise JobSetupError(problems[0] if len(problems) == 1 else
                             f"{len(problems)} problems stop this run (nothing was started):\n"
                             + "\n".join(f"  - {p}" for p in problems))
-    functions = load_user_functions(cfg)  # a bad path fails before anything is written
+    try:
+        functions = load_user_functions(cfg)  # a bad path fails before anything is written
+    except ValueError as e:
+        raise JobSetupError(str(e)) from None
     actor_cls, critic_cls = trainer_classes(cfg.training.train_backend)
     try:
         lock = claim(cfg)  # before anything is written: a live run's folder is refused untouched
@@ -379,6 +383,7 @@ def _start(cfg: PPOConfig, console: RunConsole, lock: RunDirLock, actor_cls, cri
     try:
         if problem := context_problem(cfg, hf_checkpoint):  # a generated model's context is known only now
             raise ValueError(problem)
+        check_generation(functions.generation, tok)
         data = PromptDataset(prompt_data, input_key=cfg.rollout.input_key, label_key=cfg.rollout.label_key,
                              tokenizer=tok, apply_chat_template=cfg.rollout.apply_chat_template,
                              max_prompt_len=cfg.rollout.rollout_max_prompt_len,

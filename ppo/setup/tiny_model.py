@@ -16,7 +16,7 @@ import os
 import string
 
 import torch
-from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
 from transformers import (
     AutoModelForCausalLM,
     AutoTokenizer,
@@ -43,12 +43,16 @@ def tiny_vocab() -> dict[str, int]:
     return {tok: i for i, tok in enumerate(SPECIAL_TOKENS + tuple(TOKEN_CHARS))}
 
 
-def _build_tokenizer(model_max_length: int) -> PreTrainedTokenizerFast:
-    tok = Tokenizer(models.WordLevel(vocab=tiny_vocab(), unk_token="<unk>"))
+def _build_tokenizer(model_max_length: int, extra_tokens: tuple[str, ...] = ()) -> PreTrainedTokenizerFast:
+    vocab = tiny_vocab()
+    vocab.update({t: len(vocab) + i for i, t in enumerate(extra_tokens)})
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
     tok.normalizer = normalizers.Lowercase()
     # Every character is its own pre-token, spaces included, so WordLevel sees single chars.
     tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
     tok.decoder = decoders.Fuse()  # join characters back without inserting spaces
+    # extra tokens are matched whole in the raw text, before the normaliser and the split
+    tok.add_tokens([AddedToken(t, normalized=False, special=False) for t in extra_tokens])
     return PreTrainedTokenizerFast(
         tokenizer_object=tok,
         pad_token="<pad>",
@@ -103,15 +107,21 @@ def build_tiny_checkpoint(
     max_position_embeddings: int = 64,
     tie_word_embeddings: bool = False,
     reward_model: bool = False,
+    extra_tokens: tuple[str, ...] = (),
+    chat_template: str | None = None,
 ) -> str:
     """Write a randomly initialised Qwen3 causal LM and its tokenizer to `out_dir`; return the path.
     With `reward_model`, a Qwen3 sequence classifier with one label (an untrained Bradley-Terry
-    reward model, roles.reward.model) whose tokenizer has a chat template.
+    reward model, roles.reward.model) whose tokenizer has a chat template. `extra_tokens`: whole
+    tokens after the characters (ids from len(tiny_vocab()) on), e.g. tool-call markup;
+    `chat_template`: the tokenizer's (a causal LM's has none unless given).
 
     The same `seed` and sizes always give byte-identical weights. The global torch RNG is
     left untouched. Weights are stored in float32; pick the compute dtype when loading.
     """
-    tokenizer = _build_tokenizer(max_position_embeddings)
+    tokenizer = _build_tokenizer(max_position_embeddings, extra_tokens)
+    if chat_template is not None:
+        tokenizer.chat_template = chat_template
     config = tiny_config(hidden_size=hidden_size, num_layers=num_layers, num_heads=num_heads,
                          num_kv_heads=num_kv_heads, head_dim=head_dim, intermediate_size=intermediate_size,
                          max_position_embeddings=max_position_embeddings, tie_word_embeddings=tie_word_embeddings,

@@ -1,6 +1,6 @@
 """The functions a run loads from the user's files by path (as --custom-rm-path is): the
-dynamic-sampling filter, the TIS function, the reward post-process and the tools (specs and
-execute function). Loaded once per job, by ppo.setup.job.start_job before anything is written or
+dynamic-sampling filter, the TIS function, the reward post-process, the generate function with
+its tools, and the tools for the sandbox (specs and execute function). Loaded once per job, by ppo.setup.job.start_job before anything is written or
 started, so a bad path fails first and the user's module runs once."""
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from algorithms import truncated_is
 from ppo.generate import rewards
 from ppo.config import PPOConfig
 from ppo.generate.dynamic_sampling import DynamicSampling
+from ppo.generate.setup import Generation, load_generation
 from roles.reward.custom import load_function
 from roles.tools.sandbox import Limits
 from roles.tools.specs import ToolSet, load_tools
@@ -23,18 +24,20 @@ class UserFunctions:
     tis_function: Callable  # --custom-tis-function-path, else algorithms.truncated_is
     post_process: Callable | None  # --custom-reward-post-process-path
     tools: ToolSet | None  # --generate-tool-specs-path and --generate-execute-tool-function-path
+    generation: Generation | None  # --custom-generate-function-path / the tool loop; None: one response per prompt
 
 
 def load_user_functions(cfg: PPOConfig) -> UserFunctions:
     path = cfg.ppo.custom_tis_function_path
     return UserFunctions(dynamic_sampling=DynamicSampling.from_config(cfg),
                          tis_function=load_function(path, "custom_tis_function_path") if path else truncated_is,
-                         post_process=rewards.load_post_process(cfg), tools=load_tool_set(cfg))
+                         post_process=rewards.load_post_process(cfg), tools=load_tool_set(cfg),
+                         generation=load_generation(cfg))
 
 
 def load_tool_set(cfg: PPOConfig) -> ToolSet | None:
     """The run's tools, checked (ValueError of one line); None without --generate-tool-specs-path."""
-    t = cfg.tools
+    t = cfg.generate
     if t.generate_tool_specs_path is None:
         return None
     return load_tools(t.generate_tool_specs_path, t.generate_execute_tool_function_path)

@@ -160,6 +160,7 @@ class TorchBackend:
 
     # -- weights ----------------------------------------------------------------------
     def load_weights(self, bucket: dict) -> int:
+        self.scheduler.forget_prefixes()  # K/V kept for later turns were computed with the old weights
         return self.weights.load_bucket(bucket)
 
     def finish_weight_update(self) -> None:

@@ -20,6 +20,11 @@ One `generate` call runs this loop until every request is done:
 
 A row that stopped on a token keeps decoding garbage until the next sync (at most
 `sync_every - 1` steps); its slot has room for that, and nothing it computes is kept.
+
+KV reuse across turns (prefixes.py): a finished request's slot keeps its tokens' K/V; a later
+request that continues it (a trajectory's next turn) takes that slot and prefills only its new
+tokens, attending to the kept positions. Idle slots decode their garbage past what they keep.
+Off under `batch_invariant` (a reused prefix changes the shapes a request is computed with).
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ from roles.rollout.sampling import GenerateRequest
 from roles.rollout.torch_engine.decoder import Decoder
 from roles.rollout.torch_engine.graphs import DecodeGraphs, batch_bucket
 from roles.rollout.torch_engine.kv_cache import Geometry, KVCache
+from roles.rollout.torch_engine.prefixes import SlotPrefixes
 from roles.rollout.torch_engine.sampler import SamplingRows, sample, sampling_mode
 
 PREFILL_TOKENS = 16384  # packed prompt tokens per prefill forward (activations scale with it)
@@ -76,6 +82,7 @@ class Scheduler:
         # the longest slot a call can shape (_geometry: prompt + max_new_tokens <= max_positions)
         self.max_slot_len = self.spec.max_positions + sync_every + slot_quantum
         self.state: SlotState | None = None
+        self.prefixes = SlotPrefixes()
         self.last_stats: dict = {}
 
     def drop_state(self) -> None:
@@ -84,18 +91,25 @@ class Scheduler:
         self.graphs.free()
         self.state = None
         self.decoder.drop_rope()
+        self.prefixes.clear()
+
+    def forget_prefixes(self) -> None:
+        """The cache's K/V no longer match the weights (an update): nothing is reused."""
+        self.prefixes.clear()
 
     # -- the loop ---------------------------------------------------------------------
     @torch.no_grad()
     def generate(self, requests: list[GenerateRequest], seeds: list[int]) -> list[dict]:
         geometry = self._geometry(requests)
+        if geometry != self.cache.geometry:
+            self.prefixes.clear()  # the slots' contents move under a new geometry
         self.cache.shape(geometry)
         if self.state is None:
             device = self.cache.memory.device
             self.state = SlotState(self.cache.max_slots, self.sync_every, self.spec.vocab_size, self.max_slot_len,
                                    device)
             self.decoder.build_rope(self.max_slot_len, device)
-        self.state.positions.zero_()  # slots idle from the last call restart from 0
+        self._park_idle(range(geometry.num_slots))  # slots idle from the last call restart past what they keep
         mode = sampling_mode([r.sampling for r in requests])
         eos = frozenset(self.spec.eos_ids)
         stops = [frozenset() if r.sampling.ignore_eos else frozenset(r.sampling.stop_token_ids) | eos
@@ -110,7 +124,7 @@ class Scheduler:
         # batching should keep that ratio near 1 (the tail, once nothing waits, cannot be full).
         stats = {"num_slots": geometry.num_slots, "slot_len": geometry.slot_len, "decode_steps": 0,
                  "slot_steps": 0, "busy_steps": 0, "slot_steps_queued": 0, "busy_steps_queued": 0,
-                 "num_prefills": 0, "admitted_while_decoding": 0}
+                 "num_prefills": 0, "admitted_while_decoding": 0, "prefill_tokens": 0, "reused_tokens": 0}
 
         def take(r: int, token: int, logprob: float) -> bool:
             """Append one sampled token to request r; True when r is finished."""
@@ -128,13 +142,18 @@ class Scheduler:
                 admitted = self._pack(list(islice(waiting, 1 if self.batch_invariant else len(free))), requests)
                 for _ in admitted:
                     waiting.popleft()
-                slots = free[:len(admitted)]
+                slots, offsets = self._place([requests[r] for r in admitted], free)
                 stats["num_prefills"] += 1
+                stats["prefill_tokens"] += sum(len(requests[r].prompt_ids) - o for r, o in zip(admitted, offsets))
+                stats["reused_tokens"] += sum(offsets)
                 if stats["decode_steps"]:
                     stats["admitted_while_decoding"] += len(admitted)
-                first = self._prefill([requests[r] for r in admitted], [seeds[r] for r in admitted], slots, mode)
+                first = self._prefill([requests[r] for r in admitted], [seeds[r] for r in admitted], slots, mode,
+                                      offsets)
                 for s, r, (tok, lp) in zip(slots, admitted, first):
-                    slot_request[s] = None if take(r, tok, lp) else r
+                    slot_request[s] = r
+                    if take(r, tok, lp):
+                        self._finished(s, requests[r], tokens[r], slot_request)
             busy = [s for s, r in enumerate(slot_request) if r is not None]
             if not busy:
                 break
@@ -160,25 +179,54 @@ class Scheduler:
                 for j in range(steps):
                     stats["busy_steps"] += 1
                     if take(r, ring_tokens[j][s], ring_logprobs[j][s]):
-                        slot_request[s] = None
+                        self._finished(s, requests[r], tokens[r], slot_request)
                         break
             if waiting:
                 stats["slot_steps_queued"] += steps * batch
                 stats["busy_steps_queued"] += stats["busy_steps"] - busy_before
-            # idle slots in the batch decode garbage from position 0 of their own slot: harmless,
-            # and never past the span, as long as they restart from 0 at every sync
+            # idle slots in the batch decode garbage in their own slot, past what it keeps: harmless,
+            # and within the slot, as long as they restart there at every sync
             idle = [s for s in range(batch) if slot_request[s] is None]
             if idle:
-                self.state.positions[torch.tensor(idle, device=self.state.positions.device)] = 0
+                self._park_idle(idle)
         self.last_stats = stats
         return [{"id": req.id, "token_ids": tokens[i], "logprobs": logprobs[i], "finish_reason": finish[i]}
                 for i, req in enumerate(requests)]
+
+    def _finished(self, slot: int, request: GenerateRequest, tokens: list[int], slot_request: list) -> None:
+        slot_request[slot] = None
+        if not self.batch_invariant:
+            self.prefixes.record(slot, request.prompt_ids, tokens)
+
+    def _park_idle(self, slots) -> None:
+        """Idle slots restart just past the tokens they keep (0 when none), so that the garbage they
+        decode never overwrites a prefix a later turn may reuse."""
+        slots = list(slots)
+        at = torch.tensor([self.prefixes.held_len(s) for s in slots], device=self.state.positions.device)
+        self.state.positions[torch.tensor(slots, device=at.device)] = at
+
+    def _place(self, reqs: list[GenerateRequest], free: list[int]) -> tuple[list[int], list[int]]:
+        """Each request's slot and the positions of its prompt it reuses there (prefixes.py)."""
+        slots, offsets, free = [], [], list(free)
+        for r in reqs:
+            if self.batch_invariant:
+                slot, offset = free[0], 0
+            else:
+                slot, offset = self.prefixes.choose(r.prompt_ids, free)
+                self.prefixes.take(slot)
+            free.remove(slot)
+            slots.append(slot)
+            offsets.append(offset)
+        return slots, offsets
 
     def _geometry(self, requests: list[GenerateRequest]) -> Geometry:
         longest = max(requests, key=lambda r: len(r.prompt_ids) + r.sampling.max_new_tokens)
         # the last sampled token is never fed back, but up to sync_every - 1 steps may run past it
         need = len(longest.prompt_ids) + longest.sampling.max_new_tokens + self.sync_every - 1
         rounded = -(-need // self.slot_quantum) * self.slot_quantum
+        current = self.cache.geometry
+        if self.prefixes and current is not None and current.slot_len >= need:
+            return current  # keep the slots whose prefixes the next turns reuse
         geometry = self.cache.geometry_for(rounded)
         if geometry.num_slots == 0:
             geometry = self.cache.geometry_for(need)
@@ -193,7 +241,8 @@ class Scheduler:
 
     @staticmethod
     def _pack(admitted: list[int], requests: list[GenerateRequest]) -> list[int]:
-        """The first of `admitted` that fit one prefill forward, sorted so equal prompt lengths are adjacent."""
+        """The first of `admitted` that fit one prefill forward (counted whole: a reused prefix is
+        found later), sorted so equal prompt lengths are adjacent."""
         chosen, total = [], 0
         for r in admitted:
             n = len(requests[r].prompt_ids)
@@ -205,20 +254,24 @@ class Scheduler:
 
     # -- prefill ----------------------------------------------------------------------
     def _prefill(self, reqs: list[GenerateRequest], seeds: list[int], slots: list[int],
-                 mode: str) -> list[tuple[int, float]]:
-        """Run the packed prompts, fill their slots' cache and state; return each first (token, logprob)."""
+                 mode: str, offsets: list[int]) -> list[tuple[int, float]]:
+        """Run the packed prompts (each from its offset: the positions before it are in its slot
+        already), fill their slots' cache and state; return each first (token, logprob)."""
         device = self.state.tokens.device
         lengths = [len(r.prompt_ids) for r in reqs]
-        tokens = torch.tensor([t for r in reqs for t in r.prompt_ids], device=device)  # [N]
-        positions = torch.cat([torch.arange(n) for n in lengths]).to(device)  # [N]
-        slot_of_token = torch.repeat_interleave(torch.tensor(slots), torch.tensor(lengths)).to(device)
-        groups = []  # (first token, number of prompts, prompt length): runs of equal lengths
+        new = [n - o for n, o in zip(lengths, offsets)]  # tokens each prompt runs
+        tokens = torch.tensor([t for r, o in zip(reqs, offsets) for t in r.prompt_ids[o:]], device=device)  # [N]
+        positions = torch.cat([torch.arange(o, n) for n, o in zip(lengths, offsets)]).to(device)  # [N]
+        slot_of_token = torch.repeat_interleave(torch.tensor(slots), torch.tensor(new)).to(device)
+        # groups: [first token, number of prompts, prompt length, offset]: runs of whole prompts of
+        # equal length (one batched causal attention); a prompt with an offset is a group alone
+        groups = []
         start = 0
-        for n in lengths:
-            if groups and groups[-1][2] == n:
+        for n, o, slot in zip(new, offsets, slots):
+            if o == 0 and groups and groups[-1][3] == 0 and groups[-1][2] == n:
                 groups[-1][1] += 1
             else:
-                groups.append([start, 1, n])
+                groups.append([start, 1, n, o, slot])
             start += n
         s = self.spec
 
@@ -230,15 +283,24 @@ class Scheduler:
             keys[slot_of_token, :, positions] = k  # [N, KV, D] into [S, KV, T, D]
             values[slot_of_token, :, positions] = v
             out = torch.empty_like(q)
-            for first, num, length in groups:
+            for first, num, length, offset, slot in groups:
                 span = slice(first, first + num * length)
+                if offset:  # its new tokens attend to the slot's kept positions and to each other, causally
+                    end = offset + length
+                    qg = q[span].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
+                    visible = (torch.arange(end, device=device)[None, :]
+                               <= torch.arange(offset, end, device=device)[:, None])  # [n, end]
+                    og = F.scaled_dot_product_attention(qg, keys[slot:slot + 1, :, :end], values[slot:slot + 1, :, :end],
+                                                        attn_mask=visible, enable_gqa=True)
+                    out[span] = og[0].transpose(0, 1)
+                    continue
                 qg, kg, vg = (t[span].reshape(num, length, -1, s.head_dim).transpose(1, 2) for t in (q, k, v))
                 og = F.scaled_dot_product_attention(qg, kg, vg, is_causal=True, enable_gqa=True)
                 out[span] = og.transpose(1, 2).reshape(num * length, s.num_heads, s.head_dim)
             return out
 
         hidden = self.decoder.forward(tokens, attend)
-        last = torch.tensor(lengths).cumsum(0).to(device) - 1
+        last = torch.tensor(new).cumsum(0).to(device) - 1
         logits = self.decoder.logits(hidden[last])  # [R, V]
         rows = SamplingRows.build([r.sampling for r in reqs], seeds, s.vocab_size, device)
         length_t = torch.tensor(lengths, device=device)

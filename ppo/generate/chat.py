@@ -1,0 +1,107 @@
+"""Tool calls in and tool turns out, in the model's own formats.
+
+In: `parse_tool_calls` reads the `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` blocks
+that Qwen2.5/Qwen3 and Hermes-style models write (sglang's qwen25 detector reads the same). A
+block that is not such JSON, names no known tool, or is never closed becomes a `ToolCallError`,
+which the tool loop answers with an error message: the model learns from it, the run goes on.
+
+Out: `tool_turn_ids` renders tool results with the tokenizer's chat template and keeps only the
+new tokens: the template's rendering of [user, assistant(tool calls)] plus the tool messages
+(with the generation prompt), cut right after the assistant's end-of-turn token. What the
+template writes after that token ("\\n" in Qwen's) belongs to the environment's turn, so the
+trajectory's ids are, token for token, the template's rendering of the conversation. (miles
+cuts after the whole assistant rendering instead, dropping that "\\n" from the trajectory.)
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+
+OPEN, CLOSE = "<tool_call>", "</tool_call>"
+_BLOCK = re.compile(re.escape(OPEN) + r"(.*?)" + re.escape(CLOSE), re.DOTALL)
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    name: str
+    arguments: dict
+
+
+@dataclass(frozen=True)
+class ToolCallError:
+    message: str  # what the model is told
+    name: str = "error"
+
+
+def parse_tool_calls(text: str, tool_names: frozenset[str]) -> list[ToolCall | ToolCallError]:
+    """Every tool call block of `text`, in order; [] when the model called nothing."""
+    calls: list[ToolCall | ToolCallError] = []
+    for block in _BLOCK.findall(text):
+        calls.append(_parse_block(block.strip(), tool_names))
+    if text.count(OPEN) > text.count(CLOSE):  # cut off mid-call, or never closed
+        calls.append(ToolCallError(f"error: a {OPEN} was not closed with {CLOSE}"))
+    return calls
+
+
+def _parse_block(body: str, tool_names: frozenset[str]) -> ToolCall | ToolCallError:
+    try:
+        call = json.loads(body)
+    except json.JSONDecodeError as e:
+        return ToolCallError(f"error: the tool call is not JSON ({e.msg} at character {e.pos})")
+    if not isinstance(call, dict) or not isinstance(call.get("name"), str):
+        return ToolCallError('error: a tool call is {"name": <tool name>, "arguments": {...}}')
+    name, arguments = call["name"], call.get("arguments", {})
+    if isinstance(arguments, str):  # some models write the arguments as a JSON string
+        try:
+            arguments = json.loads(arguments)
+        except json.JSONDecodeError:
+            pass
+    if not isinstance(arguments, dict):
+        return ToolCallError(f"error: the arguments of {name} must be a JSON object", name=name)
+    if name not in tool_names:
+        return ToolCallError(f"error: no tool named {name}; the tools are {', '.join(sorted(tool_names))}",
+                             name=name)
+    return ToolCall(name, arguments)
+
+
+def tool_messages(calls: list[ToolCall | ToolCallError], contents: list[str]) -> list[dict]:
+    """The chat messages of the results: one role "tool" message per call, in call order."""
+    return [{"role": "tool", "name": c.name, "content": text} for c, text in zip(calls, contents, strict=True)]
+
+
+def _assistant_with_calls(calls: list[ToolCall | ToolCallError]) -> dict:
+    """A stand-in for the assistant turn that made the calls: the template renders the tool
+    messages after it as they would follow the real one (its text is never used)."""
+    return {"role": "assistant", "content": "",
+            "tool_calls": [{"type": "function", "function": {"name": c.name,
+                                                             "arguments": getattr(c, "arguments", {})}}
+                           for c in calls]}
+
+
+def tool_turn_ids(tokenizer, messages: list[dict], calls: list[ToolCall | ToolCallError], end_of_turn: int,
+                  tools: list[dict] | None = None) -> list[int]:
+    """The ids of the environment's turn after an assistant turn that ended with `end_of_turn`:
+    the tool messages and the next assistant header, as the chat template writes them."""
+    base = [{"role": "user", "content": "x"}, _assistant_with_calls(calls)]
+    before = render_ids(tokenizer, base, tools, add_generation_prompt=False)
+    after = render_ids(tokenizer, base + messages, tools, add_generation_prompt=True)
+    if after[:len(before)] != before:
+        raise ValueError("the chat template renders the conversation before the tool messages differently once "
+                         "they are added: the trajectory cannot be extended token by token")
+    if end_of_turn not in before:
+        raise ValueError(f"the chat template does not end an assistant turn with token {end_of_turn} (the model's "
+                         "stop token), so the tool turn cannot be placed after it")
+    cut = len(before) - before[::-1].index(end_of_turn)
+    return after[cut:]
+
+
+def render_ids(tokenizer, messages: list[dict], tools: list[dict] | None = None,
+               add_generation_prompt: bool = False) -> list[int]:
+    """The chat template's ids of `messages` (a list, whatever transformers' version returns)."""
+    ids = tokenizer.apply_chat_template(messages, tools=tools, tokenize=True,
+                                        add_generation_prompt=add_generation_prompt)
+    if isinstance(ids, dict) or hasattr(ids, "input_ids"):  # transformers >= 4.5x may return a BatchEncoding
+        ids = ids["input_ids"]
+    return list(ids)

@@ -1,0 +1,54 @@
+"""What the run's config asks of per-trajectory generation, loaded once at job start.
+
+`load_generation(cfg)` is None for the default path (one response per prompt, ppo.generate.rollout),
+else the generate function (--custom-generate-function-path, or the built-in tool loop when
+only --generate-tool-specs-path is set) and the tool setup. `rollout_function(...)` gives the
+loop and the eval what they call in place of ppo.generate.rollout.generate_and_score.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from ppo.generate.custom import GenerateArgs, load_generate_function
+from ppo.generate.trajectories import generate_trajectories_and_score
+from ppo.generate.tools import ToolSetup, check_chat_template, load_tool_setup
+from ppo.generate.rollout import generate_and_score
+
+
+@dataclass(frozen=True)
+class Generation:
+    function: Callable  # async def generate(args, sample, sampling_params)
+    tools: ToolSetup | None
+
+
+def load_generation(cfg) -> Generation | None:
+    """ValueError (one line) when a path does not load or names the wrong thing."""
+    g = cfg.generate
+    tools = load_tool_setup(g)
+    if g.custom_generate_function_path is not None:
+        return Generation(load_generate_function(g.custom_generate_function_path), tools)
+    if tools is not None:
+        from ppo.generate import tool_loop
+
+        return Generation(tool_loop.generate, tools)
+    return None
+
+
+def check_generation(generation: Generation | None, tokenizer) -> None:
+    """What needs the tokenizer: a tool loop's chat template (ValueError if it cannot render tools)."""
+    if generation is not None and generation.tools is not None:
+        check_chat_template(tokenizer, generation.tools)
+
+
+def rollout_function(generation: Generation | None, cfg, tokenizer, max_context: int) -> Callable:
+    """generate_and_score, or its per-trajectory twin with the same arguments and result."""
+    if generation is None:
+        return generate_and_score
+
+    def make_args(client) -> GenerateArgs:
+        return GenerateArgs(cfg, tokenizer, max_context, client, tools=generation.tools)
+
+    return functools.partial(generate_trajectories_and_score, generate_fn=generation.function, make_args=make_args)

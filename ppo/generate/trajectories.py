@@ -1,0 +1,105 @@
+"""One rollout of per-trajectory generation: every sample is a generate function's coroutine,
+all of them at once on one event loop; each finished trajectory goes to a reward scorer.
+
+It returns what ppo.generate.rollout.generate_and_score returns, one dict per sample in request order,
+with the trajectory's fields added (ppo.generate.trajectory: loss_mask, num_turns,
+num_env_tokens) and "turns", each turn's text for samples/ (decoded for reading only: training
+reads the ids).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+
+from ppo.generate.custom import GenerateArgs, Sample
+from ppo.generate.engines import Batcher, EngineClient
+from ppo.generate.pump import Pump
+from ppo.generate.rollout import SamplingParams, make_requests
+from runtime import ActorHandle
+
+SCORED_KEYS = ("index", "group_index", "prompt", "response", "label", "metadata")
+
+
+def generate_trajectories_and_score(
+    engines: list[ActorHandle], scorers: list[ActorHandle], prompts: list[dict], params: SamplingParams, step: int,
+    decode, eos_id: int, recover: Callable[[ActorHandle, int], None], generate_fn: Callable,
+    make_args: Callable[[EngineClient], GenerateArgs], sampling_round: int = 0,
+) -> list[dict]:
+    """Samples in request order (request = group * n + k, seeded as ppo.generate.rollout.make_requests).
+    `make_args(client)` builds the generate function's `args` around the engine client."""
+    return asyncio.run(_rollout(engines, scorers, prompts, params, step, decode, eos_id, recover, generate_fn,
+                                make_args, sampling_round))
+
+
+async def _rollout(engines, scorers, prompts, params, step, decode, eos_id, recover, generate_fn, make_args,
+                   sampling_round) -> list[dict]:
+    pump = Pump()
+    pumping = asyncio.create_task(pump.run())
+    client = EngineClient(engines, pump, recover)
+    scoring = Batcher(scorers, "score", pump, recover) if scorers else None
+    args = make_args(client)
+    n = params.n_samples_per_prompt
+
+    async def one(request: dict) -> list[dict]:
+        group = request["id"] // n
+        prompt = prompts[group]
+        sample = Sample(index=request["id"], group_index=group, prompt=prompt["prompt"],
+                        prompt_ids=list(prompt["prompt_ids"]), label=prompt.get("label"),
+                        metadata=dict(prompt.get("metadata") or {}), messages=prompt.get("messages"))
+        out = await generate_fn(args, sample, dict(request["sampling"]))
+        outs = out if isinstance(out, list) else [out]
+        if not outs or not all(isinstance(s, Sample) for s in outs):
+            raise TypeError(f"the generate function {getattr(generate_fn, '__name__', generate_fn)} returned "
+                            f"{type(out).__name__}; it must return the Sample it was given (or a list of Samples)")
+        rows = [_row(s, decode, eos_id) for s in outs]
+        for r in rows:
+            if not r["response_ids"]:
+                raise ValueError(f"sample {sample.index}: the generate function returned a trajectory without a "
+                                 "model turn; call `await args.generate(sample, sampling_params)` at least once")
+        if scoring is None:  # a reward model alone scores the whole rollout later (ppo.generate.rewards)
+            for r in rows:
+                r.update(reward=0.0, reward_status="ok")
+            return rows
+        results = await asyncio.gather(*(scoring.submit(sample.index % len(scorers),
+                                                        {k: r[k] for k in SCORED_KEYS}) for r in rows))
+        for r, res in zip(rows, results):
+            r.update(reward=res["reward"], reward_status=res["status"])
+        return rows
+
+    background = [pumping, *client.tasks, *(scoring.tasks if scoring is not None else ())]
+    trajectories = asyncio.ensure_future(
+        asyncio.gather(*(one(r) for r in make_requests(prompts, params, step, sampling_round))))
+    # read when cancelled on the way out, so asyncio does not report an unread error
+    trajectories.add_done_callback(lambda f: f.cancelled() or f.exception())
+    try:
+        # the background tasks never end by themselves: one that does was stopped by an exception
+        # no trajectory would ever see (the driver's RunStopped raised by a signal while it ran)
+        done, _ = await asyncio.wait([trajectories, *background], return_when=asyncio.FIRST_COMPLETED)
+        for task in done:
+            if task is not trajectories:
+                task.result()
+                raise RuntimeError(f"a rollout task ended early: {task!r}")
+        per_request = trajectories.result()
+    finally:
+        trajectories.cancel()
+        for task in background:
+            task.cancel()
+    if len({len(rows) for rows in per_request}) > 1:
+        raise ValueError("the generate function returned lists of different lengths; every trajectory must give "
+                         "the same number of samples, so that each prompt has the same number of rows")
+    samples = [r for rows in per_request for r in rows]
+    for i, s in enumerate(samples):
+        s["index"] = i
+    return samples
+
+
+def _row(sample: Sample, decode, eos_id: int) -> dict:
+    traj = sample.trajectory
+    ids = traj.response_ids
+    text_ids = ids[:-1] if ids and ids[-1] == eos_id else ids
+    return {"index": sample.index, "group_index": sample.group_index, "prompt": sample.prompt,
+            "prompt_ids": list(sample.prompt_ids), "label": sample.label, "messages": sample.messages,
+            "metadata": sample.metadata, **traj.sample_fields(), "weight_version": sample.weight_version,
+            "response": decode(text_ids), "stats": dict(sample.stats),
+            "turns": [{"source": t.source, "text": decode(list(t.ids))} for t in traj.turns]}

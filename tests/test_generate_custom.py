@@ -1,0 +1,186 @@
+"""Per-trajectory generation on real engine processes: a custom generate function per sample,
+many at once, turns batched across trajectories, token-faithful records."""
+
+from types import SimpleNamespace
+
+import pytest
+
+from ppo.generate.custom import GenerateArgs, Sample, load_generate_function, turn_seed
+from ppo.generate.trajectories import generate_trajectories_and_score
+from ppo.generate.rollout import SamplingParams, generate_and_score
+from ppo.setup.tiny_model import EOS_ID
+from roles.rollout import RolloutEngine
+from runtime import Supervisor
+
+pytestmark = [pytest.mark.timeout(120), pytest.mark.usefixtures("one_torch_thread")]
+
+PROMPTS = [{"prompt": f"p{i}", "prompt_ids": [5 + i, 9, 12 + i]} for i in range(4)]
+PARAMS = SamplingParams(n_samples_per_prompt=2, max_new_tokens=12, temperature=1.0, top_p=1.0, top_k=-1,
+                        stop_token_ids=(EOS_ID,), seed=3)
+ENV_IDS = [20, 21, 22]  # what the "environment" answers each turn
+
+
+async def one_turn(args, sample, sampling_params):
+    await args.generate(sample, sampling_params)
+    return sample
+
+
+async def three_turns(args, sample, sampling_params):
+    """Model, environment, model, environment, model: the turn log the tool loop writes."""
+    for turn in range(3):
+        # at most 5 tokens a turn: the budget is the whole response's, so lift it by 5 each time
+        turn_params = dict(sampling_params, max_new_tokens=len(sample.trajectory.response_ids) + 5)
+        if await args.generate(sample, turn_params) is None:
+            break
+        if turn < 2:
+            sample.trajectory.add_env_turn(ENV_IDS)
+    return sample
+
+
+@pytest.fixture(scope="module")
+def engines(ckpt, tmp_path_factory):
+    """Two engine processes, shared by the module's tests (spawning them is most of the time)."""
+    sup = Supervisor(tmp_path_factory.mktemp("run"), heartbeat_interval=0.1, heartbeat_timeout=1.0,
+                     shutdown_grace_s=2.0)
+    try:
+        yield [sup.spawn(f"rollout-{i}", RolloutEngine, ckpt, dtype="float32", max_batch_size=8, engine_index=i)
+               for i in range(2)]
+    finally:
+        sup.shutdown()
+
+
+def run(engines, fn, ckpt, clients=None):
+    def make_args(client):
+        if clients is not None:
+            clients.append(client)
+        return GenerateArgs(config=None, tokenizer=None, max_context=64, client=client)
+
+    return generate_trajectories_and_score(engines, [], PROMPTS, PARAMS, step=0, decode=str, eos_id=EOS_ID,
+                                           recover=lambda role, dead: None, generate_fn=fn, make_args=make_args)
+
+
+def test_one_turn_generate_function_samples_what_the_default_path_samples(engines, ckpt):
+    default = generate_and_score(engines, [], PROMPTS, PARAMS, step=0, decode=str, eos_id=EOS_ID,
+                                 recover=lambda role, dead: None)
+    custom = run(engines, one_turn, ckpt)
+    for d, c in zip(default, custom, strict=True):
+        assert (c["index"], c["group_index"], c["response_ids"]) == (d["index"], d["group_index"], d["response_ids"])
+        assert c["rollout_log_probs"] == pytest.approx(d["rollout_log_probs"], abs=1e-5)
+        assert c["loss_mask"] == [1] * len(c["response_ids"]) and c["num_turns"] == 1
+
+
+def test_turns_of_many_trajectories_share_engine_calls_and_each_turn_is_the_engines_own(engines, ckpt):
+    clients = []
+    samples = run(engines, three_turns, ckpt, clients)
+    assert len(samples) == 8
+    # every trajectory's turn k went out in one call per engine: 3 rounds x 2 engines at most
+    total_turns = sum(s["num_turns"] for s in samples)
+    assert total_turns > 8 and clients[0].num_calls <= 3 * 2
+    for s in samples[:3]:  # replaying is a call per turn: a few samples say it
+        mask, ids = s["loss_mask"], s["response_ids"]
+        assert s["num_turns"] == 3 and s["num_env_tokens"] == 2 * len(ENV_IDS)
+        assert len(mask) == len(ids) == len(s["rollout_log_probs"])
+        assert all(lp == 0.0 for lp, m in zip(s["rollout_log_probs"], mask) if not m)
+        # replay each model turn alone on an engine: from the same context and seed, the same ids
+        context, turn, pos = list(s["prompt_ids"]), 0, 0
+        for t in _turn_lengths(mask):
+            source, length = t
+            chunk = ids[pos:pos + length]
+            if source == "model":
+                seed = turn_seed(_request_seed(s["index"]), turn)
+                budget = min(5, 64 - len(context))
+                again = engines[s["index"] % 2].generate([{"id": 0, "prompt_ids": context,
+                                                           "sampling": {"max_new_tokens": budget, "seed": seed,
+                                                                        "stop_token_ids": [EOS_ID]}}])[0]
+                assert again["token_ids"] == chunk
+                turn += 1
+            else:
+                assert chunk == ENV_IDS
+            context += chunk
+            pos += length
+
+
+def _turn_lengths(mask):
+    runs = []
+    for m in mask:
+        source = "model" if m else "env"
+        if runs and runs[-1][0] == source:
+            runs[-1][1] += 1
+        else:
+            runs.append([source, 1])
+    return runs
+
+
+def _request_seed(index):
+    from ppo.generate.rollout import sample_seed
+    return sample_seed(PARAMS.seed, 0, index)
+
+
+def test_generate_function_path_must_name_an_async_function_of_three_arguments(tmp_path):
+    f = tmp_path / "gen.py"
+    f.write_text("def sync(args, sample, sampling_params):\n    return sample\n"
+                 "async def two(args, sample):\n    return sample\n"
+                 "async def good(args, sample, sampling_params):\n    return sample\n")
+    assert load_generate_function(f"{f}:good").__name__ == "good"
+    with pytest.raises(ValueError, match=r"custom_generate_function_path=.*sync must be an async def"):
+        load_generate_function(f"{f}:sync")
+    with pytest.raises(ValueError, match=r"two\(args, sample\) must take \(args, sample, sampling_params\)"):
+        load_generate_function(f"{f}:two")
+    with pytest.raises(ValueError, match=r"custom_generate_function_path=.*has no attribute 'missing'"):
+        load_generate_function(f"{f}:missing")
+
+
+def test_sample_starts_its_trajectory_at_the_prompt():
+    s = Sample(index=0, group_index=0, prompt="x", prompt_ids=[1, 2])
+    assert s.trajectory.ids == [1, 2] and s.trajectory.turns == []
+
+
+def test_an_engine_killed_mid_trajectory_is_replaced_and_every_trajectory_finishes_as_without(ckpt, tmp_path):
+    """The dead engine's turns are sent again to its restarted incarnation, with the same seeds:
+    the trajectories are those of an undisturbed run, and no turn is counted twice."""
+    sup = Supervisor(tmp_path / "run", heartbeat_interval=0.1, heartbeat_timeout=1.0, shutdown_grace_s=2.0)
+    try:
+        engine = sup.spawn("rollout-0", RolloutEngine, ckpt, dtype="float32", max_batch_size=8,
+                           restart="one_for_one")
+        killed = []
+
+        async def kill_on_second_turn(args, sample, sampling_params):
+            for turn in range(3):
+                if turn == 1 and sample.index == 0 and not killed:
+                    killed.append(True)
+                    engine.kill()  # sample 0's second turn, and every other sample's, meet a dead engine
+                turn_params = dict(sampling_params, max_new_tokens=len(sample.trajectory.response_ids) + 5)
+                if await args.generate(sample, turn_params) is None:
+                    break
+                if turn < 2:
+                    sample.trajectory.add_env_turn(ENV_IDS)
+            return sample
+
+        def rollout(fn):
+            return generate_trajectories_and_score(
+                [engine], [], PROMPTS, PARAMS, step=0, decode=str, eos_id=EOS_ID,
+                recover=lambda role, dead: sup.wait_restarted(role.name, dead), generate_fn=fn,
+                make_args=lambda client: GenerateArgs(config=None, tokenizer=None, max_context=64, client=client))
+
+        disturbed = rollout(kill_on_second_turn)
+        assert killed and sup.restart_counts()["rollout-0"] == 1
+        undisturbed = rollout(three_turns)
+        assert [s["response_ids"] for s in disturbed] == [s["response_ids"] for s in undisturbed]
+        assert all(s["num_turns"] == 3 for s in disturbed)
+    finally:
+        sup.shutdown()
+
+
+class Stop(BaseException):
+    """As ppo.state.signals.RunStopped: a BaseException raised in the driver by a signal handler."""
+
+
+def test_a_signal_raised_while_the_engines_are_called_stops_the_rollout_instead_of_hanging():
+    def call(requests):  # where the handler's exception lands: in EndpointRef.call (runtime/handle.py)
+        raise Stop()
+
+    engine = SimpleNamespace(generate=SimpleNamespace(call=call))
+    with pytest.raises(Stop):
+        generate_trajectories_and_score([engine], [], PROMPTS, PARAMS, step=0, decode=str, eos_id=EOS_ID,
+                                        recover=lambda role, dead: None, generate_fn=three_turns,
+                                        make_args=lambda client: GenerateArgs(None, None, 64, client))
