@@ -17,6 +17,7 @@ from ppo.gpu.plan_check import plan_mismatches
 from ppo.loop import train
 from ppo.config.recipes import tiny_ppo
 from runtime.fakegpu import FakeDevice, check_no_overlap
+from runtime.events import read_events
 
 NUM_ROLLOUT = 30
 
@@ -43,7 +44,11 @@ def run_mode(tmp_path, mode: str) -> tuple[list[dict], dict[int, list[dict]], in
                                 check_weight_update_equal=True, eval_prompt_data=None,
                                 eval_interval=None, **MODES[mode]))
     history = train(cfg)
-    devices = {g: FakeDevice(tmp_path / "run" / "fakegpu", g).history() for g in (0, 1)}
+    # the run's ledgers until its last step was logged: then the job shuts down, and each role's
+    # memory is freed (an engine's on_stop, the supervisor dropping what a stopped role held)
+    shutdown = max(e["ts"] for e in read_events(tmp_path / "run") if e["event"] == "metrics")
+    devices = {g: [h for h in FakeDevice(tmp_path / "run" / "fakegpu", g).history() if h["ts"] < shutdown]
+               for g in (0, 1)}
     return history, devices, num_critic_only_steps(cfg)
 
 

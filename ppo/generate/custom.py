@@ -36,6 +36,7 @@ class Sample:
     messages: list | None = None  # the chat before its template, where the prompt file had one
     trajectory: Trajectory = None
     weight_version: int | None = None  # the oldest weights that generated a turn of it
+    num_aborts: int = 0  # its turns' aborts the engines answered by issuing them again (roles/rollout/aborts.py)
     stats: dict[str, float] = field(default_factory=dict)  # counts summed into rollout/* (tool calls, ...)
 
     def __post_init__(self):
@@ -72,6 +73,7 @@ class GenerateArgs:
         result = await self._client.generate(sample.index, traj.ids, request)
         traj.add_model_turn(result["token_ids"], result["logprobs"], result["finish_reason"])
         version = result["weight_version"]
+        sample.num_aborts += result.get("num_aborts", 0)
         sample.weight_version = version if sample.weight_version is None else min(sample.weight_version, version)
         return result
 

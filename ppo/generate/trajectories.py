@@ -101,5 +101,5 @@ def _row(sample: Sample, decode, eos_id: int) -> dict:
     return {"index": sample.index, "group_index": sample.group_index, "prompt": sample.prompt,
             "prompt_ids": list(sample.prompt_ids), "label": sample.label, "messages": sample.messages,
             "metadata": sample.metadata, **traj.sample_fields(), "weight_version": sample.weight_version,
-            "response": decode(text_ids), "stats": dict(sample.stats),
+            "num_aborts": sample.num_aborts, "response": decode(text_ids), "stats": dict(sample.stats),
             "turns": [{"source": t.source, "text": decode(list(t.ids))} for t in traj.turns]}

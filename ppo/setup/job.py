@@ -39,7 +39,7 @@ from ppo.gpu.sizing import DEFAULT_PROMPT_LEN, FAKE_GPU_BYTES, compute_dtype, gp
 from ppo.gpu.placement import Placement, plan_placement
 from ppo.state.rundir import RunDirError, RunDirLock, claim, load_problem
 from ppo.gpu.side_by_side import memory_budgets
-from ppo.setup.user_functions import UserFunctions, load_user_functions, tools_problem
+from ppo.setup.user_functions import UserFunctions, load_user_functions
 from roles.reward.role import RewardScorer
 from roles.reward.model_scorer import RewardModelScorer
 from roles.rollout.engine import RolloutEngine
@@ -281,8 +281,7 @@ def setup_problems(cfg: PPOConfig) -> list[str]:
     problems = [trainer_layout_problem(cfg), rollout_backend_problem(cfg), hf_checkpoint_problem(cfg),
                 reward_service_problem(cfg), reward_model_problem(cfg), optimizer_offload_problem(cfg),
                 context_problem(cfg, cfg.checkpoint.hf_checkpoint), output_problem("--save", cfg.checkpoint.save),
-                output_problem("--critic-save", C.critic_save(cfg) if C.uses_critic(cfg) else None),
-                tools_problem(cfg)]
+                output_problem("--critic-save", C.critic_save(cfg) if C.uses_critic(cfg) else None)]
     try:
         trainer_classes(cfg.training.train_backend)
     except BackendUnavailable as e:  # megatron without megatron-core or CUDA

@@ -1,6 +1,6 @@
 """The functions a run loads from the user's files by path (as --custom-rm-path is): the
 dynamic-sampling filter, the TIS function, the reward post-process, the generate function with
-its tools, and the tools for the sandbox (specs and execute function). Loaded once per job, by ppo.setup.job.start_job before anything is written or
+its tools. Loaded once per job, by ppo.setup.job.start_job before anything is written or
 started, so a bad path fails first and the user's module runs once."""
 
 from __future__ import annotations
@@ -23,7 +23,6 @@ class UserFunctions:
     dynamic_sampling: DynamicSampling  # with --dynamic-sampling-filter-path's filter, if given
     tis_function: Callable  # --custom-tis-function-path, else algorithms.truncated_is
     post_process: Callable | None  # --custom-reward-post-process-path
-    tools: ToolSet | None  # --generate-tool-specs-path and --generate-execute-tool-function-path
     generation: Generation | None  # --custom-generate-function-path / the tool loop; None: one response per prompt
 
 
@@ -31,25 +30,17 @@ def load_user_functions(cfg: PPOConfig) -> UserFunctions:
     path = cfg.ppo.custom_tis_function_path
     return UserFunctions(dynamic_sampling=DynamicSampling.from_config(cfg),
                          tis_function=load_function(path, "custom_tis_function_path") if path else truncated_is,
-                         post_process=rewards.load_post_process(cfg), tools=load_tool_set(cfg),
-                         generation=load_generation(cfg))
+                         post_process=rewards.load_post_process(cfg), generation=load_generation(cfg))
 
 
 def load_tool_set(cfg: PPOConfig) -> ToolSet | None:
-    """The run's tools, checked (ValueError of one line); None without --generate-tool-specs-path."""
+    """The run's tools for the sandbox's executor (roles.tools; not yet what the tool loop runs its
+    calls through: ppo.generate.tools), checked (ValueError of one line); None without
+    --generate-tool-specs-path."""
     t = cfg.generate
     if t.generate_tool_specs_path is None:
         return None
     return load_tools(t.generate_tool_specs_path, t.generate_execute_tool_function_path)
-
-
-def tools_problem(cfg: PPOConfig) -> str | None:
-    """Why the tool specs or function do not load, in one line, or None (ppo.setup.job.setup_problems)."""
-    try:
-        load_tool_set(cfg)
-    except ValueError as e:
-        return str(e)
-    return None
 
 
 def tool_limits(cfg: PPOConfig) -> Limits:

@@ -38,4 +38,9 @@ def _send(message: dict) -> None:
 
 
 if __name__ == "__main__":
-    main(int(sys.argv[1]))
+    import argparse
+
+    parser = argparse.ArgumentParser(description="A tool worker: JSON lines on stdin and stdout (started by "
+                                                 "roles.tools.executor.ToolExecutor, not by hand).")
+    parser.add_argument("parent_pid", type=int, help="the process whose death ends this worker")
+    main(parser.parse_args().parent_pid)
