@@ -3,12 +3,17 @@ PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
 
-.PHONY: run test bench install
+.PHONY: run test test-slow bench install
 run: install
 	$(BIN)/python launch.py $(ARGS)
 
+# The suite within its 20 minutes on 2 cores: every test but those marked slow (the long
+# learning and end-to-end runs), which `make test-slow` runs.
 test: install
-	$(BIN)/python -m pytest $(ARGS)
+	$(BIN)/python -m pytest -m "not slow" $(ARGS)
+
+test-slow: install
+	$(BIN)/python -m pytest -m slow $(ARGS)
 
 bench: install
 	$(BIN)/pip install -q -e '.[bench]'
