@@ -6,7 +6,8 @@ import pytest
 
 from ppo.config.serialize import override
 from ppo.config.validate import ensure_valid
-from ppo.generate.tiny_tools import build_tool_model, write_tool_sum_task
+from ppo.generate.tiny_tools import build_tool_model
+from ppo.prompts.tasks import write_tool_sum_task
 from ppo.loop import train
 from ppo.config.recipes import tiny_tools
 

@@ -14,7 +14,6 @@ loop's tool turns come from the model's own template like any other model's.
 
 from __future__ import annotations
 
-import json
 import re
 
 TOOL_TOKENS = ("<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>",
@@ -51,25 +50,6 @@ async def execute(name: str, arguments: dict) -> str:
 def call_text(expr: str) -> str:
     """What the model writes to call the calculator on `expr` (the template's rendering)."""
     return '<tool_call>{"name": "calc", "arguments": {"expr": "' + expr + '"}}</tool_call>'
-
-
-# -- the task: three-digit sums with carries, which the tiny model cannot learn in 40 rollouts --
-
-def write_tool_sum_task(path, *, num_prompts: int, seed: int) -> str:
-    """``num_prompts`` lines ``{"prompt": "347+285=", "label": "632"}``, operands 100..499 drawn with
-    ``random.Random(seed)`` (so every answer has three digits)."""
-    import random
-
-    from ppo.prompts.tasks import _write_lines
-
-    if num_prompts < 1:
-        raise ValueError(f"num_prompts={num_prompts} must be >= 1")
-    rng = random.Random(seed)
-    lines = []
-    for _ in range(num_prompts):
-        a, b = rng.randint(100, 499), rng.randint(100, 499)
-        lines.append(json.dumps({"prompt": f"{a}+{b}=", "label": str(a + b)}))
-    return _write_lines(path, lines)
 
 
 def answer_reward(sample: dict) -> float:

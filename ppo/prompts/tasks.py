@@ -140,10 +140,21 @@ def _write_lines(path: str | Path, lines: list[str]) -> str:
     return str(path)
 
 
-def _tool_sums(path: str | Path, *, num_prompts: int, seed: int) -> str:
-    from ppo.generate.tiny_tools import write_tool_sum_task  # the tool task lives with its tool
+# tiny_tools' task (ppo.generate.tiny_tools): three-digit sums with carries, which the tiny model
+# cannot learn in 40 rollouts without its calculator
+def write_tool_sum_task(path, *, num_prompts: int, seed: int) -> str:
+    """``num_prompts`` lines ``{"prompt": "347+285=", "label": "632"}``, operands 100..499 drawn with
+    ``random.Random(seed)`` (so every answer has three digits)."""
+    import random
 
-    return write_tool_sum_task(path, num_prompts=num_prompts, seed=seed)
+    if num_prompts < 1:
+        raise ValueError(f"num_prompts={num_prompts} must be >= 1")
+    rng = random.Random(seed)
+    lines = []
+    for _ in range(num_prompts):
+        a, b = rng.randint(100, 499), rng.randint(100, 499)
+        lines.append(json.dumps({"prompt": f"{a}+{b}=", "label": str(a + b)}))
+    return _write_lines(path, lines)
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -171,7 +182,7 @@ TASKS: dict[str, GeneratedTask] = {
                                        rm_type="tiny_digits", charset=ARITHMETIC_CHARSET, answer_digits=2),
     # tiny_tools' task: three-digit sums with carries, out of the tiny model's reach without its
     # calculator (ppo.generate.tiny_tools; graded by its answer_reward, digit by digit)
-    "tool_sums": GeneratedTask(write=_tool_sums, rm_type="tiny_digits", charset=ARITHMETIC_CHARSET, answer_digits=3),
+    "tool_sums": GeneratedTask(write=write_tool_sum_task, rm_type="tiny_digits", charset=ARITHMETIC_CHARSET, answer_digits=3),
 }
 # `generated:NAME` eval sets (--eval-prompt-data): write(path) -> path. The held-out sums
 # measure generalisation; the seen ones, beside them, what training taught.
@@ -182,5 +193,5 @@ EVAL_TASKS: dict[str, Callable[[str | Path], str]] = {
     "column_sums_seen": functools.partial(write_column_sum_table, held_out=False),
     "column_sums_small_heldout": functools.partial(write_column_sum_table, held_out=True, max_tens=3, max_units=3),
     "column_sums_small_seen": functools.partial(write_column_sum_table, held_out=False, max_tens=3, max_units=3),
-    "tool_sums_eval": lambda path: _tool_sums(path, num_prompts=64, seed=7),  # 64 sums of tiny_tools' kind
+    "tool_sums_eval": lambda path: write_tool_sum_task(path, num_prompts=64, seed=7),  # 64 sums of tiny_tools' kind
 }
