@@ -50,6 +50,7 @@ from pathlib import Path
 import torch
 
 from bench.peers import pinned_copy_rates
+from ppo.gpu.plan_check import cuda_mismatches, cuda_peaks
 from runtime.units import format_bytes
 
 COMPUTE_PHASES = ("rollout", "reward_model", "log_probs", "values", "advantages", "critic_train", "actor_train", "eval")
@@ -178,6 +179,19 @@ def planned_peaks(run_dir: Path) -> dict[str, float]:
     if not path.exists():
         return {}
     return {p["phase"]: p["peak"] / GIB for p in json.loads(path.read_text())["phases"] if p["gpu"] == 0}
+
+
+def allocator_report(step: int, rows: list[dict], mismatches: list[str]) -> str:
+    """Step `step`'s plan beside the CUDA allocators' bytes, per phase and role (ppo.gpu.plan_check)."""
+    lines = [f"step {step}: the memory plan against the CUDA allocators (GiB; called: the role ran in the phase)",
+             f"  {'phase':<16}{'gpu':>4}  {'role':<12}{'plan':>8}{'allocator':>11}{'ratio':>7}  called"]
+    for r in rows:
+        got = "-" if r["measured"] is None else f"{r['measured'] / GIB:.2f}"
+        ratio = f"{r['measured'] / r['planned']:.2f}" if r["measured"] is not None and r["planned"] else "-"
+        lines.append(f"  {r['phase']:<16}{r['gpu']:>4}  {r['role']:<12}{r['planned'] / GIB:>8.2f}{got:>11}{ratio:>7}"
+                     f"  {'yes' if r['called'] else 'no'}")
+    lines += [f"  outside 10%: {m}" for m in mismatches] or ["  every phase within 10% of the plan"]
+    return "\n".join(lines)
 
 
 def startup_peak_gib(run_dir: Path, samples) -> float | None:
@@ -329,11 +343,15 @@ def main(argv: list[str] | None = None) -> int:
     startup = startup_peak_gib(run_dir, samples)
     if startup is not None:
         print(f"start-up: GPU peak {startup:.1f} GiB; planned builds {builds or '-'} GiB", flush=True)
+    allocators = {s["step"]: cuda_peaks(run_dir, s["step"]) for s in steps} if (run_dir / "memory_plan.json").exists() else {}
+    for step, rows in allocators.items():
+        print(allocator_report(step, rows, cuda_mismatches(run_dir, step)), flush=True)
     if args.against:
         other = json.loads((Path(args.against) / "iteration.json").read_text())["steps"]
         print(steady_ratio(steps, other, name=Path(args.against).name), flush=True)
     (out / "iteration.json").write_text(json.dumps(
         {"pinned_gb_per_s": rates, "steps": steps, "error": error, "planned_gib": plan, "startup_peak_gib": startup,
+         "allocators": allocators,
          "memory_samples": [(round(t, 3), g, h) for t, g, h in samples]}, indent=1))
     return 1 if error else 0
 

@@ -345,16 +345,29 @@ class _Child:
                 raise AttributeError(
                     f"{type(obj).__name__}.{method} is not an endpoint: decorate it with @endpoint")
             args, kwargs = wire.decode_body(self.cfg, hdr, msg, context=self.caller)
+            began = time.time()
             result = getattr(obj, method)(*args, **kwargs)
             if asyncio.iscoroutine(result):
                 if self._loop is None:
                     self._loop = asyncio.new_event_loop()
                 result = self._loop.run_until_complete(result)
+            self._report_cuda_memory(method, began)
             return wire.encode(self.cfg, reply_hdr, result)
         except Exception as e:
             self.errors += 1
             body = {"type": type(e).__name__, "message": str(e), "traceback": traceback.format_exc()}
             return wire.encode(self.cfg, dict(reply_hdr, kind="error"), body)
+
+    def _report_cuda_memory(self, method: str, began: float) -> None:
+        """On a real GPU, the CUDA allocator's peak during the call and what it holds after,
+        as a `cuda_memory` event: what the memory plan's phases are held against
+        (ppo.gpu.plan_check.cuda_mismatches). Nothing where CUDA never started in this process."""
+        torch = sys.modules.get("torch")
+        if torch is None or not torch.cuda.is_initialized():
+            return
+        self.publish("cuda_memory", role=self.boot.name, gpus=list(self.boot.gpus), method=method, began=began,
+                     ended=time.time(), peak=torch.cuda.max_memory_allocated(), held=torch.cuda.memory_allocated())
+        torch.cuda.reset_peak_memory_stats()
 
     # -- heartbeats and notices -------------------------------------------------------------
     def _control_loop(self) -> None:

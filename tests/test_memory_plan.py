@@ -148,3 +148,46 @@ def test_trainers_the_plan_builds_in_turn_take_the_leases_one_after_the_other(tm
         assert job.colocation.holding == {"rollout-0", "rollout-1"}  # the engines hold theirs, the trainers none
     finally:
         job.close()
+
+
+def _write_run(tmp_path, events: list[dict], phases: list[dict]) -> None:
+    import json
+
+    (tmp_path / "memory_plan.json").write_text(json.dumps({"capacity": 80 * GIB, "phases": phases}))
+    (tmp_path / "events.jsonl").write_text("".join(json.dumps({"seq": i + 1, **e}) + "\n" for i, e in enumerate(events)))
+
+
+def test_the_plan_is_held_against_the_cuda_allocators_of_the_roles_in_each_phase(tmp_path):
+    """runtime.child's cuda_memory events, per call, against the plan: a role called in the phase
+    counts its peak, an idle one what it held after its last call; CUDA contexts left out."""
+    from ppo.gpu.plan_check import cuda_mismatches, cuda_peaks
+
+    ctx = {"cuda_context": CUDA_CONTEXT_BYTES}
+    phases = [{"phase": "rollout", "gpu": 0, "peak": 0, "held": {"rollout-0": {"weights": 8 * GIB, "kv_cache": 40 * GIB, **ctx},
+                                                                   "actor": {"weights": 8 * GIB, **ctx}}},
+              {"phase": "actor_train", "gpu": 0, "peak": 0, "held": {"rollout-0": ctx,
+                                                                       "actor": {"weights": 8 * GIB, "optimizer": 48 * GIB, **ctx}}}]
+
+    def phase(name, action, ts):
+        return {"event": "phase", "track": "driver", "step": 1, "phase": name, "action": action, "ts": ts}
+
+    def call(role, began, ended, peak, held):
+        return {"event": "cuda_memory", "role": role, "gpus": [0], "method": "m", "began": began, "ended": ended,
+                "peak": peak, "held": held, "ts": ended}
+
+    events = [call("actor.0", 0, 1, 60 * GIB, 8 * GIB), phase("rollout", "begin", 10),
+              call("rollout-0", 10, 19, 49 * GIB, 47 * GIB), phase("rollout", "end", 20),
+              call("rollout-0", 20, 21, 47 * GIB, 0), phase("actor_train", "begin", 30),
+              call("actor.0", 30, 39, 50 * GIB, 8 * GIB), phase("actor_train", "end", 40)]
+    _write_run(tmp_path, events, phases)
+    rows = {(r["phase"], r["role"]): r for r in cuda_peaks(tmp_path, 1)}
+    assert rows["rollout", "rollout-0"]["measured"] == 49 * GIB and rows["rollout", "rollout-0"]["called"]
+    assert rows["rollout", "actor"]["measured"] == 8 * GIB and not rows["rollout", "actor"]["called"]
+    assert rows["actor_train", "rollout-0"] == {"phase": "actor_train", "gpu": 0, "role": "rollout-0", "called": False,
+                                                "planned": 0, "measured": 0}
+    assert rows["actor_train", "actor"]["planned"] == 56 * GIB
+    # rollout: 57 GiB against 56 (within 10%); actor_train: 50 against 56 (11% under)
+    [miss] = cuda_mismatches(tmp_path, 1)
+    assert miss.startswith("phase actor_train on GPU 0:") and "0.89x" in miss
+    assert cuda_mismatches(tmp_path, 1, tolerance=0.2) == []
+    assert cuda_mismatches(tmp_path, 2) == ["no planned phase of step 2 ran"]
