@@ -21,7 +21,10 @@ Sizes, per GPU (P: the parameters a rank holds, from the spec; w: the compute dt
                   max_batch_size rows of the full context (roles.rollout.torch_engine.backend)
     sync_buffers  the actor's bucket buffers in the weight sync: one per bucket, at most two
                   (double buffering), each --update-weight-buffer-size (roles.weight_sync)
-    cuda_context  each process's CUDA context on a real GPU (CUDA_CONTEXT_BYTES)
+    slack         on a real GPU, what the computing trainer's allocator keeps reserved but cannot
+                  hand out (blocks freed by earlier micro-batches): ALLOCATOR_SLACK of its bytes
+    cuda_context  each process's device memory outside torch's allocator on a real GPU: its CUDA
+                  context, and a trainer's communicators and library handles (RUNTIME_BYTES)
 
 A phase's peak is the sum over roles, the sum of each role's kinds: every kind a role holds
 in a phase is alive at once at its peak (a train call's last micro-batch holds the params,
@@ -43,10 +46,18 @@ from roles.phase_memory import micro_batch_bytes
 from runtime.units import format_bytes
 
 GIB = 1 << 30
-# A process's CUDA context with cuBLAS loaded, on the H100 and H200 (torch 2.11, CUDA 13): it is
-# outside torch's allocator but takes device memory from every role on the GPU.
-CUDA_CONTEXT_BYTES = 512 << 20
-KINDS = ("weights", "grads", "optimizer", "kv_cache", "activations", "sync_buffers", "cuda_context")
+MIB = 1 << 20
+# Device memory a process holds outside torch's allocator, as the CUDA out-of-memory report of
+# the first 80 GB run counted it (H100, torch 2.11, CUDA 13, 2026-12-07): a megatron trainer
+# once it has trained 1.65 GiB (its CUDA context, NCCL's communicators, cuBLAS handles), the
+# built-in engine after releasing its memory 756 MiB, a process with only its context 518 MiB.
+RUNTIME_BYTES = {"trainer": 1690 * MIB, "engine": 768 * MIB}
+# The same report: the training actor's allocator held 1.14 GiB reserved but unallocated beside
+# its 72.3 GiB (1.6%), the blocks its micro-batches freed, too small for the next allocation.
+ALLOCATOR_SLACK = 0.02
+KINDS = ("weights", "grads", "optimizer", "kv_cache", "activations", "sync_buffers", "slack", "cuda_context")
+# what torch's allocator never reports as allocated (ppo.gpu.plan_check.cuda_peaks leaves them out)
+OUTSIDE_ALLOCATOR = ("slack", "cuda_context")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -231,9 +242,10 @@ def plan_memory(cfg: PPOConfig, spec: ModelSpec, *, capacity: int, prompt_len: i
             return {**at_rest(tr), "weights": tr.weights, "sync_buffers": buffers}
         # the peak of a train call: its last micro-batch, beside the grads of the ones before (a
         # torch trainer with one micro-batch a step has its grads only once its activations are freed)
-        return {"weights": tr.weights, "optimizer": tr.optimizer,
+        held = {"weights": tr.weights, "optimizer": tr.optimizer,
                 **({"grads": tr.grads, "activations": tr.train} if tr.grads_beside_activations
                    else {"activations": max(tr.train, tr.grads)})}
+        return held if fake else {**held, "slack": int(sum(held.values()) * ALLOCATOR_SLACK)}
 
     # (phase, whose turn: a trainer's name, "build" for all trainers at once, or "engines")
     sequence = [("rollout", "engines"), ("log_probs", "actor")]
@@ -264,8 +276,8 @@ def plan_memory(cfg: PPOConfig, spec: ModelSpec, *, capacity: int, prompt_len: i
             else:
                 held[e.name] = engine_at_rest(e)
         if not fake:  # every process on the GPU has its context, whatever it holds
-            for kinds in held.values():
-                kinds["cuda_context"] = CUDA_CONTEXT_BYTES
+            for role, kinds in held.items():
+                kinds["cuda_context"] = RUNTIME_BYTES["trainer" if role in names else "engine"]
         return PhaseMemory(phase=phase, gpu=g, held={r: {k: v for k, v in kinds.items() if v}
                                                      for r, kinds in held.items()})
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from ppo.gpu.memory_plan import OUTSIDE_ALLOCATOR
 from runtime.events import read_events
 from runtime.fakegpu import FakeDevice
 
@@ -71,7 +72,7 @@ def cuda_peaks(run_dir: Path, step: int) -> list[dict]:
 
     A role called during the phase counts its allocator peak over those calls; a role idle in
     the phase counts what it held after its last call before the phase ended. The plan's
-    CUDA contexts are left out: they lie outside torch's allocator."""
+    CUDA contexts and allocator slack are left out: torch never reports them as allocated."""
     spans = phase_spans(run_dir, step)
     plan = json.loads((run_dir / "memory_plan.json").read_text())
     seen = [e for e in read_events(run_dir) if e["event"] == "cuda_memory"]
@@ -86,7 +87,8 @@ def cuda_peaks(run_dir: Path, step: int) -> list[dict]:
             before = [e["held"] for e in mine if e["ended"] <= t1]
             measured = max(during) if during else (before[-1] if before else None)
             rows.append({"phase": p["phase"], "gpu": p["gpu"], "role": role, "called": bool(during),
-                         "planned": sum(v for k, v in kinds.items() if k != "cuda_context"), "measured": measured})
+                         "planned": sum(v for k, v in kinds.items() if k not in OUTSIDE_ALLOCATOR),
+                         "measured": measured})
     return rows
 
 

@@ -9,7 +9,8 @@ from ppo.config import PPOConfig, override
 from ppo.gpu.memory_plan import GIB, KINDS, MemoryPlan
 
 _SHORT = {"weights": "w", "grads": "g", "optimizer": "o", "kv_cache": "kv", "activations": "a",
-          "sync_buffers": "s", "cuda_context": "c"}
+          "sync_buffers": "s", "slack": "f",
+          "cuda_context": "c"}
 
 # What a user can move, cheapest first: the engines free their KV cache (their graphs are
 # captured again), then their weights too; the trainers move their weights as well as their

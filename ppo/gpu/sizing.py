@@ -21,16 +21,25 @@ def compute_dtype(cfg: PPOConfig) -> str:
 
 
 def gpu_capacity_bytes() -> int | None:
-    """Memory of GPU 0 as nvidia-smi reports it (the driver process makes no CUDA context of its
-    own: it would hold GPU memory for the whole run), or None without one."""
+    """Memory of GPU 0 that processes can take, as nvidia-smi reports it: its total less what the
+    driver reserves (the H100's 79.65 GiB less 0.47, the 79.18 GiB CUDA reports); the driver
+    process makes no CUDA context of its own, which would hold GPU memory for the whole run.
+    None without a GPU."""
     import subprocess
 
-    try:
-        out = subprocess.run(["nvidia-smi", "--query-gpu=memory.total", "--format=csv,noheader,nounits", "-i", "0"],
+    def query(field: str) -> int:
+        out = subprocess.run(["nvidia-smi", f"--query-gpu={field}", "--format=csv,noheader,nounits", "-i", "0"],
                              capture_output=True, text=True, timeout=30, check=True).stdout
         return int(out.split()[0]) << 20
+
+    try:
+        total = query("memory.total")
     except (OSError, subprocess.SubprocessError, ValueError, IndexError):
         return None
+    try:
+        return total - query("memory.reserved")
+    except (OSError, subprocess.SubprocessError, ValueError, IndexError):  # drivers before 510 lack the field
+        return total
 
 
 def plan_spec(cfg: PPOConfig) -> ModelSpec | None:
