@@ -48,11 +48,11 @@ def test_on_80_gb_the_h200_plan_is_refused_naming_phase_peak_memory_and_the_flag
     cfg = qwen3_4b_ppo_1gpu()
     p = plan(cfg, H100)
     line = refusal(cfg, p, lambda c: plan(c, H100))
+    # the 80 GB recipe's plan (qwen3_4b_ppo_1gpu_80gb): everything moves, micro-batches of 8k tokens
     assert line == ("the memory plan does not fit: phase actor_train needs 104.5 GiB on GPU 0, which has 79.2 GiB; "
-                    "it fits with --offload-rollout --offload-train-level all --optimizer-cpu-offload "
-                    "--optimizer-offload-fraction 0.25 (see it with --dry-run)")
-    fixed = override(cfg, offload_rollout=True, offload_train_level="all", optimizer_cpu_offload=True,
-                     optimizer_offload_fraction=0.25)
+                    "it fits with --offload-rollout --offload-train-level all --max-tokens-per-gpu 8192 "
+                    "(see it with --dry-run)")
+    fixed = override(cfg, offload_rollout=True, offload_train_level="all", max_tokens_per_gpu=8192)
     assert plan(fixed, H100).fits()
 
 
@@ -75,8 +75,11 @@ def test_the_80_gb_recipe_fits_an_h100_its_trainers_building_in_turn():
 def test_48_gb_fits_with_three_quarters_of_the_optimizer_on_the_cpu_and_24_gb_not_at_all():
     cfg = qwen3_4b_ppo_1gpu_80gb()
     line = refusal(cfg, plan(cfg, 48 * GIB), lambda c: plan(c, 48 * GIB))
-    assert line.endswith("it fits with --optimizer-cpu-offload --optimizer-offload-fraction 0.75 (see it with --dry-run)")
-    offloaded = plan(override(cfg, optimizer_cpu_offload=True, optimizer_offload_fraction=0.75), 48 * GIB)
+    assert line.endswith("it fits with --max-tokens-per-gpu 4096 --optimizer-cpu-offload --optimizer-offload-fraction 0.75 "
+                         "(see it with --dry-run)")
+    offloaded = plan(override(cfg, max_tokens_per_gpu=4096, optimizer_cpu_offload=True, optimizer_offload_fraction=0.75),
+                     48 * GIB)
+    assert offloaded.fits()
     assert {p.phase: p for p in offloaded.phases}["actor_train"].held["actor"]["optimizer"] == 3 * 4_022_468_096
     # megatron-core's CPU optimizer is planned, not built: a run with it stops at start-up
     from ppo.setup.job import optimizer_offload_problem

@@ -14,13 +14,16 @@ _SHORT = {"weights": "w", "grads": "g", "optimizer": "o", "kv_cache": "kv", "act
 
 # What a user can move, cheapest first: the engines free their KV cache (their graphs are
 # captured again), then their weights too; the trainers move their weights as well as their
-# optimizer; full recomputation; a growing share of the optimizer kept and stepped on the CPU
-# (megatron). Each fix keeps the ones before it.
+# optimizer; full recomputation; smaller micro-batches (dynamic batching: only ever smaller than
+# the run's); a growing share of the optimizer kept and stepped on the CPU (megatron). Each fix
+# keeps the ones before it.
 FIXES: tuple[dict, ...] = (
     {"offload_rollout": True, "offload_rollout_level": "kv_cache"},
     {"offload_rollout": True, "offload_rollout_level": "all"},
     {"offload_train": True, "offload_train_level": "all"},
     {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1},
+    {"max_tokens_per_gpu": 8192},
+    {"max_tokens_per_gpu": 4096},
     *({"optimizer_cpu_offload": True, "optimizer_offload_fraction": f} for f in (0.25, 0.5, 0.75, 1.0)),
 )
 
@@ -65,6 +68,9 @@ def fitting_flags(cfg: PPOConfig, replan: Callable[[PPOConfig], MemoryPlan]) -> 
     """The command-line flags of the cheapest fit: FIXES applied one after the other."""
     fields: dict = {}
     for fix in FIXES:
+        tokens = fix.get("max_tokens_per_gpu")
+        if tokens is not None and not (cfg.training.use_dynamic_batch_size and tokens < cfg.training.max_tokens_per_gpu):
+            continue
         fields.update(fix)
         changed = {k: v for k, v in fields.items() if _value(cfg, k) != v}
         if changed and replan(override(cfg, **changed)).fits():
