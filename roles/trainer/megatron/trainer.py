@@ -37,8 +37,8 @@ class _MegatronRole(TrainerRole):
     _core: MegatronCore
 
     def _build(self, config: MegatronTrainerConfig, *, critic: bool, role: str, hf_state: dict | None) -> None:
-        self._join_group()
         self.config = checked_config(config, MegatronTrainerConfig)
+        self._join_group()
         torch.manual_seed(self.config.seed)
         self._core = MegatronCore(self.config, critic=critic, memory=self._device_memory(role), hf_state=hf_state)
         self._started(transformer_impl=self.config.transformer_impl)  # the choice, in the run's events

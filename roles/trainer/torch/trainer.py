@@ -22,8 +22,8 @@ class _TorchRole(TrainerRole):
     _core: TrainCore
 
     def _build(self, config: TrainerConfig, *, role: str, load: Callable[[TrainerConfig], torch.nn.Module]) -> None:
-        self._join_group()
         self.config = checked_config(config, TrainerConfig)
+        self._join_group()
         torch.manual_seed(self.config.seed)
         self._core = TrainCore(self.config, load(self.config), self._device_memory(role))
         self._started()
