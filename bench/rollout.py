@@ -180,7 +180,7 @@ def main() -> None:
         return
     from transformers import AutoModelForCausalLM
 
-    from roles.rollout import RolloutEngine
+    from roles.rollout import EngineConfig, RolloutEngine
     from roles.weight_sync import push_weights
 
     began = time.perf_counter()
@@ -195,9 +195,10 @@ def main() -> None:
     results = {"copy_rate_tb_s": rate / 1e12, "rows": []}
 
     def build(triton: bool):
-        eng = RolloutEngine(ckpt, dtype="bfloat16", max_batch_size=max(BATCHES), mem_fraction=args.mem_fraction,
+        eng = RolloutEngine(EngineConfig(hf_checkpoint=ckpt, dtype="bfloat16", max_batch_size=max(BATCHES),
+                                         mem_fraction=args.mem_fraction,
                             options={"load_format": "dummy", "triton": triton,
-                                     "batch_invariant": args.batch_invariant})
+                                     "batch_invariant": args.batch_invariant}))
         push_weights(model.state_dict().items(), eng.update_weights, buffer_bytes=1 << 30)
         eng.set_weight_version(1)
         return eng

@@ -125,6 +125,7 @@ def make_batch(num_samples: int, vocab: int) -> dict:
 
 
 def trainer_config(ckpt: str, tokens: int, num_samples: int) -> dict:
+    """The trainer config fields both backends' benchmarks share (each adds its own)."""
     return dict(hf_checkpoint=ckpt, seed=0, dtype="bfloat16", lr=1e-6, min_lr=0.0, lr_decay_style="constant",
                 lr_warmup_iters=0, weight_decay=0.01, betas=(0.9, 0.98), clip_grad=1.0,
                 global_batch_size=num_samples, max_tokens_per_gpu=tokens, eps_clip=0.2, value_clip=0.2,
@@ -285,9 +286,10 @@ def sync_rows(actor, bucket_bytes: int = 1 << 30) -> dict:
 
 
 def bench_megatron(ckpt, shape, tokens_list, plan, peak_tflops, results, deadline) -> dict:
-    from roles.trainer.megatron import MegatronActorTrainer
+    from roles.trainer.megatron import MegatronActorTrainer, MegatronTrainerConfig
 
-    cfg = {**trainer_config(ckpt, max(tokens_list), max(tokens_list) // SAMPLE_LEN), "offload_tags": ALL_TAGS}
+    cfg = MegatronTrainerConfig(**trainer_config(ckpt, max(tokens_list), max(tokens_list) // SAMPLE_LEN),
+                                offload_tags=ALL_TAGS)
     actor = MegatronActorTrainer(cfg, hf_state=hf_random_state(shape))
     gc.collect()
     torch.cuda.empty_cache()
@@ -328,9 +330,10 @@ def bench_megatron(ckpt, shape, tokens_list, plan, peak_tflops, results, deadlin
 
 def bench_megatron_critic(ckpt, shape, tokens_list, plan, peak_tflops, results, deadline) -> None:
     """The critic: same trunk, value head instead of the LM head (train FLOPs counted without it)."""
-    from roles.trainer.megatron import MegatronCriticTrainer
+    from roles.trainer.megatron import MegatronCriticTrainer, MegatronTrainerConfig
 
-    cfg = {**trainer_config(ckpt, max(tokens_list), max(tokens_list) // SAMPLE_LEN), "offload_tags": ALL_TAGS}
+    cfg = MegatronTrainerConfig(**trainer_config(ckpt, max(tokens_list), max(tokens_list) // SAMPLE_LEN),
+                                offload_tags=ALL_TAGS)
     hf = {"backbone." + k.removeprefix("model."): v for k, v in hf_random_state(shape).items()}
     hf["value_head.weight"] = torch.zeros(1, shape.hidden_size, device="cuda", dtype=torch.bfloat16)
     hf["value_head.bias"] = torch.zeros(1, device="cuda", dtype=torch.bfloat16)
@@ -355,8 +358,7 @@ def bench_torch(ckpt_dir, shape, tokens_list, peak_tflops, results, deadline) ->
     del state
     n_max = max(tokens_list) // SAMPLE_LEN
     # gradient_checkpointing: HF checkpointing of every layer (roles.trainer.torch.model.enable_checkpointing)
-    config = TrainerConfig.from_dict({**trainer_config(ckpt_dir, max(tokens_list), n_max),
-                                      "gradient_checkpointing": True})
+    config = TrainerConfig(**trainer_config(ckpt_dir, max(tokens_list), n_max), gradient_checkpointing=True)
     actor = ActorTrainer(config)
     actor.onload(["params", "optimizer"])
     run_rows(actor, "torch", shape, tokens_list, None, peak_tflops, results, deadline)

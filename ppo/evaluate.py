@@ -53,8 +53,10 @@ def evaluate_checkpoint(cfg: PPOConfig, log=lambda line: print(line, file=sys.st
     from ppo.generate.evaluation import evaluate, load_eval_sets
     from ppo.generate.setup import check_generation, load_generation, rollout_function
     from ppo.setup.generated import resolve_eval_paths
-    from ppo.setup.job import (FAKE_GPU_BYTES, ROLE_ENV, JobSetupError, engine_settings, hf_checkpoint_problem,
-                         model_context, reward_service_problem, rollout_backend_problem, scorer_settings)
+    from ppo.setup.job import (FAKE_GPU_BYTES, ROLE_ENV, JobSetupError, hf_checkpoint_problem, model_context,
+                               reward_service_problem, rollout_backend_problem)
+    from ppo.setup.role_configs import engine_config, scorer_config
+    from ppo.gpu.sizing import compute_dtype
     from ppo.observe.logger import write_samples
     from ppo.gpu.placement import plan_placement
     from roles.reward.role import RewardScorer
@@ -81,16 +83,15 @@ def evaluate_checkpoint(cfg: PPOConfig, log=lambda line: print(line, file=sys.st
                      fake_gpu_bytes=FAKE_GPU_BYTES)
     try:
         log(f"starting {len(plan.engines)} {cfg.engine.rollout_backend} engine(s) on {ckpt}")
-        scorers = [sup.spawn(f"reward-{i}", RewardScorer, **scorer_settings(cfg), restart="one_for_one", env=ROLE_ENV)
+        scorers = [sup.spawn(f"reward-{i}", RewardScorer, scorer_config(cfg), restart="one_for_one", env=ROLE_ENV)
                    for i in range(plan.num_reward_workers)]
         engines = []
         for i, gpus in enumerate(plan.engines):
             for g in gpus:
                 sup.leases.acquire(g, f"rollout-{i}")
-            engines.append(sup.spawn(
-                f"rollout-{i}", RolloutEngine, ckpt, backend=cfg.engine.rollout_backend, engine_index=i,
-                seed=cfg.rollout.rollout_seed, dtype="float32" if cfg.placement.fake_gpus else "bfloat16",
-                gpus=gpus, restart="one_for_one", **engine_settings(cfg), env=ROLE_ENV))
+            engines.append(sup.spawn(f"rollout-{i}", RolloutEngine,
+                                     engine_config(cfg, ckpt, engine_index=i, dtype=compute_dtype(cfg)),
+                                     gpus=gpus, restart="one_for_one", env=ROLE_ENV))
         sup.wait_ready()
         num_prompts = sum(len(s.prompts) for s in sets)
         log(f"evaluating {num_prompts} prompts x {cfg.evaluation.n_samples_per_eval_prompt} samples")

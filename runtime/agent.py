@@ -146,10 +146,11 @@ class NodeAgent:
     def _spawn(self, req: dict, frames: list[bytes], known: dict) -> dict:
         """Supervisor.spawn, or spawn_group for this node's slice of a rank group (`ranks` set)."""
         try:
+            # the class first: its module registers the role's config (wire.register_config)
+            cls, ranks = pickle.loads(req["cls"]), req.get("ranks")
             cfg = self.sup.cfg
             hdr = wire.decode_header(cfg, frames)
             args, kwargs = wire.decode_body(cfg, hdr, frames)
-            cls, ranks = pickle.loads(req["cls"]), req.get("ranks")
             if ranks is None:
                 handles = [self.sup.spawn(req["name"], cls, *args, gpus=req["gpus"], restart=req["restart"],
                                           group=req["group"], env=req["env"], **kwargs)]

@@ -20,8 +20,11 @@ module and converted only when one is actually sent.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import math
 import secrets
+import typing
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -108,10 +111,38 @@ class ObjectCodec:
 
 
 _object_codecs: dict[str, ObjectCodec] = {}
+_codec_of_type: dict[type, ObjectCodec] = {}  # exact classes first: a subclass has its own codec
 
 
 def register_object_codec(codec: ObjectCodec) -> None:
     _object_codecs[codec.tag] = codec
+    _codec_of_type[codec.cls] = codec
+
+
+def register_config(cls: type) -> type:
+    """Let instances of the config dataclass `cls` travel as themselves: sent as their fields,
+    built again on arrival, so a role receives its typed config (and its __post_init__ checks
+    it once more). Tuple fields arrive as tuples (msgpack has only lists). The receiving
+    process must have registered `cls` too: the role's module does, and a role's class is
+    imported before its arguments are decoded. Returns `cls` (usable as a decorator)."""
+    if not dataclasses.is_dataclass(cls):
+        raise TypeError(f"register_config({cls!r}): not a dataclass")
+
+    @functools.cache
+    def tuple_fields() -> frozenset[str]:  # resolved at first use: the module has finished loading
+        hints = typing.get_type_hints(cls)
+        return frozenset(f.name for f in dataclasses.fields(cls)
+                         if hints[f.name] is tuple or typing.get_origin(hints[f.name]) is tuple)
+
+    def to_state(obj) -> dict:
+        return {f.name: getattr(obj, f.name) for f in dataclasses.fields(obj)}
+
+    def from_state(state: dict, _context) -> Any:
+        tuples = tuple_fields()
+        return cls(**{k: tuple(v) if k in tuples and isinstance(v, list) else v for k, v in state.items()})
+
+    register_object_codec(ObjectCodec(f"config:{cls.__module__}.{cls.__qualname__}", cls, to_state, from_state))
+    return cls
 
 
 # --- encode / decode ------------------------------------------------------------------
@@ -225,14 +256,15 @@ class _Encoder:
         if _is_torch_tensor(obj):
             dtype, view = _torch_to_numpy(obj)
             return self.add_array("torch", dtype, view)
-        for codec in _object_codecs.values():
-            if isinstance(obj, codec.cls):
-                return msgpack.ExtType(EXT_CODEC, msgpack.packb([codec.tag, codec.to_state(obj)],
-                                                                default=self))
+        codec = _codec_of_type.get(type(obj)) or next(
+            (c for c in _object_codecs.values() if isinstance(obj, c.cls)), None)
+        if codec is not None:
+            return msgpack.ExtType(EXT_CODEC, msgpack.packb([codec.tag, codec.to_state(obj)], default=self))
         raise TypeError(
             f"cannot send an object of type {type(obj).__module__}.{type(obj).__qualname__}: "
             "payloads may hold dict, list, tuple, str, int, float, bool, None, bytes, numpy arrays, "
-            "CPU torch tensors and actor handles; convert it (e.g. dataclasses.asdict) first")
+            "CPU torch tensors, actor handles and registered configs (register_config); convert it "
+            "(e.g. dataclasses.asdict) first")
 
 
 def _pack_index(i: int) -> bytes:

@@ -26,6 +26,7 @@ from ppo.config.recipes import tiny_ppo
 from ppo.setup.tiny_model import build_tiny_checkpoint
 from runtime.events import read_events
 from roles.trainer.rng import capture_rng, restore_rng
+from roles.trainer.config import TrainerConfig
 from roles.trainer.torch import ActorTrainer, CriticTrainer
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -37,7 +38,7 @@ def hf(tmp_path_factory):
 
 
 def trainer_config(hf, **overrides):
-    return dict(hf_checkpoint=hf, dtype="float32", seed=7, lr=1e-3, min_lr=0.0, lr_decay_style="constant",
+    return TrainerConfig(hf_checkpoint=hf, dtype="float32", seed=7, lr=1e-3, min_lr=0.0, lr_decay_style="constant",
                 lr_warmup_iters=0, weight_decay=0.1, betas=(0.9, 0.98), clip_grad=1.0, global_batch_size=4,
                 micro_batch_size=2, eps_clip=0.2, value_clip=0.2, loss_agg_mode="sum-of-sample-mean",
                 use_kl_loss=False, kl_loss_coef=0.0, kl_loss_type="k1", entropy_coef=0.0, temperature=1.0,

@@ -148,12 +148,10 @@ def test_needs_ref_only_when_a_kl_term_is_on(use_kl_loss, kl_loss_coef, kl_coef,
 def test_only_the_actor_takes_the_kl_loss_and_keeps_a_reference():
     """A KL loss at a weight above 0 once started the critic with use_kl_loss and no
     reference copy, which its config refuses: every PPO run with --kl-loss-coef died at start."""
-    from ppo.setup.job import trainer_config
-    from roles.trainer.config import TrainerConfig
+    from ppo.setup.role_configs import trainer_config
 
     cfg = override(tiny_ppo(), kl_loss_coef=0.01)
-    actor, critic = (TrainerConfig.from_dict(trainer_config(cfg, "ckpt", critic=c, dtype="float32"))
-                     for c in (False, True))
+    actor, critic = (trainer_config(cfg, "ckpt", critic=c, dtype="float32") for c in (False, True))
     assert actor.use_kl_loss and actor.keep_ref
     assert not critic.use_kl_loss and not critic.keep_ref
 
@@ -225,7 +223,7 @@ def test_override_rejects_unknown_fields():
 def test_recompute_flags_reach_the_trainer_configs():
     """miles' --recompute-* flags land in MegatronTrainerConfig (megatron) and turn on HF
     checkpointing of every layer (torch backend)."""
-    from ppo.setup.job import trainer_config
+    from ppo.setup.role_configs import trainer_config
     from roles.trainer import TrainerConfig
     from roles.trainer.megatron import MegatronTrainerConfig
 
@@ -233,21 +231,20 @@ def test_recompute_flags_reach_the_trainer_configs():
     flags = ["--recompute-granularity", "full", "--recompute-method", "block", "--recompute-num-layers", "6"]
     cfg = parse_args(["--recipe", "qwen3_4b_ppo", *one_gpu_layout, *flags])
     for critic in (False, True):
-        mt = MegatronTrainerConfig.from_dict(trainer_config(cfg, "ckpt", critic=critic, dtype="bfloat16"))
+        mt = trainer_config(cfg, "ckpt", critic=critic, dtype="bfloat16")
+        assert type(mt) is MegatronTrainerConfig
         assert (mt.recompute_granularity, mt.recompute_method, mt.recompute_num_layers) == ("full", "block", 6)
-    plain = MegatronTrainerConfig.from_dict(trainer_config(
-        parse_args(["--recipe", "qwen3_4b_ppo", *one_gpu_layout]), "ckpt", critic=False, dtype="bfloat16"))
+    plain = trainer_config(parse_args(["--recipe", "qwen3_4b_ppo", *one_gpu_layout]), "ckpt", critic=False,
+                           dtype="bfloat16")
     assert plain.recompute_granularity is None and plain.transformer_impl == "local"
     assert plain.offload_tags == ("params", "grads", "optimizer")  # the tags the plan offloads each iteration
     keep_weights = parse_args(["--recipe", "qwen3_4b_ppo", *one_gpu_layout, "--offload-train-level", "optimizer"])
-    assert MegatronTrainerConfig.from_dict(trainer_config(keep_weights, "ckpt", critic=False, dtype="bfloat16")
-                                           ).offload_tags == ("grads", "optimizer")
+    assert trainer_config(keep_weights, "ckpt", critic=False, dtype="bfloat16").offload_tags == ("grads", "optimizer")
     te = parse_args(["--recipe", "qwen3_4b_ppo", *one_gpu_layout, "--transformer-impl", "transformer_engine"])
-    assert MegatronTrainerConfig.from_dict(trainer_config(te, "ckpt", critic=True, dtype="bfloat16")
-                                           ).transformer_impl == "transformer_engine"
+    assert trainer_config(te, "ckpt", critic=True, dtype="bfloat16").transformer_impl == "transformer_engine"
 
     torch_flags = ["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"]
     for argv, expected in (([], False), (torch_flags, True)):
-        tc = TrainerConfig.from_dict(trainer_config(parse_args(["--recipe", "tiny_ppo", *argv]), "ckpt",
-                                                    critic=False, dtype="float32"))
+        tc = trainer_config(parse_args(["--recipe", "tiny_ppo", *argv]), "ckpt", critic=False, dtype="float32")
+        assert type(tc) is TrainerConfig
         assert tc.gradient_checkpointing is expected

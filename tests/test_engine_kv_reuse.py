@@ -4,7 +4,7 @@ prefills only its new tokens, and samples what a cold engine samples from the wh
 import pytest
 import torch
 
-from roles.rollout import RolloutEngine
+from roles.rollout import EngineConfig, RolloutEngine
 from roles.weight_sync import pack_buckets
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -15,7 +15,8 @@ STOPS = list(range(10, 16))  # frequent stops: rows finish mid-sync and decode g
 
 
 def engine(ckpt, sync_every):
-    return RolloutEngine(ckpt, dtype="float32", seed=0, max_batch_size=8, options={"sync_every": sync_every})
+    return RolloutEngine(EngineConfig(hf_checkpoint=ckpt, dtype="float32", seed=0, max_batch_size=8,
+                                      options={"sync_every": sync_every}))
 
 
 def requests(contexts, seed0, first_id=0):

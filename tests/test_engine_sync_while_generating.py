@@ -10,7 +10,7 @@ import time
 import pytest
 
 from ppo.setup.tiny_model import build_tiny_checkpoint, load_causal_lm
-from roles.rollout import RolloutEngine
+from roles.rollout import EngineConfig, RolloutEngine
 from roles.weight_checksum import checksum_named_tensors
 from roles.weight_sync import send_to_engines
 from runtime.events import read_events
@@ -38,7 +38,7 @@ def generating_spans(run_dir) -> list[tuple[float, float]]:
 
 def test_a_sync_sent_mid_generation_loads_after_it_and_its_results_are_all_old_weights(sup, run_dir, ckpt, tmp_path):
     other = load_causal_lm(build_tiny_checkpoint(str(tmp_path / "other"), seed=1), "float32")
-    engine = sup.spawn("rollout-0", RolloutEngine, ckpt, dtype="float32", max_batch_size=8)
+    engine = sup.spawn("rollout-0", RolloutEngine, EngineConfig(hf_checkpoint=ckpt, dtype="float32", max_batch_size=8))
     sup.wait_ready(timeout=180)
     reqs = requests(32)
     old = engine.generate.call(reqs).result(120)  # the old weights' answers (each request seeded)

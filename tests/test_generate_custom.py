@@ -9,7 +9,7 @@ from ppo.generate.custom import GenerateArgs, Sample, load_generate_function, tu
 from ppo.generate.trajectories import generate_trajectories_and_score
 from ppo.generate.rollout import SamplingParams, generate_and_score
 from ppo.setup.tiny_model import EOS_ID
-from roles.rollout import RolloutEngine
+from roles.rollout import EngineConfig, RolloutEngine
 from runtime import Supervisor
 
 pytestmark = [pytest.mark.timeout(120), pytest.mark.usefixtures("one_torch_thread")]
@@ -43,7 +43,8 @@ def engines(ckpt, tmp_path_factory):
     sup = Supervisor(tmp_path_factory.mktemp("run"), heartbeat_interval=0.1, heartbeat_timeout=1.0,
                      shutdown_grace_s=2.0)
     try:
-        yield [sup.spawn(f"rollout-{i}", RolloutEngine, ckpt, dtype="float32", max_batch_size=8, engine_index=i)
+        yield [sup.spawn(f"rollout-{i}", RolloutEngine,
+                         EngineConfig(hf_checkpoint=ckpt, dtype="float32", max_batch_size=8, engine_index=i))
                for i in range(2)]
     finally:
         sup.shutdown()
@@ -140,8 +141,8 @@ def test_an_engine_killed_mid_trajectory_is_replaced_and_every_trajectory_finish
     the trajectories are those of an undisturbed run, and no turn is counted twice."""
     sup = Supervisor(tmp_path / "run", heartbeat_interval=0.1, heartbeat_timeout=1.0, shutdown_grace_s=2.0)
     try:
-        engine = sup.spawn("rollout-0", RolloutEngine, ckpt, dtype="float32", max_batch_size=8,
-                           restart="one_for_one")
+        engine = sup.spawn("rollout-0", RolloutEngine,
+                           EngineConfig(hf_checkpoint=ckpt, dtype="float32", max_batch_size=8), restart="one_for_one")
         killed = []
 
         async def kill_on_second_turn(args, sample, sampling_params):

@@ -9,6 +9,8 @@ row and megatron's does, so a batch with it would differ in that row's gradient 
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -18,6 +20,8 @@ megatron = pytest.importorskip("megatron.core") if torch.cuda.is_available() els
 
 
 def trainer_config(ckpt: str, **over) -> dict:
+    """The field values both backends' trainers are built from here (TrainerConfig.from_dict,
+    MegatronTrainerConfig.from_dict)."""
     cfg = dict(hf_checkpoint=ckpt, seed=0, dtype="bfloat16", lr=1e-4, min_lr=0.0, lr_decay_style="constant",
                lr_warmup_iters=0, weight_decay=0.0, betas=(0.9, 0.999), clip_grad=1.0, global_batch_size=4,
                max_tokens_per_gpu=64, eps_clip=0.2, value_clip=0.2, loss_agg_mode="token-mean", use_kl_loss=False,
@@ -39,11 +43,11 @@ def pair(ckpt):
     from transformers import AutoConfig
 
     from roles.trainer import TrainerConfig
-    from roles.trainer.megatron import MegatronActorTrainer
+    from roles.trainer.megatron import MegatronActorTrainer, MegatronTrainerConfig
     from roles.trainer.torch import ActorTrainer
 
     cfg = trainer_config(ckpt)
-    meg = MegatronActorTrainer(cfg)
+    meg = MegatronActorTrainer(MegatronTrainerConfig.from_dict(cfg))
     ref = ActorTrainer(TrainerConfig.from_dict(cfg))
     return meg, ref, AutoConfig.from_pretrained(ckpt).vocab_size
 
@@ -87,7 +91,7 @@ def test_log_probs_and_one_update_match_the_torch_backend(pair):
 
 
 def test_tiny_ppos_own_objective_updates_alike_in_both_backends(ckpt):
-    """tiny_ppo's actor settings as its run resolves them (ppo.setup.job.trainer_config: its
+    """tiny_ppo's actor settings as its run resolves them (ppo.setup.role_configs.trainer_config: its
     loss_agg_mode, the low_var_kl loss at 0.1 against the reference, lr 2e-3, weight decay),
     with two micro-batches a step: three updates in each backend stay together. The pair above
     checks token-mean without a KL loss; tiny_ppo's own objective is where the two backends'
@@ -96,16 +100,16 @@ def test_tiny_ppos_own_objective_updates_alike_in_both_backends(ckpt):
 
     from ppo.config.serialize import override
     from ppo.config.validate import ensure_valid
-    from ppo.setup.job import trainer_config as run_trainer_config
+    from ppo.setup.role_configs import trainer_config as run_trainer_config
     from ppo.config.recipes import tiny_ppo
-    from roles.trainer import TrainerConfig
-    from roles.trainer.megatron import MegatronActorTrainer
+    from roles.trainer.megatron import MegatronActorTrainer, MegatronTrainerConfig
     from roles.trainer.torch import ActorTrainer
 
     run = ensure_valid(override(tiny_ppo(), global_batch_size=4, micro_batch_size=2))
-    cfg = run_trainer_config(run, ckpt, critic=False, dtype="bfloat16")
-    assert cfg["use_kl_loss"] and cfg["kl_loss_type"] == "low_var_kl" and cfg["keep_ref"]
-    meg, ref = MegatronActorTrainer(cfg), ActorTrainer(TrainerConfig.from_dict(cfg))
+    cfg = run_trainer_config(run, ckpt, critic=False, dtype="bfloat16")  # tiny_ppo trains on torch
+    assert cfg.use_kl_loss and cfg.kl_loss_type == "low_var_kl" and cfg.keep_ref
+    meg = MegatronActorTrainer(MegatronTrainerConfig.from_dict(dataclasses.asdict(cfg)))
+    ref = ActorTrainer(cfg)
     meg.onload(["params", "grads", "optimizer"])
     ref.onload(["params", "optimizer"])
     batch = make_batch(AutoConfig.from_pretrained(ckpt).vocab_size, seed=6)
@@ -129,7 +133,7 @@ def test_tiny_ppos_own_objective_updates_alike_in_both_backends(ckpt):
     # weight decay as the torch backend's: none on biases and 1-D weights (norms), the config's
     # on the rest; megatron leaves wd_mult to an lr scheduler, so every group decayed at first
     groups = [g for g in meg._core.optimizer.param_groups if g["params"]]
-    assert {(g["wd_mult"], g["weight_decay"]) for g in groups} == {(0.0, 0.0), (1.0, cfg["weight_decay"])}
+    assert {(g["wd_mult"], g["weight_decay"]) for g in groups} == {(0.0, 0.0), (1.0, cfg.weight_decay)}
     undecayed = sum(p.numel() for g in groups if g["wd_mult"] == 0.0 for p in g["params"])
     assert undecayed == sum(p.numel() for p in meg._core.module.parameters() if p.dim() == 1)
     meg.offload(["params", "grads", "optimizer"])
@@ -168,11 +172,12 @@ def test_offload_frees_the_device_and_onload_restores(pair):
 
 def test_critic_values_match_the_torch_backend(ckpt):
     from roles.trainer import TrainerConfig
-    from roles.trainer.megatron import MegatronCriticTrainer
+    from roles.trainer.megatron import MegatronCriticTrainer, MegatronTrainerConfig
     from roles.trainer.torch import CriticTrainer
 
     cfg = trainer_config(ckpt, keep_ref=False)
-    meg, ref = MegatronCriticTrainer(cfg), CriticTrainer(TrainerConfig.from_dict(cfg))
+    meg = MegatronCriticTrainer(MegatronTrainerConfig.from_dict(cfg))
+    ref = CriticTrainer(TrainerConfig.from_dict(cfg))
     meg.onload(["params", "grads", "optimizer"])
     ref.onload(["params", "optimizer"])
     from transformers import AutoConfig

@@ -77,12 +77,13 @@ def _tol(layout: str, kind: str) -> dict:
     return TOL[bool(LAYOUTS[layout].get("bf16"))][kind]
 
 
-def _config(ckpt: str, **over) -> dict:
+def _config(ckpt: str, **over):
     """The production layout: the distributed optimizer on (the default)."""
+    from roles.trainer.megatron import MegatronTrainerConfig
     from tests.test_megatron_gpu import trainer_config
 
     bf16 = over.pop("bf16", False)
-    return trainer_config(ckpt, dtype="bfloat16" if bf16 else "float32", **over)
+    return MegatronTrainerConfig.from_dict(trainer_config(ckpt, dtype="bfloat16" if bf16 else "float32", **over))
 
 
 def _worker(layout: str, rank: int, port: int, ckpt: str, path: str) -> None:
@@ -147,8 +148,8 @@ def _steps(layout: str, rank: int, port: int, ckpt: str, keep) -> None:
     # the driver builds the train batch from the gathered log-probs, then the group splits it (_call_train)
     train = {**batch, "old_log_probs": _all_gathered(lay, rows, "lp", lp) + 0.01 * torch.randn(4, 6, generator=g),
              "advantages": torch.randn(4, 6, generator=g)}
-    train_rows, minis = (plan[dp_rank] for plan in plan_train(train, dp_size, cfg["global_batch_size"],
-                                                              cfg["loss_agg_mode"]))
+    train_rows, minis = (plan[dp_rank] for plan in plan_train(train, dp_size, cfg.global_batch_size,
+                                                              cfg.loss_agg_mode))
     keep(train_rows=train_rows, minis=minis, train=actor.train(take_rows(train, train_rows), mini_batches=minis))
     keep(lp_after=actor.compute_log_probs(share)["log_probs"],
          optimizer_numel=sum(t.numel() for t in core._optimizer_tensors()))  # main params and Adam moments

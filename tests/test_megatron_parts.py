@@ -172,7 +172,7 @@ def test_a_tag_registered_keep_first_keeps_its_construction_time_block():
     assert off._host["params"] is first  # written again, not reallocated
     off.onload("params")
     assert torch.equal(kept, torch.arange(8.0) + 1)
-    cfg = MegatronTrainerConfig.from_dict({**BASE, "offload_tags": ["params", "grads"]})  # a list off the wire
+    cfg = MegatronTrainerConfig.from_dict({**BASE, "offload_tags": ["params", "grads"]})  # a list from plain values
     assert cfg.offload_tags == ("params", "grads")
     with pytest.raises(ValueError, match=r"offload_tags=\('weights',\), expected tags among"):
         MegatronTrainerConfig(**BASE, offload_tags=("weights",))

@@ -26,9 +26,9 @@ def train_batch(actor, vocab: int, seed: int) -> dict:
 
 
 def make_actor(ckpt):
-    from roles.trainer.megatron import MegatronActorTrainer
+    from roles.trainer.megatron import MegatronActorTrainer, MegatronTrainerConfig
 
-    actor = MegatronActorTrainer(trainer_config(ckpt, keep_ref=False))
+    actor = MegatronActorTrainer(MegatronTrainerConfig.from_dict(trainer_config(ckpt, keep_ref=False)))
     actor.onload(["params", "grads", "optimizer"])
     return actor
 

@@ -21,6 +21,7 @@ from ppo.generate.rewards import token_shares
 from ppo.setup.tiny_model import build_tiny_checkpoint
 from roles.device import DeviceMemory
 from roles.reward.model import RewardModel, budget_problem, checkpoint_problem, micro_batches
+from roles.reward.config import RewardModelConfig
 from roles.reward.model_scorer import RewardModelScorer
 from roles.reward.rules import REWARD_RULES
 from runtime.events import read_events
@@ -87,7 +88,7 @@ def test_token_shares_balance_the_ranks_and_keep_every_sample():
 
 
 def test_the_role_scores_only_onloaded_and_reports_its_ledger(rm_path):
-    role = RewardModelScorer(rm_path, dtype="float32", max_tokens=256)
+    role = RewardModelScorer(RewardModelConfig(path=rm_path, dtype="float32", max_tokens=256))
     with pytest.raises(RuntimeError, match="offloaded"):
         role.score(samples())
     report = role.onload(["weights"])
@@ -201,7 +202,7 @@ def test_a_reward_model_alone_on_a_gpu_of_its_own_stays_loaded(tmp_path, rm_path
 @pytest.mark.gpu
 def test_on_a_gpu_it_scores_in_bf16_as_the_cpu_does_in_fp32_and_offloads_to_nothing(rm_path):
     want, _ = loaded(rm_path).score(samples())  # float32 on the CPU
-    role = RewardModelScorer(rm_path, dtype="bfloat16", max_tokens=40)
+    role = RewardModelScorer(RewardModelConfig(path=rm_path, dtype="bfloat16", max_tokens=40))
     assert role.onload(["weights"])["bytes_in_use"] >= role._model.memory.ledger()["weights"] > 0
     got = role.score(samples())
     assert got["scores"] == pytest.approx(want, abs=0.05)  # bf16 weights and activations

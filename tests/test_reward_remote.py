@@ -11,6 +11,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 
 from roles.reward.remote import service_problem
+from roles.reward.config import ScorerConfig
 from roles.reward.scorer import Scorer
 
 
@@ -85,7 +86,7 @@ def exact(body, attempt):
 
 def scorer(url, **kwargs):
     kwargs.setdefault("timeout_s", 2.0)
-    return Scorer("remote_rm", rm_url=url, **kwargs)
+    return Scorer(ScorerConfig(rm_type="remote_rm", rm_url=url, **kwargs))
 
 
 @pytest.mark.timeout(30)
@@ -215,9 +216,9 @@ def test_a_service_that_goes_down_scores_zero_fast_and_a_down_one_is_named_at_st
 
 def test_remote_rm_needs_its_url():
     with pytest.raises(ValueError, match="rm_url"):
-        Scorer("remote_rm")
+        Scorer(ScorerConfig(rm_type="remote_rm"))
     with pytest.raises(ValueError, match="http://"):
-        Scorer("remote_rm", rm_url="ftp://x/")
+        Scorer(ScorerConfig(rm_type="remote_rm", rm_url="ftp://x/"))
 
 
 @pytest.mark.timeout(120)

@@ -6,6 +6,7 @@ import time
 import pytest
 
 from roles.reward.custom import load_reward_function
+from roles.reward.config import ScorerConfig
 from roles.reward.scorer import Scorer
 from roles.reward.worker import JobConfig, JobEvaluator
 
@@ -91,7 +92,7 @@ def sample(index, response, *, label="7", group_index=0, metadata=None, prompt="
 @pytest.mark.timeout(60)
 def test_rule_scores_batch_in_order():
     responses = ["</think>\\boxed{7}", "</think>\\boxed{8}", "\\boxed{7}", "</think>\\boxed{7.0}"]
-    with Scorer("deepscaler", num_workers=2) as scorer:
+    with Scorer(ScorerConfig(rm_type="deepscaler", num_workers=2)) as scorer:
         out = scorer.score([sample(10 + i, r) for i, r in enumerate(responses)])
         assert [o["index"] for o in out] == [10, 11, 12, 13]
         assert [o["reward"] for o in out] == [1.0, 0.0, 0.0, 1.0]
@@ -102,7 +103,7 @@ def test_rule_scores_batch_in_order():
 
 @pytest.mark.timeout(60)
 def test_metadata_rm_type_overrides_and_rule_errors_score_zero():
-    with Scorer("deepscaler", num_workers=1) as scorer:
+    with Scorer(ScorerConfig(rm_type="deepscaler", num_workers=1)) as scorer:
         out = scorer.score(
             [
                 sample(0, "Answer: 7", metadata={"rm_type": "dapo"}),
@@ -120,7 +121,7 @@ def test_metadata_rm_type_overrides_and_rule_errors_score_zero():
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("function", ["length", "async_length"])
 def test_custom_function_sync_and_async(custom_file, function):
-    with Scorer("", custom_rm_path=f"{custom_file}:{function}", num_workers=1) as scorer:
+    with Scorer(ScorerConfig(custom_rm_path=f"{custom_file}:{function}", num_workers=1)) as scorer:
         out = scorer.score([sample(0, "abc"), sample(1, "abcdef")])
     assert [(o["reward"], o["status"]) for o in out] == [(3.0, "ok"), (6.0, "ok")]
 
@@ -129,7 +130,7 @@ def test_custom_function_sync_and_async(custom_file, function):
 def test_custom_function_by_module_name(custom_file, monkeypatch):
     monkeypatch.syspath_prepend(str(custom_file.parent))
     for spec in ("my_rewards:length", "my_rewards.length"):  # ours and the miles spelling
-        with Scorer("", custom_rm_path=spec, num_workers=1) as scorer:
+        with Scorer(ScorerConfig(custom_rm_path=spec, num_workers=1)) as scorer:
             assert scorer.score([sample(0, "abcd")])[0]["reward"] == 4.0
 
 
@@ -142,7 +143,7 @@ def test_group_function_gets_each_group_whole(custom_file):
         sample(3, "bb", group_index=0),
         sample(4, "bbbb", group_index=1),
     ]
-    with Scorer("", custom_rm_path=f"{custom_file}:group_rank", group_rm=True, num_workers=2) as scorer:
+    with Scorer(ScorerConfig(custom_rm_path=f"{custom_file}:group_rank", group_rm=True, num_workers=2)) as scorer:
         out = scorer.score(samples)
     assert [o["index"] for o in out] == [0, 1, 2, 3, 4]
     assert [o["reward"] for o in out] == [2.0, 0.0, 0.0, 1.0, 1.0]
@@ -151,9 +152,10 @@ def test_group_function_gets_each_group_whole(custom_file):
 @pytest.mark.timeout(60)
 def test_async_group_function_and_wrong_length_result(custom_file):
     samples = [sample(0, "x", group_index=5), sample(1, "y", group_index=5), sample(2, "z", group_index=6)]
-    with Scorer("", custom_rm_path=f"{custom_file}:async_group_sizes", group_rm=True, num_workers=1) as scorer:
+    config = ScorerConfig(custom_rm_path=f"{custom_file}:async_group_sizes", group_rm=True, num_workers=1)
+    with Scorer(config) as scorer:
         assert [o["reward"] for o in scorer.score(samples)] == [2.0, 2.0, 1.0]
-    with Scorer("", custom_rm_path=f"{custom_file}:group_too_short", group_rm=True, num_workers=1) as scorer:
+    with Scorer(ScorerConfig(custom_rm_path=f"{custom_file}:group_too_short", group_rm=True, num_workers=1)) as scorer:
         out = scorer.score(samples)
         assert [o["status"] for o in out] == ["error", "error", "ok"]
         assert [o["reward"] for o in out] == [0.0, 0.0, 1.0]
@@ -163,7 +165,7 @@ def test_async_group_function_and_wrong_length_result(custom_file):
 
 @pytest.mark.timeout(60)
 def test_raising_function_scores_zero_and_scorer_keeps_serving(custom_file):
-    with Scorer("", custom_rm_path=f"{custom_file}:raises", num_workers=1) as scorer:
+    with Scorer(ScorerConfig(custom_rm_path=f"{custom_file}:raises", num_workers=1)) as scorer:
         out = scorer.score([sample(0, "ok"), sample(1, "bad"), sample(2, "ok")])
         assert [(o["reward"], o["status"]) for o in out] == [(1.0, "ok"), (0.0, "error"), (1.0, "ok")]
         assert "ValueError: cannot grade bad" in out[1]["error"] and "my_rewards.py" in out[1]["error"]
@@ -174,7 +176,7 @@ def test_raising_function_scores_zero_and_scorer_keeps_serving(custom_file):
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("function", ["hangs", "async_hangs"])
 def test_hanging_function_times_out_and_scorer_keeps_serving(custom_file, function):
-    with Scorer("", custom_rm_path=f"{custom_file}:{function}", timeout_s=0.5, num_workers=2) as scorer:
+    with Scorer(ScorerConfig(custom_rm_path=f"{custom_file}:{function}", timeout_s=0.5, num_workers=2)) as scorer:
         started = time.monotonic()
         out = scorer.score([sample(0, "hang"), sample(1, "hang" if function == "async_hangs" else "fast")])
         assert time.monotonic() - started < 5.0
@@ -193,7 +195,7 @@ def test_hung_sympy_is_killed():
     # Not caught by the guard (single-digit exponents), but sympy needs seconds of bignum
     # arithmetic, holding the GIL: only a process kill stops it.
     tower = "(((((((9^9)^9)^9)^9)^9)^9)^9)"
-    with Scorer("math", timeout_s=1.0, num_workers=1) as scorer:
+    with Scorer(ScorerConfig(rm_type="math", timeout_s=1.0, num_workers=1)) as scorer:
         out = scorer.score([sample(0, f"\\boxed{{{tower}}}", label="\\frac{1}{3}"), sample(1, "\\boxed{7}")])
         assert [o["status"] for o in out] == ["timeout", "ok"]
         assert [o["reward"] for o in out] == [0.0, 1.0]
@@ -201,7 +203,7 @@ def test_hung_sympy_is_killed():
 
 @pytest.mark.timeout(60)
 def test_worker_that_exits_is_replaced(custom_file):
-    with Scorer("", custom_rm_path=f"{custom_file}:exits_process", num_workers=1) as scorer:
+    with Scorer(ScorerConfig(custom_rm_path=f"{custom_file}:exits_process", num_workers=1)) as scorer:
         out = scorer.score([sample(0, "die"), sample(1, "fine")])
         assert out[0]["status"] == "error" and "exited with code 3" in out[0]["error"]
         assert out[1]["reward"] == 1.0
@@ -214,7 +216,7 @@ def test_worker_that_exits_is_replaced(custom_file):
     [("calls_sys_exit", "SystemExit"), ("returns_text", "expected a float"), ("returns_nan", "finite")],
 )
 def test_bad_custom_results_are_errors(custom_file, function, message):
-    with Scorer("", custom_rm_path=f"{custom_file}:{function}", num_workers=1) as scorer:
+    with Scorer(ScorerConfig(custom_rm_path=f"{custom_file}:{function}", num_workers=1)) as scorer:
         out = scorer.score([sample(0, "x")])[0]
         assert (out["status"], out["reward"]) == ("error", 0.0) and message in out["error"]
         assert scorer.score([sample(1, "x")])[0]["status"] == "error"  # the worker is still there
@@ -222,33 +224,33 @@ def test_bad_custom_results_are_errors(custom_file, function, message):
 
 @pytest.mark.timeout(60)
 def test_custom_function_sees_the_whole_sample(custom_file):
-    with Scorer("", custom_rm_path=f"{custom_file}:sees_everything", num_workers=1) as scorer:
+    with Scorer(ScorerConfig(custom_rm_path=f"{custom_file}:sees_everything", num_workers=1)) as scorer:
         out = scorer.score([sample(0, "r", label="l", metadata={"k": 1})])
     assert out[0]["status"] == "ok", out[0]["error"]
 
 
 def test_bad_configuration_fails_at_construction(custom_file):
     with pytest.raises(ValueError, match="rm_type='nope'"):
-        Scorer("nope")
+        Scorer(ScorerConfig(rm_type="nope"))
     with pytest.raises(ValueError, match="timeout_s=0"):
-        Scorer("math", timeout_s=0)
+        Scorer(ScorerConfig(rm_type="math", timeout_s=0))
     with pytest.raises(ValueError, match="num_workers=0"):
-        Scorer("math", num_workers=0)
+        Scorer(ScorerConfig(rm_type="math", num_workers=0))
     with pytest.raises(ValueError, match="no such file"):
-        Scorer("", custom_rm_path=f"{custom_file.parent}/missing.py:f")
+        Scorer(ScorerConfig(custom_rm_path=f"{custom_file.parent}/missing.py:f"))
     with pytest.raises(ValueError, match="has no attribute 'nothing'"):
-        Scorer("", custom_rm_path=f"{custom_file}:nothing")
+        Scorer(ScorerConfig(custom_rm_path=f"{custom_file}:nothing"))
     with pytest.raises(ValueError, match="not a function"):
-        Scorer("", custom_rm_path=f"{custom_file}:not_a_function")
+        Scorer(ScorerConfig(custom_rm_path=f"{custom_file}:not_a_function"))
     with pytest.raises(ValueError, match="cannot import"):
-        Scorer("", custom_rm_path="no_such_module_xyz:f")
+        Scorer(ScorerConfig(custom_rm_path="no_such_module_xyz:f"))
     with pytest.raises(ValueError, match="names no function"):
-        Scorer("", custom_rm_path="justaname")
+        Scorer(ScorerConfig(custom_rm_path="justaname"))
 
 
 @pytest.mark.timeout(60)
 def test_malformed_samples_are_caller_errors():
-    with Scorer("math", num_workers=1) as scorer:
+    with Scorer(ScorerConfig(rm_type="math", num_workers=1)) as scorer:
         with pytest.raises(ValueError, match="'response' must be str"):
             scorer.score([{"index": 0}])
         with pytest.raises(ValueError, match="'index' must be int"):
@@ -273,7 +275,7 @@ def test_job_evaluator_in_process(custom_file):
 @pytest.mark.timeout(60)
 def test_reward_scorer_actor_in_process():
     actor_module = pytest.importorskip("roles.reward.role", reason="runtime package not importable yet")
-    scorer = actor_module.RewardScorer("tiny_exact", num_workers=1)
+    scorer = actor_module.RewardScorer(ScorerConfig(rm_type="tiny_exact", num_workers=1))
     try:
         out = scorer.score([sample(0, "7"), sample(1, "8")])
         assert [o["reward"] for o in out] == [1.0, 0.0]

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from ppo.setup.tiny_model import EOS_ID, build_tiny_checkpoint, load_causal_lm
-from roles.rollout import RolloutEngine
+from roles.rollout import EngineConfig, RolloutEngine
 from roles.weight_checksum import checksum_named_tensors
 from roles.weight_sync import pack_buckets, push_weights
 
@@ -23,7 +23,7 @@ def other_ckpt(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def engine(ckpt):
-    return RolloutEngine(ckpt, dtype="float32", seed=0)
+    return RolloutEngine(EngineConfig(hf_checkpoint=ckpt, dtype="float32", seed=0))
 
 
 @pytest.fixture(scope="module")
@@ -83,7 +83,7 @@ def test_under_mps_an_engine_whose_gemms_come_out_wrong_stops_before_generating(
 def test_unseeded_requests_reproduce_per_engine_seed(ckpt):
     runs = []
     for seed, index in [(3, 0), (3, 0), (4, 0), (3, 1)]:
-        eng = RolloutEngine(ckpt, dtype="float32", seed=seed, engine_index=index)
+        eng = RolloutEngine(EngineConfig(hf_checkpoint=ckpt, dtype="float32", seed=seed, engine_index=index))
         runs.append([r["token_ids"] for r in eng.generate(_reqs(PROMPTS, max_new_tokens=10, ignore_eos=True))])
     assert runs[0] == runs[1]
     assert runs[0] != runs[2] and runs[0] != runs[3]
@@ -158,7 +158,8 @@ def test_small_kv_budget_gives_fewer_slots_without_changing_results(ckpt, engine
     for i, r in enumerate(reqs):
         r["sampling"]["seed"] = i
     per_token = engine._backend.kv_bytes_per_token
-    small = RolloutEngine(ckpt, dtype="float32", max_batch_size=3, kv_cache_bytes=2 * 15 * per_token)
+    small = RolloutEngine(EngineConfig(hf_checkpoint=ckpt, dtype="float32", max_batch_size=3,
+                                       kv_cache_bytes=2 * 15 * per_token))
     assert [r["token_ids"] for r in small.generate(reqs)] == [r["token_ids"] for r in engine.generate(reqs)]
     stats = small._backend.scheduler.last_stats
     assert (stats["num_slots"], stats["slot_len"]) == (2, 15)  # longest prompt 7 + 8 new tokens
@@ -174,7 +175,7 @@ def test_continuous_batching_refills_slots_and_returns_each_request_once_in_orde
     reqs = [{"id": 100 - i, "prompt_ids": PROMPTS[i % 4],
              "sampling": {"max_new_tokens": n, "ignore_eos": True, "seed": i, "temperature": 1.0}}
             for i, n in enumerate(lengths)]
-    three = RolloutEngine(ckpt, dtype="float32", max_batch_size=3)
+    three = RolloutEngine(EngineConfig(hf_checkpoint=ckpt, dtype="float32", max_batch_size=3))
     out = three.generate(reqs)
     assert [r["id"] for r in out] == [r["id"] for r in reqs]
     assert [len(r["token_ids"]) for r in out] == lengths
@@ -200,7 +201,7 @@ def test_longest_max_new_tokens_are_admitted_first_so_the_tail_is_short(ckpt, en
     reqs = [{"id": i, "prompt_ids": PROMPTS[i % 4],
              "sampling": {"max_new_tokens": n, "ignore_eos": True, "seed": i, "temperature": 1.0}}
             for i, n in enumerate(lengths)]
-    three = RolloutEngine(ckpt, dtype="float32", max_batch_size=3)
+    three = RolloutEngine(EngineConfig(hf_checkpoint=ckpt, dtype="float32", max_batch_size=3))
     out = three.generate(reqs)
     assert [r["id"] for r in out] == list(range(len(lengths))) and [len(r["token_ids"]) for r in out] == lengths
     assert three._backend.scheduler.last_stats["decode_steps"] == max(lengths) - 1  # the first token is prefill's
@@ -212,7 +213,7 @@ def test_decode_steps_are_built_once_per_graph_key_and_hold_only_static_buffers(
     own (one freed after the capture is read freed), only views of the slot state, the KV cache, the
     weights and the rope tables, and each key's step is built once and kept with its graph. On the
     CPU the same steps run, uncaptured."""
-    eng = RolloutEngine(ckpt, dtype="float32", max_batch_size=2)
+    eng = RolloutEngine(EngineConfig(hf_checkpoint=ckpt, dtype="float32", max_batch_size=2))
     backend, built = eng._backend, []
     build = backend.scheduler._step
     backend.scheduler._step = lambda key: built.append(key) or build(key)
@@ -239,7 +240,7 @@ def _cell_value(cell):
 def test_syncing_every_few_steps_changes_nothing(ckpt, engine):
     # On a GPU the host looks at the decode only every `sync_every` steps: rows that stopped
     # meanwhile run on as garbage, idle slots run too. Results must not show it, call after call.
-    lazy = RolloutEngine(ckpt, dtype="float32", max_batch_size=3, options={"sync_every": 5})
+    lazy = RolloutEngine(EngineConfig(hf_checkpoint=ckpt, dtype="float32", max_batch_size=3, options={"sync_every": 5}))
     for call in range(3):
         reqs = _reqs(PROMPTS * 2, first_id=10 * call, max_new_tokens=9 + call, temperature=1.0)
         for r in reqs:
@@ -288,7 +289,7 @@ def test_blocked_cdf_inversion_equals_the_full_scan_and_never_draws_a_zero():
 
 def test_tied_embeddings_checkpoint_matches_hf(tmp_path):
     tied = build_tiny_checkpoint(str(tmp_path / "tied"), seed=2, tie_word_embeddings=True)
-    eng, model = RolloutEngine(tied, dtype="float32"), load_causal_lm(tied, "float32")
+    eng, model = RolloutEngine(EngineConfig(hf_checkpoint=tied, dtype="float32")), load_causal_lm(tied, "float32")
     assert eng.weights_checksum() == checksum_named_tensors(model.state_dict().items())
     out = eng.generate(_reqs(PROMPTS, temperature=0, max_new_tokens=6, ignore_eos=True))
     assert [r["token_ids"] for r in out] == [_greedy_reference(model, p, 6) for p in PROMPTS]
@@ -304,7 +305,7 @@ def test_scaled_rope_checkpoint_matches_hf(tmp_path, rope):
     config_path = tmp_path / "scaled" / "config.json"
     config = {k: v for k, v in json.loads(config_path.read_text()).items() if k not in ("rope_parameters", "rope_theta")}
     config_path.write_text(json.dumps({**config, "rope_theta": 10000.0, **rope}))
-    eng, model = RolloutEngine(scaled, dtype="float32"), load_causal_lm(scaled, "float32")
+    eng, model = RolloutEngine(EngineConfig(hf_checkpoint=scaled, dtype="float32")), load_causal_lm(scaled, "float32")
     assert model.config.rope_parameters["rope_type"] == eng._backend.spec.rope.kind != "default"
     out = eng.generate(_reqs(PROMPTS, temperature=1.0, max_new_tokens=8, ignore_eos=True))
     for prompt, r in zip(PROMPTS, out):
@@ -313,7 +314,7 @@ def test_scaled_rope_checkpoint_matches_hf(tmp_path, rope):
 
 
 def test_update_weights_by_buckets_matches_source_checksum(ckpt, other_ckpt):
-    eng = RolloutEngine(ckpt, dtype="bfloat16")
+    eng = RolloutEngine(EngineConfig(hf_checkpoint=ckpt, dtype="bfloat16"))
     source = load_causal_lm(other_ckpt, "bfloat16")
     expected = checksum_named_tensors(source.state_dict().items())
     assert eng.weights_checksum() != expected
@@ -323,7 +324,7 @@ def test_update_weights_by_buckets_matches_source_checksum(ckpt, other_ckpt):
     assert totals["num_buckets"] > 3 and sum(a["num_tensors"] for a in acks) == totals["num_tensors"]
     assert eng.weights_checksum() == expected
     eng.set_weight_version(1)
-    fresh = RolloutEngine(other_ckpt, dtype="bfloat16")
+    fresh = RolloutEngine(EngineConfig(hf_checkpoint=other_ckpt, dtype="bfloat16"))
     reqs = _reqs(PROMPTS, temperature=0, max_new_tokens=8, ignore_eos=True)
     got, want = eng.generate(reqs), fresh.generate(reqs)
     assert [r["token_ids"] for r in got] == [r["token_ids"] for r in want]
@@ -370,16 +371,16 @@ def test_duplicate_ids_are_rejected(engine):
 
 def test_constructor_validates(ckpt, monkeypatch):
     with pytest.raises(ValueError, match="backend='vllm'"):
-        RolloutEngine(ckpt, backend="vllm")
+        RolloutEngine(EngineConfig(hf_checkpoint=ckpt, backend="vllm"))
     with pytest.raises(ValueError, match="dtype='int8'"):
-        RolloutEngine(ckpt, dtype="int8")
+        RolloutEngine(EngineConfig(hf_checkpoint=ckpt, dtype="int8"))
     with pytest.raises(ValueError, match="unknown options"):
-        RolloutEngine(ckpt, options={"tp_size": 2})
+        RolloutEngine(EngineConfig(hf_checkpoint=ckpt, options={"tp_size": 2}))
     with pytest.raises(ValueError, match="not both"):
-        RolloutEngine(ckpt, kv_cache_bytes=1 << 20, mem_fraction=0.5)
+        RolloutEngine(EngineConfig(hf_checkpoint=ckpt, kv_cache_bytes=1 << 20, mem_fraction=0.5))
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(ValueError, match="on the CPU give kv_cache_bytes"):
-        RolloutEngine(ckpt, mem_fraction=0.5)
+        RolloutEngine(EngineConfig(hf_checkpoint=ckpt, mem_fraction=0.5))
 
 
 def test_a_checkpoint_tensor_without_a_place_is_refused_by_name_unless_ignored(ckpt, tmp_path, model):
@@ -394,8 +395,8 @@ def test_a_checkpoint_tensor_without_a_place_is_refused_by_name_unless_ignored(c
         if refused:
             with pytest.raises(ValueError, match=rf"backend 'torch': checkpoint tensor '{extra}' has no place in "
                                                  r"the qwen3 model that config.json describes"):
-                RolloutEngine(str(copy), dtype="float32")
+                RolloutEngine(EngineConfig(hf_checkpoint=str(copy), dtype="float32"))
         else:
-            out = RolloutEngine(str(copy), dtype="float32").generate(_reqs([PROMPTS[0]], max_new_tokens=4,
-                                                                           temperature=0))
+            out = RolloutEngine(EngineConfig(hf_checkpoint=str(copy), dtype="float32")).generate(
+                _reqs([PROMPTS[0]], max_new_tokens=4, temperature=0))
             assert out[0]["token_ids"] == _greedy_reference(model, PROMPTS[0], 4)

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from ppo.setup.tiny_model import EOS_ID
-from roles.rollout import RolloutEngine
+from roles.rollout import EngineConfig, RolloutEngine
 from roles.rollout.aborts import RequestsGaveUp
 from roles.weight_sync import pack_buckets
 from tests.fakes import sglang_engine
@@ -28,7 +28,7 @@ def _requests(*prompts, seed=7):
 
 
 def _sglang(ckpt, fake_sglang, version, **kw):
-    eng = RolloutEngine(ckpt, backend="sglang", options=DETERMINISTIC, **kw)
+    eng = RolloutEngine(EngineConfig(hf_checkpoint=ckpt, backend="sglang", options=DETERMINISTIC, **kw))
     fake = fake_sglang.instances[-1]
     fake.version = version
     return eng, fake
@@ -76,8 +76,8 @@ def test_a_request_aborted_past_the_limit_stops_in_one_line_naming_it(ckpt, fake
     with pytest.raises(RequestsGaveUp, match=r": all 2 requests of the call were aborted 3 times \(the last: "
                                              r"sglang HTTPException: 500: Out of memory"):
         eng.generate(_requests([1, 2], [5]))
-    with pytest.raises(ValueError, match="max_request_retries=-1 must be an int >= 0"):
-        RolloutEngine(ckpt, backend="sglang", max_request_retries=-1)
+    with pytest.raises(ValueError, match="max_request_retries=-1, expected an int >= 0"):
+        RolloutEngine(EngineConfig(hf_checkpoint=ckpt, backend="sglang", max_request_retries=-1))
 
 
 def test_an_empty_request_list_is_answered_without_asking_sglang(ckpt, fake_sglang):
@@ -89,7 +89,8 @@ def test_an_empty_request_list_is_answered_without_asking_sglang(ckpt, fake_sgla
     assert eng._backend.generate([], []) == []
     assert len(fake.calls) == calls
     # nor while the weights are released, or lost to a release without a CPU backup
-    saver = RolloutEngine(ckpt, backend="sglang", options={**DETERMINISTIC, "enable_memory_saver": True})
+    saver = RolloutEngine(EngineConfig(hf_checkpoint=ckpt, backend="sglang",
+                                       options={**DETERMINISTIC, "enable_memory_saver": True}))
     saver.release(["weights", "kv_cache"])
     assert saver.generate([]) == []
     saver.resume(["weights", "kv_cache"])
@@ -99,7 +100,7 @@ def test_an_empty_request_list_is_answered_without_asking_sglang(ckpt, fake_sgla
 
 
 def test_the_built_in_engine_answers_an_empty_list_and_retries_its_own_aborts(ckpt, monkeypatch):
-    eng = RolloutEngine(ckpt, dtype="float32", max_batch_size=4)
+    eng = RolloutEngine(EngineConfig(hf_checkpoint=ckpt, dtype="float32", max_batch_size=4))
     assert eng.generate([]) == [] and eng._backend.generate([], []) == []
     eng.release(["weights", "kv_cache"])
     assert eng.generate([]) == []  # no weights needed for nothing

@@ -14,7 +14,7 @@ from itertools import combinations
 import pytest
 import torch
 
-from roles.rollout import RolloutEngine
+from roles.rollout import EngineConfig, RolloutEngine
 from roles.rollout.sampling import SamplingParams
 from roles.rollout.torch_engine.sampler import SamplingRows, sample, sampling_mode
 
@@ -70,13 +70,13 @@ def _check_every_mix(engine: RolloutEngine, atol: float) -> None:
 
 
 def test_a_seeded_request_draws_the_same_tokens_in_every_mix_of_sampling_modes(ckpt):
-    _check_every_mix(RolloutEngine(ckpt, dtype="float32", seed=0), atol=1e-5)
+    _check_every_mix(RolloutEngine(EngineConfig(hf_checkpoint=ckpt, dtype="float32", seed=0)), atol=1e-5)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("triton", [True, False])
 def test_on_the_gpu_in_fp32_too_with_graphs(ckpt, triton):
-    engine = RolloutEngine(ckpt, dtype="float32", seed=0, options={"triton": triton})
+    engine = RolloutEngine(EngineConfig(hf_checkpoint=ckpt, dtype="float32", seed=0, options={"triton": triton}))
     assert engine._backend.graphs.enabled
     _check_every_mix(engine, atol=1e-4)  # the batch changes matmul shapes: last-bit differences
 
@@ -90,7 +90,8 @@ def _mixed_requests(n: int) -> list[dict]:
 
 
 def test_the_batch_invariant_option_prefills_one_prompt_at_a_time_and_decodes_every_slot(ckpt):
-    engine = RolloutEngine(ckpt, dtype="float32", max_batch_size=4, options={"batch_invariant": True})
+    engine = RolloutEngine(EngineConfig(hf_checkpoint=ckpt, dtype="float32", max_batch_size=4,
+                                        options={"batch_invariant": True}))
     requests = _mixed_requests(9)
     out = engine.generate(requests)
     stats = engine._backend.scheduler.last_stats
@@ -104,7 +105,8 @@ def test_the_batch_invariant_option_prefills_one_prompt_at_a_time_and_decodes_ev
 def test_the_batch_invariant_option_makes_bf16_tokens_and_logprobs_bitwise_independent_of_the_batch(ckpt):
     # The forward's rounding is what the batch changes in bf16 (issue 22: 9 of 64 requests drew
     # other tokens); log-probs are compared bitwise, which any change of rounding shows.
-    engine = RolloutEngine(ckpt, dtype="bfloat16", max_batch_size=8, options={"batch_invariant": True})
+    engine = RolloutEngine(EngineConfig(hf_checkpoint=ckpt, dtype="bfloat16", max_batch_size=8,
+                                        options={"batch_invariant": True}))
     assert engine._backend.scheduler.fused and engine._backend.graphs.enabled
     requests = _mixed_requests(20)  # through 8 slots: refills while decoding
     together = engine.generate(requests)

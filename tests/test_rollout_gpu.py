@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from ppo.setup.tiny_model import build_tiny_checkpoint, load_causal_lm
-from roles.rollout import RolloutEngine
+from roles.rollout import EngineConfig, RolloutEngine
 from roles.rollout.torch_engine.backend import HOST_ALIGN
 from roles.weight_checksum import checksum_named_tensors
 from roles.weight_sync import push_weights
@@ -48,7 +48,7 @@ def _greedy(model, prompt, n):
 
 
 def test_fp32_greedy_and_logprobs_equal_hf_with_graphs(ckpts):
-    eng = RolloutEngine(ckpts[0], dtype="float32")
+    eng = RolloutEngine(EngineConfig(hf_checkpoint=ckpts[0], dtype="float32"))
     backend = eng._backend
     assert eng._memory.kind == "cuda" and all(t.is_cuda for t in backend.weights.storages.values())
     model = load_causal_lm(ckpts[0], "float32").cuda()
@@ -68,7 +68,7 @@ def test_repeated_calls_of_one_mode_replay_graphs_equal_to_hf(ckpts, triton):
     # Every call after the first replays the graphs of the first (same key). Between calls the
     # small blocks the allocator has free are taken and filled with positions past any slot, so
     # a graph that read a tensor freed after its capture (issue 22) would attend to nothing.
-    eng = RolloutEngine(ckpts[0], dtype="float32", options={"triton": triton})
+    eng = RolloutEngine(EngineConfig(hf_checkpoint=ckpts[0], dtype="float32", options={"triton": triton}))
     graphs = eng._backend.graphs
     model = load_causal_lm(ckpts[0], "float32").cuda()
     want = [_greedy(model, p, 12) for p in PROMPTS]
@@ -83,7 +83,7 @@ def test_repeated_calls_of_one_mode_replay_graphs_equal_to_hf(ckpts, triton):
 
 
 def test_fp32_seeded_samples_do_not_depend_on_the_batch(ckpts):
-    eng = RolloutEngine(ckpts[0], dtype="float32", max_batch_size=4)
+    eng = RolloutEngine(EngineConfig(hf_checkpoint=ckpts[0], dtype="float32", max_batch_size=4))
     alone = [eng.generate(_reqs([p], first_id=i, temperature=1.0))[0] for i, p in enumerate(PROMPTS)]
     crowd = eng.generate(_reqs(PROMPTS * 4, temperature=1.0))  # 12 requests through 4 slots: refills
     assert eng._backend.scheduler.last_stats["admitted_while_decoding"] == 8
@@ -92,7 +92,7 @@ def test_fp32_seeded_samples_do_not_depend_on_the_batch(ckpts):
 
 
 def test_bf16_logprobs_match_hf_within_bf16_tolerance(ckpts):
-    eng = RolloutEngine(ckpts[0], dtype="bfloat16")
+    eng = RolloutEngine(EngineConfig(hf_checkpoint=ckpts[0], dtype="bfloat16"))
     model = load_causal_lm(ckpts[0], "bfloat16").cuda()
     for sampling in ({"temperature": 0}, {"temperature": 1.0, "top_k": 20}):
         out = eng.generate(_reqs(**sampling))
@@ -102,7 +102,7 @@ def test_bf16_logprobs_match_hf_within_bf16_tolerance(ckpts):
 
 
 def test_graph_replay_after_update_weights_uses_the_new_weights(ckpts):
-    eng = RolloutEngine(ckpts[0], dtype="float32")
+    eng = RolloutEngine(EngineConfig(hf_checkpoint=ckpts[0], dtype="float32"))
     reqs = _reqs(temperature=0)
     old = eng.generate(reqs)
     captures = eng._backend.graphs.num_captures
@@ -111,7 +111,7 @@ def test_graph_replay_after_update_weights_uses_the_new_weights(ckpts):
     eng.set_weight_version(3)
     new = eng.generate(reqs)
     assert eng._backend.graphs.num_captures == captures  # the same graphs replayed
-    want = RolloutEngine(ckpts[1], dtype="float32").generate(reqs)
+    want = RolloutEngine(EngineConfig(hf_checkpoint=ckpts[1], dtype="float32")).generate(reqs)
     assert [r["token_ids"] for r in new] == [r["token_ids"] for r in want] != [r["token_ids"] for r in old]
     assert {r["weight_version"] for r in new} == {3}
 
@@ -120,7 +120,7 @@ def test_release_frees_weights_cache_and_graphs_and_resume_restores(ckpts):
     gc.collect()  # engines of earlier tests (reference cycles) must not count as ours
     torch.cuda.empty_cache()
     base = torch.cuda.memory_allocated()
-    eng = RolloutEngine(ckpts[0], dtype="bfloat16", kv_cache_bytes=64 << 20)
+    eng = RolloutEngine(EngineConfig(hf_checkpoint=ckpts[0], dtype="bfloat16", kv_cache_bytes=64 << 20))
     before = eng.generate(_reqs(temperature=0))
     backend = eng._backend
     assert backend.memory.ledger().get("cuda_graph", 0) >= 0 and backend.graphs._graphs
@@ -151,7 +151,7 @@ def test_release_frees_weights_cache_and_graphs_and_resume_restores(ckpts):
 
 
 def test_update_weights_from_cpu_buckets_while_the_cache_is_released(ckpts):
-    eng = RolloutEngine(ckpts[0], dtype="bfloat16")
+    eng = RolloutEngine(EngineConfig(hf_checkpoint=ckpts[0], dtype="bfloat16"))
     eng.release(["weights", "kv_cache"])
     eng.resume(["weights"])
     source = load_causal_lm(ckpts[1], "bfloat16").state_dict()
@@ -159,7 +159,7 @@ def test_update_weights_from_cpu_buckets_while_the_cache_is_released(ckpts):
     eng.set_weight_version(2)
     eng.resume(["kv_cache"])
     assert eng.weights_checksum() == checksum_named_tensors(source.items())
-    fresh = RolloutEngine(ckpts[1], dtype="bfloat16")
+    fresh = RolloutEngine(EngineConfig(hf_checkpoint=ckpts[1], dtype="bfloat16"))
     got = eng.generate(_reqs(temperature=0))
     assert [r["token_ids"] for r in got] == [r["token_ids"] for r in fresh.generate(_reqs(temperature=0))]
     assert {r["weight_version"] for r in got} == {2}
@@ -207,15 +207,16 @@ def test_triton_decode_kernels_equal_the_torch_reference(dtype):
 
 
 def test_triton_decode_equals_torch_decode_and_graphs_stay_bounded(ckpts):
-    fused = RolloutEngine(ckpts[0], dtype="float32", max_batch_size=4)
-    plain = RolloutEngine(ckpts[0], dtype="float32", max_batch_size=4, options={"triton": False})
+    fused = RolloutEngine(EngineConfig(hf_checkpoint=ckpts[0], dtype="float32", max_batch_size=4))
+    plain = RolloutEngine(EngineConfig(hf_checkpoint=ckpts[0], dtype="float32", max_batch_size=4,
+                                       options={"triton": False}))
     assert fused._backend.scheduler.fused and not plain._backend.scheduler.fused
     for sampling in ({"temperature": 0}, {"temperature": 1.0}, {"temperature": 0.8, "top_p": 0.9}):
         a, b = fused.generate(_reqs(PROMPTS * 3, **sampling)), plain.generate(_reqs(PROMPTS * 3, **sampling))
         assert [r["token_ids"] for r in a] == [r["token_ids"] for r in b]
         for x, y in zip(a, b):
             torch.testing.assert_close(x["logprobs"], y["logprobs"], atol=1e-4, rtol=0)
-    fused = RolloutEngine(ckpts[0], dtype="float32", max_batch_size=4)  # no graphs yet
+    fused = RolloutEngine(EngineConfig(hf_checkpoint=ckpts[0], dtype="float32", max_batch_size=4))  # no graphs yet
     graphs = fused._backend.graphs
     graphs.max_graphs = 2
     want = fused.generate(_reqs(temperature=0))

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from roles.device import DeviceMemory, HostBlock, nbytes_of
-from roles.rollout import RolloutEngine
+from roles.rollout import EngineConfig, RolloutEngine
 from roles.rollout.torch_engine.backend import HOST_ALIGN, _host_copy_of
 from runtime.fakegpu import FakeOutOfMemory, LeaseViolation, create_fake_devices
 
@@ -23,7 +23,7 @@ def fake_gpus(tmp_path, monkeypatch):
 def test_release_resume_moves_the_ledger_and_guards_endpoints(ckpt, fake_gpus):
     gpu = fake_gpus[0]
     gpu.set_lease_holder("rollout-0")
-    eng = RolloutEngine(ckpt, dtype="float32", max_batch_size=4)
+    eng = RolloutEngine(EngineConfig(hf_checkpoint=ckpt, dtype="float32", max_batch_size=4))
     weights = eng._backend.weights_bytes
     kv = eng._backend.kv_cache_bytes
     assert kv == 4 * 64 * eng._backend.kv_bytes_per_token  # default: max_batch_size full-context rows
@@ -59,7 +59,7 @@ def test_release_resume_moves_the_ledger_and_guards_endpoints(ckpt, fake_gpus):
 def test_move_spans_count_only_the_weights_as_copied(ckpt, fake_gpus, monkeypatch):
     """The KV cache and graphs are dropped and rebuilt: a bench must not rate them as copies."""
     fake_gpus[0].set_lease_holder("rollout-0")
-    eng = RolloutEngine(ckpt, dtype="float32", max_batch_size=4)
+    eng = RolloutEngine(EngineConfig(hf_checkpoint=ckpt, dtype="float32", max_batch_size=4))
     spans = []
     monkeypatch.setattr(eng, "publish_span", lambda phase, t0, **f: spans.append((phase, f)))
     eng.release(["kv_cache"])
@@ -72,7 +72,7 @@ def test_move_spans_count_only_the_weights_as_copied(ckpt, fake_gpus, monkeypatc
 
 def test_cuda_graph_tag_rides_along_with_weights_and_kv_cache(ckpt, fake_gpus):
     fake_gpus[0].set_lease_holder("rollout-0")
-    eng = RolloutEngine(ckpt, dtype="float32", max_batch_size=4)
+    eng = RolloutEngine(EngineConfig(hf_checkpoint=ckpt, dtype="float32", max_batch_size=4))
     full = eng.memory_report()["bytes_in_use"]
     assert eng.release(["cuda_graph"]) == {"state": "cuda_graph_released", "bytes_in_use": full}  # no graphs on CPU
     with pytest.raises(RuntimeError, match=r"resume\(\['cuda_graph'\]\) first"):
@@ -88,15 +88,15 @@ def test_cuda_graph_tag_rides_along_with_weights_and_kv_cache(ckpt, fake_gpus):
 
 def test_constructing_without_the_lease_or_room_fails_clearly(ckpt, fake_gpus):
     with pytest.raises(LeaseViolation, match="rollout-0"):
-        RolloutEngine(ckpt, dtype="float32")
+        RolloutEngine(EngineConfig(hf_checkpoint=ckpt, dtype="float32"))
     fake_gpus[0].set_lease_holder("rollout-0")
     with pytest.raises(FakeOutOfMemory):
-        RolloutEngine(ckpt, dtype="float32", kv_cache_bytes=80 << 20)
+        RolloutEngine(EngineConfig(hf_checkpoint=ckpt, dtype="float32", kv_cache_bytes=80 << 20))
 
 
 def test_mem_fraction_sizes_the_kv_cache_from_the_device(ckpt, fake_gpus):
     fake_gpus[0].set_lease_holder("rollout-0")
-    eng = RolloutEngine(ckpt, dtype="float32", mem_fraction=0.5)
+    eng = RolloutEngine(EngineConfig(hf_checkpoint=ckpt, dtype="float32", mem_fraction=0.5))
     assert eng._backend.kv_cache_bytes == (32 << 20) - eng._backend.weights_bytes
 
 

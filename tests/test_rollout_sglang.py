@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from ppo.setup.tiny_model import EOS_ID, load_causal_lm
-from roles.rollout import RolloutEngine
+from roles.rollout import EngineConfig, RolloutEngine
 from roles.rollout import sglang_backend
 from roles.rollout.sglang_backend import flattened_bucket_payloads
 from roles.weight_checksum import checksum_named_tensors
@@ -35,7 +35,7 @@ def fake_sglang(monkeypatch):
 
 
 def _engine(ckpt, fake_sglang, **kw):
-    eng = RolloutEngine(ckpt, backend="sglang", **kw)
+    eng = RolloutEngine(EngineConfig(hf_checkpoint=ckpt, backend="sglang", **kw))
     return eng, fake_sglang.instances[-1]
 
 
@@ -52,11 +52,11 @@ def test_engine_arguments_are_server_args(ckpt, fake_sglang):
         "attention_backend": "fa3", "enable_memory_saver": True,
     }
     with pytest.raises(TypeError, match="Unexpected keyword argument 'cuda_graph'"):  # not a ServerArgs field
-        RolloutEngine(ckpt, backend="sglang", options={"cuda_graph": False})
+        RolloutEngine(EngineConfig(hf_checkpoint=ckpt, backend="sglang", options={"cuda_graph": False}))
     with pytest.raises(ValueError, match=r"options \['dtype'\]"):
-        RolloutEngine(ckpt, backend="sglang", options={"dtype": "float16"})
+        RolloutEngine(EngineConfig(hf_checkpoint=ckpt, backend="sglang", options={"dtype": "float16"}))
     with pytest.raises(ValueError, match="kv_cache_bytes is for backend 'torch'"):
-        RolloutEngine(ckpt, backend="sglang", kv_cache_bytes=1 << 20)
+        RolloutEngine(EngineConfig(hf_checkpoint=ckpt, backend="sglang", kv_cache_bytes=1 << 20))
 
 
 def _greedy(ckpt, prompt, n, dtype="float32"):
@@ -192,7 +192,7 @@ def test_options_sglang_cannot_update_with_are_refused_before_it_starts(ckpt, fa
     for options, match in (({"dp_size": 2}, "'dp_size': 2.*data-parallel"),
                            ({"weight_cache_mode": "shared"}, "'weight_cache_mode'.*scheduler dies")):
         with pytest.raises(ValueError, match=match):
-            RolloutEngine(ckpt, backend="sglang", options=options)
+            RolloutEngine(EngineConfig(hf_checkpoint=ckpt, backend="sglang", options=options))
     assert fake_sglang.instances == []
     # the fake would fail where sglang does: mid-sync, after the session opened
     fake = fake_sglang(model_path=ckpt, dp_size=2)
@@ -203,14 +203,15 @@ def test_options_sglang_cannot_update_with_are_refused_before_it_starts(ckpt, fa
 def test_fake_accepts_exactly_the_wheels_server_args():
     """sglang_server_args.json is generated from both pinned wheels (gen_server_args.py); every
     Engine keyword we pass is a field of both."""
-    from ppo.setup.job import engine_settings
     from ppo.config.recipes import qwen3_4b_ppo
+    from ppo.setup.role_configs import engine_config
 
     data = json.loads((REPO / "tests/fakes/sglang_server_args.json").read_text())
     assert set(data["versions"]) == {"0.5.21", "0.5.23"} and sglang_engine.VERSION in data["versions"]
     for fields in (set(v["fields"]) for v in data["versions"].values()):
         kwargs = sglang_backend.engine_kwargs("ckpt", dtype="bfloat16", seed=0, max_batch_size=8, mem_fraction=0.5,
-                                              options=engine_settings(qwen3_4b_ppo())["options"])
+                                              options=engine_config(qwen3_4b_ppo(), "ckpt", engine_index=0,
+                                                                    dtype="bfloat16").options)
         used = {*kwargs, "disable_cuda_graph", "enable_deterministic_inference", "enable_weights_cpu_backup",
                 *sglang_backend.REFUSED_OPTIONS}
         assert used <= fields and len(fields) > 500
@@ -268,7 +269,7 @@ def test_weight_bucket_checks_and_no_checksum(ckpt, fake_sglang):
 def test_missing_or_untested_sglang_is_a_clear_error(ckpt, monkeypatch):
     monkeypatch.setitem(sys.modules, "sglang", None)  # makes `import sglang` fail
     with pytest.raises(ImportError, match="needs the sglang package.*backend 'torch'"):
-        RolloutEngine(ckpt, backend="sglang")
+        RolloutEngine(EngineConfig(hf_checkpoint=ckpt, backend="sglang"))
     from importlib import metadata
 
     real = metadata.version
@@ -452,23 +453,28 @@ def test_colocated_sync_through_sglangs_real_payload_path():
 def test_driver_starts_sglang_engines_with_the_recipes_settings():
     from dataclasses import replace
 
-    from ppo.setup.job import engine_settings, rollout_backend_problem
+    from ppo.setup.job import rollout_backend_problem
+    from ppo.setup.role_configs import engine_config
     from ppo.config.recipes import qwen3_4b_ppo, tiny_ppo
 
+    def settings(cfg):
+        return engine_config(cfg, "ckpt", engine_index=1, dtype="bfloat16")
+
     cfg = qwen3_4b_ppo()  # colocated: engines offload, so the memory saver is on
-    assert engine_settings(cfg) == {"max_batch_size": 512, "mem_fraction": 0.8, "max_request_retries": 3,
-                                    "options": {"tp_size": 1, "enable_memory_saver": True}}
+    assert settings(cfg) == EngineConfig(hf_checkpoint="ckpt", backend="sglang", engine_index=1, seed=42,
+                                         dtype="bfloat16", max_batch_size=512, mem_fraction=0.8, max_request_retries=3,
+                                         options={"tp_size": 1, "enable_memory_saver": True})
     cfg = replace(cfg, engine=replace(cfg.engine, rollout_num_gpus_per_engine=2, sglang_max_running_requests=None,
                                       sglang_disable_cuda_graph=True, sglang_enable_deterministic_inference=True))
-    assert engine_settings(cfg)["options"] == {"tp_size": 2, "enable_memory_saver": True,
-                                               "disable_cuda_graph": True, "enable_deterministic_inference": True}
-    assert engine_settings(cfg)["max_batch_size"] == 64  # unset: one rollout's samples (8 prompts x 8)
-    assert engine_settings(tiny_ppo()) == {"max_batch_size": 1024, "max_request_retries": 3}
+    assert settings(cfg).options == {"tp_size": 2, "enable_memory_saver": True,
+                                     "disable_cuda_graph": True, "enable_deterministic_inference": True}
+    assert settings(cfg).max_batch_size == 64  # unset: one rollout's samples (8 prompts x 8)
+    tiny = settings(tiny_ppo())
+    assert (tiny.backend, tiny.max_batch_size, tiny.mem_fraction, tiny.options) == ("torch", 1024, None, {})
     # the same flag puts the built-in engine in its batch-invariant mode
     tiny = tiny_ppo()
     tiny = replace(tiny, engine=replace(tiny.engine, sglang_enable_deterministic_inference=True))
-    assert engine_settings(tiny) == {"max_batch_size": 1024, "max_request_retries": 3,
-                                     "options": {"batch_invariant": True}}
+    assert settings(tiny).options == {"batch_invariant": True}
     assert rollout_backend_problem(tiny_ppo()) is None
 
 

@@ -10,7 +10,7 @@ import time
 import psutil
 import pytest
 
-from roles.rollout import RolloutEngine
+from roles.rollout import EngineConfig, RolloutEngine
 from runtime import Actor, Supervisor, endpoint
 from runtime import supervisor as supervisor_module
 from runtime.fakegpu import FakeDevice
@@ -42,7 +42,8 @@ def test_an_engine_releases_its_memory_before_its_restart_loads_and_when_it_is_s
     device = FakeDevice(sup.fake_gpu_dir, 0)
     try:
         sup.leases.acquire(0, "rollout-0")  # an engine allocates as it starts
-        engine = sup.spawn("rollout-0", RolloutEngine, ckpt, dtype="float32", max_batch_size=2, gpus=[0])
+        engine = sup.spawn("rollout-0", RolloutEngine,
+                           EngineConfig(hf_checkpoint=ckpt, dtype="float32", max_batch_size=2), gpus=[0])
         sup.wait_ready()
         loaded = device.usage("rollout-0")
         assert loaded > 0

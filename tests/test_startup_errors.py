@@ -60,13 +60,15 @@ def test_import_error_in_the_role_class_module_writes_the_error_file_with_the_fi
 
 
 def test_import_error_in_a_custom_reward_module_names_the_fix(tmp_path):
+    from roles.reward.config import ScorerConfig
     from roles.reward.role import RewardScorer
 
     (tmp_path / "my_rm.py").write_text("import tandem_reward_dep_not_installed\ndef score(s):\n    return 1.0\n")
     run_dir = tmp_path / "run"
     sup = Supervisor(run_dir, heartbeat_interval=0.1)
     try:
-        sup.spawn("reward-0", RewardScorer, "math", custom_rm_path=f"{tmp_path}/my_rm.py:score", num_workers=1)
+        sup.spawn("reward-0", RewardScorer,
+                  ScorerConfig(rm_type="math", custom_rm_path=f"{tmp_path}/my_rm.py:score", num_workers=1))
         with pytest.raises(SupervisionFailed, match="(?s)reward-0.*Likely fix: the module exists"):
             sup.wait_ready(timeout=60)
     finally:

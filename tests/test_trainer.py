@@ -7,6 +7,7 @@ import torch
 
 from roles.device import nbytes_of
 from roles.trainer.batching import plan_micro_batches
+from roles.trainer.config import TrainerConfig
 from roles.trainer.torch import ActorTrainer, CriticTrainer
 from roles.weight_checksum import checksum_named_tensors
 from roles.weight_sync import unpack_bucket
@@ -25,7 +26,7 @@ def config(ckpt, **overrides):
                 micro_batch_size=2, eps_clip=0.2, value_clip=0.2, loss_agg_mode="sum-of-sample-mean",
                 use_kl_loss=False, kl_loss_coef=0.0, kl_loss_type="k1", entropy_coef=0.0, temperature=1.0,
                 keep_ref=False)
-    return {**base, **overrides}
+    return TrainerConfig(**{**base, **overrides})
 
 
 def make_actor(ckpt, **overrides):

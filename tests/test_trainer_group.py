@@ -10,7 +10,7 @@ import torch
 from safetensors.torch import load_file
 
 from algorithms import AGG_MODES, aggregate
-from roles.trainer import TrainerGroup, megatron_missing
+from roles.trainer import TrainerConfig, TrainerGroup, megatron_missing
 from roles.trainer.batching import valid_mask
 from roles.trainer.sharding import aggregation_counts, balance, plan_forward, plan_train, put_rows, take_rows
 from roles.trainer.torch import ActorTrainer, CriticTrainer
@@ -106,7 +106,7 @@ def trainer_config(ckpt, **overrides):
                 micro_batch_size=1, eps_clip=0.2, value_clip=0.2, loss_agg_mode="sum-of-sample-mean",
                 use_kl_loss=False, kl_loss_coef=0.0, kl_loss_type="k1", entropy_coef=0.0, temperature=1.0,
                 keep_ref=False)
-    return {**base, **overrides}
+    return TrainerConfig(**{**base, **overrides})
 
 
 @pytest.fixture

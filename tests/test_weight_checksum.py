@@ -46,17 +46,18 @@ def test_weight_check_holds_after_a_real_sync_of_a_tied_model(tmp_path):
     state_dict twice; --check-weight-update-equal must still hold after a sync."""
     from ppo.gpu.handoffs import check_weights_equal
     from ppo.setup.tiny_model import build_tiny_checkpoint
-    from roles.rollout import RolloutEngine
+    from roles.rollout import EngineConfig, RolloutEngine
+    from roles.trainer.config import TrainerConfig
     from roles.trainer.torch import ActorTrainer
 
     ckpt = build_tiny_checkpoint(str(tmp_path / "tied"), tie_word_embeddings=True)
-    actor = ActorTrainer(dict(
+    actor = ActorTrainer(TrainerConfig(
         hf_checkpoint=ckpt, dtype="bfloat16", seed=7, lr=1e-3, min_lr=0.0, lr_decay_style="constant",
         lr_warmup_iters=0, weight_decay=0.1, betas=(0.9, 0.98), clip_grad=1.0, global_batch_size=4,
         micro_batch_size=2, eps_clip=0.2, value_clip=0.2, loss_agg_mode="sum-of-sample-mean", use_kl_loss=False,
         kl_loss_coef=0.0, kl_loss_type="k1", entropy_coef=0.0, temperature=1.0, keep_ref=False))
     actor.onload(["params"])
-    engine = RolloutEngine(ckpt, dtype="bfloat16")
+    engine = RolloutEngine(EngineConfig(hf_checkpoint=ckpt, dtype="bfloat16"))
     assert actor.model.lm_head.weight is actor.model.model.embed_tokens.weight  # really tied
     with torch.no_grad():  # a policy update, as the actor's train step would make
         for p in actor.model.parameters():

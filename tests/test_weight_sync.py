@@ -245,7 +245,7 @@ def test_the_production_sync_over_cuda_ipc_is_bit_identical_and_frees_both_buffe
     """On a GPU: the actor (this process) sends to an engine role on the same GPU over CUDA
     IPC, two buckets in flight; the engine ends bit-identical to the actor, and the actor's
     device memory afterwards is what it was before (both buffers gone, none kept for IPC)."""
-    from roles.rollout import RolloutEngine
+    from roles.rollout import EngineConfig, RolloutEngine
     from runtime import Supervisor
 
     actor = _bf16_actor(ckpt)
@@ -254,7 +254,8 @@ def test_the_production_sync_over_cuda_ipc_is_bit_identical_and_frees_both_buffe
     before = actor._core.memory.bytes_in_use()
     with Supervisor(tmp_path / "run", gpus=[0]) as sup:
         sup.leases.acquire(0, "rollout-0")  # as ppo.setup.job spawns an engine
-        engine = sup.spawn("rollout-0", RolloutEngine, ckpt, dtype="bfloat16", kv_cache_bytes=64 << 20, gpus=[0])
+        engine = sup.spawn("rollout-0", RolloutEngine,
+                           EngineConfig(hf_checkpoint=ckpt, dtype="bfloat16", kv_cache_bytes=64 << 20), gpus=[0])
         sup.wait_ready(timeout=240)
         stats = actor.sync_weights([engine], buffer_bytes=64 * 1024, version=2, engine_gpus=[[0]])
         assert stats["buckets"] > 2

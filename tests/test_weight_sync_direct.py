@@ -201,11 +201,11 @@ def _megatron_sender(ckpt, device: str = "cpu") -> tuple[list, dict]:
 
 @pytest.mark.timeout(120)
 def test_a_real_engine_loads_direct_buckets_bit_identically_and_refuses_an_unknown_name_first(ckpt, ipc):
-    from roles.rollout import RolloutEngine
+    from roles.rollout import EngineConfig, RolloutEngine
     from roles.weight_sync import for_receiver, send_to_engines
 
     named, _ = _tiny_sender(ckpt)
-    engine = RolloutEngine(ckpt, dtype="bfloat16")
+    engine = RolloutEngine(EngineConfig(hf_checkpoint=ckpt, dtype="bfloat16"))
     totals = send_to_engines(named, [_InProcess(engine)], buffer_bytes=16 * 1024, engine_gpus=[[0]])
     assert 0 < totals["direct_bytes"] < totals["num_bytes"]
     assert engine.weights_checksum() == checksum_named_tensors(named)
@@ -245,7 +245,7 @@ def test_direct_sync_over_cuda_ipc_is_bit_identical_before_and_after_the_sender_
     second sync of new content, from the new address, is bit-identical too. Last, megatron's
     own TP1 layout through the mapper, as the actor's sync reads it: q/k/v go as strided
     windows too, so nothing is packed, and the engine is bit-identical to the HF weights."""
-    from roles.rollout import RolloutEngine
+    from roles.rollout import EngineConfig, RolloutEngine
     from roles.weight_sync import send_to_engines
     from roles.weight_views import LazyReshape
     from runtime import Supervisor
@@ -254,7 +254,8 @@ def test_direct_sync_over_cuda_ipc_is_bit_identical_before_and_after_the_sender_
     storage = buf.untyped_storage()
     with Supervisor(tmp_path / "run", gpus=[0]) as sup:
         sup.leases.acquire(0, "rollout-0")  # as ppo.setup.job spawns an engine
-        engine = sup.spawn("rollout-0", RolloutEngine, ckpt, dtype="bfloat16", kv_cache_bytes=64 << 20, gpus=[0])
+        engine = sup.spawn("rollout-0", RolloutEngine,
+                           EngineConfig(hf_checkpoint=ckpt, dtype="bfloat16", kv_cache_bytes=64 << 20), gpus=[0])
         sup.wait_ready(timeout=240)
         totals = send_to_engines(named, [engine], 16 * 1024, engine_gpus=[[0]])
         assert 0 < totals["direct_bytes"] < totals["num_bytes"]
@@ -308,14 +309,14 @@ def test_an_sglang_engine_loads_direct_buckets_in_parts_bit_identically(ckpt, ip
     asserts the shapes equal): the adapter gathers them in HF row-major order under HF shapes
     (the fake's reconstruct_tensors reshapes by the metadata, as sglang's does)."""
     from ppo.setup.tiny_model import EOS_ID
-    from roles.rollout import RolloutEngine
+    from roles.rollout import EngineConfig, RolloutEngine
     from roles.rollout import sglang_backend
     from roles.weight_sync import send_to_engines
     from tests.fakes import sglang_engine
 
     fake_sglang = sglang_engine.install(monkeypatch, eos_id=EOS_ID)
     monkeypatch.setattr(sglang_backend, "DIRECT_GROUP_BYTES", 8 * 1024)
-    engine = RolloutEngine(ckpt, backend="sglang", dtype="bfloat16")
+    engine = RolloutEngine(EngineConfig(hf_checkpoint=ckpt, backend="sglang", dtype="bfloat16"))
     fake = fake_sglang.instances[-1]
     named, want = _megatron_sender(ckpt) if megatron else (_tiny_sender(ckpt)[0], None)
     want = want or dict(named)

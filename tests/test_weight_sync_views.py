@@ -110,10 +110,10 @@ def test_a_malformed_window_is_refused_naming_the_tensor():
 
 @pytest.mark.timeout(120)
 def test_megatrons_tp1_sync_reaches_a_real_engine_unpacked_and_bit_identical(ckpt, ipc):  # noqa: F811
-    from roles.rollout import RolloutEngine
+    from roles.rollout import EngineConfig, RolloutEngine
 
     named, hf = _megatron_sender(ckpt)
-    engine = RolloutEngine(ckpt, dtype="bfloat16")
+    engine = RolloutEngine(EngineConfig(hf_checkpoint=ckpt, dtype="bfloat16"))
     before = engine.weights_checksum()
     totals = send_to_engines(named, [_InProcess(engine)], buffer_bytes=16 * 1024, engine_gpus=[[0]])
     assert totals["direct_bytes"] == totals["num_bytes"] and totals["num_buckets"] == 1  # nothing packed

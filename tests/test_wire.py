@@ -1,5 +1,7 @@
 """The wire codec: every dtype and odd shape round-trips; bad input is a WireError, never a crash."""
 
+import dataclasses
+
 import msgpack
 import numpy as np
 import pytest
@@ -75,6 +77,47 @@ def test_unknown_type_is_a_clear_type_error():
         roundtrip({"x": [Thing()]})
     with pytest.raises(TypeError, match="dtype object"):
         roundtrip(np.array([object()]))
+
+
+@dataclasses.dataclass(kw_only=True, frozen=True)
+class _Settings:
+    name: str
+    sizes: tuple[int, ...] = ()
+    limit: int = 1
+
+    def __post_init__(self):
+        if self.limit < 1:
+            raise ValueError(f"limit={self.limit}, expected >= 1")
+
+
+@dataclasses.dataclass(kw_only=True, frozen=True)
+class _MoreSettings(_Settings):
+    extra: float | None = None
+
+
+wire.register_config(_Settings)
+wire.register_config(_MoreSettings)
+
+
+def test_a_registered_config_travels_as_itself_with_its_tuples_and_subclass():
+    base, more = _Settings(name="a", sizes=(1, 2)), _MoreSettings(name="b", sizes=(3,), extra=0.5)
+    out = roundtrip([base, {"nested": more}])
+    assert out == [base, {"nested": more}]
+    assert type(out[0]) is _Settings and type(out[1]["nested"]) is _MoreSettings  # not its base's codec
+    assert out[0].sizes == (1, 2)  # a tuple again, though msgpack carries lists
+
+
+def test_a_config_is_checked_again_on_arrival_and_an_unregistered_one_is_refused():
+    bad = _Settings(name="a")
+    object.__setattr__(bad, "limit", 0)  # what a sender with other rules could send
+    with pytest.raises(wire.WireError, match="limit=0, expected >= 1"):
+        roundtrip(bad)
+
+    @dataclasses.dataclass(frozen=True)
+    class Unregistered:
+        x: int = 0
+    with pytest.raises(TypeError, match="cannot send an object of type .*Unregistered.*register_config"):
+        roundtrip(Unregistered())
 
 
 def test_large_arrays_travel_by_shared_memory_and_segments_are_reused():

@@ -16,6 +16,7 @@ from typing import Any
 
 from ppo.config import derived as d
 from ppo.config.cluster import cluster_problems
+from ppo.config.layout import gpu_layout
 from ppo.config.schema import (
     FIELDS,
     GENERATED_DATASETS,
@@ -46,9 +47,7 @@ def validate(cfg: PPOConfig, *, rm_types: Sequence[str] = RM_TYPES) -> list[str]
         placement = _placement(cfg)
         problems += placement + _batches(cfg)
         if not placement:  # the cluster rules count the nodes that the placement uses
-            from ppo.gpu.placement import plan_placement  # it imports this package
-
-            problems += cluster_problems(cfg, plan_placement(cfg).num_nodes)
+            problems += cluster_problems(cfg, gpu_layout(cfg).num_nodes)
     return problems
 
 

@@ -190,7 +190,7 @@ def _engine(cfg: PPOConfig, spec: ModelSpec, index: int, gpus: list[int], *, fak
     tp = len(gpus)
     weights = model_parameters(spec, lm_head=True, tp=tp) * w
     fraction = cfg.engine.sglang_mem_fraction_static
-    if fraction and not fake:  # ppo.setup.job.engine_settings: a share of the real GPU
+    if fraction and not fake:  # ppo.setup.role_configs.engine_config: a share of the real GPU
         kv = int(capacity * fraction) - weights
     else:  # the built-in engine's default budget: max_batch_size full-context rows
         rows = _engine_rows(cfg)
@@ -200,7 +200,7 @@ def _engine(cfg: PPOConfig, spec: ModelSpec, index: int, gpus: list[int], *, fak
 
 def _engine_rows(cfg: PPOConfig) -> int:
     """Sequences an engine runs at once: the rollout's samples (the built-in engine's max_batch_size),
-    or sglang's --sglang-max-running-requests (ppo.setup.job.engine_settings)."""
+    or sglang's --sglang-max-running-requests (ppo.setup.role_configs.engine_config)."""
     samples = C.samples_per_rollout(cfg)
     return samples if cfg.engine.rollout_backend != "sglang" else cfg.engine.sglang_max_running_requests or samples
 

@@ -1,19 +1,18 @@
 """Which GPUs each role gets, from a validated `PPOConfig`.
 
-GPU ids are global: GPU `g` is local device `g % num_gpus_per_node` of node
-`g // num_gpus_per_node`. The actor takes its GPUs node by node; the critic, when there is
-one, sits on exactly the actor's GPUs with the actor's parallelism (as in miles). Colocated
-engines tile the actor's GPUs; otherwise they take the free GPUs after the actor's, never
-straddling a node. Rule reward scorers are CPU processes; a reward model has one scorer rank
-per GPU, on the engines' GPUs (taking its turn in the memory handoff) or, with
---reward-model-num-gpus N, on N free GPUs of its own.
+The GPU ids come from ppo.config.layout (global ids, node by node; the rule the config's
+cluster checks read too). The critic, when there is one, sits on exactly the actor's GPUs
+with the actor's parallelism (as in miles). Rule reward scorers are CPU processes; a reward
+model's ranks take their turn in the memory handoff on the engines' GPUs, or sit on GPUs of
+their own.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ppo.config import PPOConfig, actor_gpus_per_node, data_parallel_size, num_engines, uses_critic
+from ppo.config import PPOConfig, data_parallel_size, uses_critic
+from ppo.config.layout import gpu_layout
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -39,30 +38,16 @@ class Placement:
 
 def plan_placement(cfg: PPOConfig) -> Placement:
     """The GPU plan of a config that `validate` accepted."""
-    p = cfg.placement
-    per_node, per_engine = p.num_gpus_per_node, cfg.engine.rollout_num_gpus_per_engine
-    actor = [node * per_node + i
-             for node in range(p.actor_num_nodes) for i in range(actor_gpus_per_node(cfg))]
-    if p.colocate:
-        engines = [actor[i:i + per_engine] for i in range(0, len(actor), per_engine)]
-    else:
-        engines = _engines_after(set(actor), num_engines(cfg), per_engine, per_node)
-    used = actor + [g for engine in engines for g in engine]
-    reward_model = []
-    if cfg.reward.reward_model_path is not None:
-        n = cfg.reward.reward_model_num_gpus
-        reward_model = (sorted({g for engine in engines for g in engine}) if n == 0 else
-                        [g for gpus in _engines_after(set(used), n, 1, per_node) for g in gpus])
-        used += reward_model
+    gpus = gpu_layout(cfg)
     return Placement(
-        actor_gpus=actor,
-        critic_gpus=list(actor) if uses_critic(cfg) else [],
-        engines=engines,
+        actor_gpus=gpus.actor,
+        critic_gpus=list(gpus.actor) if uses_critic(cfg) else [],
+        engines=gpus.engines,
         num_reward_workers=cfg.reward.num_reward_workers,
-        reward_model_gpus=reward_model,
-        num_nodes=max(used) // per_node + 1,
-        num_gpus_per_node=per_node,
-        fake_gpus=p.fake_gpus,
+        reward_model_gpus=gpus.reward_model,
+        num_nodes=gpus.num_nodes,
+        num_gpus_per_node=cfg.placement.num_gpus_per_node,
+        fake_gpus=cfg.placement.fake_gpus,
         train_backend=cfg.training.train_backend,
         trainer_parallel=trainer_parallel(cfg),
     )
@@ -80,18 +65,6 @@ def format_ranks(plan: Placement, gpus: list[int]) -> str:
     par = plan.trainer_parallel
     dims = ["dp"] if plan.train_backend == "torch" else ["tp", "pp", "cp", "dp"]
     return f"{len(gpus)} ranks: " + " x ".join(f"{d} {par[d]}" for d in dims)
-
-
-def _engines_after(taken: set[int], count: int, per_engine: int, per_node: int) -> list[list[int]]:
-    engines: list[list[int]] = []
-    node = 0
-    while len(engines) < count:
-        free = [g for g in range(node * per_node, (node + 1) * per_node) if g not in taken]
-        while len(free) >= per_engine and len(engines) < count:
-            engines.append(free[:per_engine])
-            free = free[per_engine:]
-        node += 1
-    return engines
 
 
 def format_placement(plan: Placement) -> str:

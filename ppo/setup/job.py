@@ -39,6 +39,7 @@ from ppo.gpu.sizing import DEFAULT_PROMPT_LEN, FAKE_GPU_BYTES, compute_dtype, gp
 from ppo.gpu.placement import Placement, plan_placement
 from ppo.state.rundir import RunDirError, RunDirLock, claim, load_problem
 from ppo.gpu.side_by_side import memory_budgets
+from ppo.setup.role_configs import engine_config, reward_model_config, scorer_config, trainer_config
 from ppo.setup.user_functions import UserFunctions, load_user_functions
 from roles.reward.role import RewardScorer
 from roles.reward.model_scorer import RewardModelScorer
@@ -97,49 +98,6 @@ class Job:
             self.run_dir_lock.release()
 
 
-def trainer_config(cfg: PPOConfig, hf_checkpoint: str, *, critic: bool, dtype: str) -> dict:
-    """The trainer role's settings, resolved from the PPO config (critic fallbacks applied)."""
-    opt = C.critic_optimizer(cfg) if critic else C.actor_optimizer(cfg)
-    steps = cfg.rollout.num_rollout * max(1, C.samples_per_rollout(cfg) // C.global_batch_size(cfg))
-    p, t = cfg.ppo, cfg.training
-    dynamic = t.use_dynamic_batch_size
-    return {
-        "hf_checkpoint": hf_checkpoint, "seed": t.seed, "dtype": dtype,
-        "lr": opt.lr, "min_lr": opt.min_lr, "lr_decay_style": opt.lr_decay_style,
-        "lr_warmup_iters": opt.lr_warmup_iters,
-        "lr_decay_iters": None if opt.lr_decay_style == "constant" else max(1, steps - opt.lr_warmup_iters),
-        "weight_decay": opt.weight_decay, "betas": (opt.adam_beta1, opt.adam_beta2),
-        "clip_grad": opt.clip_grad, "global_batch_size": C.global_batch_size(cfg),
-        "micro_batch_size": None if dynamic else t.micro_batch_size,
-        "max_tokens_per_gpu": t.max_tokens_per_gpu if dynamic else None,
-        "eps_clip": p.eps_clip, "eps_clip_high": p.eps_clip_high, "eps_clip_c": p.eps_clip_c,
-        "ratio_level": C.ratio_level(cfg),
-        "value_clip": p.value_clip, "loss_agg_mode": p.loss_agg_mode,
-        # a KL loss at weight 0 changes nothing: skip the reference model entirely then; the
-        # critic has no policy to hold near a reference (and keeps no reference copy)
-        "use_kl_loss": not critic and p.use_kl_loss and p.kl_loss_coef != 0, "kl_loss_coef": p.kl_loss_coef,
-        "kl_loss_type": p.kl_loss_type, "entropy_coef": p.entropy_coef, "log_entropy": True,
-        "temperature": cfg.rollout.rollout_temperature,
-        "keep_ref": not critic and C.needs_ref(cfg),
-        # the megatron trainer builds its model parallelism and recompute from these (and refuses
-        # what it lacks); the torch backend's only recompute is HF checkpointing of every layer
-        **({name: getattr(cfg.parallelism, name) for name in
-            ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size")}
-           | {name: getattr(t, name) for name in
-              ("recompute_granularity", "recompute_method", "recompute_num_layers", "transformer_impl")}
-           | {"offload_tags": C.train_offload_tags(cfg)}
-           if t.train_backend == "megatron" else {"gradient_checkpointing": t.recompute_granularity == "full"}),
-    }
-
-
-def scorer_settings(cfg: PPOConfig) -> dict:
-    """RewardScorer's arguments (roles.reward.scorer.Scorer) from the reward config."""
-    r = cfg.reward
-    return {"rm_type": r.rm_type, "custom_rm_path": r.custom_rm_path, "timeout_s": r.reward_timeout,
-            "rm_url": r.rm_url, "max_retries": r.rm_max_retries, "max_concurrency": r.rm_max_concurrency,
-            "reward_key": r.reward_key}
-
-
 def uses_rule_reward(cfg: PPOConfig) -> bool:
     """Whether rule (or custom-function, or remote-service) scorers run: not with a reward model alone."""
     return cfg.reward.rm_type is not None or cfg.reward.custom_rm_path is not None
@@ -188,33 +146,6 @@ def rollout_backend_problem(cfg: PPOConfig) -> str | None:
     return problem
 
 
-def engine_settings(cfg: PPOConfig) -> dict:
-    """RolloutEngine's batch, memory and backend options from the recipe (sglang: the
-    `sglang.Engine` keywords miles would pass)."""
-    e = cfg.engine
-    if e.rollout_backend != "sglang":
-        # the built-in engine takes the same share of a real GPU as sglang would; fake GPUs
-        # and the CPU keep its default KV budget (max_batch_size full-context rows)
-        import torch
-
-        settings = {"max_batch_size": C.samples_per_rollout(cfg), "max_request_retries": e.rollout_max_request_retries}
-        if torch.cuda.is_available() and not cfg.placement.fake_gpus and e.sglang_mem_fraction_static:
-            settings["mem_fraction"] = e.sglang_mem_fraction_static
-        if e.sglang_enable_deterministic_inference:  # the built-in engine's batch-invariant decode
-            settings["options"] = {"batch_invariant": True}
-        return settings
-    options = {"tp_size": e.rollout_num_gpus_per_engine}
-    if C.offload_rollout(cfg):  # release/resume_memory_occupation work only with the memory saver
-        options["enable_memory_saver"] = True
-    if e.sglang_disable_cuda_graph:
-        options["disable_cuda_graph"] = True
-    if e.sglang_enable_deterministic_inference:  # the only mode in which per-request seeds hold
-        options["enable_deterministic_inference"] = True
-    return {"max_batch_size": e.sglang_max_running_requests or C.samples_per_rollout(cfg),
-            "mem_fraction": e.sglang_mem_fraction_static, "options": options,
-            "max_request_retries": e.rollout_max_request_retries}
-
-
 def trainer_layout_problem(cfg: PPOConfig) -> str | None:
     """Why the megatron trainer would refuse this run's layout or recompute settings, or a
     model the layout cannot split (uneven pipeline stages, heads not divisible by TP: read
@@ -223,7 +154,7 @@ def trainer_layout_problem(cfg: PPOConfig) -> str | None:
     before anything starts, not at the trainers' build - or None."""
     if cfg.training.train_backend != "megatron":
         return None
-    from roles.trainer.megatron.config import PARALLEL_SIZES, MegatronTrainerConfig  # no megatron import
+    from roles.trainer.megatron.config import PARALLEL_SIZES  # no megatron import
     from roles.trainer.megatron.shape import megatron_spec
 
     def layout_problem(e: ValueError) -> str:
@@ -233,7 +164,7 @@ def trainer_layout_problem(cfg: PPOConfig) -> str | None:
         return f"--train-backend megatron cannot run this run's layout: {message}"
 
     try:
-        MegatronTrainerConfig.from_dict(trainer_config(cfg, "", critic=False, dtype="bfloat16"))
+        trainer_config(cfg, "", critic=False, dtype="bfloat16")  # a MegatronTrainerConfig, checked
     except ValueError as e:
         return layout_problem(e)
     model_config = Path(cfg.checkpoint.hf_checkpoint) / "config.json"
@@ -425,12 +356,11 @@ def _start(cfg: PPOConfig, console: RunConsole, lock: RunDirLock, actor_cls, cri
         # alone. A trainer holds the run's state: its death stops the job, to be resumed
         # from the last checkpoint with --load, unless --max-trainer-restarts lets the driver
         # bring it back from that checkpoint itself (ppo.recovery).
-        scorers = [sup.spawn(f"reward-{i}", RewardScorer, **scorer_settings(cfg), restart="one_for_one", env=ROLE_ENV)
+        scorers = [sup.spawn(f"reward-{i}", RewardScorer, scorer_config(cfg), restart="one_for_one", env=ROLE_ENV)
                    for i in range(plan.num_reward_workers if uses_rule_reward(cfg) else 0)]
         # one rank per GPU, built offloaded; stateless, so a dead rank restarts alone and scores again
-        reward_models = [sup.spawn(f"reward-model-{i}", RewardModelScorer, cfg.reward.reward_model_path, dtype=dtype,
-                                   max_tokens=cfg.reward.reward_model_max_tokens_per_gpu, gpus=[g],
-                                   restart="one_for_one", env=ROLE_ENV)
+        reward_models = [sup.spawn(f"reward-model-{i}", RewardModelScorer, reward_model_config(cfg, dtype=dtype),
+                                   gpus=[g], restart="one_for_one", env=ROLE_ENV)
                          for i, g in enumerate(plan.reward_model_gpus)]
         t0 = time.monotonic()
         colocation = Colocation(sup.leases)
@@ -446,8 +376,8 @@ def _start(cfg: PPOConfig, console: RunConsole, lock: RunDirLock, actor_cls, cri
         trainers = []
         for name, cls, is_critic, gpus in groups:
             # Trainers are rank groups, one process per GPU (roles.trainer.group); they die as one.
-            group = TrainerGroup.spawn(sup, name, cls, trainer_config(cfg, hf_checkpoint, critic=is_critic, dtype=dtype),
-                                       gpus=gpus, env=trainer_env)
+            config = trainer_config(cfg, hf_checkpoint, critic=is_critic, dtype=dtype)
+            group = TrainerGroup.spawn(sup, name, cls, config, gpus=gpus, env=trainer_env)
             trainers.append(group)
             if in_turn:
                 console.begin(f"building the {name} on its GPUs")
@@ -463,10 +393,8 @@ def _start(cfg: PPOConfig, console: RunConsole, lock: RunDirLock, actor_cls, cri
             for g in gpus:
                 sup.leases.acquire(g, name)
             colocation.holding.add(name)
-            engines.append(sup.spawn(
-                name, RolloutEngine, hf_checkpoint, backend=cfg.engine.rollout_backend, engine_index=i,
-                seed=cfg.rollout.rollout_seed, dtype=dtype, gpus=gpus, restart="one_for_one",
-                **engine_settings(cfg), env=engine_env))
+            config = engine_config(cfg, hf_checkpoint, engine_index=i, dtype=dtype)
+            engines.append(sup.spawn(name, RolloutEngine, config, gpus=gpus, restart="one_for_one", env=engine_env))
             engine_tenants.append(engine_tenant(engines[-1], tuple(gpus), frees=C.rollout_offload_tags(cfg)))
         console.begin("waiting for the roles to load their weights")
         sup.wait_ready()

@@ -14,24 +14,23 @@ from __future__ import annotations
 import time
 
 from roles.device import DeviceMemory, check_memory_tags, tenant_lifecycle
+from roles.reward.config import RewardModelConfig
 from roles.reward.model import RewardModel
-from runtime import Actor, endpoint
+from runtime import Actor, endpoint, wire
 
 MEMORY_TAGS = ("weights",)
+wire.register_config(RewardModelConfig)  # it travels to each rank's process as itself
 
 
 class RewardModelScorer(Actor):
     lifecycle = tenant_lifecycle("scoring")
 
-    def __init__(self, path: str, *, dtype: str, max_tokens: int):
-        """`path`: an HF sequence-classification checkpoint with one label (roles.reward.model);
-        `dtype`: bfloat16 on a GPU, float32 on fake GPUs and the CPU; `max_tokens`: padded tokens
-        per micro-batch."""
+    def __init__(self, config: RewardModelConfig):
         ctx = self.context
         memory = DeviceMemory("reward-model" if ctx is None else ctx.name)
         for tag in ("weights", "activations"):  # a restarted rank: what its killed incarnation held is gone
             memory.account(tag, 0)
-        self._model = RewardModel(path, dtype=dtype, max_tokens=max_tokens, memory=memory)
+        self._model = RewardModel(config.path, dtype=config.dtype, max_tokens=config.max_tokens, memory=memory)
         self.set_state("offloaded")
 
     @endpoint

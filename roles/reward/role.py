@@ -1,8 +1,10 @@
 """The reward scorer role: ``Scorer`` served as an actor (a CPU process, ``restart="one_for_one"``)."""
 
-from runtime import Actor, endpoint
-
+from roles.reward.config import ScorerConfig
 from roles.reward.scorer import Scorer
+from runtime import Actor, endpoint, wire
+
+wire.register_config(ScorerConfig)  # it travels to the scorer's process as itself
 
 
 class RewardScorer(Actor):
@@ -12,9 +14,8 @@ class RewardScorer(Actor):
     scorer starts clean.
     """
 
-    def __init__(self, *args, **kwargs):
-        """``Scorer``'s arguments."""
-        self._scorer = Scorer(*args, **kwargs)
+    def __init__(self, config: ScorerConfig):
+        self._scorer = Scorer(config)
 
     lifecycle = {"starting": frozenset({"ready"}), "ready": frozenset({"scoring"}),
                  "scoring": frozenset({"ready"})}

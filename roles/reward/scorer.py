@@ -11,20 +11,19 @@ import os
 import sys
 from collections import Counter
 
+from roles.reward.config import ScorerConfig
 from roles.reward.custom import load_reward_function
 from roles.reward.pool import JobResult, WorkerPool
 from roles.reward.remote import RemoteReward
-from roles.reward.rules import REWARD_RULES
 from roles.reward.worker import JobConfig
 
 _MAX_DEFAULT_WORKERS = 4
-REMOTE_RM = "remote_rm"  # miles' --rm-type of a reward service at --rm-url
 
 
 class Scorer:
     """Reward scoring for batches of sample dicts; ``RewardScorer`` serves it as an actor.
 
-    ``rm_type`` names a rule in ``REWARD_RULES`` unless ``custom_rm_path`` is given, in
+    ``config.rm_type`` names a rule in ``REWARD_RULES`` unless ``custom_rm_path`` is given, in
     which case the custom function scores every sample (as ``--custom-rm-path`` in
     miles). ``rm_type="remote_rm"`` posts each sample to the service at ``rm_url``
     (``remote.RemoteReward``: ``timeout_s`` per attempt, ``max_retries``, at most
@@ -36,45 +35,21 @@ class Scorer:
     parallel (default: CPU count, at most 4).
     """
 
-    def __init__(
-        self,
-        rm_type: str,
-        custom_rm_path: str | None = None,
-        timeout_s: float = 10.0,
-        group_rm: bool = False,
-        num_workers: int | None = None,
-        *,
-        rm_url: str | None = None,
-        max_retries: int = 2,
-        max_concurrency: int = 32,
-        reward_key: str | None = None,
-    ):
-        if custom_rm_path is None and rm_type not in (*REWARD_RULES, REMOTE_RM):
-            raise ValueError(
-                f"rm_type={rm_type!r} is not a reward rule; choose one of {sorted(REWARD_RULES)}, "
-                f"{REMOTE_RM!r} (with rm_url) or set custom_rm_path"
-            )
-        if not timeout_s > 0:
-            raise ValueError(f"timeout_s={timeout_s} must be > 0 (seconds per sample)")
-        if num_workers is None:
-            num_workers = min(_MAX_DEFAULT_WORKERS, os.cpu_count() or 1)
-        if num_workers < 1:
-            raise ValueError(f"num_workers={num_workers} must be >= 1")
-        if custom_rm_path is not None:
-            load_reward_function(custom_rm_path)  # a wrong path fails here, with its own message
-        self._group_rm = group_rm and custom_rm_path is not None
+    def __init__(self, config: ScorerConfig):
+        if not isinstance(config, ScorerConfig):
+            raise TypeError(f"Scorer takes a ScorerConfig (roles.reward.config), got {type(config).__name__}")
+        if config.custom_rm_path is not None:
+            load_reward_function(config.custom_rm_path)  # a wrong path fails here, with its own message
+        self._group_rm = config.group_rm and config.custom_rm_path is not None
         self._pool: WorkerPool | RemoteReward
-        if custom_rm_path is None and rm_type == REMOTE_RM:
-            if rm_url is None:
-                raise ValueError(f"rm_type={REMOTE_RM!r} needs rm_url, the reward service's URL")
-            if max_retries < 0 or max_concurrency < 1:
-                raise ValueError(f"max_retries={max_retries} must be >= 0, max_concurrency={max_concurrency} >= 1")
-            self._pool = RemoteReward(rm_url, timeout_s=timeout_s, max_retries=max_retries,
-                                      max_concurrency=max_concurrency, reward_key=reward_key)
+        if config.uses_service:
+            self._pool = RemoteReward(config.rm_url, timeout_s=config.timeout_s, max_retries=config.max_retries,
+                                      max_concurrency=config.max_concurrency, reward_key=config.reward_key)
         else:
-            config = JobConfig(rm_type=rm_type, custom_rm_path=custom_rm_path, group_rm=self._group_rm,
-                               reward_key=reward_key, sys_path=tuple(sys.path))
-            self._pool = WorkerPool(config, num_workers=num_workers, timeout_s=timeout_s)
+            job = JobConfig(rm_type=config.rm_type, custom_rm_path=config.custom_rm_path, group_rm=self._group_rm,
+                            reward_key=config.reward_key, sys_path=tuple(sys.path))
+            num_workers = config.num_workers or min(_MAX_DEFAULT_WORKERS, os.cpu_count() or 1)
+            self._pool = WorkerPool(job, num_workers=num_workers, timeout_s=config.timeout_s)
         self._counts: Counter[str] = Counter()
 
     def score(self, samples: list[dict]) -> list[dict]:

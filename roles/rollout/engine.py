@@ -32,15 +32,17 @@ from roles.device import DeviceMemory
 from roles.model_spec import ModelSpec
 from roles.weight_sync import bucket_device, bucket_nbytes, received
 from roles.rollout.aborts import generate_retrying
+from roles.rollout.config import EngineConfig
 from roles.rollout.sampling import parse_requests, request_seed
-from runtime import Actor, endpoint
+from runtime import Actor, endpoint, wire
 
 TAGS = ("weights", "kv_cache", "cuda_graph")
 _GRAPH_HOLDS = ("weights", "kv_cache")  # what the graphs point into
 # sglang's adapter releases its graphs with its kv_cache (SGLANG_TAGS) and knows no third tag
 _BACKEND_TAGS = {"torch": TAGS, "sglang": ("weights", "kv_cache")}
-DTYPES = ("float32", "bfloat16", "float16")
 _MEMORY_STATES = ("ready", "kv_cache_released", "weights_released", "cuda_graph_released", "released")
+
+wire.register_config(EngineConfig)  # it travels to the engine's process as itself
 
 
 def _build_backend(name: str, hf_checkpoint: str, *, seed: int, **common):
@@ -56,22 +58,8 @@ def _build_backend(name: str, hf_checkpoint: str, *, seed: int, **common):
 class RolloutEngine(Actor):
     """One inference engine over an HF checkpoint, with a `torch` or `sglang` backend.
 
-    Args:
-      hf_checkpoint: HF checkpoint directory (config, safetensors, tokenizer).
-      backend: "torch" (built in; CPU, fake GPUs, small models) or "sglang" (production).
-      engine_index: this engine's index among the engines; names its ledger holder when
-        run in-process and seeds requests that bring no seed.
-      seed: base seed; see `generate`.
-      dtype: compute dtype of the weights.
-      max_batch_size: most requests decoded together (sglang: max_running_requests).
-      kv_cache_bytes: torch only: KV-cache budget; default: max_batch_size full-context rows.
-      mem_fraction: fraction of one GPU for weights + KV cache (sglang's mem_fraction_static;
-        torch: the KV budget is that fraction of the device minus the weights).
-      max_request_retries: how often a request the backend aborts (sglang's aborts; the
-        built-in engine out of memory) is issued again before `generate` gives up (aborts.py).
-      options: extra backend options: torch {"cuda_graphs", "compile", "triton", "sync_every", "load_format"}
-        (torch_engine/backend.py); sglang: any other `sglang.Engine` keyword (tp_size,
-        attention_backend, ...).
+    Built from one EngineConfig (roles.rollout.config: checkpoint, backend, batch, memory and
+    backend options).
 
     Constructing the engine loads the weights and reserves the KV cache on its GPU(s), so
     in a colocated group the engine must hold the GPUs' lease when it is spawned.
@@ -84,48 +72,21 @@ class RolloutEngine(Actor):
     }
     lifecycle["ready"] = lifecycle["ready"] | {"generating"}
 
-    def __init__(
-        self,
-        hf_checkpoint: str,
-        *,
-        backend: str = "torch",
-        engine_index: int = 0,
-        seed: int = 0,
-        dtype: str = "bfloat16",
-        max_batch_size: int = 64,
-        kv_cache_bytes: int | None = None,
-        mem_fraction: float | None = None,
-        max_request_retries: int = 3,
-        options: dict | None = None,
-    ):
-        if backend not in ("torch", "sglang"):
-            raise ValueError(f"backend={backend!r} must be one of 'torch', 'sglang'")
-        if dtype not in DTYPES:
-            raise ValueError(f"dtype={dtype!r} must be one of {DTYPES}")
-        if not isinstance(engine_index, int) or engine_index < 0:
-            raise ValueError(f"engine_index={engine_index!r} must be an int >= 0")
-        if not isinstance(max_batch_size, int) or max_batch_size < 1:
-            raise ValueError(f"max_batch_size={max_batch_size!r} must be an int >= 1")
-        if kv_cache_bytes is not None and (not isinstance(kv_cache_bytes, int) or kv_cache_bytes <= 0):
-            raise ValueError(f"kv_cache_bytes={kv_cache_bytes!r} must be a positive int or None")
-        if mem_fraction is not None and not 0 < mem_fraction <= 1:
-            raise ValueError(f"mem_fraction={mem_fraction!r} must be in (0, 1] or None")
-        if not isinstance(max_request_retries, int) or isinstance(max_request_retries, bool) \
-                or max_request_retries < 0:
-            raise ValueError(f"max_request_retries={max_request_retries!r} must be an int >= 0")
-        self.max_request_retries = max_request_retries
-        self.engine_index = engine_index
-        self.seed = seed
-        spec = ModelSpec.from_checkpoint(hf_checkpoint)
+    def __init__(self, config: EngineConfig):
+        if not isinstance(config, EngineConfig):
+            raise TypeError(f"RolloutEngine takes an EngineConfig (roles.rollout.config), "
+                            f"got {type(config).__name__}")
+        self.config = config
+        spec = ModelSpec.from_checkpoint(config.hf_checkpoint)
         self._vocab_size, self._max_positions = spec.vocab_size, spec.max_positions
-        holder = self.context.name if self.context is not None else f"rollout-{engine_index}"
+        holder = self.context.name if self.context is not None else f"rollout-{config.engine_index}"
         self._memory = DeviceMemory(holder)
-        self._backend_tags = _BACKEND_TAGS[backend]
+        self._backend_tags = _BACKEND_TAGS[config.backend]
         t0 = time.time()
         self._backend = _build_backend(
-            backend, hf_checkpoint, seed=seed, memory=self._memory, dtype=dtype,
-            max_batch_size=max_batch_size, kv_cache_bytes=kv_cache_bytes, mem_fraction=mem_fraction,
-            options=dict(options or {}),
+            config.backend, config.hf_checkpoint, seed=config.seed, memory=self._memory, dtype=config.dtype,
+            max_batch_size=config.max_batch_size, kv_cache_bytes=config.kv_cache_bytes,
+            mem_fraction=config.mem_fraction, options=dict(config.options),
         )
         self._released: set[str] = set()
         self._weight_version = 0
@@ -157,17 +118,18 @@ class RolloutEngine(Actor):
             return []
         if self._released:
             raise RuntimeError(
-                f"rollout engine {self.engine_index}: generate() while {sorted(self._released)} "
+                f"rollout engine {self.config.engine_index}: generate() while {sorted(self._released)} "
                 f"released (state {self.state}); call resume({sorted(self._released)}) first"
             )
         parsed = parse_requests(requests, vocab_size=self._vocab_size, max_positions=self._max_positions)
-        seeds = [request_seed(self.seed, self.engine_index, self._num_generate_calls, r) for r in parsed]
+        seeds = [request_seed(self.config.seed, self.config.engine_index, self._num_generate_calls, r) for r in parsed]
         self._num_generate_calls += 1
         self.set_state("generating", num_requests=len(parsed))
         try:
-            check_in_run(f"rollout engine {self.engine_index}")  # side by side under MPS: still computing right
-            results = generate_retrying(self._backend.generate, parsed, seeds, where=f"rollout engine {self.engine_index}",
-                                        max_retries=self.max_request_retries)
+            where = f"rollout engine {self.config.engine_index}"
+            check_in_run(where)  # side by side under MPS: still computing right
+            results = generate_retrying(self._backend.generate, parsed, seeds, where=where,
+                                        max_retries=self.config.max_request_retries)
         finally:
             self.set_state("ready")
         for result in results:
@@ -261,7 +223,7 @@ class RolloutEngine(Actor):
         """
         if "weights" in self._released:
             raise RuntimeError(
-                f"rollout engine {self.engine_index}: update_weights() while the weights are "
+                f"rollout engine {self.config.engine_index}: update_weights() while the weights are "
                 "released; call resume(['weights']) first"
             )
         bucket = received(bucket)

@@ -125,7 +125,7 @@ class TrainerConfig:
 
     @classmethod
     def from_dict(cls, values: Mapping[str, Any]) -> TrainerConfig:
-        """Build from a plain dict (what travels on the wire); unknown or missing keys are an error."""
+        """Build from plain values (JSON, a test's table); unknown or missing keys are an error."""
         fields = dataclasses.fields(cls)
         known = {f.name for f in fields}
         unknown = sorted(set(values) - known)
@@ -136,7 +136,7 @@ class TrainerConfig:
             raise ValueError(f"trainer config: missing fields {missing} (they have no default here)")
         values = dict(values)
         if "betas" in values:
-            values["betas"] = tuple(values["betas"])  # msgpack turns tuples into lists
+            values["betas"] = tuple(values["betas"])  # JSON has lists only
         return cls(**values)
 
     @property

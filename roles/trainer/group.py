@@ -88,6 +88,7 @@ from __future__ import annotations
 import time
 from typing import Any, Callable, Sequence
 
+from roles.trainer.config import TrainerConfig
 from roles.trainer.sharding import plan_forward, plan_train, put_rows, take_rows
 from runtime import ActorDied, ActorHandle, CallTimeout, Future, Supervisor
 from runtime.handle import wait_any
@@ -109,13 +110,13 @@ class TrainerGroup:
         self._layouts: list[dict] | None = None
 
     @classmethod
-    def spawn(cls, sup: Supervisor, name: str, trainer_cls: type, config: dict, *, gpus: Sequence[int],
+    def spawn(cls, sup: Supervisor, name: str, trainer_cls: type, config: TrainerConfig, *, gpus: Sequence[int],
               env: dict[str, str] | None = None) -> "TrainerGroup":
         """Start `trainer_cls(config)` as a rank group, one rank per GPU; returns at once.
         `config` carries the global_batch_size and loss_agg_mode the group shards by."""
         ranks = sup.spawn_group(name, trainer_cls, config, gpus=gpus, env=env)
-        return cls(name, ranks, gpus, global_batch_size=config["global_batch_size"],
-                   loss_agg_mode=config["loss_agg_mode"])
+        return cls(name, ranks, gpus, global_batch_size=config.global_batch_size,
+                   loss_agg_mode=config.loss_agg_mode)
 
     def __repr__(self) -> str:
         return f"<TrainerGroup {self.name} ({len(self.ranks)} ranks)>"

@@ -16,8 +16,19 @@ import torch
 
 from roles.compute_check import check_in_run
 from roles.device import DeviceMemory, tenant_lifecycle
+from roles.trainer.config import TrainerConfig
 from roles.trainer.distributed import Rank, init_from_env
-from runtime import Actor, endpoint
+from runtime import Actor, endpoint, wire
+
+wire.register_config(TrainerConfig)  # it travels to each rank's process as itself
+
+
+def checked_config(config: TrainerConfig, cls: type[TrainerConfig]) -> TrainerConfig:
+    """`config` when it is a `cls`; a trainer takes its backend's typed config, never a dict."""
+    if not isinstance(config, cls):
+        raise TypeError(f"this trainer takes a {cls.__name__} ({cls.__module__}), got {type(config).__name__}; "
+                        f"build one with {cls.__name__}(...) or {cls.__name__}.from_dict(values)")
+    return config
 
 
 class TrainerCore(Protocol):

@@ -47,7 +47,7 @@ class MegatronTrainerConfig(TrainerConfig):
         if self.transformer_impl not in TRANSFORMER_IMPLS:
             raise ValueError(f"megatron trainer config: transformer_impl={self.transformer_impl!r}, "
                              f"expected one of {TRANSFORMER_IMPLS}")
-        object.__setattr__(self, "offload_tags", tuple(self.offload_tags))  # a list off the wire (msgpack)
+        object.__setattr__(self, "offload_tags", tuple(self.offload_tags))  # a list from plain values (from_dict)
         bad = [t for t in self.offload_tags if t not in MEMORY_TAGS]
         if bad:
             raise ValueError(f"megatron trainer config: offload_tags={self.offload_tags!r}, expected tags among "

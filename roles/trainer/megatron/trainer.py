@@ -13,7 +13,7 @@ holds, and ActorRole's own endpoints send from rank 0.
 
 from __future__ import annotations
 
-from typing import Any, Iterator, Mapping
+from typing import Iterator
 
 import torch
 
@@ -25,21 +25,20 @@ from roles.trainer.megatron.core import MegatronCore
 from roles.trainer.megatron.logprobs import vocab_parallel_log_probs, vocab_shard
 from roles.trainer.megatron.packing import PackedMicroBatch
 from roles.trainer.objectives import policy_objective, value_objective
-from roles.trainer.role import TrainerRole
+from roles.trainer.role import TrainerRole, checked_config
 from roles.weight_checksum import checksum_named_tensors
-from runtime import endpoint
+from runtime import endpoint, wire
 
 
-def _config(config: MegatronTrainerConfig | Mapping[str, Any]) -> MegatronTrainerConfig:
-    return config if isinstance(config, MegatronTrainerConfig) else MegatronTrainerConfig.from_dict(config)
+wire.register_config(MegatronTrainerConfig)  # it travels to each rank's process as itself
 
 
 class _MegatronRole(TrainerRole):
     _core: MegatronCore
 
-    def _build(self, config, *, critic: bool, role: str, hf_state: dict | None) -> None:
+    def _build(self, config: MegatronTrainerConfig, *, critic: bool, role: str, hf_state: dict | None) -> None:
+        self.config = checked_config(config, MegatronTrainerConfig)
         self._join_group()
-        self.config = _config(config)
         torch.manual_seed(self.config.seed)
         self._core = MegatronCore(self.config, critic=critic, memory=self._device_memory(role), hf_state=hf_state)
         self._started(transformer_impl=self.config.transformer_impl)  # the choice, in the run's events
@@ -62,7 +61,7 @@ class MegatronActorTrainer(_MegatronRole, ActorRole):
     `hf_state` (in-process use: tests, bench) replaces reading the checkpoint's safetensors.
     """
 
-    def __init__(self, config: MegatronTrainerConfig | Mapping[str, Any], hf_state: dict | None = None):
+    def __init__(self, config: MegatronTrainerConfig, hf_state: dict | None = None):
         self._build(config, critic=False, role="actor", hf_state=hf_state)
         self._ref_params = self._core.ref_params
 
@@ -154,7 +153,7 @@ class MegatronActorTrainer(_MegatronRole, ActorRole):
 class MegatronCriticTrainer(_MegatronRole, CriticRole):
     """The value model on megatron-core: the policy's trunk and an untied Linear(hidden, 1)."""
 
-    def __init__(self, config: MegatronTrainerConfig | Mapping[str, Any], hf_state: dict | None = None):
+    def __init__(self, config: MegatronTrainerConfig, hf_state: dict | None = None):
         self._build(config, critic=True, role="critic", hf_state=hf_state)
 
     def processor(self, mb: PackedMicroBatch):

@@ -3,7 +3,7 @@ over an HF model in roles.trainer.torch.core.TrainCore (data parallel: every ran
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterator, Mapping
+from typing import Callable, Iterator
 
 import torch
 
@@ -12,22 +12,18 @@ from roles.trainer.batching import MicroBatch
 from roles.trainer.config import TrainerConfig
 from roles.trainer.critic import CriticRole
 from roles.trainer.objectives import Objective, policy_objective, value_objective
-from roles.trainer.role import TrainerRole
+from roles.trainer.role import TrainerRole, checked_config
 from roles.trainer.torch.core import TrainCore
 from roles.trainer.torch.model import load_policy, load_value_model, policy_log_probs, values_forward
 from runtime import endpoint
 
 
-def _config(config: TrainerConfig | Mapping[str, Any]) -> TrainerConfig:
-    return config if isinstance(config, TrainerConfig) else TrainerConfig.from_dict(config)
-
-
 class _TorchRole(TrainerRole):
     _core: TrainCore
 
-    def _build(self, config, *, role: str, load: Callable[[TrainerConfig], torch.nn.Module]) -> None:
+    def _build(self, config: TrainerConfig, *, role: str, load: Callable[[TrainerConfig], torch.nn.Module]) -> None:
+        self.config = checked_config(config, TrainerConfig)
         self._join_group()
-        self.config = _config(config)
         torch.manual_seed(self.config.seed)
         self._core = TrainCore(self.config, load(self.config), self._device_memory(role))
         self._started()
@@ -49,7 +45,7 @@ class _TorchRole(TrainerRole):
 class ActorTrainer(_TorchRole, ActorRole):
     """The policy as an HF causal LM, float32 master weights (roles.trainer.torch.core)."""
 
-    def __init__(self, config: TrainerConfig | Mapping[str, Any]):
+    def __init__(self, config: TrainerConfig):
         self._build(config, role="actor",
                     load=lambda c: load_policy(c.hf_checkpoint, gradient_checkpointing=c.gradient_checkpointing))
         # The reference policy is the initial one; a CPU copy, swapped in for ref log-probs.
@@ -85,7 +81,7 @@ class ActorTrainer(_TorchRole, ActorRole):
 class CriticTrainer(_TorchRole, CriticRole):
     """The value model: the policy's backbone plus a scalar head (roles.trainer.torch.model.ValueModel)."""
 
-    def __init__(self, config: TrainerConfig | Mapping[str, Any]):
+    def __init__(self, config: TrainerConfig):
         self._build(config, role="critic", load=lambda c: load_value_model(
             c.hf_checkpoint, seed=c.seed, gradient_checkpointing=c.gradient_checkpointing))
 
