@@ -404,7 +404,10 @@ class ToolsConfig:
     """The sandbox each tool call of a multi-turn rollout runs in (roles.tools; docs/tools.md);
     the tools themselves are GenerateConfig's (miles' flags)."""
 
-    num_tool_workers: int = knob(2, "tool worker processes: calls that run at once", ge=1)
+    tool_sandbox: bool = knob(True, "run each tool call in a bubblewrap sandbox with the limits below; off: in the "
+                              "driver's process with the timeout and output cut only, for trusted plain-Python tools")
+    num_tool_workers: int = knob(2, "tool worker processes (threads without the sandbox): calls that run at once",
+                                 ge=1)
     tool_timeout: float = knob(10.0, "seconds of wall clock a tool call may take", gt=0.0)
     tool_cpu_seconds: int = knob(5, "seconds of CPU time a tool call may use (RLIMIT_CPU)", ge=1)
     tool_memory_mb: int = knob(1024, "address space of each process of a tool call (RLIMIT_AS), in MiB; "
