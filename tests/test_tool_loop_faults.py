@@ -148,8 +148,9 @@ def test_a_calls_sandbox_killed_mid_call_is_an_error_and_the_worker_serves_on(to
         out, texts = run_loop(tok, tools, ex, [call("slow"), call("echo"), "the answer"], during=kill_the_sandbox)
     finally:
         ex.close()
-    assert "error" in texts[1] and "echo done" in texts[3]
+    assert "error" in texts[1] and "sandbox was killed by sigkill" in texts[1] and "echo done" in texts[3]
     assert (out.stats["tool_calls"], out.stats["tool_errors"], out.stats["tool_worker_restarts"]) == (2, 1, 0)
+    assert out.stats["tool_errors/crash"] == 1
 
 
 async def _busy(ex) -> psutil.Process:

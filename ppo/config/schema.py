@@ -428,9 +428,9 @@ class GenerateConfig:
         "as --custom-rm-path names one); unset: one response per prompt, or the built-in tool loop "
         "(ppo.generate.tool_loop:generate) when --generate-tool-specs-path is set")
     generate_tool_specs_path: str | None = knob(
-        None, "the tools' OpenAI-style specs: a list, or a function returning one (module:name)")
+        None, "the tools' OpenAI-style specs: a .json file, or a list or a function returning one (module:name)")
     generate_execute_tool_function_path: str | None = knob(
-        None, "async def execute(name, arguments) -> str that runs one tool call (module:function)")
+        None, "execute(name, arguments) -> str, sync or async, that runs one tool call (module:function)")
     generate_tool_call_parser: str = knob("qwen25", "how tool calls are written: <tool_call>{json}</tool_call>",
                                           choices=TOOL_CALL_PARSERS)
     generate_max_turns: int = knob(16, "most model turns of one trajectory (the tool loop)", ge=1)
