@@ -50,18 +50,10 @@ def evaluate_checkpoint(cfg: PPOConfig, log=lambda line: print(line, file=sys.st
     Raises JobSetupError, before anything starts, for a bad set or checkpoint."""
     from transformers import AutoTokenizer
 
-    from ppo.generate.evaluation import evaluate, load_eval_sets
-    from ppo.generate.setup import check_generation, load_generation, rollout_function
+    from ppo.generate.evaluation import load_eval_sets
+    from ppo.generate.setup import load_generation
     from ppo.setup.generated import resolve_eval_paths
-    from ppo.setup.job import (FAKE_GPU_BYTES, ROLE_ENV, JobSetupError, hf_checkpoint_problem, model_context,
-                               reward_service_problem, rollout_backend_problem)
-    from ppo.setup.role_configs import engine_config, scorer_config
-    from ppo.gpu.sizing import compute_dtype
-    from ppo.observe.logger import write_samples
-    from ppo.gpu.placement import plan_placement
-    from roles.reward.role import RewardScorer
-    from roles.rollout.engine import RolloutEngine
-    from runtime import Supervisor
+    from ppo.setup.job import JobSetupError, hf_checkpoint_problem, reward_service_problem, rollout_backend_problem
 
     problems = [p for p in (rollout_backend_problem(cfg), hf_checkpoint_problem(cfg), reward_service_problem(cfg)) if p]
     if problems:
@@ -73,8 +65,31 @@ def evaluate_checkpoint(cfg: PPOConfig, log=lambda line: print(line, file=sys.st
     try:
         sets = load_eval_sets(cfg, resolve_eval_paths(cfg, run_dir), tok)
         generation = load_generation(cfg)  # judged with its tools, as in training
-        check_generation(generation, tok)
     except (ValueError, FileNotFoundError) as e:  # a bad line names FILE:LINE
+        raise JobSetupError(str(e)) from e
+    try:
+        return _evaluate(cfg, run_dir, tok, sets, generation, log)
+    finally:
+        if generation is not None:
+            generation.close()  # the tools' executor
+
+
+def _evaluate(cfg: PPOConfig, run_dir: Path, tok, sets, generation, log) -> dict[str, float]:
+    from ppo.generate.evaluation import evaluate
+    from ppo.generate.setup import check_generation, rollout_function
+    from ppo.gpu.sizing import compute_dtype
+    from ppo.setup.job import FAKE_GPU_BYTES, ROLE_ENV, JobSetupError, model_context
+    from ppo.setup.role_configs import engine_config, scorer_config
+    from ppo.observe.logger import write_samples
+    from ppo.gpu.placement import plan_placement
+    from roles.reward.role import RewardScorer
+    from roles.rollout.engine import RolloutEngine
+    from runtime import Supervisor
+
+    ckpt = cfg.checkpoint.hf_checkpoint
+    try:
+        check_generation(generation, tok)
+    except ValueError as e:
         raise JobSetupError(str(e)) from e
     rollout = rollout_function(generation, cfg, tok, model_context(ckpt))
     plan = plan_placement(cfg)

@@ -330,19 +330,20 @@ def test_bad_eval_set_line_exits_2_naming_file_and_line_before_anything_starts(t
     assert not (run_dir / "events.jsonl").exists() or "spawned" not in (run_dir / "events.jsonl").read_text()
 
 
-# --- the tool loop's tool specs and function (ppo.generate.tools) -----------------------------
+# --- the tool loop's tool specs and function (ppo.generate.tools, roles.tools.specs) ----------
 
 @pytest.mark.timeout(120)
 def test_bad_tool_function_exits_2_in_one_line_before_anything_is_written(tmp_path, tiny_checkpoint):
     """Through the launcher once (each start costs ~20 s here); every other bad spec and function is
-    refused by the same load_tool_setup (tests/test_generate_tools.py)."""
+    refused by the same load_tool_setup (tests/test_generate_tools.py, tests/test_tools_specs.py)."""
     (tmp_path / "tools.py").write_text("async def run(name):\n    return ''\n")
     prompts = write_prompts(tmp_path / "p.jsonl", [])
     run_dir = tmp_path / "run"
     proc = launch(tiny_args(tiny_checkpoint, prompts, run_dir) + [
-        "--generate-tool-specs-path", "ppo.generate.tiny_tools:TOOL_SPECS",
+        "--generate-tool-specs-path", "roles.tools.calculator:TOOL_SPECS",
         "--generate-execute-tool-function-path", f"{tmp_path}/tools.py:run"], tmp_path, timeout=100)
     assert proc.returncode == 2, proc.stderr[-3000:]
-    assert proc.stderr.strip() == (f"tandem: generate_execute_tool_function_path='{tmp_path}/tools.py:run': "
-                                   "run(name) must take (name, arguments)")
+    assert proc.stderr.strip() == (f"tandem: --generate-execute-tool-function-path {tmp_path}/tools.py:run: "
+                                   "run(name) cannot be called with (name, arguments); a tool function takes "
+                                   "(name: str, arguments: dict) and returns a str, as miles' execute_tool_call")
     assert not run_dir.exists()

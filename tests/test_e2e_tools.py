@@ -9,7 +9,7 @@ from ppo.config.validate import ensure_valid
 from ppo.generate.tiny_tools import build_tool_model
 from ppo.prompts.tasks import write_tool_sum_task
 from ppo.loop import train
-from ppo.config.recipes import tiny_tools
+from ppo.config.recipes import tiny_tools, tiny_tools_no_tool
 
 
 @pytest.fixture(scope="module")
@@ -44,3 +44,21 @@ def test_tool_trajectories_train_with_engine_and_trainer_agreeing_on_every_model
     assert first["turns"][0]["text"].startswith("<tool_call>")
     assert first["turns"][1]["text"].startswith("<tool_response>")
     assert first["stats"]["tool_calls"] >= 1
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1200)
+def test_tiny_tools_learns_to_use_the_calculator_and_without_it_stays_near_chance(tmp_path):
+    """The recipes as they are (their warm-started models, built here), seed 1234: reward at least
+    0.7 by rollout 40 with the tool, its last 5 rollouts' mean below 0.3 without it. Long: the two
+    runs took 899 s and 571 s on the shared 2-core machine under a load of 11-18 (docs/multi_turn.md
+    has the figures per seed; seed 1 does not pass this bar)."""
+    no_eval = dict(eval_prompt_data=None, eval_interval=None, num_rollout=40)
+    tools = train(ensure_valid(override(tiny_tools(), run_dir=str(tmp_path / "tools"), **no_eval)))
+    rewards = [h["rollout/raw_reward"] for h in tools]
+    assert sum(rewards[:3]) / 3 < 0.2, rewards  # from about chance: the warm start answers at random
+    assert max(rewards[-3:]) >= 0.7, rewards
+    assert tools[-1]["rollout/tool_calls"] >= 0.9 * 64 * 8  # still calling the tool
+    baseline = train(ensure_valid(override(tiny_tools_no_tool(), run_dir=str(tmp_path / "no_tool"), **no_eval)))
+    baseline_rewards = [h["rollout/raw_reward"] for h in baseline]
+    assert sum(baseline_rewards[-5:]) / 5 < 0.3, baseline_rewards

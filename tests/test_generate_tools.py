@@ -1,5 +1,6 @@
 """The built-in tool loop: tool-call parsing, tool turns from the chat template, the tool setup's
-checks, the in-process executor, and the loop itself over a scripted engine client."""
+checks, the in-process executor, and the loop itself over a scripted engine client (faults of
+the tools under both executors: tests/test_tool_loop_faults.py)."""
 
 import asyncio
 import json
@@ -9,12 +10,17 @@ import pytest
 
 from ppo.generate.chat import ToolCall, ToolCallError, parse_tool_calls, render_ids, tool_messages, tool_turn_ids
 from ppo.generate.custom import GenerateArgs, Sample
-from ppo.generate.tiny_tools import TINY_TOOL_CHAT_TEMPLATE, TOOL_SPECS, TOOL_TOKENS, call_text, execute
+from ppo.config import ToolsConfig
+from ppo.generate.tiny_tools import TINY_TOOL_CHAT_TEMPLATE, TOOL_TOKENS, call_text
 from ppo.generate.tool_loop import generate as tool_loop
-from ppo.generate.tools import InProcessExecutor, ToolSetup, check_chat_template, load_tool_setup
+from ppo.generate.tools import ToolSetup, check_chat_template, load_tool_setup, tool_limits
 from ppo.setup.tiny_model import EOS_ID, build_tiny_checkpoint, load_tokenizer
+from roles.tools.calculator import TOOL_SPECS
+from roles.tools.in_process import InProcessExecutor
+from roles.tools.specs import ToolSet
 
 NAMES = frozenset({"calc", "search"})
+CALCULATOR = ToolSet(specs=tuple(TOOL_SPECS), function_path="roles.tools.calculator:execute_tool")
 # Qwen2.5/Qwen3's layout of tool turns (consecutive tool messages in one user turn, "\n" after
 # <|im_end|>), written for the tiny tokenizer's characters
 QWEN_LIKE_TEMPLATE = (
@@ -62,10 +68,10 @@ def test_tool_calls_are_parsed_in_order_and_malformed_ones_become_errors():
 
 
 def _conversation(expr: str, answer: str):
-    calls = [ToolCall("calc", {"expr": expr})]
+    calls = [ToolCall("calculator", {"expression": expr})]
     return calls, [{"role": "user", "content": f"{expr}="},
                    {"role": "assistant", "content": "", "tool_calls": [
-                       {"type": "function", "function": {"name": "calc", "arguments": {"expr": expr}}}]},
+                       {"type": "function", "function": {"name": "calculator", "arguments": {"expression": expr}}}]},
                    *tool_messages(calls, [answer])]
 
 
@@ -98,7 +104,7 @@ def test_tool_turn_keeps_what_the_template_writes_after_the_stop_token(qwen_tok)
 
 
 def test_a_template_that_cannot_render_tool_turns_is_refused(tok, tmp_path):
-    setup = ToolSetup(specs=TOOL_SPECS, executor=None, max_turns=4, parser="qwen25")
+    setup = ToolSetup(tools=CALCULATOR, executor=None, max_turns=4, parser="qwen25")
     check_chat_template(tok, setup)
     tok2 = load_tokenizer(build_tiny_checkpoint(str(tmp_path / "t"), extra_tokens=TOOL_TOKENS))
     with pytest.raises(ValueError, match="has none"):
@@ -108,48 +114,69 @@ def test_a_template_that_cannot_render_tool_turns_is_refused(tok, tmp_path):
         check_chat_template(tok2, setup)
 
 
-def _config(tmp_path, specs="ppo.generate.tiny_tools:TOOL_SPECS", fn="ppo.generate.tiny_tools:execute"):
-    return SimpleNamespace(generate_tool_specs_path=specs, generate_execute_tool_function_path=fn,
-                           generate_max_turns=3, generate_tool_call_parser="qwen25")
+def _config(specs="roles.tools.calculator:TOOL_SPECS", fn="roles.tools.calculator:execute_tool", sandbox=False):
+    generate = SimpleNamespace(generate_tool_specs_path=specs, generate_execute_tool_function_path=fn,
+                               generate_max_turns=3, generate_tool_call_parser="qwen25")
+    return SimpleNamespace(generate=generate,
+                           tools=ToolsConfig(tool_sandbox=sandbox, num_tool_workers=1))
 
 
 def test_tool_setup_loads_specs_and_function_and_refuses_bad_ones_in_one_line(tmp_path):
-    setup = load_tool_setup(_config(tmp_path))
-    assert setup.names == {"calc"} and setup.max_turns == 3
+    setup = load_tool_setup(_config())
+    try:
+        assert setup.names == {"calculator"} and setup.max_turns == 3
+        assert isinstance(setup.executor, InProcessExecutor)  # --no-tool-sandbox
+    finally:
+        setup.close()
     f = tmp_path / "t.py"
     f.write_text("SPECS = [{'type': 'function', 'function': {'name': 'a'}}]\nBAD = [{'type': 'function'}]\n"
                  "def specs():\n    return SPECS\n"
                  "def sync(name, arguments):\n    return ''\nasync def one(name):\n    return ''\n")
     (tmp_path / "broken.py").write_text("def f(:\n")
-    assert load_tool_setup(_config(tmp_path, specs=f"{f}:specs")).names == {"a"}
-    cases = [(f"{f}:BAD", "ppo.generate.tiny_tools:execute", "spec #0 must be"),
-             (f"{f}:missing", "ppo.generate.tiny_tools:execute", "has no attribute 'missing'"),
-             (f"{tmp_path}/broken.py:f", "ppo.generate.tiny_tools:execute", "importing it raised SyntaxError"),
-             ("ppo.generate.tiny_tools:TOOL_SPECS", f"{f}:sync", "must be an async def execute"),
-             ("ppo.generate.tiny_tools:TOOL_SPECS", f"{f}:one", r"one\(name\) must take \(name, arguments\)")]
-    for specs, fn, message in cases:
+    setup = load_tool_setup(_config(specs=f"{f}:specs", fn=f"{f}:sync"))  # a function of specs; a sync tool
+    assert setup.names == {"a"}
+    setup.close()
+    cases = [(f"{f}:BAD", "tool 0: expected"),
+             (f"{f}:missing", "has no attribute 'missing'"),
+             (f"{tmp_path}/broken.py:f", "importing it failed: SyntaxError")]
+    for specs, message in cases:
         with pytest.raises(ValueError, match=message) as e:
-            load_tool_setup(_config(tmp_path, specs=specs, fn=fn))
+            load_tool_setup(_config(specs=specs))
         assert "\n" not in str(e.value)
+    with pytest.raises(ValueError, match=r"one\(name\) cannot be called with \(name, arguments\)"):
+        load_tool_setup(_config(fn=f"{f}:one"))
 
 
-def test_in_process_executor_turns_failures_into_messages_for_the_model():
-    async def tool(name, arguments):
-        if name == "slow":
-            await asyncio.sleep(5)
-        if name == "boom":
-            raise RuntimeError("bad input")
-        if name == "number":
-            return 3
-        return "x" * 50
-
-    ex = InProcessExecutor(tool, timeout_s=0.05, max_chars=10)
-    slow, boom, number, long = asyncio.run(_all(ex.call(n, {}) for n in ("slow", "boom", "number", "long")))
+def test_in_process_executor_turns_failures_into_messages_for_the_model(tmp_path):
+    (tmp_path / "tool.py").write_text(
+        "import asyncio, time\n"
+        "def execute(name, arguments):\n"
+        "    what = arguments['what']\n"
+        "    if what == 'slow':\n        time.sleep(1)\n"
+        "    if what == 'boom':\n        raise RuntimeError('bad input')\n"
+        "    if what == 'number':\n        return 3\n"
+        "    return 'x' * 50\n"
+        "async def execute_async(name, arguments):\n    await asyncio.sleep(5)\n")
+    spec = {"type": "function", "function": {"name": "t", "parameters": {
+        "type": "object", "properties": {"what": {"type": "string"}}, "required": ["what"]}}}
+    limits = tool_limits(SimpleNamespace(tools=ToolsConfig(tool_timeout=0.05, tool_max_output_chars=10)))
+    ex = InProcessExecutor(ToolSet(specs=(spec,), function_path=f"{tmp_path}/tool.py:execute"), limits, num_workers=2)
+    try:
+        slow, boom, number, long, bad = asyncio.run(_all(
+            [ex.call("t", {"what": w}) for w in ("slow", "boom", "number", "long")] + [ex.call("t", {})]))
+    finally:
+        ex.close()
     assert (slow.ok, slow.error_kind) == (False, "timeout") and "longer than 0.05 s" in slow.text
-    assert (boom.error_kind, boom.text) == ("error", "error: boom raised RuntimeError: bad input")
-    assert number.error_kind == "error" and "returned int" in number.text
-    assert long.ok and long.text == "x" * 10 + "... (cut at 10 characters)"
-    assert asyncio.run(execute("calc", {"expr": "347+285"})) == "632"
+    assert boom.error_kind == "crash" and boom.text.startswith("error: RuntimeError: bad input (at tool.py:")
+    assert number.error_kind == "crash" and "returned a int, not a str" in number.text
+    assert (long.ok, long.error_kind) == (False, "output_limit")
+    assert long.text == "x" * 10 + "\n[output cut: 50 characters, the limit is 10]"
+    assert (bad.error_kind, bad.seconds) == ("bad_arguments", 0.0)
+    assert ex.stats()["tool_calls"] == 5 and ex.stats()["tool_timeouts"] == 1 and ex.stats()["tool_errors"] == 5
+    ex = InProcessExecutor(ToolSet(specs=(spec,), function_path=f"{tmp_path}/tool.py:execute_async"), limits,
+                           num_workers=1)
+    assert asyncio.run(ex.call("t", {"what": "x"})).error_kind == "timeout"  # an async tool: on the event loop
+    ex.close()
 
 
 async def _all(coros):
@@ -173,7 +200,9 @@ class ScriptedClient:
 
 def _run_loop(tok, turns, max_turns=4, max_new_tokens=60, max_context=64):
     client = ScriptedClient(turns)
-    setup = ToolSetup(specs=TOOL_SPECS, executor=InProcessExecutor(execute), max_turns=max_turns, parser="qwen25")
+    limits = tool_limits(SimpleNamespace(tools=ToolsConfig()))
+    setup = ToolSetup(tools=CALCULATOR, executor=InProcessExecutor(CALCULATOR, limits, num_workers=1),
+                      max_turns=max_turns, parser="qwen25")
     args = GenerateArgs(config=None, tokenizer=tok, max_context=max_context, client=client, tools=setup)
     sample = Sample(index=0, group_index=0, prompt="347+285=", prompt_ids=tok.encode("347+285=",
                                                                                         add_special_tokens=False))
@@ -193,20 +222,22 @@ def test_tool_loop_runs_the_call_appends_the_rendered_result_and_asks_with_the_w
     assert traj.response_ids == call + env + answer
     assert traj.loss_mask == [1] * len(call) + [0] * len(env) + [1] * len(answer)
     assert client.contexts == [out.prompt_ids, out.prompt_ids + call + env]  # each turn: the record so far
-    assert out.stats == {"tool_calls": 1, "tool_errors": 0, "tool_timeouts": 0, "tool_seconds": pytest.approx(0, abs=1)}
+    assert out.stats == {"tool_calls": 1, "tool_errors": 0, "tool_timeouts": 0, "tool_seconds": pytest.approx(0, abs=1),
+                         "tool_worker_restarts": 0}
     assert out.weight_version == 7 and traj.num_model_turns == 2
 
 
 def test_tool_loop_answers_a_malformed_call_with_an_error_and_stops_at_the_turn_limit(tok):
-    bad = _ids(tok, '<tool_call>{"name": "calc", "arguments": {"expr": "1+"}}</tool_call>')  # calc raises
+    bad = _ids(tok, call_text("1+"))  # the calculator answers with its error, in words
     worse = _ids(tok, "<tool_call>calc</tool_call>")  # not JSON
     out, client = _run_loop(tok, [(bad, "stop"), (worse, "stop"), (bad, "stop")], max_turns=3,
                             max_new_tokens=400, max_context=512)  # room for the error messages
     texts = [tok.decode(list(t.ids), skip_special_tokens=False) for t in out.trajectory.turns]
     assert [t.source for t in out.trajectory.turns] == ["model", "env", "model", "env", "model"]
-    assert texts[1].startswith("<tool_response>error<unk> calc raised valueerror")
+    assert texts[1].startswith("<tool_response>error<unk> <unk>1+<unk> is not an arithmetic expression")
     assert texts[3].startswith("<tool_response>error<unk> the tool call is not json")
-    assert out.stats["tool_calls"] == 2 and out.stats["tool_errors"] == 2  # the 3rd turn's call is not run
+    assert out.stats["tool_calls"] == 2 and out.stats["tool_errors"] == 1  # the 3rd turn's call is not run
+    assert out.stats["tool_errors/malformed_call"] == 1
     assert not client.turns
 
 

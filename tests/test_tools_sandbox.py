@@ -17,7 +17,8 @@ import psutil
 import pytest
 
 from roles.tools import sandbox
-from roles.tools.executor import ERROR_KINDS, ToolExecutor, tool_metrics
+from roles.tools.executor import ToolExecutor
+from roles.tools.result import ERROR_KINDS
 from roles.tools.sandbox import Limits
 from roles.tools.specs import ToolSet, load_tools
 
@@ -194,9 +195,6 @@ def test_each_misdeed_gets_its_error_kind_and_the_executor_keeps_serving(executo
         assert after[f"tool_errors/{kind}"] - before[f"tool_errors/{kind}"] == list(MISDEEDS.values()).count(kind)
     assert after["tool_worker_restarts"] == before["tool_worker_restarts"]  # the workers survive every misdeed
     assert after["tool_seconds"] > before["tool_seconds"]
-    logged = tool_metrics(before, after)  # what the rollout logs
-    assert logged["rollout/tool_calls"] == len(MISDEEDS) + 1 and logged["rollout/tool_timeouts"] == 2
-    assert logged["rollout/tool_errors/output_limit"] == 3 and "rollout/tool_errors/worker_lost" not in logged
 
 
 @pytest.mark.timeout(60)

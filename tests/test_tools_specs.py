@@ -1,6 +1,6 @@
 """Loading and checking the tools of a run (--generate-tool-specs-path, --generate-execute-tool-
-function-path, as miles names them), the checks of a call's arguments, the calculator tool, and
-what a machine without bwrap is told. No sandbox runs here, except the launcher's exit-2 test."""
+function-path, as miles names them), the checks of a call's arguments, the calculator tool, which
+executor a run's tools get, and what a machine without bwrap is told."""
 
 import asyncio
 import json
@@ -10,7 +10,9 @@ import shutil
 import pytest
 
 from ppo.config import PPOConfig, override
-from ppo.setup.user_functions import load_tool_set, tool_limits
+from ppo.generate.tools import load_tool_setup, tool_limits
+from roles.tools.executor import ToolExecutor
+from roles.tools.in_process import InProcessExecutor
 from roles.tools import calculator, sandbox
 from roles.tools.calculator import TOOL_SPECS, evaluate
 from roles.tools.specs import ToolSet, load_tools
@@ -91,14 +93,22 @@ def test_a_call_is_checked_against_its_spec_before_it_runs():
     assert typed.argument_problem("calculator", {"n": 3}) is None
 
 
-def test_the_sandbox_reads_the_run_s_tools_and_limits():
+@pytest.mark.timeout(60)
+def test_the_run_s_tools_run_in_the_sandbox_by_default_and_in_process_when_asked():
     both = override(PPOConfig(), generate_tool_specs_path="roles.tools.calculator:TOOL_SPECS",
                     generate_execute_tool_function_path=GOOD_FUNCTION)
-    assert load_tool_set(PPOConfig()) is None and load_tool_set(both) is not None
+    assert load_tool_setup(PPOConfig()) is None
     with pytest.raises(ValueError, match="has no attribute 'nope'"):
-        load_tool_set(override(both, generate_execute_tool_function_path="roles.tools.calculator:nope"))
+        load_tool_setup(override(both, generate_execute_tool_function_path="roles.tools.calculator:nope"))
     limits = tool_limits(both)
     assert (limits.memory_bytes, limits.max_file_bytes) == (1024 << 20, 64 << 20)
+    for cfg, kind in ((both, ToolExecutor), (override(both, tool_sandbox=False), InProcessExecutor)):
+        setup = load_tool_setup(cfg)
+        try:
+            assert type(setup.executor) is kind
+            assert asyncio.run(setup.executor.call("calculator", {"expression": "6*7"})).text == "42"
+        finally:
+            setup.close()
 
 
 @pytest.mark.slow  # the launcher imports torch and the roles (~7 s of CPU) before its pre-run checks

@@ -404,7 +404,10 @@ class ToolsConfig:
     """The sandbox each tool call of a multi-turn rollout runs in (roles.tools; docs/tools.md);
     the tools themselves are GenerateConfig's (miles' flags)."""
 
-    num_tool_workers: int = knob(2, "tool worker processes: calls that run at once", ge=1)
+    tool_sandbox: bool = knob(True, "run each tool call in a bubblewrap sandbox with the limits below; off: in the "
+                              "driver's process with the timeout and output cut only, for trusted plain-Python tools")
+    num_tool_workers: int = knob(2, "tool worker processes (threads without the sandbox): calls that run at once",
+                                 ge=1)
     tool_timeout: float = knob(10.0, "seconds of wall clock a tool call may take", gt=0.0)
     tool_cpu_seconds: int = knob(5, "seconds of CPU time a tool call may use (RLIMIT_CPU)", ge=1)
     tool_memory_mb: int = knob(1024, "address space of each process of a tool call (RLIMIT_AS), in MiB; "
@@ -425,9 +428,9 @@ class GenerateConfig:
         "as --custom-rm-path names one); unset: one response per prompt, or the built-in tool loop "
         "(ppo.generate.tool_loop:generate) when --generate-tool-specs-path is set")
     generate_tool_specs_path: str | None = knob(
-        None, "the tools' OpenAI-style specs: a list, or a function returning one (module:name)")
+        None, "the tools' OpenAI-style specs: a .json file, or a list or a function returning one (module:name)")
     generate_execute_tool_function_path: str | None = knob(
-        None, "async def execute(name, arguments) -> str that runs one tool call (module:function)")
+        None, "execute(name, arguments) -> str, sync or async, that runs one tool call (module:function)")
     generate_tool_call_parser: str = knob("qwen25", "how tool calls are written: <tool_call>{json}</tool_call>",
                                           choices=TOOL_CALL_PARSERS)
     generate_max_turns: int = knob(16, "most model turns of one trajectory (the tool loop)", ge=1)

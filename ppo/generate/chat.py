@@ -33,6 +33,7 @@ class ToolCall:
 class ToolCallError:
     message: str  # what the model is told
     name: str = "error"
+    kind: str = "malformed_call"  # its error kind (roles.tools.result.ERROR_KINDS)
 
 
 def parse_tool_calls(text: str, tool_names: frozenset[str]) -> list[ToolCall | ToolCallError]:
@@ -59,10 +60,10 @@ def _parse_block(body: str, tool_names: frozenset[str]) -> ToolCall | ToolCallEr
         except json.JSONDecodeError:
             pass
     if not isinstance(arguments, dict):
-        return ToolCallError(f"error: the arguments of {name} must be a JSON object", name=name)
+        return ToolCallError(f"error: the arguments of {name} must be a JSON object", name=name, kind="bad_arguments")
     if name not in tool_names:
         return ToolCallError(f"error: no tool named {name}; the tools are {', '.join(sorted(tool_names))}",
-                             name=name)
+                             name=name, kind="unknown_tool")
     return ToolCall(name, arguments)
 
 

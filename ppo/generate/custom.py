@@ -5,7 +5,7 @@
 runs ONE trajectory. It asks the engines for each model turn with `await args.generate(sample,
 sampling_params)` (miles posts to sglang's /generate instead), which appends the engine's ids to
 `sample.trajectory`; it adds what the environment says with `sample.trajectory.add_env_turn(ids)`,
-ids it tokenized once (ppo.generate.chat.env_turn_ids renders a tool turn). Many run at once: the
+ids it tokenized once (ppo.generate.chat.tool_turn_ids renders a tool turn). Many run at once: the
 rollout starts every trajectory as an asyncio task and their turns share the engines' batches
 (ppo.generate.engines). sampling_params is the engine's request format (roles/rollout/sampling.py);
 its max_new_tokens is the budget of the whole response, environment tokens included, as in miles.

@@ -21,15 +21,23 @@ from ppo.generate.rollout import generate_and_score
 @dataclass(frozen=True)
 class Generation:
     function: Callable  # async def generate(args, sample, sampling_params)
-    tools: ToolSetup | None
+    tools: ToolSetup | None  # its executor runs until `close`
+
+    def close(self) -> None:
+        if self.tools is not None:
+            self.tools.close()
 
 
 def load_generation(cfg) -> Generation | None:
-    """ValueError (one line) when a path does not load or names the wrong thing."""
+    """ValueError (one line) when a path does not load or names the wrong thing. With tools, their
+    executor is started (the sandbox's workers): the caller closes the Generation."""
     g = cfg.generate
-    tools = load_tool_setup(g)
-    if g.custom_generate_function_path is not None:
-        return Generation(load_generate_function(g.custom_generate_function_path), tools)
+    function = None
+    if g.custom_generate_function_path is not None:  # checked before the tools' executor starts
+        function = load_generate_function(g.custom_generate_function_path)
+    tools = load_tool_setup(cfg)
+    if function is not None:
+        return Generation(function, tools)
     if tools is not None:
         from ppo.generate import tool_loop
 

@@ -5,7 +5,8 @@
 until the model calls no tool, stops on length, runs out of its response budget or context, or
 has had --generate-max-turns model turns. The tools of the last allowed turn are not run: their
 answer would never be read. A malformed call is answered with an error message, as a tool
-failure or timeout is. Counts go to sample.stats and from there to rollout/* metrics.
+failure or timeout is (the executor's ToolResult: roles.tools.result). Counts go to
+sample.stats (roles.tools.result.count) and from there to rollout/* metrics.
 
 Select it with --generate-tool-specs-path (and no --custom-generate-function-path), or name
 `ppo.generate.tool_loop:generate` in --custom-generate-function-path.
@@ -17,9 +18,9 @@ import asyncio
 
 from ppo.generate.chat import ToolCallError, parse_tool_calls, tool_messages, tool_turn_ids
 from ppo.generate.custom import GenerateArgs, Sample
-from ppo.generate.tools import ToolResult
+from roles.tools.result import ToolResult, count
 
-STATS = ("tool_calls", "tool_errors", "tool_timeouts", "tool_seconds")
+STATS = ("tool_calls", "tool_errors", "tool_timeouts", "tool_seconds", "tool_worker_restarts")  # and tool_errors/KIND
 
 
 async def generate(args: GenerateArgs, sample: Sample, sampling_params: dict) -> Sample:
@@ -36,7 +37,8 @@ async def generate(args: GenerateArgs, sample: Sample, sampling_params: dict) ->
         if not calls:
             break
         results = await asyncio.gather(*(_run(tools.executor, c) for c in calls))
-        _count(sample.stats, results)
+        for r in results:
+            count(sample.stats, r)
         ids = tool_turn_ids(tok, tool_messages(calls, [r.text for r in results]), calls,
                             end_of_turn=result["token_ids"][-1], tools=tools.specs)
         if (len(traj.ids) + len(ids) >= args.max_context
@@ -48,12 +50,5 @@ async def generate(args: GenerateArgs, sample: Sample, sampling_params: dict) ->
 
 async def _run(executor, call) -> ToolResult:
     if isinstance(call, ToolCallError):
-        return ToolResult(call.message, False, "parse", 0.0)
+        return ToolResult(call.message, False, call.kind, 0.0)
     return await executor.call(call.name, call.arguments)
-
-
-def _count(stats: dict, results: list[ToolResult]) -> None:
-    stats["tool_calls"] += len(results)
-    stats["tool_errors"] += sum(not r.ok for r in results)
-    stats["tool_timeouts"] += sum(r.error_kind == "timeout" for r in results)
-    stats["tool_seconds"] += sum(r.seconds for r in results)

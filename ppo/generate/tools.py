@@ -1,103 +1,80 @@
-"""The tools of the built-in tool loop: their specs, the function that runs a call, and the
-executor the loop awaits.
+"""The tools of the built-in tool loop: the checked specs and function, and the executor that
+runs the calls, built once per job from the config.
 
-    --generate-tool-specs-path            a list of OpenAI-style specs ({"type": "function",
-                                          "function": {"name", "description", "parameters"}}),
-                                          or a function returning one
-    --generate-execute-tool-function-path async def execute(name: str, arguments: dict) -> str
+    --generate-tool-specs-path            OpenAI-style specs (roles.tools.specs: a .json file, a
+                                          list, or a function returning one)
+    --generate-execute-tool-function-path execute(name: str, arguments: dict) -> str, sync or async
+    --tool-sandbox (default) / --no-tool-sandbox, and ToolsConfig's limits
 
-Both are checked when the job starts (`load_tool_setup`, `check_chat_template`): a path that
-does not load, specs of the wrong shape, a function of the wrong signature or a chat template
-that cannot render a tool turn stop the run in one line (exit 2) before any role starts.
+With --tool-sandbox every call runs under bubblewrap on supervised worker processes
+(roles.tools.executor.ToolExecutor); with --no-tool-sandbox in the driver's process, with the
+same timeout, output cut, argument checks and error kinds but no isolation
+(roles.tools.in_process.InProcessExecutor: for trusted plain-Python tools). Both answer
+`await executor.call(name, arguments) -> roles.tools.result.ToolResult`.
 
-The executor contract, shared with the sandboxed workers of roles/tools/:
-`await executor.call(name, arguments) -> ToolResult`. `InProcessExecutor` runs the function on
-the driver's event loop, with a wall-clock timeout and an output limit but no isolation: it is
-for tools that are plain, trusted Python (a calculator); anything else belongs in the sandbox.
+Checked when the job starts (`load_tool_setup`, `check_chat_template`): a path that does not
+load, specs of the wrong shape, a function of the wrong signature, a function the sandbox
+cannot import, or a chat template that cannot render a tool turn stop the run in one line
+(exit 2) before any role starts.
 """
 
 from __future__ import annotations
 
-import asyncio
-import inspect
-import time
-from collections.abc import Callable
 from dataclasses import dataclass
 
-from roles.reward.custom import load_object
-
-TOOL_TIMEOUT_S = 30.0  # wall clock of one in-process call
-MAX_OUTPUT_CHARS = 4096  # longer tool output is cut (and says so): it is the model's context
-
-
-@dataclass(frozen=True)
-class ToolResult:
-    text: str  # what the model reads
-    ok: bool
-    error_kind: str | None  # None, "error" (raised, bad output) or "timeout"
-    seconds: float
-
-
-class InProcessExecutor:
-    def __init__(self, execute: Callable, timeout_s: float = TOOL_TIMEOUT_S, max_chars: int = MAX_OUTPUT_CHARS):
-        self._execute, self.timeout_s, self.max_chars = execute, timeout_s, max_chars
-
-    async def call(self, name: str, arguments: dict) -> ToolResult:
-        t0 = time.perf_counter()
-        try:
-            text = await asyncio.wait_for(self._execute(name, arguments), self.timeout_s)
-        except TimeoutError:
-            return ToolResult(f"error: {name} took longer than {self.timeout_s:g} s", False, "timeout",
-                              time.perf_counter() - t0)
-        except Exception as e:  # the tool's own failure is the model's to read, never the run's
-            return ToolResult(f"error: {name} raised {type(e).__name__}: {e}", False, "error",
-                              time.perf_counter() - t0)
-        seconds = time.perf_counter() - t0
-        if not isinstance(text, str):
-            return ToolResult(f"error: {name} returned {type(text).__name__}, not text", False, "error", seconds)
-        if len(text) > self.max_chars:
-            text = text[:self.max_chars] + f"... (cut at {self.max_chars} characters)"
-        return ToolResult(text, True, None, seconds)
+from roles.tools.sandbox import Limits
+from roles.tools.specs import ToolSet, load_specs, load_tools
 
 
 @dataclass(frozen=True)
 class ToolSetup:
-    specs: list[dict]  # as the chat template takes them (tools=...)
-    executor: object  # .call(name, arguments) -> ToolResult
+    tools: ToolSet
+    executor: object | None  # ToolExecutor or InProcessExecutor: .call(name, arguments) -> ToolResult; .close()
     max_turns: int
     parser: str
 
     @property
+    def specs(self) -> list[dict]:
+        """As the chat template takes them (tools=...)."""
+        return list(self.tools.specs)
+
+    @property
     def names(self) -> frozenset[str]:
-        return frozenset(_name(s) for s in self.specs)
+        return frozenset(self.tools.names)
+
+    def close(self) -> None:
+        if self.executor is not None:
+            self.executor.close()
 
 
-def load_tool_setup(g) -> ToolSetup | None:
-    """The tool setup of a GenerateConfig `g`, or None without tools; ValueError (one line) when
-    a path does not load or names the wrong thing."""
+def tool_limits(cfg) -> Limits:
+    """The limits of each tool call, from the run's ToolsConfig."""
+    t = cfg.tools
+    return Limits(timeout_s=t.tool_timeout, cpu_seconds=t.tool_cpu_seconds, memory_bytes=t.tool_memory_mb << 20,
+                  max_processes=t.tool_max_processes, max_file_bytes=t.tool_max_file_mb << 20,
+                  max_output_chars=t.tool_max_output_chars)
+
+
+def load_tool_setup(cfg) -> ToolSetup | None:
+    """The tools of a PPOConfig with their executor started, or None without
+    --generate-tool-specs-path; ValueError (one line) when a path does not load or names the
+    wrong thing. The caller closes it (`ToolSetup.close`)."""
+    g = cfg.generate
     if g.generate_tool_specs_path is None:
         return None
-    specs = _load(g.generate_tool_specs_path, "generate_tool_specs_path")
-    if callable(specs):
-        specs = specs()
-    problem = _specs_problem(specs)
-    if problem:
-        raise ValueError(f"generate_tool_specs_path={g.generate_tool_specs_path!r}: {problem}")
-    executor = None
-    if g.generate_execute_tool_function_path is not None:
-        path = g.generate_execute_tool_function_path
-        execute = _load(path, "generate_execute_tool_function_path")
-        if not inspect.iscoroutinefunction(execute):
-            raise ValueError(f"generate_execute_tool_function_path={path!r}: must be an async def "
-                             "execute(name, arguments) -> str")
-        try:
-            inspect.signature(execute).bind("name", {})
-        except TypeError:
-            raise ValueError(f"generate_execute_tool_function_path={path!r}: {execute.__name__}"
-                             f"{inspect.signature(execute)} must take (name, arguments)") from None
-        executor = InProcessExecutor(execute)
-    return ToolSetup(specs=list(specs), executor=executor, max_turns=g.generate_max_turns,
-                     parser=g.generate_tool_call_parser)
+    if g.generate_execute_tool_function_path is None:  # specs alone, for a custom generate function
+        return ToolSetup(tools=ToolSet(specs=load_specs(g.generate_tool_specs_path), function_path=None), executor=None,
+                         max_turns=g.generate_max_turns, parser=g.generate_tool_call_parser)
+    tools = load_tools(g.generate_tool_specs_path, g.generate_execute_tool_function_path)
+    if cfg.tools.tool_sandbox:
+        from roles.tools.executor import ToolExecutor
+
+        executor = ToolExecutor(tools, tool_limits(cfg), num_workers=cfg.tools.num_tool_workers)
+    else:
+        from roles.tools.in_process import InProcessExecutor
+
+        executor = InProcessExecutor(tools, tool_limits(cfg), num_workers=cfg.tools.num_tool_workers)
+    return ToolSetup(tools=tools, executor=executor, max_turns=g.generate_max_turns, parser=g.generate_tool_call_parser)
 
 
 def check_chat_template(tokenizer, setup: ToolSetup) -> None:
@@ -113,31 +90,3 @@ def check_chat_template(tokenizer, setup: ToolSetup) -> None:
         tool_turn_ids(tokenizer, tool_messages(calls, ["ok"]), calls, tokenizer.eos_token_id, setup.specs)
     except Exception as e:  # jinja errors too: the template is the user's
         raise ValueError(f"the tokenizer's chat template cannot render a tool turn: {e}") from None
-
-
-def _load(path: str, setting: str):
-    try:
-        return load_object(path, setting)
-    except ValueError:
-        raise
-    except Exception as e:  # the user's module fails on import: a SyntaxError, a missing package
-        raise ValueError(f"{setting}={path!r}: importing it raised {type(e).__name__}: {e}") from None
-
-
-def _name(spec: dict):
-    return spec["function"]["name"] if "function" in spec else spec.get("name")
-
-
-def _specs_problem(specs) -> str | None:
-    if not isinstance(specs, (list, tuple)) or not specs:
-        return f"must name a non-empty list of tool specs, got {type(specs).__name__}"
-    names = []
-    for i, spec in enumerate(specs):
-        inner = spec.get("function", spec) if isinstance(spec, dict) else None
-        if not isinstance(inner, dict) or not isinstance(inner.get("name"), str) or not inner["name"]:
-            return (f"spec #{i} must be {{'type': 'function', 'function': {{'name': ..., 'parameters': ...}}}}, "
-                    f"got {spec!r}")
-        names.append(inner["name"])
-    if len(set(names)) != len(names):
-        return f"tool names must be unique, got {names}"
-    return None

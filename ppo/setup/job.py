@@ -95,6 +95,7 @@ class Job:
         try:
             self.sup.shutdown()
         finally:
+            self.functions.close()
             self.run_dir_lock.release()
 
 
@@ -288,15 +289,19 @@ def start_job(cfg: PPOConfig, console: RunConsole | None = None,
         functions = load_user_functions(cfg)  # a bad path fails before anything is written
     except ValueError as e:
         raise JobSetupError(str(e)) from None
-    actor_cls, critic_cls = trainer_classes(cfg.training.train_backend)
     try:
-        lock = claim(cfg)  # before anything is written: a live run's folder is refused untouched
-    except RunDirError as e:
-        raise JobSetupError(str(e)) from None
-    try:
-        return _start(cfg, console, lock, actor_cls, critic_cls, functions, role_env or {})
+        actor_cls, critic_cls = trainer_classes(cfg.training.train_backend)
+        try:
+            lock = claim(cfg)  # before anything is written: a live run's folder is refused untouched
+        except RunDirError as e:
+            raise JobSetupError(str(e)) from None
+        try:
+            return _start(cfg, console, lock, actor_cls, critic_cls, functions, role_env or {})
+        except BaseException:
+            lock.release()
+            raise
     except BaseException:
-        lock.release()
+        functions.close()
         raise
 
 

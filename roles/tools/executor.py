@@ -26,26 +26,17 @@ import threading
 import time
 import weakref
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 from queue import SimpleQueue
 
+from roles.tools.result import ToolResult, count, cut_result, new_counts
 from roles.tools.sandbox import Limits, choose_bwrap
 from roles.tools.specs import ToolSet
 
 _REPO_ROOT = str(Path(__file__).resolve().parents[2])
 _STARTUP_TIMEOUT_S = 60.0
 _ANSWER_GRACE_S = 10.0  # the worker stops a call at its timeout; past this it is stuck itself
-ERROR_KINDS = ("unknown_tool", "bad_arguments", "timeout", "memory", "process_limit", "output_limit", "network",
-               "denied", "crash", "worker_lost")
-
-
-@dataclass(frozen=True)
-class ToolResult:
-    text: str  # what the model reads: the tool's answer, or what went wrong
-    ok: bool
-    error_kind: str | None  # one of ERROR_KINDS when not ok
-    seconds: float  # wall clock of the call, queueing for a worker included
 
 
 class WorkerLost(RuntimeError):
@@ -117,8 +108,7 @@ class ToolExecutor:
         self._setup = {"bwrap": bwrap, "limits": asdict(limits), "function_path": tools.function_path,
                        "sys_path": list(sys.path if sys_path is None else sys_path)}
         self._lock = threading.Lock()
-        self._counts = {"tool_calls": 0, "tool_errors": 0, "tool_seconds": 0.0, "tool_worker_restarts": 0,
-                        **{f"tool_errors/{kind}": 0 for kind in ERROR_KINDS}}
+        self._counts = new_counts()
         self._workers: list[_Worker] = []
         self._processes: list[subprocess.Popen] = []  # shared with the finalizer
         self._finalizer = weakref.finalize(self, _kill_all, self._processes)
@@ -147,10 +137,10 @@ class ToolExecutor:
         return await asyncio.get_running_loop().run_in_executor(self._threads, self._call, name, arguments, start)
 
     def stats(self) -> dict:
-        """Counters since start: ``tool_calls``, ``tool_errors``, ``tool_errors/KIND``, ``tool_seconds``
-        (summed over calls), ``tool_worker_restarts``; ``tool_timeouts`` is ``tool_errors/timeout``."""
+        """Counters since start (roles.tools.result.count): ``tool_calls``, ``tool_errors``,
+        ``tool_errors/KIND``, ``tool_timeouts``, ``tool_seconds`` (summed over calls), ``tool_worker_restarts``."""
         with self._lock:
-            return {**self._counts, "tool_timeouts": self._counts["tool_errors/timeout"]}
+            return dict(self._counts)
 
     def close(self) -> None:
         """Stop the workers (their sandboxes die with them); the executor cannot be used afterwards."""
@@ -182,7 +172,8 @@ class ToolExecutor:
         return self._count(self._result(answer, time.monotonic() - start))
 
     def _run(self, name: str, arguments: dict, check: bool) -> dict:
-        worker = self._idle.get()
+        """The worker's answer, with ``worker_restarts``: the workers replaced on the way."""
+        worker, restarts = self._idle.get(), 0
         try:
             with self._lock:
                 self._next_id += 1
@@ -191,19 +182,21 @@ class ToolExecutor:
                 try:
                     answer = worker.exchange(job, self._limits.timeout_s + _ANSWER_GRACE_S)
                 except (WorkerLost, ValueError) as lost:  # ValueError: close() shut its pipes under us
+                    restarts += 1
                     try:
                         worker = self._replace(worker)  # RuntimeError if close() did
                     except WorkerLost as failed:  # the dead worker stays in the pool: replaced at its next call
-                        return _lost(f"the tool's worker died during this call ({lost}), and {failed}")
+                        return _lost(f"the tool's worker died during this call ({lost}), and {failed}", restarts)
                     if attempt == 1:
-                        return _lost(f"the tool's worker died twice during this call ({lost})")
+                        return _lost(f"the tool's worker died twice during this call ({lost})", restarts)
                     continue
                 if answer is None:  # the worker itself hangs: the call cannot be trusted to end
+                    restarts += 1
                     with contextlib.suppress(WorkerLost):  # killed; without a replacement, replaced at its next call
                         worker = self._replace(worker)
-                    return {"ok": False, "error_kind": "timeout", "cut": 0,
+                    return {"ok": False, "error_kind": "timeout", "cut": 0, "worker_restarts": restarts,
                             "text": f"error: the tool ran longer than {self._limits.timeout_s:g} s and was stopped"}
-                return answer
+                return {**answer, "worker_restarts": restarts}
         finally:
             self._idle.put(worker)
 
@@ -213,7 +206,6 @@ class ToolExecutor:
             if self._closed:  # close() killed it under the call: start nothing new
                 raise RuntimeError("the tool executor was closed during the call")
             i = self._workers.index(worker)
-            self._counts["tool_worker_restarts"] += 1
         try:
             replacement = _Worker(self._setup)
         except (RuntimeError, OSError) as e:  # WorkerLost is one: it died while starting
@@ -228,34 +220,19 @@ class ToolExecutor:
 
     def _result(self, answer: dict, seconds: float) -> ToolResult:
         if answer["ok"] and answer["cut"]:
-            limit = self._limits.max_output_chars
-            return ToolResult(text=f"{answer['text']}\n[output cut: {answer['cut']} characters, the limit is {limit}]",
-                              ok=False, error_kind="output_limit", seconds=seconds)
-        return ToolResult(text=answer["text"], ok=answer["ok"], error_kind=answer["error_kind"], seconds=seconds)
+            return cut_result(answer["text"], answer["cut"], self._limits.max_output_chars, seconds,
+                              answer["worker_restarts"])
+        return ToolResult(text=answer["text"], ok=answer["ok"], error_kind=answer["error_kind"], seconds=seconds,
+                          worker_restarts=answer["worker_restarts"])
 
     def _count(self, result: ToolResult) -> ToolResult:
         with self._lock:
-            self._counts["tool_calls"] += 1
-            self._counts["tool_seconds"] += result.seconds
-            if not result.ok:
-                self._counts["tool_errors"] += 1
-                self._counts[f"tool_errors/{result.error_kind}"] += 1
+            count(self._counts, result)
         return result
 
 
-def _lost(why: str) -> dict:
-    return {"ok": False, "error_kind": "worker_lost", "cut": 0, "text": f"error: {why}"}
-
-
-def tool_metrics(before: dict, after: dict) -> dict:
-    """What a rollout logs from two ``stats()`` around it: ``rollout/tool_calls``, ``rollout/tool_errors``,
-    ``rollout/tool_timeouts``, ``rollout/tool_seconds``, ``rollout/tool_worker_restarts``, and
-    ``rollout/tool_errors/KIND`` for each kind that happened (as rollout/dynamic_filter/drop_REASON)."""
-    delta = {key: after[key] - before.get(key, 0) for key in after}
-    return {**{f"rollout/{key}": delta[key] for key in ("tool_calls", "tool_errors", "tool_timeouts", "tool_seconds",
-                                                       "tool_worker_restarts")},
-            **{f"rollout/tool_errors/{kind}": delta[f"tool_errors/{kind}"] for kind in ERROR_KINDS
-               if delta[f"tool_errors/{kind}"]}}
+def _lost(why: str, restarts: int) -> dict:
+    return {"ok": False, "error_kind": "worker_lost", "cut": 0, "text": f"error: {why}", "worker_restarts": restarts}
 
 
 def _kill_all(processes: list[subprocess.Popen]) -> None:

@@ -78,14 +78,14 @@ def _answer(job: dict) -> tuple[str, int | str, str]:
 
             text = asyncio.new_event_loop().run_until_complete(text)
     except BaseException as e:  # SystemExit and KeyboardInterrupt too: the call failed, the answer still goes back
-        return "error", _kind(e), describe(e)
+        return "error", error_kind(e), describe(e)
     if not isinstance(text, str):
         return "error", "crash", f"the tool function returned a {type(text).__name__}, not a str"
     limit = job["limits"]["max_output_chars"]
     return "ok", len(text) if len(text) > limit else 0, text[:limit]
 
 
-def _kind(error: BaseException) -> str:
+def error_kind(error: BaseException) -> str:
     """The error kind of an exception the tool raised (docs/tools.md lists them)."""
     if isinstance(error, MemoryError):
         return "memory"

@@ -170,7 +170,7 @@ def run_call(*, bwrap: str | None, uid: int | None, limits: Limits, function_pat
             process = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                        stderr=subprocess.PIPE, cwd=work_dir, start_new_session=True,
                                        pass_fds=_fds(fd))
-        return _finish(process, job, limits)
+        return _finish(process, job, limits, sandboxed=bwrap is not None)
     finally:
         if work_dir is not None:
             shutil.rmtree(work_dir, ignore_errors=True)
@@ -208,7 +208,7 @@ def _tool_paths(function_path: str, sys_path: list[str]) -> tuple[str, ...]:
     return tuple(spec.submodule_search_locations or ()) or ((spec.origin,) if spec.origin else ())
 
 
-def _finish(process: subprocess.Popen, job: dict, limits: Limits) -> Outcome:
+def _finish(process: subprocess.Popen, job: dict, limits: Limits, *, sandboxed: bool) -> Outcome:
     deadline = time.monotonic() + limits.timeout_s
     process.stdin.write(marshal.dumps(job))
     process.stdin.close()
@@ -243,7 +243,7 @@ def _finish(process: subprocess.Popen, job: dict, limits: Limits) -> Outcome:
     if stop is not None:
         _kill(process)
         return stop
-    return _outcome(code, bytes(answer), prints.decode(errors="replace"), limits)
+    return _outcome(code, bytes(answer), prints.decode(errors="replace"), limits, sandboxed)
 
 
 def _timed_out(limits: Limits) -> Outcome:
@@ -267,7 +267,7 @@ def _kill(process: subprocess.Popen) -> None:
         pipe.close()
 
 
-def _outcome(code: int, answer: bytes, prints: str, limits: Limits) -> Outcome:
+def _outcome(code: int, answer: bytes, prints: str, limits: Limits, sandboxed: bool) -> Outcome:
     # The runner's "ok\nCUT\nTEXT" or "error\nKIND\nMESSAGE"; the tool could forge one, so it is checked.
     status, _, rest = answer.partition(b"\n")
     detail, _, text = rest.partition(b"\n")
@@ -277,11 +277,14 @@ def _outcome(code: int, answer: bytes, prints: str, limits: Limits) -> Outcome:
         kind = detail.decode(errors="replace")
         return Outcome(ok=False, error_kind=kind if kind in RUNNER_KINDS else "crash",
                        text=f"error: {text.decode(errors='replace')}")
-    return _death(code, prints, limits)
+    return _death(code, prints, limits, sandboxed)
 
 
-def _death(code: int, prints: str, limits: Limits) -> Outcome:
+def _death(code: int, prints: str, limits: Limits, sandboxed: bool) -> Outcome:
     """The runner ended without an answer: killed by a limit, or the tool exited on its own."""
+    if sandboxed and code < 0:  # bwrap itself was killed, from outside: what runs under it ends as 128 + signal
+        return Outcome(ok=False, error_kind="crash",
+                       text=f"error: the tool's sandbox was killed by {signal.Signals(-code).name} without an answer")
     # bwrap exits with 128 + the signal that killed the command; without bwrap Popen says -signal
     sig = -code if code < 0 else code - 128 if code > 128 else None
     if sig in (signal.SIGXCPU, signal.SIGKILL) and "MemoryError" not in prints:

@@ -3,10 +3,11 @@ names them (``--generate-tool-specs-path``, ``--generate-execute-tool-function-p
 
 - Specs: a JSON file (``tools.json``) holding a list of ``{"type": "function", "function":
   {"name", "description", "parameters"}}``, or, as in miles, a Python list named by import path
-  (``package.module:TOOLS`` or ``package.module.TOOLS``).
+  (``package.module:TOOLS`` or ``package.module.TOOLS``), or a function returning one.
 - The function: ``execute(name: str, arguments: dict) -> str``, sync or ``async def`` (miles'
   ``execute_tool_call(name, params)``, awaited once per call and required to return a str),
-  named as ``--custom-rm-path`` names one. It runs in the sandbox, never in the rollout.
+  named as ``--custom-rm-path`` names one. It runs in the sandbox (``--tool-sandbox``, the
+  default), or in the rollout's process (``--no-tool-sandbox``: roles.tools.in_process).
 
 ``load_tools`` checks both in the launching process and raises ValueError with one line;
 ``ToolSet.argument_problem`` checks a call's arguments against its spec before any sandbox starts.
@@ -33,7 +34,7 @@ _JSON_TYPES = {"string": (str,), "integer": (int,), "number": (int, float), "boo
 @dataclass(frozen=True)
 class ToolSet:
     specs: tuple[dict, ...]  # as loaded, for the chat template's `tools=`
-    function_path: str  # loaded again inside each sandbox
+    function_path: str | None  # loaded again inside each sandbox; None: specs alone, for a custom generate function
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -64,9 +65,16 @@ class ToolSet:
 
 def load_tools(specs_path: str, function_path: str) -> ToolSet:
     """The checked specs and function path; ValueError of one line naming the flag otherwise."""
-    specs = _load_specs(specs_path)
-    check_tool_function(_load(function_path, FUNCTION_FLAG), function_path)
+    specs = load_specs(specs_path)
+    load_tool_function(function_path)
     return ToolSet(specs=specs, function_path=function_path)
+
+
+def load_tool_function(function_path: str) -> Callable:
+    """The function ``function_path`` names, checked; ValueError of one line naming the flag otherwise."""
+    function = _load(function_path, FUNCTION_FLAG)
+    check_tool_function(function, function_path)
+    return function
 
 
 def check_tool_function(function: Callable, function_path: str) -> None:
@@ -90,7 +98,7 @@ def _load(path: str, flag: str, loader=load_function):
         raise ValueError(f"{flag} {path}: importing it failed: {describe(e)}") from None
 
 
-def _load_specs(path: str) -> tuple[dict, ...]:
+def load_specs(path: str) -> tuple[dict, ...]:
     where = f"{SPECS_FLAG} {path}"
     if path.endswith(".json"):
         try:
@@ -101,6 +109,11 @@ def _load_specs(path: str) -> tuple[dict, ...]:
             raise ValueError(f"{where}: not JSON ({e})") from None
     else:
         specs = _load(path, SPECS_FLAG, load_object)  # miles: the import path of a Python list
+        if callable(specs):  # or of a function returning one
+            try:
+                specs = specs()
+            except Exception as e:
+                raise ValueError(f"{where}: calling it failed: {describe(e)}") from None
     if not isinstance(specs, (list, tuple)) or not specs:
         raise ValueError(f"{where}: expected a non-empty list of tool specs, got {type(specs).__name__}")
     names = []
