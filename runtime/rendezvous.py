@@ -79,19 +79,39 @@ def meet(master_addr: str, master_port: int, *, nnodes: int, entry: NodeEntry, t
                                    f"({_first_line(e)}): another job may hold it; pass another --master-port") from None
         raise RendezvousFailed(f"node 0's rendezvous store at {where} did not answer ({_first_line(e)}): "
                                "check --master-addr and --master-port") from None
-    if store.add(f"{prefix}/claim/{entry.rank}", 1) > 1:
+    # a node that node 0 lost and calls back (`call_back`) joins the newest generation, where only
+    # node 0 and itself meet; the first meeting is generation 0
+    generation = int(store.get(f"{prefix}/generation")) if store.check([f"{prefix}/generation"]) else 0
+    if store.add(f"{prefix}/claim/{generation}/{entry.rank}", 1) > 1:
         raise RendezvousFailed(f"another launcher already joined as node {entry.rank}: give each launcher "
-                               "its own --node-rank")
-    store.set(f"{prefix}/node/{entry.rank}", entry.encode())
-    keys = [f"{prefix}/node/{r}" for r in range(nnodes)]
+                               "its own --node-rank (a node started again before node 0 noticed it lost: start "
+                               "it once more)")
+    store.set(f"{prefix}/node/{generation}/{entry.rank}", entry.encode())
+    ranks = list(range(nnodes)) if generation == 0 else [0, entry.rank]
+    keys = [f"{prefix}/node/{generation}/{r}" for r in ranks]
     while not store.check(keys):  # polled: c10d's blocking wait logs its timeout on stderr
         if time.monotonic() > deadline:
-            missing = [r for r, k in enumerate(keys) if not store.check([k])]
+            missing = [r for r, k in zip(ranks, keys) if not store.check([k])]
             raise RendezvousFailed(f"node(s) {', '.join(map(str, missing))} of {nnodes} did not join the "
                                    f"rendezvous at {where} within {timeout_s:g} s (--rendezvous-timeout-s): "
                                    "start one launcher per node")
         time.sleep(0.05)
     return Rendezvous([NodeEntry.decode(store.get(k)) for k in keys], store)
+
+
+def call_back(rdv: Rendezvous, rank: int, node0: NodeEntry, timeout_s: float, prefix: str = "tandem") -> NodeEntry:
+    """Node 0: open a new generation of the job's rendezvous for node `rank`, which was lost, and
+    wait up to `timeout_s` for a launcher of that rank to join it (`meet` started again there, by
+    hand or by the scheduler); returns its entry. Raises RendezvousFailed, one line."""
+    generation = rdv.store.add(f"{prefix}/generation", 1)
+    rdv.store.set(f"{prefix}/node/{generation}/0", node0.encode())
+    key, deadline = f"{prefix}/node/{generation}/{rank}", time.monotonic() + timeout_s
+    while not rdv.store.check([key]):
+        if time.monotonic() > deadline:
+            raise RendezvousFailed(f"node {rank} did not come back within {timeout_s:g} s "
+                                   "(--rendezvous-timeout-s)")
+        time.sleep(0.05)
+    return NodeEntry.decode(rdv.store.get(key))
 
 
 def _wait_reachable(addr: str, port: int, deadline: float, timeout_s: float) -> None:
