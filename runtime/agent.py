@@ -64,9 +64,10 @@ def _send(sock: zmq.Socket, kind: str, payload: dict, frames: Sequence[bytes] = 
 
 
 def _aside(fn, *args) -> None:
-    """Run `fn` in a thread of its own: stopping roles waits out their grace period, which must not
-    hold up a channel whose silence the other side takes for a lost node."""
-    threading.Thread(target=fn, args=args, name="tandem-stop-group", daemon=True).start()
+    """Run `fn` in a thread of its own: stopping roles waits out their grace period, a spawn imports
+    the role's modules, a wait for roles waits; none may hold up a channel whose silence the other
+    side takes for a lost node."""
+    threading.Thread(target=fn, args=args, name="tandem-node-aside", daemon=True).start()
 
 
 class NodeAgent:
@@ -109,7 +110,9 @@ class NodeAgent:
                         timeout = body["heartbeat_timeout"]
                         _send(self._sock, "welcome", {"rank": self.rank}, ident=driver)
                     elif kind == b"spawn" and self.sup is not None:
-                        _send(self._sock, "spawned", self._spawn(body, frames, known), ident=driver)
+                        # aside: unpickling the role's class imports its modules (transformers: seconds
+                        # on a busy CPU), during which this loop must go on beating
+                        _aside(lambda *a: self._outbox.append(("spawned", self._spawn(*a))), body, frames, known)
                     elif kind == b"lease" and self.sup is not None:
                         _send(self._sock, "answer", self._lease(body), ident=driver)
                     elif kind == b"wait_ready" and self.sup is not None:
