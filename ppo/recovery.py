@@ -142,7 +142,7 @@ def trainer_died(cfg: PPOConfig, group, e: ActorDied, recoveries: int, why: str 
 def node_lost(cfg: PPOConfig, lost: NodeLost, why: str | None = None) -> TrainerDied:
     """The one-line stop of a job across nodes that lost one (its trainer ranks there with it)."""
     save = cfg.checkpoint.save
-    resume = (f"start every node again with --load {save}" if save
+    resume = (f"Start every node again with --load {save}" if save
               else "no checkpoint was being written (--save unset): the run must start over")
     return TrainerDied(f"{lost}; the run stopped on every node{f' ({why})' if why else ''}. {resume}")
 

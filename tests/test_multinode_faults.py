@@ -52,7 +52,7 @@ def test_a_node_killed_mid_run_stops_the_run_with_one_line_and_the_resume_comman
         stop(node0, node1)
     line = last_line(tmp_path / "node0.log")
     assert line.startswith("tandem: node 1 lost: no heartbeat for") and "the run stopped on every node" in line
-    assert line.endswith(f"start every node again with --load {save}")
+    assert line.endswith(f"Start every node again with --load {save}")
     # noticed within the heartbeat timeout (5 heartbeats of 1 s), plus the shutdown's grace
     assert took < 5 + 15, took
     time.sleep(1)
