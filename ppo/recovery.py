@@ -91,7 +91,8 @@ class TrainerRecovery:
         self.done += 1
         timeout = cfg.cluster.rendezvous_timeout_s
         print(f"tandem: {failure}; waiting up to {timeout:g} s for node {rank} to join again (start its launcher "
-              f"with the same command), then resuming from rollout {ckpt.step}", file=sys.stderr, flush=True)
+              f"with the same command), then resuming from its checkpoint of rollout {ckpt.step}",
+              file=sys.stderr, flush=True)
         counters = start.counters
         try:
             bring_back(job, rank, timeout)

@@ -1,0 +1,82 @@
+"""tiny_ppo across two nodes under a real Slurm on this host (tests/slurm.py): an sbatch script in
+the manner of examples/slurm/qwen3_4b_ppo_2nodes.sbatch runs `srun -n2 --kill-on-bad-exit=1 python
+launch.py ...`, whose two tasks take their node rank and node 0 from srun's environment;
+`scancel --signal=USR1` reaches both tasks and node 0 saves one checkpoint and stops the job; the
+job requeued (`scontrol requeue`, what --requeue does after a preemption) runs the script again,
+which resumes with --load and finishes. Skips, saying why, where Slurm cannot run."""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests import slurm as one_host
+from tests.test_multinode_ppo import REPO, free_port
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+
+
+@pytest.fixture(scope="module")
+def slurm(tmp_path_factory):
+    started = one_host.start(tmp_path_factory.mktemp("slurm"))
+    if isinstance(started, str):
+        pytest.skip(started)
+    yield started
+    started.stop()
+
+
+def job_state(slurm, job: str) -> str:
+    return re.search(r"JobState=(\S+)", slurm.run("scontrol", "show", "job", job, "-o")).group(1)
+
+
+def wait_for(what: str, check, within_s: float) -> None:
+    until = time.monotonic() + within_s
+    while time.monotonic() < until:
+        if check():
+            return
+        time.sleep(0.5)
+    raise AssertionError(f"{what} within {within_s} s")
+
+
+def events(run_dir: Path) -> list[dict]:
+    path = run_dir / "events.jsonl"
+    return [json.loads(x) for x in path.read_text().splitlines()] if path.exists() else []
+
+
+def test_srun_runs_two_nodes_usr1_saves_and_a_requeue_resumes(slurm, tmp_path):
+    save, runs = tmp_path / "ckpt", tmp_path / "run"
+    script = tmp_path / "job.sbatch"
+    script.write_text(f"""#!/bin/bash
+#SBATCH --ntasks=2 --overcommit --requeue --output={tmp_path}/job-%j.out
+set -euo pipefail
+cd {REPO}
+export PYTHONPATH={REPO} MASTER_PORT={free_port()}
+srun --kill-on-bad-exit=1 --overcommit -n2 {sys.executable} launch.py --num-gpus-per-node 1 \\
+  --actor-num-nodes 2 --actor-num-gpus-per-node 1 --num-rollout 3 --rollout-batch-size 16 \\
+  --eval-prompt-data none --eval-interval none --num-reward-workers 1 --log-format plain \\
+  --rendezvous-timeout-s 120 --save {save} --load {save} --run-dir {runs}.${{SLURM_RESTART_COUNT:-0}}
+""")
+    job = slurm.run("sbatch", "--parsable", str(script)).strip()
+    first, second = Path(f"{runs}.0"), Path(f"{runs}.1")
+    wait_for("the first rollout", lambda: (first / "metrics.jsonl").exists(), 400)
+    slurm.run("scancel", "--signal=USR1", job)  # what --signal=USR1@T sends every task
+    wait_for("the job's end after the checkpoint", lambda: job_state(slurm, job) in ("FAILED", "COMPLETED"), 200)
+    out = (tmp_path / f"job-{job}.out").read_text()
+    assert "tandem: stopped by SIGUSR1" in out and "resume with:" in out, out[-3000:]
+    latest = (save / "latest").read_text().strip()
+    saved = [e for e in events(first) if e["event"] == "checkpoint"]
+    assert len(saved) == 1 and latest == f"rollout_{saved[0]['step']:05d}"  # one checkpoint, the one named
+
+    slurm.run("scontrol", "requeue", job)
+    slurm.run("scontrol", "update", f"jobid={job}", "starttime=now")  # a requeued job waits otherwise
+    wait_for("the requeued job's end", lambda: job_state(slurm, job) in ("COMPLETED", "FAILED"), 500)
+    assert job_state(slurm, job) == "COMPLETED", (tmp_path / f"job-{job}.out").read_text()[-3000:]
+    resumed = [e for e in events(second) if e["event"] == "resumed"]
+    assert len(resumed) == 1 and resumed[0]["step"] == saved[0]["step"]
+    steps = [json.loads(x)["step"] for x in (second / "metrics.jsonl").read_text().splitlines()]
+    assert steps and steps[-1] == 2  # it went on to --num-rollout
