@@ -25,9 +25,9 @@ class Slurm:
     env: dict[str, str]  # SLURM_CONF, for srun, sbatch, scancel and scontrol
     procs: list[subprocess.Popen]
 
-    def run(self, *cmd: str, timeout: float = 30) -> str:
+    def run(self, *cmd: str, timeout: float = 30, cwd: Path | None = None) -> str:
         return subprocess.run(list(cmd), env=self.env, capture_output=True, text=True, timeout=timeout,
-                              check=True).stdout
+                              check=True, cwd=cwd).stdout
 
     def stop(self) -> None:
         for p in reversed(self.procs):

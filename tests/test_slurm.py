@@ -18,7 +18,7 @@ import pytest
 from tests import slurm as one_host
 from tests.test_multinode_ppo import REPO, free_port
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+pytestmark = pytest.mark.timeout(900)
 
 
 @pytest.fixture(scope="module")
@@ -48,6 +48,15 @@ def events(run_dir: Path) -> list[dict]:
     return [json.loads(x) for x in path.read_text().splitlines()] if path.exists() else []
 
 
+def test_srun_gives_each_task_its_node_rank_and_node_0(slurm):
+    out = slurm.run("srun", "--overcommit", "-n2", sys.executable, "launch.py", "--num-gpus-per-node", "1",
+                    "--actor-num-nodes", "2", "--actor-num-gpus-per-node", "1", "--dry-run", timeout=240, cwd=REPO)
+    host = slurm.run("hostname", "-s").strip()  # the first (only) host of SLURM_STEP_NODELIST
+    assert f"rendezvous store at {host}:29500" in out
+    assert "node 0 (this one): driver" in out and "node 1 (this one): actor [0], critic [0], engine 1 [0]" in out
+
+
+@pytest.mark.slow
 def test_srun_runs_two_nodes_usr1_saves_and_a_requeue_resumes(slurm, tmp_path):
     save, runs = tmp_path / "ckpt", tmp_path / "run"
     script = tmp_path / "job.sbatch"
