@@ -76,7 +76,7 @@ srun --kill-on-bad-exit=1 --overcommit -n2 {sys.executable} launch.py --num-gpus
     slurm.run("scancel", "--signal=USR1", job)  # what --signal=USR1@T sends every task
     wait_for("the job's end after the checkpoint", lambda: job_state(slurm, job) in ("FAILED", "COMPLETED"), 200)
     out = (tmp_path / f"job-{job}.out").read_text()
-    assert "tandem: stopped by SIGUSR1" in out and "resume with:" in out, out[-3000:]
+    assert "tandem: SIGUSR1: saved rollout_" in out and "resume with:" in out, out[-3000:]
     latest = (save / "latest").read_text().strip()
     saved = [e for e in events(first) if e["event"] == "checkpoint"]
     assert len(saved) == 1 and latest == f"rollout_{saved[0]['step']:05d}"  # one checkpoint, the one named
