@@ -68,11 +68,11 @@ export PYTHONPATH={REPO} MASTER_PORT={free_port()}
 srun --kill-on-bad-exit=1 --overcommit -n2 {sys.executable} launch.py --num-gpus-per-node 1 \\
   --actor-num-nodes 2 --actor-num-gpus-per-node 1 --num-rollout 3 --rollout-batch-size 16 \\
   --eval-prompt-data none --eval-interval none --num-reward-workers 1 --log-format plain \\
-  --rendezvous-timeout-s 120 --save {save} --load {save} --run-dir {runs}.${{SLURM_RESTART_COUNT:-0}}
+  --rendezvous-timeout-s 120 --save {save} --load {save} --run-dir {runs}
 """)
     job = slurm.run("sbatch", "--parsable", str(script)).strip()
-    first, second = Path(f"{runs}.0"), Path(f"{runs}.1")
-    wait_for("the first rollout", lambda: (first / "metrics.jsonl").exists(), 400)
+    first = second = runs  # a resumed run logs on in its run dir (the --save folder remembers it)
+    wait_for("the first rollout under way", lambda: (first / "metrics.jsonl").exists(), 400)
     slurm.run("scancel", "--signal=USR1", job)  # what --signal=USR1@T sends every task
     wait_for("the job's end after the checkpoint", lambda: job_state(slurm, job) in ("FAILED", "COMPLETED"), 200)
     out = (tmp_path / f"job-{job}.out").read_text()
