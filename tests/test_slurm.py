@@ -48,7 +48,17 @@ def events(run_dir: Path) -> list[dict]:
     return [json.loads(x) for x in path.read_text().splitlines()] if path.exists() else []
 
 
-def test_srun_gives_each_task_its_node_rank_and_node_0(slurm):
+def test_srun_tasks_read_their_node_rank_and_node_0_from_slurm(slurm):
+    code = ("import json, os; from ppo.config.cluster import from_environment; "
+            "print(json.dumps(from_environment(os.environ)))")
+    out = slurm.run("srun", "--overcommit", "-n2", sys.executable, "-c", code, timeout=60, cwd=REPO)
+    host = slurm.run("hostname", "-s").strip()  # the first (only) host of SLURM_STEP_NODELIST, by scontrol
+    tasks = sorted((json.loads(line) for line in out.splitlines()), key=lambda t: t["node_rank"])
+    assert tasks == [{"nnodes": 2, "node_rank": r, "master_addr": host} for r in (0, 1)]
+
+
+@pytest.mark.slow
+def test_srun_launchers_dry_run_each_its_node(slurm):
     out = slurm.run("srun", "--overcommit", "-n2", sys.executable, "launch.py", "--num-gpus-per-node", "1",
                     "--actor-num-nodes", "2", "--actor-num-gpus-per-node", "1", "--dry-run", timeout=240, cwd=REPO)
     host = slurm.run("hostname", "-s").strip()  # the first (only) host of SLURM_STEP_NODELIST
