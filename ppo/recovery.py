@@ -77,7 +77,6 @@ class TrainerRecovery:
         except (ActorDied, checkpoint.CheckpointError) as again:  # the recovery failed: stop
             raise trainer_died(cfg, group, died, self.done, why=f"recovery {self.done} failed: {again}") from again
 
-
     def node_back(self, lost: dict[int, NodeLost], died: ActorDied | NodeLost,
                   start: checkpoint.ResumePoint) -> checkpoint.ResumePoint:
         """A node lost: within --max-trainer-restarts and after a checkpoint of this run, wait (up to
@@ -88,6 +87,9 @@ class TrainerRecovery:
         ckpt = newest_checkpoint(job) if self.done < cfg.checkpoint.max_trainer_restarts and not more else None
         if ckpt is None or not self.first_step - 1 <= ckpt.step < log.step:
             raise node_lost(cfg, failure) from died
+        if any(job.placement.node_of(g) == rank for g in job.placement.reward_model_gpus):
+            raise node_lost(cfg, failure, why=f"node {rank} ran reward-model ranks, which are not started "
+                            "again after a node loss yet") from died
         self.done += 1
         timeout = cfg.cluster.rendezvous_timeout_s
         print(f"tandem: {failure}; waiting up to {timeout:g} s for node {rank} to join again (start its launcher "
@@ -108,9 +110,6 @@ def bring_back(job: Job, rank: int, timeout_s: float) -> None:
     their GPUs' leases, as at the job's start (ppo.setup.job). Its trainer ranks come back with
     the trainers' recovery (`recover`)."""
     sup, colo, plan = job.sup, job.colocation, job.placement
-    if any(plan.node_of(g) == rank for g in plan.reward_model_gpus):
-        raise RendezvousFailed(f"node {rank} ran reward-model ranks, which are not started again after a node "
-                               "loss yet")
     sup.call_back(rank, timeout_s)
     names = []
     for engine, gpus in zip(job.engines, plan.engines):

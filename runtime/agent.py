@@ -91,6 +91,10 @@ class NodeAgent:
     def entry(self) -> NodeEntry:
         return NodeEntry(self.rank, self.endpoint, self.keys.public)
 
+    def admit(self, node_0: NodeEntry) -> None:
+        """Let node 0 (its public key) in; before this node's entry is published (rendezvous.meet)."""
+        self._gate.allow(node_0.public_key)
+
     def serve(self, driver_key: bytes, hello_timeout_s: float) -> str:
         """Run this node for node 0 (known by `driver_key`) until it says stop or goes silent;
         returns why it stopped, one line. Stops every role of the node before it returns."""

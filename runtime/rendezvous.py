@@ -18,7 +18,7 @@ import socket
 import time
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any
+from typing import Any, Callable
 
 
 def host_store(host: str, world_size: int):
@@ -61,10 +61,13 @@ class Rendezvous:
 
 
 def meet(master_addr: str, master_port: int, *, nnodes: int, entry: NodeEntry, timeout_s: float,
-         host: bool, prefix: str = "tandem") -> Rendezvous:
+         host: bool, prefix: str = "tandem", on_node_0: Callable[[NodeEntry], None] | None = None) -> Rendezvous:
     """Publish `entry` in the job's c10d TCPStore at master_addr:master_port and wait for the
     entries of all `nnodes` nodes. `host`: this node serves the store (node 0, unless torchrun's
-    agent already serves one there). Raises RendezvousFailed within about `timeout_s`."""
+    agent already serves one there). `on_node_0(node 0's entry)`: called on a node > 0 before it
+    publishes its own entry, so that it admits node 0's key before node 0 can dial it (a CURVE
+    handshake refused by the ZAP handler lost node 0's first message). Raises RendezvousFailed
+    within about `timeout_s`."""
     deadline = time.monotonic() + timeout_s
     where = f"{master_addr}:{master_port}"
     if not host:  # fail with our own line, not c10d's retry log, when node 0 is not there
@@ -86,6 +89,14 @@ def meet(master_addr: str, master_port: int, *, nnodes: int, entry: NodeEntry, t
         raise RendezvousFailed(f"another launcher already joined as node {entry.rank}: give each launcher "
                                "its own --node-rank (a node started again before node 0 noticed it lost: start "
                                "it once more)")
+    if on_node_0 is not None and entry.rank != 0:
+        first = f"{prefix}/node/{generation}/0"
+        while not store.check([first]):
+            if time.monotonic() > deadline:
+                raise RendezvousFailed(f"node(s) 0 of {nnodes} did not join the rendezvous at {where} within "
+                                       f"{timeout_s:g} s (--rendezvous-timeout-s): start one launcher per node")
+            time.sleep(0.05)
+        on_node_0(NodeEntry.decode(store.get(first)))
     store.set(f"{prefix}/node/{generation}/{entry.rank}", entry.encode())
     ranks = list(range(nnodes)) if generation == 0 else [0, entry.rank]
     keys = [f"{prefix}/node/{generation}/{r}" for r in ranks]

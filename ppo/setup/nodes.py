@@ -48,8 +48,8 @@ def run_node(cfg: PPOConfig) -> str:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     signal.signal(signal.SIGUSR1, signal.SIG_IGN)
     try:
-        rdv = meet(c.master_addr, c.master_port, nnodes=c.nnodes, entry=agent.entry(),
-                   timeout_s=c.rendezvous_timeout_s, host=False)  # node 0 serves the store
+        rdv = meet(c.master_addr, c.master_port, nnodes=c.nnodes, entry=agent.entry(),  # node 0 serves the store
+                   timeout_s=c.rendezvous_timeout_s, host=False, on_node_0=agent.admit)
     except BaseException:
         agent.close()
         raise
