@@ -57,8 +57,8 @@ def main(argv: list[str] | None = None) -> None:
             print(f"tandem: {refused}", file=sys.stderr)
             sys.exit(2)
         return
-    if (cfg.cluster.nnodes or 1) > 1:
-        run_across_nodes(cfg)
+    if (cfg.cluster.nnodes or 1) > 1 and cfg.cluster.node_rank != 0:
+        serve_node(cfg)  # node 0 runs the driver below, which places roles on every node
     try:
         from ppo.state.checkpoint import SaveFailed
         from ppo.setup.job import JobSetupError  # imported late: they pull in torch and the roles
@@ -97,12 +97,8 @@ def main(argv: list[str] | None = None) -> None:
             sm.close()
 
 
-def run_across_nodes(cfg: PPOConfig) -> None:
-    """A node > 0 serves node 0's driver until the job ends; node 0's driver across nodes is not built yet."""
-    if cfg.cluster.node_rank == 0:
-        print(f"tandem: --nnodes {cfg.cluster.nnodes}: node 0's driver cannot place roles on other nodes yet "
-              "(docs/multinode.md says what exists); --dry-run shows the placement", file=sys.stderr)
-        sys.exit(2)
+def serve_node(cfg: PPOConfig) -> None:
+    """A node > 0: its node agent serves node 0's driver until the job ends; exits."""
     from ppo.setup.nodes import run_node
     from runtime.rendezvous import RendezvousFailed
 

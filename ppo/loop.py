@@ -55,6 +55,7 @@ from ppo.gpu.side_by_side import SmPartition
 from ppo.state.signals import SignalStops
 from ppo.observe.trace import TraceWriter
 from runtime import ActorDied
+from runtime.agent import NodeLost
 
 
 def train(cfg: PPOConfig, console: RunConsole | None = None, sm: SmPartition | None = None) -> list[dict]:
@@ -92,8 +93,8 @@ def run(job: Job, stops: SignalStops | None = None) -> list[dict]:
                 with rollout_source(job) as rollouts:  # a recovery starts with no rollout ahead
                     steps(job, log, start, stops, rollouts)
                 break
-            except ActorDied as e:  # a trainer's: back to the newest checkpoint, or stop (ppo.recovery)
-                start = recoveries.recover(e, start)
+            except (ActorDied, NodeLost) as e:  # a trainer's or a node's: back to the newest checkpoint, or stop
+                start = recoveries.recover(e, start)  # (ppo.recovery)
     finally:
         log.close()
     return log.history

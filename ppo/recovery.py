@@ -21,15 +21,20 @@ counters go back to the checkpoint's, but for `trainer_restarts`, which counts o
 
 from __future__ import annotations
 
+import sys
 from dataclasses import replace
 
 from ppo import config as C
 from ppo.config import PPOConfig
 from ppo.observe.logger import RunLogger
 from ppo.setup.job import Job
+from ppo.setup.weight_group import open_weight_broadcast
 from ppo.state import checkpoint
 from roles.trainer import TrainerGroup
 from runtime import ActorDied
+from runtime.agent import NodeLost
+from runtime.cluster import ClusterSupervisor
+from runtime.rendezvous import RendezvousFailed
 
 
 class TrainerDied(RuntimeError):
@@ -45,10 +50,16 @@ class TrainerRecovery:
         self.job, self.log, self.first_step = job, log, first_step
         self.done = 0
 
-    def recover(self, died: ActorDied, start: checkpoint.ResumePoint) -> checkpoint.ResumePoint:
+    def recover(self, died: ActorDied | NodeLost, start: checkpoint.ResumePoint) -> checkpoint.ResumePoint:
         """Where the run goes on after `died`; re-raises a death that is not a trainer's, and
-        raises TrainerDied when the trainers cannot be brought back."""
+        raises TrainerDied when the trainers cannot be brought back. A node lost (a job across
+        nodes) stops the run on every node, whichever role's death showed it."""
         cfg, log = self.job.cfg, self.log
+        lost = self.job.sup.lost() if isinstance(self.job.sup, ClusterSupervisor) else {}
+        if lost:
+            return self.node_back(lost, died, start)
+        if isinstance(died, NodeLost):
+            raise died
         group = dead_trainer(self.job, died)
         if group is None:
             raise died
@@ -66,6 +77,52 @@ class TrainerRecovery:
         except (ActorDied, checkpoint.CheckpointError) as again:  # the recovery failed: stop
             raise trainer_died(cfg, group, died, self.done, why=f"recovery {self.done} failed: {again}") from again
 
+    def node_back(self, lost: dict[int, NodeLost], died: ActorDied | NodeLost,
+                  start: checkpoint.ResumePoint) -> checkpoint.ResumePoint:
+        """A node lost: within --max-trainer-restarts and after a checkpoint of this run, wait (up to
+        --rendezvous-timeout-s) for it to join again, start its roles anew and resume from the
+        newest checkpoint; else stop the run on every node with one line."""
+        cfg, log, job = self.job.cfg, self.log, self.job
+        (rank, failure), *more = sorted(lost.items())
+        ckpt = newest_checkpoint(job) if self.done < cfg.checkpoint.max_trainer_restarts and not more else None
+        if ckpt is None or not self.first_step - 1 <= ckpt.step < log.step:
+            raise node_lost(cfg, failure) from died
+        if any(job.placement.node_of(g) == rank for g in job.placement.reward_model_gpus):
+            raise node_lost(cfg, failure, why=f"node {rank} ran reward-model ranks, which are not started "
+                            "again after a node loss yet") from died
+        self.done += 1
+        timeout = cfg.cluster.rendezvous_timeout_s
+        print(f"tandem: {failure}; waiting up to {timeout:g} s for node {rank} to join again (start its launcher "
+              f"with the same command), then resuming from its checkpoint of rollout {ckpt.step}",
+              file=sys.stderr, flush=True)
+        counters = start.counters
+        try:
+            bring_back(job, rank, timeout)
+            return recover(job, log, died if isinstance(died, ActorDied) else ActorDied(f"node{rank}", 0, str(failure)),
+                           ckpt, step=log.step, trainer_restarts=counters.trainer_restarts + 1,
+                           rewound_steps=counters.rewound_steps)
+        except (ActorDied, NodeLost, RendezvousFailed, checkpoint.CheckpointError) as again:
+            raise node_lost(cfg, failure, why=f"recovery {self.done} failed: {again}") from again
+
+
+def bring_back(job: Job, rank: int, timeout_s: float) -> None:
+    """Lost node `rank` joins again (ClusterSupervisor.call_back); its engines start anew holding
+    their GPUs' leases, as at the job's start (ppo.setup.job). Its trainer ranks come back with
+    the trainers' recovery (`recover`)."""
+    sup, colo, plan = job.sup, job.colocation, job.placement
+    sup.call_back(rank, timeout_s)
+    names = []
+    for engine, gpus in zip(job.engines, plan.engines):
+        if plan.node_of(gpus[0]) != rank:
+            continue
+        colo.holding.discard(engine.name)  # its leases went with the node's table
+        for g in gpus:
+            sup.leases.acquire(g, engine.name)
+        colo.holding.add(engine.name)
+        sup.respawn(engine.name)
+        names.append(engine.name)
+    sup.wait_ready(names)
+
 
 def trainer_died(cfg: PPOConfig, group, e: ActorDied, recoveries: int, why: str | None = None) -> TrainerDied:
     """The one-line stop of a trainer death; `why` says why it was not recovered, when the
@@ -80,6 +137,14 @@ def trainer_died(cfg: PPOConfig, group, e: ActorDied, recoveries: int, why: str 
     return TrainerDied(f"the {group.name} trainer died: its rank {group.rank_of(e.role)} ({e.role}) died "
                        f"({e.reason}); the run stopped{recovered}. "
                        f"Error file: {e.error_file or 'none (killed without a traceback)'}; {resume}")
+
+
+def node_lost(cfg: PPOConfig, lost: NodeLost, why: str | None = None) -> TrainerDied:
+    """The one-line stop of a job across nodes that lost one (its trainer ranks there with it)."""
+    save = cfg.checkpoint.save
+    resume = (f"Start every node again with --load {save}" if save
+              else "no checkpoint was being written (--save unset): the run must start over")
+    return TrainerDied(f"{lost}; the run stopped on every node{f' ({why})' if why else ''}. {resume}")
 
 
 def dead_trainer(job: Job, died: ActorDied) -> TrainerGroup | None:
@@ -110,6 +175,8 @@ def recover(job: Job, log: RunLogger, died: ActorDied, ckpt: checkpoint.Checkpoi
     # the GPU); the restore then loads them and syncs the engines (ppo.state.checkpoint.restore).
     job.phases.leave("engines_release")
     sup.wait_ready([rank.name for group, _ in groups for rank in group.ranks])
+    if job.weight_broadcast is not None:  # the new actor's rank 0 is in no weight group: all join a new one
+        job.weight_broadcast = open_weight_broadcast(job)
     point = checkpoint.restore(job, job.data, ckpt)
     log.rewind(ckpt.step)
     sup.publish("rewind", from_step=step, to_step=point.step, checkpoint=str(ckpt.actor_dir), role=died.role,

@@ -299,7 +299,8 @@ class BucketAcks:
 def send_to_engines(named_tensors: NamedTensors, engines: list, buffer_bytes: int, *,
                     engine_gpus: list[list[int] | None] | None = None, timeout_s: float = 600.0,
                     memory: DeviceMemory | None = None,
-                    on_bucket: Callable[[dict, float], None] | None = None, direct: bool = True) -> dict:
+                    on_bucket: Callable[[dict, float], None] | None = None, direct: bool = True,
+                    group=None, by_broadcast: list[bool] | None = None) -> dict:
     """Stream the tensors to every engine (`engine.update_weights.call(bucket)`, handles of
     roles.rollout.RolloutEngine or anything with that endpoint), double-buffered: return
     `push_weights`' totals once every engine acked every bucket.
@@ -312,10 +313,18 @@ def send_to_engines(named_tensors: NamedTensors, engines: list, buffer_bytes: in
     or a timeout is raised as is. `direct` (default): windows into larger storages travel
     as direct buckets (module docstring) when every engine sees the sender's physical GPU;
     with engines elsewhere, or direct=False, every tensor is packed.
+
+    `by_broadcast[i]`: engine i is on another node and takes each bucket's tensor from
+    `group`'s broadcast (roles.weight_broadcast), after a call that carries the rest of it.
     """
     gpus = engine_gpus or [None] * len(engines)
     if len(gpus) != len(engines):
         raise ValueError(f"engine_gpus has {len(gpus)} entries for {len(engines)} engines")
+    remote = list(by_broadcast or [False] * len(engines))
+    if len(remote) != len(engines) or (any(remote) and group is None):
+        raise ValueError(f"by_broadcast={by_broadcast} for {len(engines)} engines needs one entry each, "
+                         "and a weight group when any is True (join_weight_group)")
+    gpus = [None if r else g for g, r in zip(gpus, remote)]  # another node's GPU ids mean nothing here
 
     @functools.cache  # asked for each of ~400 tensors, all on one device
     def all_engines_see(device: torch.device) -> bool:
@@ -323,7 +332,15 @@ def send_to_engines(named_tensors: NamedTensors, engines: list, buffer_bytes: in
 
     def send(bucket: dict) -> BucketAcks:
         t0 = time.time()
-        futures = [engine.update_weights.call(for_receiver(bucket, g)) for engine, g in zip(engines, gpus)]
+        futures = [engine.update_weights.call(for_receiver(bucket, g))
+                   for engine, g, r in zip(engines, gpus, remote) if not r]
+        if any(remote):
+            from roles.weight_broadcast import bucket_meta
+
+            meta = bucket_meta(bucket)
+            futures += [engine.receive_weights.call(meta) for engine, r in zip(engines, remote) if r]
+            flat = bucket["flat"]
+            group.broadcast(flat if flat.device == group.device() else flat.to(group.device()))
         return BucketAcks(futures, timeout_s, None if on_bucket is None else (lambda: on_bucket(bucket, t0)))
 
     return push_weights(named_tensors, send, buffer_bytes, memory=memory, num_buffers=SYNC_NUM_BUFFERS,

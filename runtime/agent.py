@@ -22,6 +22,7 @@ arguments in wire format, as Supervisor.spawn sends them to a child.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import os
 import pickle
 import threading
@@ -38,6 +39,7 @@ from runtime.curve import Gatekeeper, KeyPair, dial, serve
 from runtime.errors import ActorDied, RuntimeActorError, SupervisionFailed
 from runtime.events import follow_events
 from runtime.handle import ActorHandle, Address
+from runtime.memory import Grant, LeaseError
 from runtime.rendezvous import NodeEntry
 from runtime.supervisor import Supervisor
 
@@ -46,6 +48,9 @@ TICK_S = 0.02  # how often each side's loop looks at its socket and its clock
 # attached at node 0 shows every node's roles. Leases and GPU bytes stay on their node: their
 # GPU ids are the node's own.
 ROLE_EVENTS = frozenset({"spawned", "ready", "state", "died", "stopped", "restarted", "hung", "role_stats"})
+# The LeaseTable methods node 0 may call on a node's table (runtime.cluster.ClusterLeases).
+LEASE_OPS = ("acquire", "acquire_all", "release", "release_all", "report", "holds", "holder", "same_lease",
+             "forget", "drop_dead_memory")
 
 
 class NodeLost(RuntimeActorError):
@@ -59,9 +64,10 @@ def _send(sock: zmq.Socket, kind: str, payload: dict, frames: Sequence[bytes] = 
 
 
 def _aside(fn, *args) -> None:
-    """Run `fn` in a thread of its own: stopping roles waits out their grace period, which must not
-    hold up a channel whose silence the other side takes for a lost node."""
-    threading.Thread(target=fn, args=args, name="tandem-stop-group", daemon=True).start()
+    """Run `fn` in a thread of its own: stopping roles waits out their grace period, a spawn imports
+    the role's modules, a wait for roles waits; none may hold up a channel whose silence the other
+    side takes for a lost node."""
+    threading.Thread(target=fn, args=args, name="tandem-node-aside", daemon=True).start()
 
 
 class NodeAgent:
@@ -78,10 +84,16 @@ class NodeAgent:
         self._sock.linger = 0
         self.endpoint = serve(self._sock, keys, host)
         self.sup: Supervisor | None = None
-        self._events: collections.deque[dict] = collections.deque()  # role events for node 0's bus
+        # what threads other than serve()'s have for node 0 (role events, answers to wait_ready):
+        # (kind, payload), sent by the serve loop, the only one that touches the socket
+        self._outbox: collections.deque[tuple[str, dict]] = collections.deque()
 
     def entry(self) -> NodeEntry:
         return NodeEntry(self.rank, self.endpoint, self.keys.public)
+
+    def admit(self, node_0: NodeEntry) -> None:
+        """Let node 0 (its public key) in; before this node's entry is published (rendezvous.meet)."""
+        self._gate.allow(node_0.public_key)
 
     def serve(self, driver_key: bytes, hello_timeout_s: float) -> str:
         """Run this node for node 0 (known by `driver_key`) until it says stop or goes silent;
@@ -94,7 +106,7 @@ class NodeAgent:
             while True:
                 if self._sock.poll(int(TICK_S * 1000)):
                     ident, kind, payload, *frames = self._sock.recv_multipart()
-                    body = msgpack.unpackb(payload, raw=False)
+                    body = msgpack.unpackb(payload, raw=False, strict_map_key=False)  # {gpu: bytes} maps
                     driver, last_heard = ident, time.monotonic()
                     if kind == b"hello" and self.sup is None:
                         self.sup = self._start(body)
@@ -102,7 +114,13 @@ class NodeAgent:
                         timeout = body["heartbeat_timeout"]
                         _send(self._sock, "welcome", {"rank": self.rank}, ident=driver)
                     elif kind == b"spawn" and self.sup is not None:
-                        _send(self._sock, "spawned", self._spawn(body, frames, known), ident=driver)
+                        # aside: unpickling the role's class imports its modules (transformers: seconds
+                        # on a busy CPU), during which this loop must go on beating
+                        _aside(lambda *a: self._outbox.append(("spawned", self._spawn(*a))), body, frames, known)
+                    elif kind == b"lease" and self.sup is not None:
+                        _send(self._sock, "answer", self._lease(body), ident=driver)
+                    elif kind == b"wait_ready" and self.sup is not None:
+                        _aside(self._wait_ready, body)
                     elif kind == b"stop_group" and self.sup is not None:
                         cause = ActorDied(body["role"], body["inc"], body["reason"])
                         _aside(self.sup.stop_group, body["group"], cause)
@@ -112,8 +130,8 @@ class NodeAgent:
                 if now - last_heard > timeout:
                     what = "did not say hello" if self.sup is None else "stopped answering"
                     return f"node 0 {what} for {timeout:g} s: stopping this node's roles"
-                while self._events and driver is not None:
-                    _send(self._sock, "event", self._events.popleft(), ident=driver)
+                while self._outbox and driver is not None:
+                    _send(self._sock, *self._outbox.popleft(), ident=driver)
                 if self.sup is not None and driver is not None and now >= next_beat:
                     if failure := self._report(driver, known):
                         return f"this node's supervisor gave up: {failure}"
@@ -126,7 +144,7 @@ class NodeAgent:
         supervisor's shutdown event."""
         for event in follow_events(self.run_dir):
             if event["event"] in ROLE_EVENTS:
-                self._events.append(event)
+                self._outbox.append(("event", event))
 
     def close(self) -> None:
         if self.sup is not None:
@@ -138,10 +156,39 @@ class NodeAgent:
             self._ctx.term()
 
     def _start(self, hello: dict) -> Supervisor:
+        if self.run_dir.exists():  # this node's folder from before it was lost: kept aside, whole
+            n = 1
+            while (aside := self.run_dir.with_name(f"{self.run_dir.name}.before-{n}")).exists():
+                n += 1
+            self.run_dir.rename(aside)
         return Supervisor(self.run_dir, transport="tcp", host=self.host, token=hello["token"],
                           job_keys=KeyPair(hello["job_public"], hello["job_secret"]),
                           heartbeat_interval=hello["heartbeat_interval"], gpus=self.gpus,
                           fake_gpus=self.fake_gpus, fake_gpu_bytes=self.fake_gpu_bytes)
+
+    def _lease(self, req: dict) -> dict:
+        """One LeaseTable method on this node's table (node 0's driver hands memory over between
+        the roles here: runtime.cluster.ClusterLeases); GPU ids are the node's own."""
+        try:
+            result = getattr(self.sup.leases, LEASE_OPS[LEASE_OPS.index(req["op"])])(*req["args"], **req["kwargs"])
+        except (LeaseError, ValueError) as e:  # raised again where the driver called it
+            return {"req": req["req"], "error": str(e), "type": type(e).__name__}
+        if isinstance(result, Grant):
+            result = dataclasses.asdict(result)
+        elif isinstance(result, list):
+            result = [dataclasses.asdict(g) for g in result]
+        return {"req": req["req"], "result": result}
+
+    def _wait_ready(self, req: dict) -> None:
+        """Supervisor.wait_ready in a thread of its own; the answer goes out through the outbox."""
+        try:
+            self.sup.wait_ready(req["names"], timeout=req["timeout"])
+            answer = {"req": req["req"], "result": None}
+        except ActorDied as e:
+            answer = {"req": req["req"], "died": [e.role, e.incarnation, e.reason, e.error_file, e.error_text]}
+        except (SupervisionFailed, TimeoutError, KeyError) as e:
+            answer = {"req": req["req"], "error": str(e).splitlines()[0], "type": type(e).__name__}
+        self._outbox.append(("answer", answer))
 
     def _spawn(self, req: dict, frames: list[bytes], known: dict) -> dict:
         """Supervisor.spawn, or spawn_group for this node's slice of a rank group (`ranks` set)."""
@@ -153,11 +200,13 @@ class NodeAgent:
             args, kwargs = wire.decode_body(cfg, hdr, frames)
             if ranks is None:
                 handles = [self.sup.spawn(req["name"], cls, *args, gpus=req["gpus"], restart=req["restart"],
-                                          group=req["group"], env=req["env"], **kwargs)]
+                                          group=req["group"], env=req["env"], first_incarnation=req["incarnation"],
+                                          **kwargs)]
             else:
                 handles = self.sup.spawn_group(req["name"], cls, *args, gpus=req["gpus"], env=req["env"],
                                                world_size=ranks["world_size"], first_rank=ranks["first_rank"],
-                                               master=tuple(ranks["master"]), **kwargs)
+                                               master=tuple(ranks["master"]), first_incarnation=req["incarnation"],
+                                               **kwargs)
         except Exception as e:  # the driver raises it where it called spawn
             return {"req": req["req"], "error": f"{type(e).__name__}: {e}"}
         roles = []
@@ -209,8 +258,13 @@ class RemoteNode:
         self._sock.linger = 0
         dial(self._sock, keys, entry.public_key, entry.endpoint)
         self._outbox: list[tuple[str, dict, list]] = []
+        # a byte here wakes the channel's thread for a new message, which would otherwise wait
+        # out its poll tick: a handoff across nodes is a handful of lease requests
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_w, False)
         self._replies: dict[int, dict] = {}
         self._roles: dict[str, int] = {}  # name: incarnation, the roles spawned on this node
+        self.restarts: collections.Counter[str] = collections.Counter()  # name: restarts the agent told of
         # rank groups with a slice here: {group: (world size, ranks here)}; a death elsewhere in one
         # stops the slice here, and a death here the slice on node 0 (a group dies as one)
         self._groups: dict[str, tuple[int, set[int]]] = {}
@@ -236,44 +290,39 @@ class RemoteNode:
             self._thread.join(timeout=2)
             self._sock.close(linger=0)
             self._ctx.term()
+            self._close_wake()
             raise self.failure
 
     def spawn(self, name: str, cls: type, *args, gpus: Sequence[int] = (), restart: str = "one_for_one",
               group: str | None = None, env: dict[str, str] | None = None, timeout: float = 60.0,
-              **kwargs) -> ActorHandle:
+              first_incarnation: int = 0, **kwargs) -> ActorHandle:
         """Supervisor.spawn on this node; `gpus` are the node's own GPU ids."""
         return self._spawn(name, cls, args, kwargs, gpus=gpus, restart=restart, group=group, env=env,
-                           ranks=None, timeout=timeout)[0]
+                           ranks=None, timeout=timeout, incarnation=first_incarnation)[0]
 
     def spawn_group(self, name: str, cls: type, *args, gpus: Sequence[int], world_size: int, first_rank: int,
                     master: tuple[str, int], env: dict[str, str] | None = None, timeout: float = 60.0,
-                    **kwargs) -> list[ActorHandle]:
+                    first_incarnation: int = 0, **kwargs) -> list[ActorHandle]:
         """This node's slice of rank group `name` (Supervisor.spawn_group): ranks `first_rank` on,
         one per GPU of `gpus` (the node's own ids), joining the store at `master`."""
         ranks = {"world_size": world_size, "first_rank": first_rank, "master": list(master)}
         handles = self._spawn(name, cls, args, kwargs, gpus=gpus, restart="temporary", group=name, env=env,
-                              ranks=ranks, timeout=timeout)
+                              ranks=ranks, timeout=timeout, incarnation=first_incarnation)
         with self._cond:
             self._groups[name] = (world_size, set(range(first_rank, first_rank + len(gpus))))
         return handles
 
     def _spawn(self, name: str, cls: type, args: tuple, kwargs: dict, *, gpus: Sequence[int], restart: str,
-               group: str | None, env: dict[str, str] | None, ranks: dict | None, timeout: float) -> list[ActorHandle]:
+               group: str | None, env: dict[str, str] | None, ranks: dict | None, timeout: float,
+               incarnation: int) -> list[ActorHandle]:
         self.check()
         init = wire.encode(wire.WireConfig(token=self.sup.cfg.token), {
             "kind": "init", "id": 0, "src": "supervisor", "dst": name, "method": "__init__",
             "inc": 0, "deadline": None}, [list(args), kwargs])
-        with self._cond:
-            self._req += 1
-            req = self._req
-        self._post("spawn", {"req": req, "name": name, "cls": pickle.dumps(cls), "gpus": [int(g) for g in gpus],
-                             "restart": restart, "group": group, "env": dict(env or {}), "ranks": ranks},
-                   [bytes(f) for f in init.frames])
-        with self._cond:
-            if not self._cond.wait_for(lambda: req in self._replies or self.failure, timeout=timeout):
-                raise TimeoutError(f"node {self.rank} did not confirm the spawn of {name!r} within {timeout} s")
-            self.check()
-            reply = self._replies.pop(req)
+        reply = self._request("spawn", {"name": name, "cls": pickle.dumps(cls), "gpus": [int(g) for g in gpus],
+                                        "restart": restart, "group": group, "env": dict(env or {}), "ranks": ranks,
+                                        "incarnation": incarnation},
+                              [bytes(f) for f in init.frames], timeout=timeout, what=f"the spawn of {name!r}")
         if "error" in reply:
             raise RuntimeActorError(f"node {self.rank} could not spawn {name!r}: {reply['error']}")
         handles = []
@@ -282,6 +331,54 @@ class RemoteNode:
             self._roles[role["name"]] = role["inc"]
             handles.append(ActorHandle(role["name"], cls.__name__, endpoints_of(cls), self.sup.caller))
         return handles
+
+    def lease(self, op: str, *args, **kwargs):
+        """LeaseTable.`op`(*args, **kwargs) on this node's table (its own GPU ids); its LeaseError
+        or ValueError is raised here. A Grant comes back as a dict."""
+        reply = self._request("lease", {"op": op, "args": list(args), "kwargs": kwargs}, timeout=30.0,
+                              what=f"lease {op}")
+        if "error" in reply:
+            raise (LeaseError if reply["type"] == "LeaseError" else ValueError)(f"node {self.rank}: {reply['error']}")
+        return reply["result"]
+
+    def wait_ready(self, names: Sequence[str], timeout: float = 300.0) -> None:
+        """Supervisor.wait_ready on this node: ActorDied of a role that died starting."""
+        reply = self._request("wait_ready", {"names": list(names), "timeout": timeout}, timeout=timeout + 5,
+                              what="the roles' start")
+        if "died" in reply:
+            raise ActorDied(*reply["died"])
+        if "error" in reply:
+            raise (TimeoutError if reply["type"] == "TimeoutError" else RuntimeActorError)(
+                f"node {self.rank}: {reply['error']}")
+
+    def wait_restarted(self, name: str, dead_incarnation: int, timeout: float = 300.0) -> int:
+        """Until the agent reports `name` started again past `dead_incarnation`, and it is ready."""
+        with self._cond:
+            if not self._cond.wait_for(lambda: self._roles.get(name, -1) > dead_incarnation or self.failure,
+                                       timeout=timeout):
+                raise TimeoutError(f"{name} on node {self.rank} was not restarted within {timeout} s")
+            self.check()
+            inc = self._roles[name]
+        self.wait_ready([name], timeout=timeout)
+        return inc
+
+    def _request(self, kind: str, payload: dict, frames: list | None = None, *, timeout: float, what: str) -> dict:
+        """Send a request that the agent answers (matched by its number); NodeLost if the node is lost first."""
+        self.check()
+        with self._cond:
+            self._req += 1
+            req = self._req
+        self._post(kind, {"req": req, **payload}, frames)
+        with self._cond:
+            if not self._cond.wait_for(lambda: req in self._replies or self.failure, timeout=timeout):
+                raise TimeoutError(f"node {self.rank} did not answer {what} within {timeout:g} s")
+            self.check()
+            return self._replies.pop(req)
+
+    def roles(self) -> dict[str, int]:
+        """{name: incarnation} of the roles spawned on this node, as last reported."""
+        with self._cond:
+            return dict(self._roles)
 
     def check(self) -> None:
         """Raise NodeLost if the node was lost or its supervisor gave up."""
@@ -297,14 +394,29 @@ class RemoteNode:
         if not self._ctx.closed:
             self._sock.close(linger=0 if self.failure else 1000)  # a live agent gets the stop
             self._ctx.term()
+            self._close_wake()
 
     # -- the channel's thread: the only one that touches the socket ------------------------
     def _post(self, kind: str, payload: dict, frames: list | None = None) -> None:
         with self._cond:
             self._outbox.append((kind, payload, frames or []))
+            if self._wake_w >= 0:
+                try:
+                    os.write(self._wake_w, b"w")
+                except BlockingIOError:  # full: the thread has a wake-up waiting already
+                    pass
+
+    def _close_wake(self) -> None:
+        with self._cond:
+            os.close(self._wake_r)
+            os.close(self._wake_w)
+            self._wake_r = self._wake_w = -1
 
     def _run(self) -> None:
         next_ping = 0.0
+        poller = zmq.Poller()
+        poller.register(self._sock, zmq.POLLIN)
+        poller.register(self._wake_r, zmq.POLLIN)
         while True:
             closing = self._closing  # read first: close() posts "stop" before it sets _closing
             with self._cond:
@@ -319,7 +431,10 @@ class RemoteNode:
                     break
             if closing or self.failure is not None:
                 return
-            if self._sock.poll(int(TICK_S * 1000)):
+            ready = dict(poller.poll(int(TICK_S * 1000)))
+            if self._wake_r in ready:
+                os.read(self._wake_r, 4096)
+            while self._sock.poll(0):
                 kind, payload, *_ = self._sock.recv_multipart()
                 self._last_heard = time.monotonic()
                 self._on_message(kind.decode(), msgpack.unpackb(payload, raw=False))
@@ -339,13 +454,16 @@ class RemoteNode:
             with self._cond:
                 self._welcomed = True
                 self._cond.notify_all()
-        elif kind == "spawned":
+        elif kind in ("spawned", "answer"):
             with self._cond:
                 self._replies[body["req"]] = body
                 self._cond.notify_all()
         elif kind == "started":
-            self._roles[body["name"]] = body["inc"]
             self.sup.directory.update(Address(body["name"], body["inc"], body["endpoint"]))
+            with self._cond:
+                self._roles[body["name"]] = body["inc"]
+                self.restarts[body["name"]] += 1
+                self._cond.notify_all()
         elif kind == "died":
             err = ActorDied(body["name"], body["inc"], f"on node {self.rank}: {body['reason']}",
                             body.get("error_file"), body.get("error_text"))
@@ -380,14 +498,15 @@ class RemoteNode:
                     continue
 
     def _lose(self, reason: str) -> None:
-        """Fail every call to this node's roles, stop node 0's slices of rank groups that had
-        ranks there (they would wait in a collective for ever), then make check() raise."""
+        """Make check() raise, fail every call to this node's roles, and stop node 0's slices of
+        rank groups that had ranks there (they would wait in a collective for ever). The failure
+        is set first: a caller that sees a role's ActorDied finds the node lost."""
+        with self._cond:
+            self.failure = NodeLost(reason)
+            self._cond.notify_all()
         for name, inc in list(self._roles.items()):
             err = ActorDied(name, inc, reason)
             self.sup.directory.mark_dead(name, inc, err)
             self.sup.caller.fail_destination(name, inc, err)
             if (group := name.rpartition(".")[0]) in self._groups:
                 _aside(self.sup.stop_group, group, err)
-        with self._cond:
-            self.failure = NodeLost(reason)
-            self._cond.notify_all()

@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import ctypes
 import faulthandler
+import functools
 import multiprocessing
 import os
 import pickle
@@ -159,11 +160,11 @@ def child_main(boot: ChildBoot) -> None:
     # When the supervisor dies, take down our whole process group (the role and anything it
     # started, e.g. an inference server's workers): a plain SIGKILL death signal would leave
     # grandchildren behind. The control thread checks the parent too, as a backup.
-    signal.signal(signal.SIGUSR1, _orphaned)
+    orphaned = functools.partial(_orphaned, boot.parent_pid)
+    signal.signal(signal.SIGUSR1, orphaned)
     libc = ctypes.CDLL(None, use_errno=True)
     libc.prctl(PR_SET_PDEATHSIG, signal.SIGUSR1)
-    if os.getppid() != boot.parent_pid:  # the supervisor died before prctl took effect
-        _orphaned()
+    orphaned()  # the supervisor died before prctl took effect
     signal.signal(signal.SIGTERM, _exit_on_sigterm)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     err = open(boot.error_file, "w")
@@ -229,8 +230,12 @@ def _exit_on_sigterm(signum, frame):
     raise SystemExit(0)
 
 
-def _orphaned(*_):
-    os.killpg(0, signal.SIGKILL)
+def _orphaned(parent_pid: int, *_) -> None:
+    """The death signal: take our process group down if the supervisor is gone. Slurm's
+    `--signal=USR1@T` and `scancel --signal=USR1` send SIGUSR1 to every process of the step, the
+    roles too: that one, with the supervisor alive, is the driver's (a checkpoint) and ignored."""
+    if os.getppid() != parent_pid:
+        os.killpg(0, signal.SIGKILL)
 
 
 class _Child:
@@ -378,8 +383,7 @@ class _Child:
         curve.connect(sock, boot.control, self.cfg.curve)
         next_beat = 0.0
         while True:
-            if os.getppid() != boot.parent_pid:
-                _orphaned()
+            _orphaned(boot.parent_pid)  # a backup of the death signal
             now = time.monotonic()
             if now >= next_beat:
                 sock.send_multipart(control_message("heartbeat", boot.token, {

@@ -18,7 +18,7 @@ import socket
 import time
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any
+from typing import Any, Callable
 
 
 def host_store(host: str, world_size: int):
@@ -61,10 +61,13 @@ class Rendezvous:
 
 
 def meet(master_addr: str, master_port: int, *, nnodes: int, entry: NodeEntry, timeout_s: float,
-         host: bool, prefix: str = "tandem") -> Rendezvous:
+         host: bool, prefix: str = "tandem", on_node_0: Callable[[NodeEntry], None] | None = None) -> Rendezvous:
     """Publish `entry` in the job's c10d TCPStore at master_addr:master_port and wait for the
     entries of all `nnodes` nodes. `host`: this node serves the store (node 0, unless torchrun's
-    agent already serves one there). Raises RendezvousFailed within about `timeout_s`."""
+    agent already serves one there). `on_node_0(node 0's entry)`: called on a node > 0 before it
+    publishes its own entry, so that it admits node 0's key before node 0 can dial it (a CURVE
+    handshake refused by the ZAP handler lost node 0's first message). Raises RendezvousFailed
+    within about `timeout_s`."""
     deadline = time.monotonic() + timeout_s
     where = f"{master_addr}:{master_port}"
     if not host:  # fail with our own line, not c10d's retry log, when node 0 is not there
@@ -79,19 +82,47 @@ def meet(master_addr: str, master_port: int, *, nnodes: int, entry: NodeEntry, t
                                    f"({_first_line(e)}): another job may hold it; pass another --master-port") from None
         raise RendezvousFailed(f"node 0's rendezvous store at {where} did not answer ({_first_line(e)}): "
                                "check --master-addr and --master-port") from None
-    if store.add(f"{prefix}/claim/{entry.rank}", 1) > 1:
+    # a node that node 0 lost and calls back (`call_back`) joins the newest generation, where only
+    # node 0 and itself meet; the first meeting is generation 0
+    generation = int(store.get(f"{prefix}/generation")) if store.check([f"{prefix}/generation"]) else 0
+    if store.add(f"{prefix}/claim/{generation}/{entry.rank}", 1) > 1:
         raise RendezvousFailed(f"another launcher already joined as node {entry.rank}: give each launcher "
-                               "its own --node-rank")
-    store.set(f"{prefix}/node/{entry.rank}", entry.encode())
-    keys = [f"{prefix}/node/{r}" for r in range(nnodes)]
+                               "its own --node-rank (a node started again before node 0 noticed it lost: start "
+                               "it once more)")
+    if on_node_0 is not None and entry.rank != 0:
+        first = f"{prefix}/node/{generation}/0"
+        while not store.check([first]):
+            if time.monotonic() > deadline:
+                raise RendezvousFailed(f"node(s) 0 of {nnodes} did not join the rendezvous at {where} within "
+                                       f"{timeout_s:g} s (--rendezvous-timeout-s): start one launcher per node")
+            time.sleep(0.05)
+        on_node_0(NodeEntry.decode(store.get(first)))
+    store.set(f"{prefix}/node/{generation}/{entry.rank}", entry.encode())
+    ranks = list(range(nnodes)) if generation == 0 else [0, entry.rank]
+    keys = [f"{prefix}/node/{generation}/{r}" for r in ranks]
     while not store.check(keys):  # polled: c10d's blocking wait logs its timeout on stderr
         if time.monotonic() > deadline:
-            missing = [r for r, k in enumerate(keys) if not store.check([k])]
+            missing = [r for r, k in zip(ranks, keys) if not store.check([k])]
             raise RendezvousFailed(f"node(s) {', '.join(map(str, missing))} of {nnodes} did not join the "
                                    f"rendezvous at {where} within {timeout_s:g} s (--rendezvous-timeout-s): "
                                    "start one launcher per node")
         time.sleep(0.05)
     return Rendezvous([NodeEntry.decode(store.get(k)) for k in keys], store)
+
+
+def call_back(rdv: Rendezvous, rank: int, node0: NodeEntry, timeout_s: float, prefix: str = "tandem") -> NodeEntry:
+    """Node 0: open a new generation of the job's rendezvous for node `rank`, which was lost, and
+    wait up to `timeout_s` for a launcher of that rank to join it (`meet` started again there, by
+    hand or by the scheduler); returns its entry. Raises RendezvousFailed, one line."""
+    generation = rdv.store.add(f"{prefix}/generation", 1)
+    rdv.store.set(f"{prefix}/node/{generation}/0", node0.encode())
+    key, deadline = f"{prefix}/node/{generation}/{rank}", time.monotonic() + timeout_s
+    while not rdv.store.check([key]):
+        if time.monotonic() > deadline:
+            raise RendezvousFailed(f"node {rank} did not come back within {timeout_s:g} s "
+                                   "(--rendezvous-timeout-s)")
+        time.sleep(0.05)
+    return NodeEntry.decode(rdv.store.get(key))
 
 
 def _wait_reachable(addr: str, port: int, deadline: float, timeout_s: float) -> None:

@@ -143,10 +143,13 @@ class Supervisor:
             self.check()
 
     def spawn(self, name: str, cls: type, *args, gpus: Sequence[int] = (), restart: str = "one_for_one",
-              group: str | None = None, env: dict[str, str] | None = None, **kwargs) -> ActorHandle:
+              group: str | None = None, env: dict[str, str] | None = None, first_incarnation: int = 0,
+              **kwargs) -> ActorHandle:
         """Start ``cls(*args, **kwargs)`` in a new process; returns at once with its handle.
 
-        Calls made before the actor is ready wait in its mailbox queue.
+        Calls made before the actor is ready wait in its mailbox queue. `first_incarnation`: past
+        0 for a role that lived on a node that was lost and came back (runtime.cluster), so that
+        its callers tell the new process from the dead one.
         """
         self.check()
         if restart not in RESTART_POLICIES:
@@ -167,7 +170,7 @@ class Supervisor:
         with self._lock:
             if name in self._children:
                 raise ValueError(f"an actor named {name!r} already exists")
-            child = Child(spec, incarnation=0)
+            child = Child(spec, incarnation=first_incarnation)
             self._children[name] = child
             try:
                 self._start(child)
@@ -178,7 +181,7 @@ class Supervisor:
 
     def spawn_group(self, name: str, cls: type, *args, gpus: Sequence[int], env: dict[str, str] | None = None,
                     world_size: int | None = None, first_rank: int = 0, master: tuple[str, int] | None = None,
-                    **kwargs) -> list[ActorHandle]:
+                    first_incarnation: int = 0, **kwargs) -> list[ActorHandle]:
         """Start a rank group: ``cls(*args, **kwargs)`` once per GPU, rank i named ``f"{name}.{i}"``
         on ``gpus[i]`` alone, with the torch.distributed environment set before any import:
         MASTER_ADDR=127.0.0.1, MASTER_PORT, RANK, WORLD_SIZE and LOCAL_RANK (= RANK: one node).
@@ -213,7 +216,7 @@ class Supervisor:
         return [self.spawn(f"{name}.{first_rank + i}", cls, *args, gpus=[gpu], restart="temporary", group=name,
                            env={**(env or {}), "MASTER_ADDR": master[0], "MASTER_PORT": str(master[1]),
                                 "RANK": str(first_rank + i), "WORLD_SIZE": str(world), "LOCAL_RANK": str(i)},
-                           **kwargs)
+                           first_incarnation=first_incarnation, **kwargs)
                 for i, gpu in enumerate(gpus)]
 
     def group_master(self, name: str) -> tuple[str, int]:
@@ -222,20 +225,24 @@ class Supervisor:
         with self._lock:
             return self.host, self._stores[name].port
 
-    def respawn_group(self, name: str, reason: str, timeout: float = 60.0) -> list[ActorHandle]:
+    def respawn_group(self, name: str, reason: str, timeout: float = 60.0,
+                      other_slices: bool = False) -> list[ActorHandle]:
         """Start rank group `name` again: its live ranks are stopped, then every rank starts as
         a new incarnation with a new rendezvous store (a new MASTER_PORT). The driver's call
         (ppo.recovery: the driver knows what to reload; a supervisor restart would bring back
         freshly initialised trainers). Counts once toward the restart intensity, past which
         the supervisor gives up and this raises SupervisionFailed. Returns at once; the
-        handles (the same names) reach the new incarnations."""
+        handles (the same names) reach the new incarnations. A group that spans nodes restarts
+        its slice here (`other_slices`: the caller starts the others, runtime.cluster)."""
         self.check()
         with self._lock:
             members = [c for c in self._children.values() if c.spec.group == name and c.spec.restart == "temporary"]
         if not members:
             raise ValueError(f"no rank group named {name!r}")
-        if int(members[0].spec.env["WORLD_SIZE"]) != len(members):
-            raise ValueError(f"rank group {name!r} spans nodes: respawning it is not built yet")
+        world = int(members[0].spec.env["WORLD_SIZE"])
+        if world != len(members) and not other_slices:
+            raise ValueError(f"rank group {name!r} spans nodes: respawning it restarts its other slices too "
+                             "(runtime.cluster.ClusterSupervisor.respawn_group)")
         members.sort(key=lambda c: int(c.spec.env["RANK"]))
         # A rank's death stops its peers in the watch thread, which then drops the store:
         # wait for that, so that no stop of an old incarnation lands on a new one.
@@ -253,7 +260,7 @@ class Supervisor:
             if not self._count_restart(name, reason, err_file, read_text(err_file)):
                 self.check()  # raises the SupervisionFailed of _give_up
             with self._lock:
-                self._stores[name] = store = host_store("127.0.0.1", len(members))
+                self._stores[name] = store = host_store(self.host, world)
                 for c in members:
                     c.spec = replace(c.spec, env={**c.spec.env, "MASTER_PORT": str(store.port)})
         finally:

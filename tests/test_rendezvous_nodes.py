@@ -60,3 +60,53 @@ def test_two_launchers_with_one_rank_are_refused():
         with pytest.raises(RendezvousFailed, match="already joined as node 1"):
             meet("127.0.0.1", port, nnodes=2, entry=entry(1), timeout_s=5, host=False)
         host.result(timeout=20)
+
+
+def test_a_lost_node_joins_again_in_a_new_generation():
+    from runtime.rendezvous import call_back
+
+    port, entries = free_port(), [entry(0), entry(1)]
+    with ThreadPoolExecutor(2) as pool:
+        host = pool.submit(meet, "127.0.0.1", port, nnodes=2, entry=entries[0], timeout_s=20, host=True)
+        time.sleep(0.2)
+        meet("127.0.0.1", port, nnodes=2, entry=entries[1], timeout_s=20, host=False)
+        rdv = host.result(timeout=30)
+        # node 1 lost: a launcher of rank 1 started before node 0 calls it back is refused ...
+        with pytest.raises(RendezvousFailed, match="already joined as node 1"):
+            meet("127.0.0.1", port, nnodes=2, entry=entry(1), timeout_s=5, host=False)
+        back = pool.submit(call_back, rdv, 1, entries[0], timeout_s=20)
+        time.sleep(0.2)
+        # ... and one started after is let in, meeting node 0 alone
+        again = entry(1)
+        assert meet("127.0.0.1", port, nnodes=2, entry=again, timeout_s=20, host=False).nodes == [entries[0], again]
+        assert back.result(timeout=30) == again
+
+
+def test_a_lost_node_that_never_comes_back_is_one_line():
+    from runtime.rendezvous import call_back
+
+    port = free_port()
+    with ThreadPoolExecutor(1) as pool:
+        host = pool.submit(meet, "127.0.0.1", port, nnodes=2, entry=entry(0), timeout_s=20, host=True)
+        time.sleep(0.2)
+        meet("127.0.0.1", port, nnodes=2, entry=entry(1), timeout_s=20, host=False)
+        rdv = host.result(timeout=30)
+    with pytest.raises(RendezvousFailed, match=r"^node 1 did not come back within 0.5 s \(--rendezvous-timeout-s\)$"):
+        call_back(rdv, 1, entry(0), timeout_s=0.5)
+
+
+def test_a_node_admits_node_0_before_its_own_entry_is_there_to_dial():
+    import torch.distributed as dist
+
+    port, entries, seen = free_port(), [entry(0), entry(1)], []
+
+    def admit(node_0: NodeEntry) -> None:  # as NodeAgent.admit: node 0 must not find node 1 before this
+        store = dist.TCPStore("127.0.0.1", port, 2, is_master=False)
+        seen.append((node_0, store.check(["tandem/node/0/1"])))
+
+    with ThreadPoolExecutor(1) as pool:
+        host = pool.submit(meet, "127.0.0.1", port, nnodes=2, entry=entries[0], timeout_s=20, host=True)
+        time.sleep(0.2)
+        meet("127.0.0.1", port, nnodes=2, entry=entries[1], timeout_s=20, host=False, on_node_0=admit)
+        host.result(timeout=30)
+    assert seen == [(entries[0], False)]

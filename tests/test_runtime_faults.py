@@ -248,6 +248,17 @@ def test_supervisor_killed_leaves_no_orphans(run_dir):
     assert wait_for(lambda: all(gone(p) for p in pids), timeout=5), "roles or their children survived"
 
 
+def test_sigusr1_to_a_role_whose_supervisor_lives_is_ignored(sup):
+    """Slurm's --signal=USR1@T and `scancel --signal=USR1` reach every process of the step; SIGUSR1
+    is also the roles' death signal (PR_SET_PDEATHSIG), which must act only when the supervisor
+    is gone (found under a real Slurm: every role took its process group down)."""
+    echo = sup.spawn("echo", Echo)
+    pid = echo.pid()
+    os.kill(pid, signal.SIGUSR1)
+    time.sleep(0.5)
+    assert echo.pid() == pid and echo.ping(2) == 2 and sup.restart_counts() == {}
+
+
 def test_shutdown_sigterms_then_sigkills_and_cleans_shared_memory(run_dir):
     import numpy as np
     sup = Supervisor(run_dir, heartbeat_interval=0.1, shutdown_grace_s=0.5)

@@ -54,8 +54,13 @@ def recover(job, role, dead_incarnation: int, version: int) -> None:
         # to send (a resident actor allocates its bucket buffers there). Colocated it is offloaded.
         sending = (contextlib.nullcontext() if job.colocation.shares_lease(job.actor_tenant, job.engine_tenants[index])
                    else job.colocation.sending_weights(job.actor_tenant, []))
+        if job.by_broadcast([role]) == [True]:  # its new incarnation is in no weight group: all join a new one
+            from ppo.setup.weight_group import open_weight_broadcast
+
+            job.weight_broadcast = open_weight_broadcast(job)
         with sending:
-            job.actor.sync_weights([role], job.cfg.engine.update_weight_buffer_size, version, engine_gpus=[gpus])
+            job.actor.sync_weights([role], job.cfg.engine.update_weight_buffer_size, version, engine_gpus=[gpus],
+                                   by_broadcast=job.by_broadcast([role]))
 
 
 def release_engines(job, version: int) -> None:
@@ -73,7 +78,7 @@ def sync_engines(job, version: int, perf=None) -> None:
     with colo.sending_weights(job.actor_tenant, job.engine_tenants), \
             (perf.phase("weight_sync") if perf is not None else contextlib.nullcontext()):
         job.actor.sync_weights(job.engines, job.cfg.engine.update_weight_buffer_size, version,
-                               engine_gpus=job.placement.engines)
+                               engine_gpus=job.placement.engines, by_broadcast=job.by_broadcast(job.engines))
     if job.cfg.engine.check_weight_update_equal:
         check_weights_equal(job)
     colo.drop_residual(job.actor_tenant, ["params"])

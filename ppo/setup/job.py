@@ -46,7 +46,12 @@ from roles.reward.model_scorer import RewardModelScorer
 from roles.rollout.engine import RolloutEngine
 from roles.trainer import BackendUnavailable, TrainerGroup, trainer_classes
 from runtime import ActorHandle, Supervisor
+from runtime.agent import NodeLost
+from runtime.cluster import ClusterSupervisor
 from runtime.events import read_events
+from runtime.rendezvous import RendezvousFailed
+from ppo.setup.nodes import node0_supervisor
+from ppo.setup.weight_group import WeightBroadcast, open_weight_broadcast
 
 logger = logging.getLogger(__name__)
 # Quiet, single-threaded library defaults for every role process: roles share the host's
@@ -66,7 +71,7 @@ class Job:
     hf_checkpoint: str
     tok: object  # the model's tokenizer (prompts in, responses out)
     data: PromptDataset
-    sup: Supervisor
+    sup: Supervisor | ClusterSupervisor  # across nodes: node 0's and the node agents' (runtime.cluster)
     placement: Placement
     engines: list[ActorHandle]
     engine_tenants: list[Tenant]
@@ -84,6 +89,13 @@ class Job:
     functions: UserFunctions  # the user's dynamic-sampling filter, TIS function, reward post-process
     eval_sets: list[EvalSet] = field(default_factory=list)  # --eval-prompt-data, loaded (ppo.generate.evaluation)
     memory_plan: MemoryPlan | None = None  # what each role holds per phase (ppo.gpu.memory_plan); None unplanned
+    weight_broadcast: WeightBroadcast | None = None  # engines on other nodes than the actor's (ppo.setup.weight_group)
+
+    def by_broadcast(self, engines: list[ActorHandle]) -> list[bool] | None:
+        """For the actor's sync_weights: which of `engines` take their weights by broadcast."""
+        if self.weight_broadcast is None:
+            return None
+        return [self.weight_broadcast.by_broadcast[self.engines.index(e)] for e in engines]
 
     @functools.cached_property
     def phases(self) -> Phases:
@@ -343,9 +355,10 @@ def _start(cfg: PPOConfig, console: RunConsole, lock: RunDirLock, actor_cls, cri
     if memory is not None:
         (run_dir / "memory_plan.json").write_text(json.dumps(memory.to_dict(), indent=1))
     dtype = compute_dtype(cfg)
-    num_gpus = plan.num_gpus_per_node * plan.num_nodes
-    sup = Supervisor(run_dir, gpus=range(num_gpus), fake_gpus=num_gpus if cfg.placement.fake_gpus else 0,
-                     fake_gpu_bytes=FAKE_GPU_BYTES)
+    try:  # across nodes: node 0's and the other nodes' supervisors as one (ppo.setup.nodes)
+        sup = node0_supervisor(cfg, run_dir, os.environ)
+    except (RendezvousFailed, NodeLost) as e:
+        raise JobSetupError(str(e)) from None
     engine_env, trainer_env = ({**ROLE_ENV, **role_env.get(kind, {})} for kind in ("engine", "trainer"))
     try:
         if C.side_by_side(cfg):  # each shared GPU split into the engine's and the trainers' budgets
@@ -408,7 +421,7 @@ def _start(cfg: PPOConfig, console: RunConsole, lock: RunDirLock, actor_cls, cri
     except BaseException:
         sup.shutdown()
         raise
-    return Job(cfg=cfg, run_dir=run_dir, hf_checkpoint=hf_checkpoint, tok=tok, data=data, sup=sup, console=console,
+    job = Job(cfg=cfg, run_dir=run_dir, hf_checkpoint=hf_checkpoint, tok=tok, data=data, sup=sup, console=console,
                run_dir_lock=lock, resume_from=resume_from, functions=functions,
                placement=plan, engines=engines, engine_tenants=engine_tenants, actor=actor,
                actor_tenant=trainer_tenant(actor, tuple(plan.actor_gpus), frees=C.train_offload_tags(cfg)),
@@ -421,3 +434,10 @@ def _start(cfg: PPOConfig, console: RunConsole, lock: RunDirLock, actor_cls, cri
                                                     else ("weights",))
                                      for rm, g in zip(reward_models, plan.reward_model_gpus)],
                colocation=colocation, memory_plan=memory)
+    if isinstance(sup, ClusterSupervisor):
+        try:
+            job.weight_broadcast = open_weight_broadcast(job)
+        except BaseException:
+            sup.shutdown()
+            raise
+    return job

@@ -2,8 +2,9 @@
 
 A node other than 0 (`run_node`) meets the others in node 0's store, then runs its node agent
 (runtime.agent) until node 0 stops the job or is lost. Node 0 (`connect_nodes`) serves the
-store (or joins torchrun's), meets the others and opens a RemoteNode to each; node 0's driver
-does not place roles through them yet.
+store (or joins torchrun's), meets the others and opens a RemoteNode to each; `node0_supervisor`
+wraps them and node 0's own supervisor into the one supervisor the driver places roles through
+(runtime.cluster).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from ppo.gpu.placement import plan_placement
 from ppo.gpu.sizing import FAKE_GPU_BYTES
 from runtime import Supervisor
 from runtime.agent import NodeAgent, RemoteNode
+from runtime.cluster import ClusterSupervisor
 from runtime.curve import KeyPair, numeric, route_to
 from runtime.rendezvous import NodeEntry, Rendezvous, meet
 
@@ -46,8 +48,8 @@ def run_node(cfg: PPOConfig) -> str:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     signal.signal(signal.SIGUSR1, signal.SIG_IGN)
     try:
-        rdv = meet(c.master_addr, c.master_port, nnodes=c.nnodes, entry=agent.entry(),
-                   timeout_s=c.rendezvous_timeout_s, host=False)  # node 0 serves the store
+        rdv = meet(c.master_addr, c.master_port, nnodes=c.nnodes, entry=agent.entry(),  # node 0 serves the store
+                   timeout_s=c.rendezvous_timeout_s, host=False, on_node_0=agent.admit)
     except BaseException:
         agent.close()
         raise
@@ -57,10 +59,11 @@ def run_node(cfg: PPOConfig) -> str:
 @dataclass
 class Nodes:
     """Node 0's view of the other nodes: a RemoteNode per node rank > 0. The store (in
-    `rendezvous`) serves while this object lives."""
+    `rendezvous`) serves while this object lives; `keys` are node 0's, which the agents admit."""
 
     rendezvous: Rendezvous
     remotes: dict[int, RemoteNode]
+    keys: KeyPair
 
     def check(self) -> None:
         """Raise the NodeLost of the first node lost."""
@@ -86,6 +89,26 @@ def connect_nodes(cfg: PPOConfig, sup: Supervisor, environ: Mapping[str, str]) -
         for entry in rdv.nodes[1:]:
             remotes[entry.rank] = RemoteNode(sup, entry, keys, hello_timeout_s=c.rendezvous_timeout_s)
     except BaseException:
-        Nodes(rdv, remotes).close("node 0 could not reach every node")
+        Nodes(rdv, remotes, keys).close("node 0 could not reach every node")
         raise
-    return Nodes(rdv, remotes)
+    return Nodes(rdv, remotes, keys)
+
+
+def node0_supervisor(cfg: PPOConfig, run_dir: Path, environ: Mapping[str, str]) -> Supervisor | ClusterSupervisor:
+    """The driver's supervisor: on one host a Supervisor of every GPU; across nodes node 0's own
+    (tcp with the job's CURVE keys, its node's GPUs) and a RemoteNode to every other node, met
+    through the rendezvous (RendezvousFailed, NodeLost when they do not meet)."""
+    plan = plan_placement(cfg)
+    fake, per_node = plan.fake_gpus, plan.num_gpus_per_node
+    if (cfg.cluster.nnodes or 1) == 1:
+        num_gpus = per_node * plan.num_nodes
+        return Supervisor(run_dir, gpus=range(num_gpus), fake_gpus=num_gpus if fake else 0,
+                          fake_gpu_bytes=FAKE_GPU_BYTES)
+    sup = Supervisor(run_dir, transport="tcp", host=node_address(cfg), job_keys=KeyPair.new(),
+                     gpus=range(per_node), fake_gpus=per_node if fake else 0, fake_gpu_bytes=FAKE_GPU_BYTES)
+    try:
+        nodes = connect_nodes(cfg, sup, environ)
+    except BaseException:
+        sup.shutdown()
+        raise
+    return ClusterSupervisor(sup, nodes.remotes, per_node, rendezvous=nodes.rendezvous, keys=nodes.keys)

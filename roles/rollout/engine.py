@@ -90,6 +90,7 @@ class RolloutEngine(Actor):
         )
         self._released: set[str] = set()
         self._weight_version = 0
+        self._weight_group = None  # roles.weight_broadcast.WeightGroup, when on another node than the actor
         self._num_generate_calls = 0
         # what it holds from the start: side by side the engine never releases, and this is
         # the one report of its bytes the monitor and the trace get
@@ -242,6 +243,27 @@ class RolloutEngine(Actor):
         # would stop the sender from freeing it (torch's IPC ref counts; roles.weight_sync).
         del bucket
         return {"num_tensors": num_tensors, "num_bytes": num_bytes}
+
+    @endpoint
+    def join_weight_group(self, master_addr: str, master_port: int, world_size: int, rank: int,
+                          backend: str) -> None:
+        """Join the actor's weight broadcast group (roles.weight_broadcast) as `rank`: an engine on
+        another node than the actor takes its buckets by `receive_weights` from then on."""
+        from roles.weight_broadcast import WeightGroup
+
+        self._weight_group = WeightGroup.join(master_addr, master_port, world_size, rank, backend)
+
+    @endpoint
+    def receive_weights(self, meta: dict) -> dict:
+        """update_weights for a bucket whose tensor comes by the weight group's broadcast (the
+        actor broadcasts it after this call was sent); `meta` is the bucket without its tensor.
+        The broadcast is taken part in before any check, so that a refused bucket fails this
+        call, not the actor's broadcast."""
+        from roles.weight_broadcast import receive_bucket
+
+        if self._weight_group is None:
+            raise RuntimeError(f"rollout engine {self.engine_index}: receive_weights() before join_weight_group()")
+        return self.update_weights(receive_bucket(self._weight_group, meta))
 
     @endpoint
     def set_weight_version(self, version: int) -> None:

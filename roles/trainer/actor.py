@@ -29,6 +29,7 @@ class ActorRole(TrainerRole):
     """
 
     _ref_params: list[torch.Tensor] | None
+    _weight_group = None  # rank 0's roles.weight_broadcast.WeightGroup, with engines on other nodes
 
     def _parameters(self) -> list[torch.Tensor]:
         """The model's parameters, in the order of `_ref_params`."""
@@ -100,15 +101,25 @@ class ActorRole(TrainerRole):
         return checksum_named_tensors(self.named_weights())
 
     @endpoint
+    def join_weight_group(self, master_addr: str, master_port: int, world_size: int, backend: str) -> None:
+        """Rank 0 joins the weight broadcast group (roles.weight_broadcast) as its rank 0, with
+        the engines on other nodes after it; the other ranks send no weights and do nothing."""
+        if is_rank_zero():
+            from roles.weight_broadcast import WeightGroup
+
+            self._weight_group = WeightGroup.join(master_addr, master_port, world_size, 0, backend)
+
+    @endpoint
     def sync_weights(self, engines: list, buffer_bytes: int, version: int, timeout_s: float = 600.0,
-                     engine_gpus: list[list[int]] | None = None) -> dict:
+                     engine_gpus: list[list[int]] | None = None, by_broadcast: list[bool] | None = None) -> dict:
         """Stream the weights to every engine bucket by bucket, then set their weight version.
 
         Each bucket goes to all engines at once (`roles.weight_sync.send_to_engines`), double
         buffered: the next bucket is packed while the engines load this one, and a buffer is
         packed again only after every engine acked its last bucket; an engine's error or a
         timeout (`timeout_s` per ack) ends the sync and is raised. On a GPU, engines on the
-        same physical GPU (`engine_gpus`, physical ids) get CUDA IPC handles. In a rank
+        same physical GPU (`engine_gpus`, physical ids) get CUDA IPC handles; engines on other
+        nodes (`by_broadcast`) get each bucket's tensor by the weight group's broadcast. In a rank
         group rank 0 sends (one copy of the weights is enough); the others return zeros.
         """
         start = time.monotonic()
@@ -122,7 +133,8 @@ class ActorRole(TrainerRole):
         # The bucket buffers sit where the weights are: on the device only when onloaded.
         resident = "params" not in self._core.offloaded
         totals = send_to_engines(self.named_weights(views=True), engines, buffer_bytes, engine_gpus=engine_gpus,
-                                 timeout_s=timeout_s, memory=self._core.memory if resident else None, on_bucket=acked)
+                                 timeout_s=timeout_s, memory=self._core.memory if resident else None, on_bucket=acked,
+                                 group=self._weight_group, by_broadcast=by_broadcast)
         for future in [engine.set_weight_version.call(version) for engine in engines]:
             future.result(timeout_s)
         return {"bytes": totals["num_bytes"], "buckets": totals["num_buckets"], "seconds": time.monotonic() - start}
