@@ -14,10 +14,10 @@ from bench.faults import ASYNC
 from ppo.loop import train
 from ppo.state import checkpoint as ck
 
-pytestmark = [pytest.mark.timeout(300), pytest.mark.usefixtures("one_torch_thread")]
+# whole runs (2-3 job starts each): past the default suite's per-test budget, so `make test-slow`
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(400), pytest.mark.usefixtures("one_torch_thread")]
 
 
-@pytest.mark.timeout(300)
 def test_partial_rollouts_train_checkpoint_their_buffer_and_a_resume_continues_it(tmp_path):
     cfg = ensure_valid(override(tiny_ppo(), run_dir=str(tmp_path / "run"), num_rollout=2, rollout_batch_size=16,
                                 over_sampling_batch_size=24, partial_rollout=True, num_critic_only_steps=0,
@@ -54,10 +54,10 @@ def test_partial_rollouts_generate_ahead_with_train_async(tmp_path):
     """--train-async on 4 fake GPUs (tests/test_async_ppo.py's layout): the rollout ahead is a
     partial one; a group generated more than --max-weight-staleness versions back is made again
     whole (it has no per-token versions then, ppo.generate.batch fills them in)."""
-    cfg = ensure_valid(override(tiny_ppo(), run_dir=str(tmp_path / "run"), **ASYNC, num_rollout=3,
+    layout = dict(num_gpus_per_node=4, actor_num_gpus_per_node=2, rollout_num_gpus=2)
+    cfg = ensure_valid(override(tiny_ppo(), run_dir=str(tmp_path / "run"), **{**ASYNC, **layout}, num_rollout=3,
                                 rollout_batch_size=16, over_sampling_batch_size=24, partial_rollout=True,
-                                eval_interval=None, eval_prompt_data=None, num_gpus_per_node=4,
-                                actor_num_gpus_per_node=2, rollout_num_gpus=2))
+                                eval_interval=None, eval_prompt_data=None))
     history = train(cfg)
     assert [h["step"] for h in history] == [0, 1, 2]
     for h in history:
