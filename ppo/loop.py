@@ -48,6 +48,7 @@ from ppo.generate.setup import rollout_function
 from ppo.setup.job import Job, model_context, start_job
 from ppo.observe.console import RunConsole
 from ppo.generate.dynamic_sampling import sample_batch
+from ppo.generate.partial import offpolicy_report, partial_rollout
 from ppo.observe.logger import RunLogger
 from ppo.generate.rollout import SamplingParams
 from ppo.generate.rollout_ahead import Rollouts
@@ -134,6 +135,7 @@ def steps(job: Job, log: RunLogger, start: checkpoint.ResumePoint, stops: Signal
             if C.needs_ref(cfg):
                 batch["ref_log_probs"] = actor.compute_ref_log_probs(select(batch))["log_probs"]
         book.add(mismatch_correction(cfg, batch, tis_function))  # may add batch["tis_weights"]
+        book.add(offpolicy_report(batch, version))  # a partial rollout's carried tokens (ppo.generate.partial)
 
         # 4. critic values, then advantages in the driver
         if critic is not None:
@@ -227,9 +229,18 @@ def rollout_source(job: Job) -> Rollouts:
         with rollouts.lock:  # ahead, the driver's thread may be training meanwhile (ppo.generate.rollout_ahead)
             recover(job, role, dead, rollouts.version)
 
-    rollouts = Rollouts(lambda step: sample_batch(lambda prompts, rnd: generate(prompts, step, rnd),
-                                                  job.data.next_batch, job.functions.dynamic_sampling),
-                        generate, data=job.data, ahead=cfg.rollout.train_async, num_rollout=cfg.rollout.num_rollout,
+    def rollout_of(step: int):
+        if cfg.rollout.partial_rollout:  # job.data is a PartialSource (ppo.setup.job)
+            return partial_rollout(job.engines, job.scorers, job.data, sampling, step,
+                                   num_groups=cfg.rollout.rollout_batch_size,
+                                   over_sampling=C.over_sampling_batch_size(cfg),
+                                   mask_offpolicy=cfg.rollout.mask_offpolicy_in_partial_rollout,
+                                   decode=tok.decode, eos_id=tok.eos_token_id, recover=recover_engine,
+                                   dynamic_sampling=job.functions.dynamic_sampling)
+        return sample_batch(lambda prompts, rnd: generate(prompts, step, rnd), job.data.next_batch,
+                            job.functions.dynamic_sampling)
+
+    rollouts = Rollouts(rollout_of, generate, data=job.data, ahead=cfg.rollout.train_async, num_rollout=cfg.rollout.num_rollout,
                         n_samples_per_prompt=cfg.rollout.n_samples_per_prompt,
                         max_staleness=cfg.rollout.max_weight_staleness)
     return rollouts

@@ -110,11 +110,11 @@ def test_the_built_in_engine_answers_an_empty_list_and_retries_its_own_aborts(ck
     real = scheduler.generate
     faults = ["oom", "nan"]
 
-    def faulty(requests, seeds):
+    def faulty(requests, seeds, board=None):
         fault = faults.pop(0) if faults else None
         if fault == "oom":
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
-        results = real(requests, seeds)
+        results = real(requests, seeds, board)
         if fault == "nan":  # one request's rows went non-finite: it alone is aborted
             results[-1]["logprobs"][0] = float("nan")
         return results

@@ -151,9 +151,12 @@ def engines_discard_weights(cfg: PPOConfig) -> bool:
 def use_tis(cfg: PPOConfig) -> bool:
     """Whether the policy loss carries TIS weights: --use-tis, or --train-async, whose decoupled
     PPO weights each token by the trainer's probability before the update over the engine's
-    (docs/algorithms.md), unless --use-rollout-logprobs takes the ratio against the engine's."""
-    p = cfg.ppo
-    return p.use_tis or (cfg.rollout.train_async and not p.use_rollout_logprobs)
+    (docs/algorithms.md), unless --use-rollout-logprobs takes the ratio against the engine's; or
+    --partial-rollout without --mask-offpolicy-in-partial-rollout, whose tokens carried from earlier
+    rollouts were sampled by older weights (their engine log-probs are those weights')."""
+    p, r = cfg.ppo, cfg.rollout
+    off_policy = r.train_async or (r.partial_rollout and not r.mask_offpolicy_in_partial_rollout)
+    return p.use_tis or (off_policy and not p.use_rollout_logprobs)
 
 
 def actor_gpus_per_node(cfg: PPOConfig) -> int:

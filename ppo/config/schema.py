@@ -123,7 +123,8 @@ class RolloutConfig:
     rollout_shuffle: bool = knob(False, "shuffle prompts each epoch")
     over_sampling_batch_size: int | None = knob(
         None, "dynamic sampling: prompts per sampling round, >= --rollout-batch-size; rounds go on "
-        "until --rollout-batch-size groups pass the filter. Unset: --rollout-batch-size", ge=1)
+        "until --rollout-batch-size groups pass the filter; --partial-rollout: groups started per rollout. "
+        "Unset: --rollout-batch-size", ge=1)
     dynamic_sampling_filter_path: str | None = knob(
         None, "dynamic sampling (DAPO): function that keeps or drops each prompt's group of samples, "
         "as --custom-rm-path names one; built in: ppo.generate.dynamic_sampling.check_reward_nonzero_std "
@@ -140,6 +141,13 @@ class RolloutConfig:
         8, "dynamic sampling: at most this many sampling rounds after the first; then the batch is "
         "filled up with dropped groups (counted as rollout/dynamic_sampling_filled_groups) "
         "(miles has no cap)", ge=0)
+    partial_rollout: bool = knob(
+        False, "miles' flag: start --over-sampling-batch-size groups, stop once --rollout-batch-size are "
+        "complete, abort what is in flight on every engine and continue the unfinished samples (tokens, "
+        "log-probs, weight versions) first in the next rollout (docs/partial_rollouts.md)")
+    mask_offpolicy_in_partial_rollout: bool = knob(
+        False, "--partial-rollout: loss mask 0 on a sample's tokens generated in earlier rollouts (miles' flag); "
+        "unset, they train, corrected by their per-token weight versions")
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -209,7 +209,7 @@ def _algorithm(cfg: PPOConfig) -> list[str]:
             out.append(_bad("num_critic_only_steps", warmup,
                             f"must be < --num-rollout {cfg.rollout.num_rollout}{unset}, "
                             "or the actor never trains"))
-    return out + _mismatch(cfg) + _dynamic_sampling(cfg)
+    return out + _mismatch(cfg) + _dynamic_sampling(cfg) + _partial_rollout(cfg)
 
 
 def _mismatch(cfg: PPOConfig) -> list[str]:
@@ -264,14 +264,37 @@ def _dynamic_sampling(cfg: PPOConfig) -> list[str]:
     r, out = cfg.rollout, []
     if r.over_sampling_batch_size is None:
         return out
-    if r.dynamic_sampling_filter_path is None:
+    if r.dynamic_sampling_filter_path is None and not r.partial_rollout:
         out.append(_set_but("over_sampling_batch_size", r.over_sampling_batch_size,
                             "--dynamic-sampling-filter-path (rollout.dynamic_sampling_filter_path) is not; "
                             "without a filter the extra prompts would be sampled and thrown away. Please add "
-                            "--dynamic-sampling-filter-path ppo.generate.dynamic_sampling.check_reward_nonzero_std"))
+                            "--dynamic-sampling-filter-path ppo.generate.dynamic_sampling.check_reward_nonzero_std "
+                            "(or --partial-rollout, which continues them in the next rollout)"))
     if r.rollout_batch_size is not None and r.over_sampling_batch_size < r.rollout_batch_size:
         out.append(_bad("over_sampling_batch_size", r.over_sampling_batch_size,
                         f"must be >= --rollout-batch-size {r.rollout_batch_size}"))
+    return out
+
+
+def _partial_rollout(cfg: PPOConfig) -> list[str]:
+    """What partial rollouts (ppo.generate.partial) work with today; the rest is refused by name."""
+    r, out = cfg.rollout, []
+    if r.mask_offpolicy_in_partial_rollout and not r.partial_rollout:
+        out.append(_set_but("mask_offpolicy_in_partial_rollout", True, "--partial-rollout is not. Please add "
+                            "--partial-rollout"))
+    if not r.partial_rollout:
+        return out
+    not_yet = [("custom_generate_function_path", cfg.generate.custom_generate_function_path,
+                "--custom-generate-function-path"),
+               ("generate_tool_specs_path", cfg.generate.generate_tool_specs_path, "--generate-tool-specs-path")]
+    for field, value, flag in not_yet:
+        if value is not None:
+            out.append(_set_but(field, value, f"so is --partial-rollout, which does not work with {flag} yet "
+                                "(docs/partial_rollouts.md). Please remove one"))
+    if cfg.engine.rollout_backend != "torch":
+        out.append(_bad("rollout_backend", cfg.engine.rollout_backend, "--partial-rollout aborts requests through "
+                        "the built-in engine's abort board; the sglang adapter has no abort yet. Please add "
+                        "--rollout-backend torch"))
     return out
 
 

@@ -11,6 +11,8 @@ see roles.trainer.batching for the trainer side of the same schema:
                                      ppo.generate.trajectory), else every response token
     rollout_log_probs  float [N, R]  the engine's log-probs of the sampled tokens (0 where masked)
     scores             float [N]     outcome rewards
+    weight_versions    int64 [N, R]  only when the samples carry them (a partial rollout): the weight
+                                     version that sampled each token (0 where padded)
     ... and, added by the loop: old_log_probs, ref_log_probs, values/old_values,
     advantages, returns (all [N, R])
 """
@@ -34,9 +36,15 @@ def build_batch(samples: list[dict], pad_id: int) -> dict:
         m = len(s["response_ids"])
         rollout_log_probs[i, :m] = torch.tensor(s["rollout_log_probs"])
         loss_mask[i, :m] = torch.tensor(s["loss_mask"], dtype=loss_mask.dtype) if "loss_mask" in s else 1.0
-    return {"input_ids": input_ids, "prompt_lens": prompt_lens, "response_lens": response_lens,
-            "loss_mask": loss_mask, "rollout_log_probs": rollout_log_probs,
-            "scores": torch.tensor([float(s["reward"]) for s in samples])}
+    batch = {"input_ids": input_ids, "prompt_lens": prompt_lens, "response_lens": response_lens,
+             "loss_mask": loss_mask, "rollout_log_probs": rollout_log_probs,
+             "scores": torch.tensor([float(s["reward"]) for s in samples])}
+    if any("weight_versions" in s for s in samples):  # a sample without them (a stale group made again) has one
+        batch["weight_versions"] = torch.zeros(n, r, dtype=torch.int64)
+        for i, s in enumerate(samples):
+            m = len(s["response_ids"])
+            batch["weight_versions"][i, :m] = torch.tensor(s.get("weight_versions", [s["weight_version"]] * m))
+    return batch
 
 
 TRAINER_KEYS = ("input_ids", "prompt_lens", "response_lens", "loss_mask")

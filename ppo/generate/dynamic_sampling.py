@@ -82,7 +82,7 @@ def sample_batch(generate: Generate, next_prompts: Callable[[int], list[dict]], 
         sampled_rewards += [float(s["reward"]) for s in samples]
         for g in range(len(prompts)):
             group = [dict(s, sampling_round=rnd) for s in samples[g * n:(g + 1) * n]]
-            keep, reason = _verdict(ds, group)
+            keep, reason = verdict(ds, group)
             if keep:
                 kept.append(group)
             else:
@@ -106,7 +106,8 @@ def sample_batch(generate: Generate, next_prompts: Callable[[int], list[dict]], 
     return batch, metrics
 
 
-def _verdict(ds: DynamicSampling, group: list[dict]) -> tuple[bool, str | None]:
+def verdict(ds: DynamicSampling, group: list[dict]) -> tuple[bool, str | None]:
+    """The filter's (keep, reason) for one group; ValueError for a filter that returns something else."""
     out = ds.keep(group)
     keep, reason = out if isinstance(out, tuple) and len(out) == 2 else (out, None)
     if not isinstance(keep, bool | torch.Tensor) or (isinstance(keep, torch.Tensor) and keep.numel() != 1):

@@ -39,13 +39,30 @@ def sample_seed(base: int, step: int, index: int, sampling_round: int = 0) -> in
     return int.from_bytes(digest, "little") & ((1 << 63) - 1)
 
 
+# A prompt whose metadata holds this key ([n] ints, one per sample) has the engine end sample k at
+# that many tokens (ignore_eos, max_new_tokens), whatever it samples: benchmarks draw response
+# lengths from a distribution this way, which an untrained model would not give (bench/partial_rollout.py).
+FORCED_LENGTHS_KEY = "forced_response_lens"
+
+
+def forced_length(prompt: dict, k: int) -> int | None:
+    """The length sample k of `prompt` is told to end at, if its metadata says (FORCED_LENGTHS_KEY)."""
+    lens = (prompt.get("metadata") or {}).get(FORCED_LENGTHS_KEY)
+    return None if lens is None else int(lens[k])
+
+
 def make_requests(prompts: list[dict], params: SamplingParams, step: int, sampling_round: int = 0) -> list[dict]:
     """n requests per prompt; request id = sample index = group * n + k."""
     n = params.n_samples_per_prompt
     sampling = {"temperature": params.temperature, "top_p": params.top_p, "top_k": params.top_k,
                 "max_new_tokens": params.max_new_tokens, "stop_token_ids": list(params.stop_token_ids)}
-    return [{"id": g * n + k, "prompt_ids": list(p["prompt_ids"]),
-             "sampling": dict(sampling, seed=sample_seed(params.seed, step, g * n + k, sampling_round))}
+
+    def sampling_of(p: dict, k: int, index: int) -> dict:
+        forced = forced_length(p, k)
+        length = {} if forced is None else {"max_new_tokens": min(forced, params.max_new_tokens), "ignore_eos": True}
+        return dict(sampling, seed=sample_seed(params.seed, step, index, sampling_round), **length)
+
+    return [{"id": g * n + k, "prompt_ids": list(p["prompt_ids"]), "sampling": sampling_of(p, k, g * n + k)}
             for g, p in enumerate(prompts) for k in range(n)]
 
 

@@ -33,6 +33,7 @@ from ppo.prompts.dataset import PromptDataset
 from ppo.generate.evaluation import EvalSet, load_eval_sets
 from ppo.setup.generated import resolve_eval_paths, resolve_paths
 from ppo.generate.setup import check_generation
+from ppo.generate.partial_buffer import PartialSource
 from ppo.gpu.dry_run import check_memory_plan
 from ppo.gpu.memory_plan import MemoryPlan
 from ppo.gpu.sizing import DEFAULT_PROMPT_LEN, FAKE_GPU_BYTES, compute_dtype, gpu_capacity_bytes
@@ -337,6 +338,8 @@ def _start(cfg: PPOConfig, console: RunConsole, lock: RunDirLock, actor_cls, cri
                              context_len=model_context(hf_checkpoint),
                              response_len=cfg.rollout.rollout_max_response_len or 0, seed=cfg.rollout.rollout_seed,
                              shuffle=cfg.rollout.rollout_shuffle, skip_bad_samples=cfg.rollout.skip_bad_samples)
+        if cfg.rollout.partial_rollout:  # the unfinished groups come first, and checkpoints keep them
+            data = PartialSource(data)
         eval_sets = load_eval_sets(cfg, resolve_eval_paths(cfg, run_dir), tok)
         resume_from = None
         if cfg.checkpoint.load is not None:  # checked against its manifest (ppo.state.manifest)

@@ -22,6 +22,7 @@ ends the update. Every result carries the weight version that produced it.
 
 from __future__ import annotations
 
+import functools
 import time
 import traceback
 
@@ -31,6 +32,7 @@ from roles.compute_check import check_in_run
 from roles.device import DeviceMemory
 from roles.model_spec import ModelSpec
 from roles.weight_sync import bucket_device, bucket_nbytes, received
+from roles.rollout.abort_board import AbortBoard
 from roles.rollout.aborts import generate_retrying
 from roles.rollout.config import EngineConfig
 from roles.rollout.sampling import parse_requests, request_seed
@@ -99,7 +101,7 @@ class RolloutEngine(Actor):
 
     # -- generation -------------------------------------------------------------------
     @endpoint
-    def generate(self, requests: list[dict]) -> list[dict]:
+    def generate(self, requests: list[dict], abort_board: str | None = None) -> list[dict]:
         """Generate one response per request, results in request order.
 
         request: {"id": int, "prompt_ids": [int], "sampling": {"temperature", "top_p",
@@ -114,6 +116,10 @@ class RolloutEngine(Actor):
         A request without a seed is seeded from (engine seed, engine_index, call number,
         request id): a run is reproducible, and a request's sample never depends on the
         other requests in its batch.
+
+        abort_board: a partial rollout's board (abort_board.py; ids are board slots): finishes
+        are marked on it, and once the driver aborts, the call returns at once with the
+        unfinished requests' tokens so far and finish_reason "abort" (not issued again).
         """
         if isinstance(requests, list) and not requests:  # nothing to generate needs no weights nor memory
             return []
@@ -125,13 +131,22 @@ class RolloutEngine(Actor):
         parsed = parse_requests(requests, vocab_size=self._vocab_size, max_positions=self._max_positions)
         seeds = [request_seed(self.config.seed, self.config.engine_index, self._num_generate_calls, r) for r in parsed]
         self._num_generate_calls += 1
+        board = AbortBoard.open(abort_board) if abort_board is not None else None
+        if board is not None and any(not 0 <= r.id < board.num_requests for r in parsed):
+            board.close()
+            raise ValueError(f"rollout engine {self.config.engine_index}: with an abort board, request ids are its slots "
+                             f"0..{board.num_requests - 1}; got ids {sorted(r.id for r in parsed)[:4]}...")
+        backend_generate = self._backend.generate if board is None else functools.partial(self._backend.generate,
+                                                                                          board=board)
         self.set_state("generating", num_requests=len(parsed))
         try:
             where = f"rollout engine {self.config.engine_index}"
             check_in_run(where)  # side by side under MPS: still computing right
-            results = generate_retrying(self._backend.generate, parsed, seeds, where=where,
+            results = generate_retrying(backend_generate, parsed, seeds, where=where,
                                         max_retries=self.config.max_request_retries)
         finally:
+            if board is not None:
+                board.close()
             self.set_state("ready")
         for result in results:
             result["weight_version"] = self._weight_version
@@ -262,7 +277,7 @@ class RolloutEngine(Actor):
         from roles.weight_broadcast import receive_bucket
 
         if self._weight_group is None:
-            raise RuntimeError(f"rollout engine {self.engine_index}: receive_weights() before join_weight_group()")
+            raise RuntimeError(f"rollout engine {self.config.engine_index}: receive_weights() before join_weight_group()")
         return self.update_weights(receive_bucket(self._weight_group, meta))
 
     @endpoint

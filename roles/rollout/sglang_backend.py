@@ -381,7 +381,10 @@ class SglangBackend:
                            "of its (fused, possibly sharded) weights")
 
     # -- generation -------------------------------------------------------------------
-    def generate(self, requests: list[GenerateRequest], seeds: list[int]) -> list[dict]:
+    def generate(self, requests: list[GenerateRequest], seeds: list[int], board=None) -> list[dict]:
+        if board is not None:  # ppo/config/validate.py refuses --partial-rollout with this backend first
+            raise ValueError("backend 'sglang': partial rollouts (an abort board) are not supported yet; "
+                             "use --rollout-backend torch or remove --partial-rollout")
         if not requests:  # sglang would raise ValueError("input_ids cannot be empty."): io_struct.py:499
             return []
         if self._discarded:

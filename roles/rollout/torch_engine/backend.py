@@ -21,6 +21,7 @@ import math
 import torch
 
 from roles.device import CUDA_BLOCK, DeviceMemory, HostBlock, nbytes_of
+from roles.rollout.abort_board import AbortBoard
 from roles.rollout.aborts import RequestsAborted
 from roles.rollout.sampling import GenerateRequest
 from roles.model_spec import ModelSpec
@@ -170,8 +171,10 @@ class TorchBackend:
         return self.weights.checksum()
 
     # -- generation -------------------------------------------------------------------
-    def generate(self, requests: list[GenerateRequest], seeds: list[int]) -> list[dict]:
-        """The scheduler's results. Its aborts, as sglang's (roles/rollout/aborts.py): out of
+    def generate(self, requests: list[GenerateRequest], seeds: list[int], board: AbortBoard | None = None
+                 ) -> list[dict]:
+        """The scheduler's results; with an abort `board` (a partial rollout), those it stopped come
+        back with finish_reason "abort" and their tokens so far (scheduler.py). Its aborts, as sglang's (roles/rollout/aborts.py): out of
         device memory aborts the whole call (the batch shares every buffer, so no request is
         to blame; the graphs and slot state are dropped, to be built again on the next try); a
         request whose log-probs are not finite (an internal error in its rows: a NaN from the
@@ -179,7 +182,7 @@ class TorchBackend:
         if not requests:
             return []
         try:
-            results = self.scheduler.generate(requests, seeds)
+            results = self.scheduler.generate(requests, seeds, board)
         except torch.OutOfMemoryError as e:
             self.scheduler.drop_state()
             if self.memory.kind == "cuda":

@@ -18,6 +18,10 @@ One `generate` call runs this loop until every request is done:
    then stop ids, as sampling.py says) and freed slots are refilled at step 1 of the same
    call, so a long tail does not idle the batch.
 
+With an abort board (a partial rollout, roles/rollout/abort_board.py) each finish is marked on
+it, and the board's abort is read at every sync: once set, the call ends there and every request
+not finished returns with finish_reason "abort" and the tokens it has (none if still waiting).
+
 A row that stopped on a token keeps decoding garbage until the next sync (at most
 `sync_every - 1` steps); its slot has room for that, and nothing it computes is kept.
 
@@ -35,6 +39,7 @@ from itertools import islice
 import torch
 import torch.nn.functional as F
 
+from roles.rollout.abort_board import AbortBoard
 from roles.rollout.sampling import GenerateRequest
 from roles.rollout.torch_engine.decoder import Decoder
 from roles.rollout.torch_engine.graphs import DecodeGraphs, batch_bucket
@@ -99,7 +104,8 @@ class Scheduler:
 
     # -- the loop ---------------------------------------------------------------------
     @torch.no_grad()
-    def generate(self, requests: list[GenerateRequest], seeds: list[int]) -> list[dict]:
+    def generate(self, requests: list[GenerateRequest], seeds: list[int], board: AbortBoard | None = None
+                 ) -> list[dict]:
         geometry = self._geometry(requests)
         if geometry != self.cache.geometry:
             self.prefixes.clear()  # the slots' contents move under a new geometry
@@ -134,9 +140,11 @@ class Scheduler:
                 finish[r] = "length"  # checked before stop tokens, as sglang does
             elif token in stops[r]:
                 finish[r] = "stop"
+            if finish[r] is not None and board is not None:
+                board.finish(requests[r].id)
             return finish[r] is not None
 
-        while True:
+        while board is None or not board.aborted():
             while waiting and None in slot_request:  # 1. admit
                 free = [s for s, r in enumerate(slot_request) if r is None]
                 admitted = self._pack(list(islice(waiting, 1 if self.batch_invariant else len(free))), requests)
@@ -189,8 +197,12 @@ class Scheduler:
             idle = [s for s in range(batch) if slot_request[s] is None]
             if idle:
                 self._park_idle(idle)
+        for s, r in enumerate(slot_request):  # aborted mid-way: their K/V stay for a continuation
+            if r is not None:
+                self._finished(s, requests[r], tokens[r], slot_request)
+        stats["aborted"] = sum(f is None for f in finish)
         self.last_stats = stats
-        return [{"id": req.id, "token_ids": tokens[i], "logprobs": logprobs[i], "finish_reason": finish[i]}
+        return [{"id": req.id, "token_ids": tokens[i], "logprobs": logprobs[i], "finish_reason": finish[i] or "abort"}
                 for i, req in enumerate(requests)]
 
     def _finished(self, slot: int, request: GenerateRequest, tokens: list[int], slot_request: list) -> None:
