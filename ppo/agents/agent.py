@@ -41,7 +41,8 @@ class AgentArgs(GenerateArgs):
 
     async def server(self) -> SessionServer:
         if self._server is None:
-            model = os.path.basename(str(getattr(self.config.checkpoint, "hf_checkpoint", "") or "").rstrip("/"))
+            checkpoint = getattr(getattr(self.config, "checkpoint", None), "hf_checkpoint", None)
+            model = os.path.basename(str(checkpoint or "").rstrip("/"))
             server = SessionServer(self.tokenizer, model or "tandem")
             await server.start()
             self._server = server

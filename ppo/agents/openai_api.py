@@ -124,6 +124,9 @@ def _message(m: object, i: int) -> dict:
         calls = []
         for call in m["tool_calls"]:
             fn = dict(call.get("function") or {}) if isinstance(call, dict) else {}
+            # name first, as the model writes it: a template that writes the whole function with
+            # tojson (tiny_tools') keeps the order, and the openai client sends arguments first
+            fn = {k: fn[k] for k in ("name", "arguments") if k in fn} | fn
             if isinstance(fn.get("arguments"), str):
                 try:
                     fn["arguments"] = json.loads(fn["arguments"])
