@@ -1,6 +1,7 @@
 """Agent functions in a rollout on real engine processes: miles' signature, the sample built from
 what the server recorded, the agent's own reward, its failures, and the server gone afterwards."""
 
+import asyncio
 import socket
 from types import SimpleNamespace
 
@@ -115,3 +116,18 @@ def test_agent_functions_are_checked_when_the_job_starts(tmp_path):
     cfg = override(tiny_tools_agent(), run_dir=str(tmp_path), custom_generate_function_path="x:y")
     with pytest.raises(ValueError, match="custom-generate-function-path"):
         ensure_valid(cfg)
+
+
+def test_sessions_that_start_at_once_share_one_server(ckpt):
+    args = AgentArgs(SimpleNamespace(), load_tokenizer(ckpt), 64, client=None)
+
+    async def main():
+        servers = await asyncio.gather(*(args.server() for _ in range(8)))
+        port = servers[0].port
+        await args.aclose()
+        return servers, port
+
+    servers, port = asyncio.run(main())
+    assert all(s is servers[0] for s in servers)
+    with pytest.raises(ConnectionRefusedError):
+        socket.create_connection(("127.0.0.1", port), timeout=1)

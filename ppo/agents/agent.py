@@ -17,6 +17,7 @@ trains like any other; one that raises before any completion stops the run with 
 
 from __future__ import annotations
 
+import asyncio
 import inspect
 import logging
 import os
@@ -37,19 +38,20 @@ class AgentArgs(GenerateArgs):
     def __init__(self, config, tokenizer, max_context: int, client, tools=None):
         super().__init__(config, tokenizer, max_context, client, tools)
         self.client = client
-        self._server: SessionServer | None = None
+        checkpoint = getattr(getattr(config, "checkpoint", None), "hf_checkpoint", None)
+        self._server = SessionServer(tokenizer, os.path.basename(str(checkpoint or "").rstrip("/")) or "tandem")
+        self._starting: asyncio.Task | None = None
 
     async def server(self) -> SessionServer:
-        if self._server is None:
-            checkpoint = getattr(getattr(self.config, "checkpoint", None), "hf_checkpoint", None)
-            model = os.path.basename(str(checkpoint or "").rstrip("/"))
-            server = SessionServer(self.tokenizer, model or "tandem")
-            await server.start()
-            self._server = server
+        """The server, started by the first session that asks (the others wait for that start)."""
+        if self._starting is None:
+            self._starting = asyncio.ensure_future(self._server.start())
+        await asyncio.shield(self._starting)
         return self._server
 
     async def aclose(self) -> None:
-        if self._server is not None:
+        if self._starting is not None:
+            await asyncio.gather(self._starting, return_exceptions=True)  # a start still under way
             await self._server.close()
 
 
