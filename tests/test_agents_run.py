@@ -12,9 +12,10 @@ from ppo.agents.agent import AgentArgs, agent_generate_function, load_agent_func
 from ppo.config.recipes import tiny_tools_agent
 from ppo.config.serialize import override
 from ppo.config.validate import ensure_valid
+from ppo.generate.chat import render_ids
 from ppo.generate.rollout import SamplingParams, generate_and_score
 from ppo.generate.trajectories import generate_trajectories_and_score
-from ppo.setup.tiny_model import EOS_ID, load_tokenizer
+from ppo.setup.tiny_model import EOS_ID, TINY_CHAT_TEMPLATE, build_tiny_checkpoint, load_tokenizer
 from roles.rollout import RolloutEngine
 from runtime import Supervisor
 
@@ -25,8 +26,14 @@ PARAMS = SamplingParams(n_samples_per_prompt=2, max_new_tokens=12, temperature=1
 
 
 @pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    """The tiny random model, with a chat template for the server to render requests with."""
+    return build_tiny_checkpoint(str(tmp_path_factory.mktemp("tiny")), seed=0, chat_template=TINY_CHAT_TEMPLATE)
+
+
+@pytest.fixture(scope="module")
 def engines(ckpt, tmp_path_factory):
-    sup = Supervisor(tmp_path_factory.mktemp("run"), heartbeat_interval=0.1, heartbeat_timeout=1.0,
+    sup = Supervisor(tmp_path_factory.mktemp("run"), heartbeat_interval=0.5, heartbeat_timeout=30.0,
                      shutdown_grace_s=2.0)
     try:
         yield [sup.spawn(f"rollout-{i}", RolloutEngine, ckpt, dtype="float32", max_batch_size=8, engine_index=i)
@@ -42,7 +49,7 @@ def prompts(ckpt):
     for i in range(3):
         messages = [{"role": "user", "content": f"{i}+{i}="}]
         out.append({"prompt": f"{i}+{i}=", "messages": messages,
-                    "prompt_ids": tok.apply_chat_template(messages, tokenize=True)})
+                    "prompt_ids": render_ids(tok, messages)})
     return out
 
 
@@ -106,7 +113,7 @@ async def two_args(base_url, prompt):
 
 
 def test_agent_functions_are_checked_when_the_job_starts(tmp_path):
-    assert load_agent_function("tests.test_agents_run:an_agent") is an_agent
+    assert load_agent_function("tests.test_agents_run:an_agent").__name__ == "an_agent"
     with pytest.raises(ValueError, match="must be an async def run_agent"):
         load_agent_function("tests.test_agents_run:not_async")
     with pytest.raises(ValueError, match=r"two_args\(base_url, prompt\) must take"):

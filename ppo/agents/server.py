@@ -57,7 +57,9 @@ class SessionServer:
                         web.get("/sessions/{token}/v1/models", self._models)])
         self._runner = web.AppRunner(app, access_log=None, handle_signals=False)
         await self._runner.setup()
-        await web.TCPSite(self._runner, self.config.host, 0).start()
+        # a rollout's sessions connect at once: a backlog of aiohttp's default 128 drops the rest's
+        # SYNs, and their clients' connect timeouts (the openai client's: 5 s) run out under load
+        await web.TCPSite(self._runner, self.config.host, 0, backlog=self.config.max_concurrent_requests).start()
         self.port = self._runner.addresses[0][1]
 
     async def close(self) -> None:
