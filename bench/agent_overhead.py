@@ -2,14 +2,14 @@
 (CPU): the same trajectories, once through ppo.generate.tool_loop and once as the tiny agent
 (ppo.agents.tiny_agent) through the session server and the openai client.
 
-    python -m bench.agent_overhead [--sessions 64] [--repeat 3] [--engine] [--warm-steps 120]
+    python -m bench.agent_overhead [--sessions 64] [--repeat 3]
 
-Without --engine the model is an instant stand-in that answers every trajectory with the call
-on its expression, then the right sum (both paths get the same ids): the figure is the
-per-turn cost of each path's own machinery (HTTP, JSON, chat template rendering, the openai
-client) with nothing else to hide it. With --engine both run on a real engine process with a
-tiny tool model warm-started for --warm-steps steps: the ratio a tiny_tools rollout sees.
-Prints ms per model turn of each path (best of --repeat) and their ratio.
+The model is an instant stand-in that answers every trajectory with the call on its
+expression, then the right sum (both paths get the same ids, which the bench checks): the
+figure is the per-turn cost of each path's own machinery (HTTP, JSON, chat template
+rendering, the openai client) with no engine time to hide it. What a rollout on a real engine
+sees is in tests/test_e2e_agents.py's rollout times (docs/benchmarks.md). Prints ms per model
+turn of each path (best of --repeat) and their ratio.
 """
 
 from __future__ import annotations
@@ -27,6 +27,8 @@ from ppo.generate import tool_loop
 from ppo.generate.custom import GenerateArgs, Sample
 from ppo.generate.tiny_tools import TINY_TOOL_CHAT_TEMPLATE, TOOL_SPECS, TOOL_TOKENS, call_text, execute
 from ppo.generate.tools import InProcessExecutor, ToolSetup
+from ppo.prompts.tasks import write_tool_sum_task
+from ppo.setup.tiny_model import build_tiny_checkpoint, load_tokenizer
 
 SAMPLING = {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "max_new_tokens": 30, "stop_token_ids": [], "seed": 1}
 
@@ -88,62 +90,18 @@ def instant(tok, prompts, repeat):
     return loop_ms, agent_ms
 
 
-def with_engine(prompts, repeat, warm_steps):
-    from ppo.generate.engines import EngineClient
-    from ppo.generate.pump import Pump
-    from ppo.generate.tiny_tools import build_tool_model
-    from ppo.setup.tiny_model import load_tokenizer
-    from roles.rollout import RolloutEngine
-    from runtime import Supervisor
-
-    root = tempfile.mkdtemp(prefix="agent_overhead_")
-    build_tool_model(f"{root}/model", prompts, seed=0, steps=warm_steps)
-    tok = load_tokenizer(f"{root}/model")
-    sup = Supervisor(f"{root}/run", heartbeat_interval=0.5, heartbeat_timeout=5.0, shutdown_grace_s=2.0)
-    try:
-        engine = sup.spawn("rollout-0", RolloutEngine, f"{root}/model", dtype="float32",
-                           max_batch_size=len(prompts), engine_index=0)
-
-        def run(path):
-            async def main():
-                pump = Pump()
-                pumping = asyncio.create_task(pump.run())
-                client = EngineClient([engine], pump, recover=lambda role, dead: None)
-                try:
-                    return await path(tok, client, prompts)
-                finally:
-                    for task in (pumping, *client.tasks):
-                        task.cancel()
-            return lambda: asyncio.run(main())
-
-        loop_ms, _ = per_turn_ms(run(_tool_loop), repeat)
-        agent_ms, _ = per_turn_ms(run(_agent), repeat)
-        return loop_ms, agent_ms
-    finally:
-        sup.shutdown()
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sessions", type=int, default=64)
     ap.add_argument("--repeat", type=int, default=3)
-    ap.add_argument("--engine", action="store_true", help="a real engine process and a warm-started tool model")
-    ap.add_argument("--warm-steps", type=int, default=120)
     a = ap.parse_args()
-    from ppo.prompts.tasks import write_tool_sum_task
 
     path = write_tool_sum_task(tempfile.mktemp(suffix=".jsonl"), num_prompts=a.sessions, seed=0)
     prompts = [json.loads(line)["prompt"] for line in open(path)]
-    if a.engine:
-        loop_ms, agent_ms = with_engine(prompts, a.repeat, a.warm_steps)
-    else:
-        from ppo.setup.tiny_model import build_tiny_checkpoint, load_tokenizer
-
-        tok = load_tokenizer(build_tiny_checkpoint(tempfile.mkdtemp(), extra_tokens=TOOL_TOKENS,
-                                                   chat_template=TINY_TOOL_CHAT_TEMPLATE))
-        loop_ms, agent_ms = instant(tok, prompts, a.repeat)
-    kind = "engine" if a.engine else "instant model"
-    print(f"{kind}, {a.sessions} sessions: tool loop {loop_ms:.2f} ms/turn, agent {agent_ms:.2f} ms/turn, "
+    tok = load_tokenizer(build_tiny_checkpoint(tempfile.mkdtemp(), extra_tokens=TOOL_TOKENS,
+                                               chat_template=TINY_TOOL_CHAT_TEMPLATE))
+    loop_ms, agent_ms = instant(tok, prompts, a.repeat)
+    print(f"instant model, {a.sessions} sessions: tool loop {loop_ms:.2f} ms/turn, agent {agent_ms:.2f} ms/turn, "
           f"ratio {agent_ms / loop_ms:.2f}")
 
 

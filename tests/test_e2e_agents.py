@@ -25,13 +25,13 @@ def tool_model(tmp_path_factory):
 
 def run(recipe, tmp_path, model, data):
     cfg = ensure_valid(override(recipe(), run_dir=str(tmp_path), hf_checkpoint=model, prompt_data=data,
-                                num_rollout=3, num_critic_only_steps=0, rollout_batch_size=8, global_batch_size=64,
+                                num_rollout=2, num_critic_only_steps=0, rollout_batch_size=8, global_batch_size=64,
                                 micro_batch_size=32, eval_prompt_data=None, eval_interval=None))
     return train(cfg)
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(600)  # about 90 s alone; the shared 2-core machine under load took 4x
 def test_the_tiny_agent_trains_like_the_built_in_tool_loop(tmp_path, tool_model):
     model, data = tool_model
     loop = run(tiny_tools, tmp_path / "loop", model, data)
