@@ -250,6 +250,13 @@ def tiny_tools_no_tool() -> PPOConfig:
                                generate=GenerateConfig())
 
 
+def tiny_tools_agent() -> PPOConfig:
+    """tiny_tools with the task written as an agent against the OpenAI client
+    (ppo.agents.tiny_agent), served by the session server (docs/agents.md)."""
+    base = tiny_tools()
+    return dataclasses.replace(base, generate=GenerateConfig(custom_agent_function_path="ppo.agents.tiny_agent:run_agent"))
+
+
 RECIPES: dict[str, Callable[[], PPOConfig]] = {
     "qwen3_4b_ppo": qwen3_4b_ppo,
     "qwen3_4b_ppo_1gpu": qwen3_4b_ppo_1gpu,
@@ -257,6 +264,7 @@ RECIPES: dict[str, Callable[[], PPOConfig]] = {
     "tiny_ppo": tiny_ppo,
     "tiny_tools": tiny_tools,
     "tiny_tools_no_tool": tiny_tools_no_tool,
+    "tiny_tools_agent": tiny_tools_agent,
 }
 DEFAULT_RECIPE = "tiny_ppo"
 

@@ -442,6 +442,9 @@ class GenerateConfig:
     generate_tool_call_parser: str = knob("qwen25", "how tool calls are written: <tool_call>{json}</tool_call>",
                                           choices=TOOL_CALL_PARSERS)
     generate_max_turns: int = knob(16, "most model turns of one trajectory (the tool loop)", ge=1)
+    custom_agent_function_path: str | None = knob(
+        None, "async def run_agent(base_url, prompt, request_kwargs, metadata, **kwargs) that runs one agent "
+        "session against the OpenAI-compatible session server (module:function; docs/agents.md)")
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -309,6 +309,10 @@ def _generate(cfg: PPOConfig) -> list[str]:
         out.append(_set_but("generate_tool_specs_path", g.generate_tool_specs_path,
                             "--generate-execute-tool-function-path is not: the tool loop has nothing to run the "
                             "calls with. Please add --generate-execute-tool-function-path"))
+    if g.custom_agent_function_path is not None and g.custom_generate_function_path is not None:
+        out.append(_set_but("custom_agent_function_path", g.custom_agent_function_path,
+                            "so is --custom-generate-function-path: an agent session is the trajectory's "
+                            "generate function. Please drop one of them"))
     return out
 
 

@@ -38,6 +38,7 @@ class Sample:
     weight_version: int | None = None  # the oldest weights that generated a turn of it
     num_aborts: int = 0  # its turns' aborts the engines answered by issuing them again (roles/rollout/aborts.py)
     stats: dict[str, float] = field(default_factory=dict)  # counts summed into rollout/* (tool calls, ...)
+    reward: float | None = None  # set by the generate function (an agent's own reward): the scorer is skipped
 
     def __post_init__(self):
         if self.trajectory is None:
@@ -76,6 +77,10 @@ class GenerateArgs:
         sample.num_aborts += result.get("num_aborts", 0)
         sample.weight_version = version if sample.weight_version is None else min(sample.weight_version, version)
         return result
+
+
+    async def aclose(self) -> None:
+        """What the rollout closes when it ends, on every path (ppo.agents' session server)."""
 
 
 def turn_seed(seed: int, turn: int) -> int:

@@ -1,8 +1,9 @@
 """What the run's config asks of per-trajectory generation, loaded once at job start.
 
 `load_generation(cfg)` is None for the default path (one response per prompt, ppo.generate.rollout),
-else the generate function (--custom-generate-function-path, or the built-in tool loop when
-only --generate-tool-specs-path is set) and the tool setup. `rollout_function(...)` gives the
+else the generate function (--custom-generate-function-path, an agent session around
+--custom-agent-function-path (ppo.agents), or the built-in tool loop when only
+--generate-tool-specs-path is set) and the tool setup. `rollout_function(...)` gives the
 loop and the eval what they call in place of ppo.generate.rollout.generate_and_score.
 """
 
@@ -22,6 +23,7 @@ from ppo.generate.rollout import generate_and_score
 class Generation:
     function: Callable  # async def generate(args, sample, sampling_params)
     tools: ToolSetup | None  # its executor runs until `close`
+    args_class: type = GenerateArgs  # the generate function's `args`: AgentArgs for agent sessions
 
     def close(self) -> None:
         if self.tools is not None:
@@ -32,12 +34,18 @@ def load_generation(cfg) -> Generation | None:
     """ValueError (one line) when a path does not load or names the wrong thing. With tools, their
     executor is started (the sandbox's workers): the caller closes the Generation."""
     g = cfg.generate
-    function = None
-    if g.custom_generate_function_path is not None:  # checked before the tools' executor starts
+    function, args_class = None, GenerateArgs
+    # the functions are checked before the tools' executor starts
+    if g.custom_agent_function_path is not None:
+        from ppo.agents.agent import AgentArgs, agent_generate_function, load_agent_function
+
+        function = agent_generate_function(load_agent_function(g.custom_agent_function_path))
+        args_class = AgentArgs
+    elif g.custom_generate_function_path is not None:
         function = load_generate_function(g.custom_generate_function_path)
     tools = load_tool_setup(cfg)
     if function is not None:
-        return Generation(function, tools)
+        return Generation(function, tools, args_class=args_class)
     if tools is not None:
         from ppo.generate import tool_loop
 
@@ -46,7 +54,12 @@ def load_generation(cfg) -> Generation | None:
 
 
 def check_generation(generation: Generation | None, tokenizer) -> None:
-    """What needs the tokenizer: a tool loop's chat template (ValueError if it cannot render tools)."""
+    """What needs the tokenizer: a tool loop's chat template (ValueError if it cannot render tools);
+    an agent session's (the server renders every request with it)."""
+    if generation is not None and generation.args_class is not GenerateArgs and not getattr(tokenizer, "chat_template",
+                                                                                            None):
+        raise ValueError("--custom-agent-function-path: the session server renders requests with the tokenizer's "
+                         "chat template, and this tokenizer has none")
     if generation is not None and generation.tools is not None:
         check_chat_template(tokenizer, generation.tools)
 
@@ -57,6 +70,6 @@ def rollout_function(generation: Generation | None, cfg, tokenizer, max_context:
         return generate_and_score
 
     def make_args(client) -> GenerateArgs:
-        return GenerateArgs(cfg, tokenizer, max_context, client, tools=generation.tools)
+        return generation.args_class(cfg, tokenizer, max_context, client, tools=generation.tools)
 
     return functools.partial(generate_trajectories_and_score, generate_fn=generation.function, make_args=make_args)

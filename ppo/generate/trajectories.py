@@ -57,13 +57,17 @@ async def _rollout(engines, scorers, prompts, params, step, decode, eos_id, reco
             if not r["response_ids"]:
                 raise ValueError(f"sample {sample.index}: the generate function returned a trajectory without a "
                                  "model turn; call `await args.generate(sample, sampling_params)` at least once")
+        for r, s in zip(rows, outs):
+            if s.reward is not None:  # the generate function's own (an agent's): nothing to score
+                r.update(reward=s.reward, reward_status="ok")
+        to_score = [r for r, s in zip(rows, outs) if s.reward is None]
         if scoring is None:  # a reward model alone scores the whole rollout later (ppo.generate.rewards)
-            for r in rows:
+            for r in to_score:
                 r.update(reward=0.0, reward_status="ok")
             return rows
         results = await asyncio.gather(*(scoring.submit(sample.index % len(scorers),
-                                                        {k: r[k] for k in SCORED_KEYS}) for r in rows))
-        for r, res in zip(rows, results):
+                                                        {k: r[k] for k in SCORED_KEYS}) for r in to_score))
+        for r, res in zip(to_score, results):
             r.update(reward=res["reward"], reward_status=res["status"])
         return rows
 
@@ -85,6 +89,7 @@ async def _rollout(engines, scorers, prompts, params, step, decode, eos_id, reco
         trajectories.cancel()
         for task in background:
             task.cancel()
+        await args.aclose()
     if len({len(rows) for rows in per_request}) > 1:
         raise ValueError("the generate function returned lists of different lengths; every trajectory must give "
                          "the same number of samples, so that each prompt has the same number of rows")
