@@ -124,7 +124,7 @@ def main(argv: list[str] | None = None) -> dict:
         raise ValueError(f"--over-sampling-batch-size {args.over_sampling_batch_size} must be >= "
                          f"--rollout-batch-size {args.rollout_batch_size}")
 
-    from roles.rollout import RolloutEngine
+    from roles.rollout import EngineConfig, RolloutEngine
     from roles.model_spec import ModelSpec
     from runtime import Supervisor
 
@@ -147,8 +147,9 @@ def main(argv: list[str] | None = None) -> dict:
                       spec.vocab_size, args.mean_len, args.max_len, seed=0)
     sup = Supervisor(tempfile.mkdtemp(prefix="bench-partial-run-"))
     try:
-        engines = [sup.spawn(f"rollout-{i}", RolloutEngine, ckpt, engine_index=i, gpus=(i,) if args.gpu else (),
-                             env={"OMP_NUM_THREADS": "1"}, **engine_args)  # as ppo.setup.job starts engines
+        engines = [sup.spawn(f"rollout-{i}", RolloutEngine,
+                             EngineConfig(hf_checkpoint=ckpt, engine_index=i, **engine_args),
+                             gpus=(i,) if args.gpu else (), env={"OMP_NUM_THREADS": "1"})  # as ppo.setup.job starts engines
                    for i in range(args.num_engines)]
         sup.wait_ready(timeout=600)
         results = {mode: run_mode(mode == "partial", engines, prompts, args, eos_id) for mode in ("plain", "partial")}

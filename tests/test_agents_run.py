@@ -16,7 +16,7 @@ from ppo.generate.chat import render_ids
 from ppo.generate.rollout import SamplingParams, generate_and_score
 from ppo.generate.trajectories import generate_trajectories_and_score
 from ppo.setup.tiny_model import EOS_ID, TINY_CHAT_TEMPLATE, build_tiny_checkpoint, load_tokenizer
-from roles.rollout import RolloutEngine
+from roles.rollout import EngineConfig, RolloutEngine
 from runtime import Supervisor
 
 pytestmark = [pytest.mark.timeout(120), pytest.mark.usefixtures("one_torch_thread")]
@@ -36,7 +36,8 @@ def engines(ckpt, tmp_path_factory):
     sup = Supervisor(tmp_path_factory.mktemp("run"), heartbeat_interval=0.5, heartbeat_timeout=30.0,
                      shutdown_grace_s=2.0)
     try:
-        yield [sup.spawn(f"rollout-{i}", RolloutEngine, ckpt, dtype="float32", max_batch_size=8, engine_index=i)
+        yield [sup.spawn(f"rollout-{i}", RolloutEngine,
+                         EngineConfig(hf_checkpoint=ckpt, dtype="float32", max_batch_size=8, engine_index=i))
                for i in range(2)]
     finally:
         sup.shutdown()

@@ -17,7 +17,7 @@ from ppo.generate.partial_buffer import BUFFER_KEY, PartialSource
 from ppo.generate.rollout import FORCED_LENGTHS_KEY, SamplingParams
 from ppo.prompts.dataset import PromptDataset
 from ppo.setup.tiny_model import EOS_ID, build_tiny_checkpoint
-from roles.rollout import RolloutEngine
+from roles.rollout import EngineConfig, RolloutEngine
 from roles.rollout.abort_board import AbortBoard
 from runtime import Supervisor
 
@@ -38,8 +38,8 @@ def supervisor(run_dir) -> Supervisor:
 
 
 def spawn_engines(sup: Supervisor, ckpt: str) -> list:
-    engines = [sup.spawn(f"rollout-{i}", RolloutEngine, ckpt, dtype="float32", max_batch_size=16, engine_index=i,
-                         env={"OMP_NUM_THREADS": "1"})  # as ppo.setup.job starts them: threads only fight here
+    engines = [sup.spawn(f"rollout-{i}", RolloutEngine,
+                         EngineConfig(hf_checkpoint=ckpt, dtype="float32", max_batch_size=16, engine_index=i), env={"OMP_NUM_THREADS": "1"})  # as ppo.setup.job starts them: threads only fight here
                for i in range(2)]
     sup.wait_ready(timeout=90)
     return engines
@@ -102,7 +102,7 @@ def test_the_buffer_serves_its_groups_before_new_prompts_and_the_data_position_c
 
 
 def test_an_engine_aborted_mid_call_returns_the_finished_whole_and_the_rest_so_far(long_ckpt):
-    engine = RolloutEngine(long_ckpt, dtype="float32", max_batch_size=8)
+    engine = RolloutEngine(EngineConfig(hf_checkpoint=long_ckpt, dtype="float32", max_batch_size=8))
     lengths = [2, 3, LONG, LONG]
     full = engine.generate(requests(lengths))
     with AbortBoard.create(4) as board:
@@ -135,7 +135,7 @@ def test_an_engine_aborted_mid_call_returns_the_finished_whole_and_the_rest_so_f
 
 
 def test_a_board_aborted_before_the_call_returns_every_request_empty_and_issues_none_again(long_ckpt):
-    engine = RolloutEngine(long_ckpt, dtype="float32", max_batch_size=8)
+    engine = RolloutEngine(EngineConfig(hf_checkpoint=long_ckpt, dtype="float32", max_batch_size=8))
     with AbortBoard.create(2) as board:
         board.abort()
         got = engine.generate(requests([4, 4]), abort_board=board.path)
