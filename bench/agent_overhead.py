@@ -25,8 +25,12 @@ from ppo.agents.agent import AgentArgs, agent_generate_function
 from ppo.agents.tiny_agent import run_agent
 from ppo.generate import tool_loop
 from ppo.generate.custom import GenerateArgs, Sample
-from ppo.generate.tiny_tools import TINY_TOOL_CHAT_TEMPLATE, TOOL_SPECS, TOOL_TOKENS, call_text, execute
-from ppo.generate.tools import InProcessExecutor, ToolSetup
+from ppo.generate.tiny_tools import TINY_TOOL_CHAT_TEMPLATE, TOOL_TOKENS, call_text
+from ppo.config import ToolsConfig
+from ppo.generate.tools import ToolSetup, tool_limits
+from roles.tools.calculator import TOOL_SPECS
+from roles.tools.in_process import InProcessExecutor
+from roles.tools.specs import ToolSet
 from ppo.prompts.tasks import write_tool_sum_task
 from ppo.setup.tiny_model import build_tiny_checkpoint, load_tokenizer
 
@@ -55,7 +59,10 @@ def _samples(tok, prompts: list[str]) -> list[Sample]:
 
 
 async def _tool_loop(tok, client, prompts) -> list[Sample]:
-    tools = ToolSetup(specs=TOOL_SPECS, executor=InProcessExecutor(execute), max_turns=2, parser="qwen25")
+    calculator = ToolSet(specs=tuple(TOOL_SPECS), function_path="roles.tools.calculator:execute_tool")
+    limits = tool_limits(SimpleNamespace(tools=ToolsConfig()))
+    tools = ToolSetup(tools=calculator, executor=InProcessExecutor(calculator, limits, num_workers=4), max_turns=2,
+                      parser="qwen25")
     args = GenerateArgs(None, tok, 64, client, tools=tools)
     return await asyncio.gather(*(tool_loop.generate(args, s, dict(SAMPLING)) for s in _samples(tok, prompts)))
 

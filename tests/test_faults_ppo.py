@@ -138,7 +138,9 @@ def test_engine_killed_while_the_actor_holds_its_gpu_restarts_when_the_lease_com
     assert all(h["rollout/log_probs_diff"] < 1e-4 for h in history)  # it runs the current policy
 
 
-@pytest.mark.parametrize("row_name", ["chaos", "chaos-async", "chaos-side"])
+# chaos in `make test`; its async and side-by-side rows in `make test-slow` (the suite's 20 minutes)
+@pytest.mark.parametrize("row_name", ["chaos", pytest.param("chaos-async", marks=pytest.mark.slow),
+                                      pytest.param("chaos-side", marks=pytest.mark.slow)])
 def test_chaos_kills_engines_and_scorers_at_random_and_the_run_loses_nothing(tmp_path, row_name):
     """The machinery of bench.faults' chaos rows, on a short run: one kill of each victim."""
     from bench.faults import CHAOS_ROWS, run_chaos

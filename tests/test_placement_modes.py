@@ -71,8 +71,13 @@ def learned(history: list[dict]) -> tuple[float, float]:
     return sum(rewards[:3]) / 3, sum(rewards[-3:]) / 3
 
 
+# One mode in `make test` (miles' disaggregated default; tests/test_e2e_ppo.py runs colocated), a
+# 30-rollout run of 1-1.5 minutes on 2 cores; the rest in `make test-slow`.
+FAST_MODES = ("disaggregated",)
+
+
 @pytest.mark.timeout(400)
-@pytest.mark.parametrize("mode", list(MODES))
+@pytest.mark.parametrize("mode", [m if m in FAST_MODES else pytest.param(m, marks=pytest.mark.slow) for m in MODES])
 def test_placement_mode_learns_and_the_ledger_holds(tmp_path, mode):
     history, devices, warmup = run_mode(tmp_path, mode)
     # synced after every step past the warm-up

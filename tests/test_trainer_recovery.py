@@ -68,6 +68,7 @@ def test_a_killed_actor_rank_is_recovered_from_the_checkpoint_and_the_run_repeat
     assert metrics(tmp_path / "killed") == metrics(tmp_path / "straight")  # every step, bit for bit
 
 
+@pytest.mark.slow  # a second end-to-end run after the first test's; `make test` keeps that one
 def test_a_second_trainer_death_past_the_limit_stops_the_run(tmp_path):
     with pytest.raises(TrainerDied) as info:
         # GRPO: no critic ranks to start, and the actor trains (and dies) from rollout 0

@@ -15,7 +15,7 @@ import json
 
 from openai import AsyncOpenAI, BadRequestError, DefaultAsyncHttpxClient
 
-from ppo.generate.tiny_tools import TOOL_SPECS, execute
+from roles.tools.calculator import TOOL_SPECS, execute_tool
 
 MAX_TURNS = 2  # tiny_tools' --generate-max-turns
 
@@ -46,6 +46,6 @@ async def run_agent(base_url, prompt, request_kwargs, metadata, **kwargs):
 async def _run(name: str, arguments: str) -> str:
     """The tool's answer, or what went wrong, as the tool loop's executor words it (ppo.generate.tools)."""
     try:
-        return await execute(name, json.loads(arguments))
+        return execute_tool(name, json.loads(arguments))
     except Exception as e:  # the tool's failure is the model's to read
         return f"error: {name} raised {type(e).__name__}: {e}"
