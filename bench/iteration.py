@@ -344,6 +344,8 @@ def main(argv: list[str] | None = None) -> int:
     if startup is not None:
         print(f"start-up: GPU peak {startup:.1f} GiB; planned builds {builds or '-'} GiB", flush=True)
     allocators = {s["step"]: cuda_peaks(run_dir, s["step"]) for s in steps} if (run_dir / "memory_plan.json").exists() else {}
+    if not any(r["measured"] is not None for rows in allocators.values() for r in rows):
+        allocators = {}  # no role reported a CUDA allocator: fake GPUs or the CPU
     for step, rows in allocators.items():
         print(allocator_report(step, rows, cuda_mismatches(run_dir, step)), flush=True)
     if args.against:

@@ -91,6 +91,7 @@ def test_async_engine_killed_while_generating_ahead_is_resynced_and_loses_no_sam
     assert all(h["rollout/staleness"] <= 1 for h in history)
 
 
+@pytest.mark.slow  # 20-56 s end to end; `make test` stays within its 20 minutes
 def test_a_checkpoint_taken_with_a_rollout_ahead_resumes_with_that_rollouts_prompts(tmp_path):
     """The rollout ahead drew its prompts before the save: the checkpoint records the position
     before them, so the resumed run draws the same prompts (on its own weights)."""

@@ -46,6 +46,7 @@ def test_iteration_table_covers_each_step_and_finds_the_moves(tmp_path):
     assert "outside compute" in text and "actor_train:" in text and "x pinned" in text and "x rollout)" in text
 
 
+@pytest.mark.slow  # 20-56 s end to end; `make test` stays within its 20 minutes
 @pytest.mark.timeout(300)
 def test_main_runs_the_launch_flags_and_writes_the_report(tmp_path, monkeypatch, capsys):
     """The command line: flags after `--` are launch.py's; the GPU-only peer and sampler are

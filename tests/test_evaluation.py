@@ -148,6 +148,7 @@ def test_load_eval_sets_reads_every_line_in_order_with_its_keys_and_rule(tmp_pat
         ev.load_eval_sets(cfg, [("a", str(a)), ("bad", str(bad))], tok)
 
 
+@pytest.mark.slow  # 20-56 s end to end; `make test` stays within its 20 minutes
 @pytest.mark.timeout(600)
 def test_a_run_with_eval_trains_bit_for_bit_as_one_without(tmp_path):
     """tiny_ppo twice, 3 rollouts, evaluating before training and after every rollout in one and

@@ -115,6 +115,7 @@ def when_the_actor_takes_gpu0():
     return trigger
 
 
+@pytest.mark.slow  # 20-56 s end to end; `make test` stays within its 20 minutes
 def test_engine_killed_while_the_actor_holds_its_gpu_restarts_when_the_lease_comes_back(tmp_path):
     """The dead engine cannot load its weights while the actor holds the GPU's lease: the
     supervisor defers its restart (not counted toward the restart intensity) until the loop
@@ -155,6 +156,7 @@ def test_chaos_kills_engines_and_scorers_at_random_and_the_run_loses_nothing(tmp
     assert 0 <= row["detect_s"] < 1.0 and row["recover_s"] > row["detect_s"]
 
 
+@pytest.mark.slow  # 20-56 s end to end; `make test` stays within its 20 minutes
 def test_engine_killed_as_its_generation_ends_is_recovered_at_the_handoff(tmp_path):
     """Killed once it has generated (it holds its GPU, the scorers still work): the loop's
     next call to it is the release of its memory, which finds it dead or restarting; the

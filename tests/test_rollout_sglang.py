@@ -170,6 +170,7 @@ def _die_in_a_child(ckpt: str, call: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=120)
 
 
+@pytest.mark.slow  # 20-56 s end to end; `make test` stays within its 20 minutes
 @pytest.mark.timeout(300)
 def test_where_sglangs_scheduler_dies_the_fakes_process_dies(ckpt):
     """A scheduler exception SIGQUITs the Engine's process, whose handler SIGKILLs itself: no

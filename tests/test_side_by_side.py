@@ -143,6 +143,7 @@ def test_side_by_side_async_on_one_fake_gpu_keeps_the_engine_resident_in_its_bud
     assert any(e["tag"] == "optimizer" and e["nbytes"] == 0 for e in history0 if e["kind"] == "usage")
 
 
+@pytest.mark.slow  # 20-56 s end to end; `make test` stays within its 20 minutes
 @pytest.mark.timeout(300)
 def test_an_engine_killed_mid_step_side_by_side_restarts_at_once_and_loses_no_sample(tmp_path):
     """The deadlock of the earlier design: the dead engine's restart waited for a lease only
