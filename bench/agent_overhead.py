@@ -1,6 +1,6 @@
 """What an agent session costs per model turn against the built-in tool loop, on tiny_tools' task
 (CPU): the same trajectories, once through ppo.generate.tool_loop and once as the tiny agent
-(ppo.agents.tiny_agent) through the session server and the openai client.
+(ppo.generate.agents.tiny_agent) through the session server and the openai client.
 
     python -m bench.agent_overhead [--sessions 64] [--repeat 3]
 
@@ -21,8 +21,8 @@ import tempfile
 import time
 from types import SimpleNamespace
 
-from ppo.agents.agent import AgentArgs, agent_generate_function
-from ppo.agents.tiny_agent import run_agent
+from ppo.generate.agents.agent import AgentArgs, agent_generate_function
+from ppo.generate.agents.tiny_agent import run_agent
 from ppo.generate import tool_loop
 from ppo.generate.custom import GenerateArgs, Sample
 from ppo.generate.tiny_tools import TINY_TOOL_CHAT_TEMPLATE, TOOL_TOKENS, call_text
@@ -32,7 +32,7 @@ from roles.tools.calculator import TOOL_SPECS
 from roles.tools.in_process import InProcessExecutor
 from roles.tools.specs import ToolSet
 from ppo.prompts.tasks import write_tool_sum_task
-from ppo.setup.tiny_model import build_tiny_checkpoint, load_tokenizer
+from ppo.tiny_model import build_tiny_checkpoint, load_tokenizer
 
 SAMPLING = {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "max_new_tokens": 30, "stop_token_ids": [], "seed": 1}
 

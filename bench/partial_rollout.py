@@ -136,7 +136,7 @@ def main(argv: list[str] | None = None) -> dict:
         engine_args = dict(dtype="bfloat16", max_batch_size=128, mem_fraction=args.mem_fraction,
                            options={"load_format": "dummy"})
     else:
-        from ppo.setup.tiny_model import build_tiny_checkpoint
+        from ppo.tiny_model import build_tiny_checkpoint
 
         build_tiny_checkpoint(ckpt, seed=0, max_position_embeddings=args.prompt_len + args.max_len + 8)
         engine_args = dict(dtype="float32", max_batch_size=64)

@@ -28,7 +28,7 @@ from ppo import config as C
 from ppo.config import PPOConfig
 from ppo.observe.logger import RunLogger
 from ppo.setup.job import Job
-from ppo.setup.weight_group import open_weight_broadcast
+from ppo.gpu.weight_group import open_weight_broadcast
 from ppo.state import checkpoint
 from roles.trainer import TrainerGroup
 from runtime import ActorDied

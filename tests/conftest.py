@@ -84,7 +84,7 @@ def sup(run_dir):
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory):
     """A tiny random-init Qwen3 HF checkpoint directory (seed 0), shared by a test module."""
-    from ppo.setup.tiny_model import build_tiny_checkpoint
+    from ppo.tiny_model import build_tiny_checkpoint
     return build_tiny_checkpoint(str(tmp_path_factory.mktemp("tiny")), seed=0)
 
 

@@ -8,14 +8,14 @@ from types import SimpleNamespace
 import openai
 import pytest
 
-from ppo.agents.agent import AgentArgs, agent_generate_function, load_agent_function
+from ppo.generate.agents.agent import AgentArgs, agent_generate_function, load_agent_function
 from ppo.config.recipes import tiny_tools_agent
 from ppo.config.serialize import override
 from ppo.config.validate import ensure_valid
 from ppo.generate.chat import render_ids
 from ppo.generate.rollout import SamplingParams, generate_and_score
 from ppo.generate.trajectories import generate_trajectories_and_score
-from ppo.setup.tiny_model import EOS_ID, TINY_CHAT_TEMPLATE, build_tiny_checkpoint, load_tokenizer
+from ppo.tiny_model import EOS_ID, TINY_CHAT_TEMPLATE, build_tiny_checkpoint, load_tokenizer
 from roles.rollout import EngineConfig, RolloutEngine
 from runtime import Supervisor
 

@@ -9,8 +9,8 @@ import aiohttp
 import openai
 import pytest
 
-from ppo.agents.server import ServerConfig, SessionServer
-from ppo.agents.session import Session
+from ppo.generate.agents.server import ServerConfig, SessionServer
+from ppo.generate.agents.session import Session
 from tests.agent_engine import SAMPLING, ScriptedEngine
 from tests.chat_tokenizers import qwen3_tokenizer
 

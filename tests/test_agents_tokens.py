@@ -8,8 +8,8 @@ import asyncio
 import openai
 import pytest
 
-from ppo.agents.server import SessionServer
-from ppo.agents.session import Session
+from ppo.generate.agents.server import SessionServer
+from ppo.generate.agents.session import Session
 from ppo.generate.trajectory import ENV, MODEL
 from tests.agent_engine import SAMPLING, ScriptedEngine
 from tests.chat_tokenizers import llama3_tokenizer, qwen3_tokenizer

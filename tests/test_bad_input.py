@@ -17,7 +17,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from ppo.setup.tiny_model import build_tiny_checkpoint
+from ppo.tiny_model import build_tiny_checkpoint
 
 ROOT = Path(__file__).resolve().parents[1]
 GOOD = [json.dumps({"prompt": f"{a}+{b}=", "label": str(a + b)}) for a in range(4) for b in range(4)]
@@ -103,7 +103,7 @@ def test_skip_bad_samples_trains_on_the_rest_and_counts_them(tmp_path, tiny_chec
         assert flat["rollout/skipped_samples"] == len(BAD)
     else:
         from ppo.prompts.dataset import PromptDataset
-        from ppo.setup.tiny_model import load_tokenizer
+        from ppo.tiny_model import load_tokenizer
         data = PromptDataset(prompts, input_key="prompt", label_key="label", tokenizer=load_tokenizer(tiny_checkpoint),
                              max_prompt_len=MAX_PROMPT_LEN, skip_bad_samples=True)
         assert [line for line, _ in data.skipped] == list(range(len(GOOD) + 1, len(GOOD) + len(BAD) + 1))
@@ -112,7 +112,7 @@ def test_skip_bad_samples_trains_on_the_rest_and_counts_them(tmp_path, tiny_chec
 def test_every_bad_line_kind_names_its_file_and_line(tmp_path, tiny_checkpoint):
     """The same check the launcher reaches, for each kind of bad line (no processes)."""
     from ppo.prompts.dataset import PromptDataset
-    from ppo.setup.tiny_model import load_tokenizer
+    from ppo.tiny_model import load_tokenizer
     tok = load_tokenizer(tiny_checkpoint)
     for text, reason in BAD:
         prompts = write_prompts(tmp_path / "BAD.jsonl", [text])
@@ -169,7 +169,7 @@ def test_prompt_longer_than_the_context_is_refused_at_load_naming_file_line_and_
 def test_skip_bad_samples_skips_and_counts_prompts_longer_than_the_context(tmp_path, tiny_checkpoint):
     """The same check, skipping (what the launcher builds with --skip-bad-samples; no processes)."""
     from ppo.prompts.dataset import PromptDataset
-    from ppo.setup.tiny_model import load_tokenizer
+    from ppo.tiny_model import load_tokenizer
     prompts = write_prompts(tmp_path / "LONG.jsonl", [LONG])
     data = PromptDataset(prompts, input_key="prompt", label_key="label", tokenizer=load_tokenizer(tiny_checkpoint),
                          context_len=64, response_len=4, skip_bad_samples=True)

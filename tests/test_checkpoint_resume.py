@@ -23,7 +23,7 @@ from ppo.prompts.dataset import PromptDataset
 from ppo.state.manifest import write_manifest
 from ppo.observe.metrics_file import trim_metrics
 from ppo.config.recipes import tiny_ppo
-from ppo.setup.tiny_model import build_tiny_checkpoint
+from ppo.tiny_model import build_tiny_checkpoint
 from runtime.events import read_events
 from roles.trainer.rng import capture_rng, restore_rng
 from roles.trainer.config import TrainerConfig

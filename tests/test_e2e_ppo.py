@@ -54,7 +54,7 @@ def test_colocated_iterations_never_overlap_and_weights_match_after_every_sync(t
 @pytest.mark.timeout(300)
 def test_critic_only_warmup_leaves_the_actor_untouched(tmp_path):
     import torch
-    from ppo.setup.tiny_model import load_causal_lm
+    from ppo.tiny_model import load_causal_lm
 
     # validation rejects a run that never trains the actor; the driver must still honour it
     cfg = override(tiny_ppo(), run_dir=str(tmp_path / "run"), num_rollout=2, num_critic_only_steps=2,

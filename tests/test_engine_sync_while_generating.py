@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from ppo.setup.tiny_model import build_tiny_checkpoint, load_causal_lm
+from ppo.tiny_model import build_tiny_checkpoint, load_causal_lm
 from roles.rollout import EngineConfig, RolloutEngine
 from roles.weight_checksum import checksum_named_tensors
 from roles.weight_sync import send_to_engines

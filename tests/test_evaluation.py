@@ -130,7 +130,7 @@ def test_the_held_out_column_sums_are_never_trained_on_but_each_of_their_columns
 
 
 def test_load_eval_sets_reads_every_line_in_order_with_its_keys_and_rule(tmp_path):
-    from ppo.setup.tiny_model import build_tiny_checkpoint, load_tokenizer
+    from ppo.tiny_model import build_tiny_checkpoint, load_tokenizer
 
     tok = load_tokenizer(build_tiny_checkpoint(str(tmp_path / "ckpt"), seed=0))
     a = tmp_path / "a.jsonl"
@@ -183,7 +183,7 @@ def test_a_run_with_eval_trains_bit_for_bit_as_one_without(tmp_path):
 @pytest.mark.timeout(300)
 def test_ppo_evaluate_judges_a_checkpoint_alone_and_prints_a_table_and_json(tmp_path, capsys):
     from ppo.evaluate import main
-    from ppo.setup.tiny_model import build_tiny_checkpoint
+    from ppo.tiny_model import build_tiny_checkpoint
 
     ckpt = build_tiny_checkpoint(str(tmp_path / "ckpt"), seed=0)
     run_dir = tmp_path / "run"

@@ -8,7 +8,7 @@ import pytest
 from ppo.generate.custom import GenerateArgs, Sample, load_generate_function, turn_seed
 from ppo.generate.trajectories import generate_trajectories_and_score
 from ppo.generate.rollout import SamplingParams, generate_and_score
-from ppo.setup.tiny_model import EOS_ID
+from ppo.tiny_model import EOS_ID
 from roles.rollout import EngineConfig, RolloutEngine
 from runtime import Supervisor
 

@@ -14,7 +14,7 @@ from ppo.config import ToolsConfig
 from ppo.generate.tiny_tools import TINY_TOOL_CHAT_TEMPLATE, TOOL_TOKENS, call_text
 from ppo.generate.tool_loop import generate as tool_loop
 from ppo.generate.tools import ToolSetup, check_chat_template, load_tool_setup, tool_limits
-from ppo.setup.tiny_model import EOS_ID, build_tiny_checkpoint, load_tokenizer
+from ppo.tiny_model import EOS_ID, build_tiny_checkpoint, load_tokenizer
 from roles.tools.calculator import TOOL_SPECS
 from roles.tools.in_process import InProcessExecutor
 from roles.tools.specs import ToolSet

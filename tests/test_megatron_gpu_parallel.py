@@ -209,7 +209,7 @@ def _gathered(ranks: list[dict], key: str) -> torch.Tensor:
 @pytest.fixture(scope="module")
 def tied_ckpt(tmp_path_factory):
     """The tiny Qwen3 of the `ckpt` fixture with tied input and output embeddings."""
-    from ppo.setup.tiny_model import build_tiny_checkpoint
+    from ppo.tiny_model import build_tiny_checkpoint
 
     return build_tiny_checkpoint(str(tmp_path_factory.mktemp("tiny_tied")), seed=0, tie_word_embeddings=True)
 

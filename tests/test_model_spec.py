@@ -8,7 +8,7 @@ import json
 import pytest
 from transformers import Qwen2Config, Qwen3Config
 
-from ppo.setup.tiny_model import EOS_ID, build_tiny_checkpoint
+from ppo.tiny_model import EOS_ID, build_tiny_checkpoint
 from roles.model_spec import ModelSpec
 from roles.rope import Rope
 

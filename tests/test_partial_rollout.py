@@ -16,7 +16,7 @@ from ppo.generate.partial import partial_rollout
 from ppo.generate.partial_buffer import BUFFER_KEY, PartialSource
 from ppo.generate.rollout import FORCED_LENGTHS_KEY, SamplingParams
 from ppo.prompts.dataset import PromptDataset
-from ppo.setup.tiny_model import EOS_ID, build_tiny_checkpoint
+from ppo.tiny_model import EOS_ID, build_tiny_checkpoint
 from roles.rollout import EngineConfig, RolloutEngine
 from roles.rollout.abort_board import AbortBoard
 from runtime import Supervisor

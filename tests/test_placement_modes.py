@@ -167,7 +167,7 @@ def test_disaggregated_engine_killed_mid_generation_is_resynced_from_the_actors_
 @pytest.mark.timeout(300)
 def test_tied_embeddings_pass_the_weight_check_after_every_sync(tmp_path):
     """Qwen3-4B ties its embeddings; a tied model's run checks engine weights after each sync."""
-    from ppo.setup.tiny_model import build_tiny_checkpoint
+    from ppo.tiny_model import build_tiny_checkpoint
 
     ckpt = build_tiny_checkpoint(str(tmp_path / "tied"), tie_word_embeddings=True)
     cfg = ensure_valid(override(tiny_ppo(), run_dir=str(tmp_path / "run"), hf_checkpoint=ckpt, num_rollout=2,

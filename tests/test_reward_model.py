@@ -18,7 +18,7 @@ from ppo.config.validate import ensure_valid
 from ppo.loop import train
 from ppo.config.recipes import tiny_ppo
 from ppo.generate.rewards import token_shares
-from ppo.setup.tiny_model import build_tiny_checkpoint
+from ppo.tiny_model import build_tiny_checkpoint
 from roles.device import DeviceMemory
 from roles.reward.model import RewardModel, budget_problem, checkpoint_problem, micro_batches
 from roles.reward.config import RewardModelConfig

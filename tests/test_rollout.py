@@ -6,7 +6,7 @@ import json
 import pytest
 import torch
 
-from ppo.setup.tiny_model import EOS_ID, build_tiny_checkpoint, load_causal_lm
+from ppo.tiny_model import EOS_ID, build_tiny_checkpoint, load_causal_lm
 from roles.rollout import EngineConfig, RolloutEngine
 from roles.weight_checksum import checksum_named_tensors
 from roles.weight_sync import pack_buckets, push_weights

@@ -7,7 +7,7 @@ weight update before it opens; a stopped engine shuts its backend down."""
 import pytest
 import torch
 
-from ppo.setup.tiny_model import EOS_ID
+from ppo.tiny_model import EOS_ID
 from roles.rollout import EngineConfig, RolloutEngine
 from roles.rollout.aborts import RequestsGaveUp
 from roles.weight_sync import pack_buckets

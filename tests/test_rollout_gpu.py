@@ -9,7 +9,7 @@ import gc
 import pytest
 import torch
 
-from ppo.setup.tiny_model import build_tiny_checkpoint, load_causal_lm
+from ppo.tiny_model import build_tiny_checkpoint, load_causal_lm
 from roles.rollout import EngineConfig, RolloutEngine
 from roles.rollout.torch_engine.backend import HOST_ALIGN
 from roles.weight_checksum import checksum_named_tensors

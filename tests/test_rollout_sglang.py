@@ -17,7 +17,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from ppo.setup.tiny_model import EOS_ID, load_causal_lm
+from ppo.tiny_model import EOS_ID, load_causal_lm
 from roles.rollout import EngineConfig, RolloutEngine
 from roles.rollout import sglang_backend
 from roles.rollout.sglang_backend import flattened_bucket_payloads

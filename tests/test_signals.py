@@ -15,7 +15,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from ppo.setup.tiny_model import build_tiny_checkpoint
+from ppo.tiny_model import build_tiny_checkpoint
 
 ROOT = Path(__file__).resolve().parents[1]
 PROMPTS = [json.dumps({"prompt": f"{a}+{b}=", "label": str(a + b)}) for a in range(5) for b in range(5)]

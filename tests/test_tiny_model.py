@@ -7,7 +7,7 @@ import os
 import pytest
 import torch
 
-from ppo.setup.tiny_model import (
+from ppo.tiny_model import (
     BOS_ID,
     EOS_ID,
     PAD_ID,

@@ -17,7 +17,7 @@ from ppo.generate.custom import GenerateArgs, Sample
 from ppo.generate.metrics import trajectory_metrics
 from ppo.generate.tool_loop import generate as tool_loop
 from ppo.generate.tools import ToolSetup, tool_limits
-from ppo.setup.tiny_model import build_tiny_checkpoint, load_tokenizer
+from ppo.tiny_model import build_tiny_checkpoint, load_tokenizer
 from roles.tools import sandbox
 from roles.tools.executor import ToolExecutor
 from roles.tools.in_process import InProcessExecutor

@@ -21,7 +21,7 @@ def test_checksums_are_exact_for_bfloat16_and_see_dtype_and_shape():
 
 
 def test_listings_of_a_tied_model_have_one_canonical_name_set(tmp_path):
-    from ppo.setup.tiny_model import build_tiny_checkpoint, load_causal_lm
+    from ppo.tiny_model import build_tiny_checkpoint, load_causal_lm
 
     model = load_causal_lm(build_tiny_checkpoint(str(tmp_path / "tied"), tie_word_embeddings=True))
     params, state = list(model.named_parameters()), list(model.state_dict().items())
@@ -45,7 +45,7 @@ def test_weight_check_holds_after_a_real_sync_of_a_tied_model(tmp_path):
     """Qwen3-4B ties its embeddings: the trainer lists the shared weight once, the engine's
     state_dict twice; --check-weight-update-equal must still hold after a sync."""
     from ppo.gpu.handoffs import check_weights_equal
-    from ppo.setup.tiny_model import build_tiny_checkpoint
+    from ppo.tiny_model import build_tiny_checkpoint
     from roles.rollout import EngineConfig, RolloutEngine
     from roles.trainer.config import TrainerConfig
     from roles.trainer.torch import ActorTrainer

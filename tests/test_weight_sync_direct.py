@@ -154,7 +154,7 @@ def _tiny_sender(ckpt, device: str = "cpu") -> tuple[list, torch.Tensor]:
     buffer (returned too), 2-D weights in turn as transposed views and as row-strided slices
     of a 3-D view (every other row, as a half of an interleaved fused tensor), except the
     q projections, which are temporaries as the q/k/v regroup makes them."""
-    from ppo.setup.tiny_model import load_causal_lm
+    from ppo.tiny_model import load_causal_lm
 
     params = [(n, p.detach().to(torch.bfloat16)) for n, p in load_causal_lm(ckpt).named_parameters()]
     buf = torch.zeros(sum(2 * t.numel() for _, t in params) + 7, dtype=torch.bfloat16, device=device)
@@ -181,7 +181,7 @@ def _megatron_sender(ckpt, device: str = "cpu") -> tuple[list, dict]:
     import json
     import os
 
-    from ppo.setup.tiny_model import load_causal_lm
+    from ppo.tiny_model import load_causal_lm
     from roles.trainer.megatron.mapper import hf_to_megatron, stage_to_hf
     from roles.trainer.megatron.shape import megatron_spec
 
@@ -308,7 +308,7 @@ def test_an_sglang_engine_loads_direct_buckets_in_parts_bit_identically(ckpt, ip
     tensors (QKVParallelLinear.weight_loader narrows its parameter to the q, k or v shard and
     asserts the shapes equal): the adapter gathers them in HF row-major order under HF shapes
     (the fake's reconstruct_tensors reshapes by the metadata, as sglang's does)."""
-    from ppo.setup.tiny_model import EOS_ID
+    from ppo.tiny_model import EOS_ID
     from roles.rollout import EngineConfig, RolloutEngine
     from roles.rollout import sglang_backend
     from roles.weight_sync import send_to_engines

@@ -252,9 +252,9 @@ def tiny_tools_no_tool() -> PPOConfig:
 
 def tiny_tools_agent() -> PPOConfig:
     """tiny_tools with the task written as an agent against the OpenAI client
-    (ppo.agents.tiny_agent), served by the session server (docs/agents.md)."""
+    (ppo.generate.agents.tiny_agent), served by the session server (docs/agents.md)."""
     base = tiny_tools()
-    return dataclasses.replace(base, generate=GenerateConfig(custom_agent_function_path="ppo.agents.tiny_agent:run_agent"))
+    return dataclasses.replace(base, generate=GenerateConfig(custom_agent_function_path="ppo.generate.agents.tiny_agent:run_agent"))
 
 
 RECIPES: dict[str, Callable[[], PPOConfig]] = {

@@ -80,7 +80,7 @@ class GenerateArgs:
 
 
     async def aclose(self) -> None:
-        """What the rollout closes when it ends, on every path (ppo.agents' session server)."""
+        """What the rollout closes when it ends, on every path (ppo.generate.agents' session server)."""
 
 
 def turn_seed(seed: int, turn: int) -> int:

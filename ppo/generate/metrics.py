@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ppo.agents.session import AGENT_STATS
+from ppo.generate.agents.session import AGENT_STATS
 from ppo.generate.tool_loop import STATS
 
 
@@ -10,7 +10,7 @@ def trajectory_metrics(samples: list[dict]) -> dict[str, float]:
     """Turns per sample and the share of environment tokens in the responses; with the tool loop,
     its counts over the rollout: rollout/tool_calls, tool_errors, tool_timeouts, tool_time (s),
     tool_worker_restarts, and tool_errors/KIND for each error kind that happened; with agent
-    sessions, theirs (ppo.agents.session.AGENT_STATS)."""
+    sessions, theirs (ppo.generate.agents.session.AGENT_STATS)."""
     if not samples or "num_turns" not in samples[0]:
         return {}
     tokens = sum(len(s["response_ids"]) for s in samples)

@@ -2,7 +2,7 @@
 
 `load_generation(cfg)` is None for the default path (one response per prompt, ppo.generate.rollout),
 else the generate function (--custom-generate-function-path, an agent session around
---custom-agent-function-path (ppo.agents), or the built-in tool loop when only
+--custom-agent-function-path (ppo.generate.agents), or the built-in tool loop when only
 --generate-tool-specs-path is set) and the tool setup. `rollout_function(...)` gives the
 loop and the eval what they call in place of ppo.generate.rollout.generate_and_score.
 """
@@ -37,7 +37,7 @@ def load_generation(cfg) -> Generation | None:
     function, args_class = None, GenerateArgs
     # the functions are checked before the tools' executor starts
     if g.custom_agent_function_path is not None:
-        from ppo.agents.agent import AgentArgs, agent_generate_function, load_agent_function
+        from ppo.generate.agents.agent import AgentArgs, agent_generate_function, load_agent_function
 
         function = agent_generate_function(load_agent_function(g.custom_agent_function_path))
         args_class = AgentArgs

@@ -1,7 +1,7 @@
 """The tiny tool format: the calculator (roles.tools.calculator) as the tiny model calls it, in
 Qwen's `<tool_call>{json}</tool_call>`.
 
-The character-level tiny tokenizer (ppo.setup.tiny_model) gets the markup as whole tokens, as real
+The character-level tiny tokenizer (ppo.tiny_model) gets the markup as whole tokens, as real
 tokenizers have them (Qwen3's <tool_call> is one token), plus the fixed JSON around the one
 argument (the tool's name within it), so that a call fits the tiny model's 64 positions:
 
@@ -60,7 +60,7 @@ def build_tool_model(path: str, prompts: list[str], *, seed: int, steps: int = W
 
     import torch
 
-    from ppo.setup.tiny_model import EOS_ID, build_tiny_checkpoint, load_causal_lm, load_tokenizer
+    from ppo.tiny_model import EOS_ID, build_tiny_checkpoint, load_causal_lm, load_tokenizer
 
     build_tiny_checkpoint(path, seed=seed, extra_tokens=TOOL_TOKENS, chat_template=TINY_TOOL_CHAT_TEMPLATE)
     model, tok = load_causal_lm(path, "float32"), load_tokenizer(path)

@@ -55,7 +55,7 @@ def recover(job, role, dead_incarnation: int, version: int) -> None:
         sending = (contextlib.nullcontext() if job.colocation.shares_lease(job.actor_tenant, job.engine_tenants[index])
                    else job.colocation.sending_weights(job.actor_tenant, []))
         if job.by_broadcast([role]) == [True]:  # its new incarnation is in no weight group: all join a new one
-            from ppo.setup.weight_group import open_weight_broadcast
+            from ppo.gpu.weight_group import open_weight_broadcast
 
             job.weight_broadcast = open_weight_broadcast(job)
         with sending:

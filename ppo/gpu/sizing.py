@@ -49,7 +49,7 @@ def plan_spec(cfg: PPOConfig) -> ModelSpec | None:
     config; None otherwise (the dry run then has no memory plan to show)."""
     path = cfg.checkpoint.hf_checkpoint
     if path.startswith(GENERATED_PREFIX):
-        from ppo.setup.tiny_model import tiny_config
+        from ppo.tiny_model import tiny_config
 
         return ModelSpec.from_hf(tiny_config())
     if os.path.exists(os.path.join(path, "config.json")):

@@ -73,7 +73,7 @@ def resolve_eval_paths(cfg: PPOConfig, run_dir: Path) -> list[tuple[str, str]]:
 
 
 def _build_tiny_model(path: str, prompts: list[str], *, answer_digits: int, seed: int) -> None:
-    from ppo.setup.tiny_model import build_tiny_checkpoint, load_causal_lm, load_tokenizer
+    from ppo.tiny_model import build_tiny_checkpoint, load_causal_lm, load_tokenizer
 
     build_tiny_checkpoint(path, seed=seed)
     model, tok = load_causal_lm(path, "float32"), load_tokenizer(path)

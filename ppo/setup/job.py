@@ -52,7 +52,7 @@ from runtime.cluster import ClusterSupervisor
 from runtime.events import read_events
 from runtime.rendezvous import RendezvousFailed
 from ppo.setup.nodes import node0_supervisor
-from ppo.setup.weight_group import WeightBroadcast, open_weight_broadcast
+from ppo.gpu.weight_group import WeightBroadcast, open_weight_broadcast
 
 logger = logging.getLogger(__name__)
 # Quiet, single-threaded library defaults for every role process: roles share the host's
@@ -90,7 +90,7 @@ class Job:
     functions: UserFunctions  # the user's dynamic-sampling filter, TIS function, reward post-process
     eval_sets: list[EvalSet] = field(default_factory=list)  # --eval-prompt-data, loaded (ppo.generate.evaluation)
     memory_plan: MemoryPlan | None = None  # what each role holds per phase (ppo.gpu.memory_plan); None unplanned
-    weight_broadcast: WeightBroadcast | None = None  # engines on other nodes than the actor's (ppo.setup.weight_group)
+    weight_broadcast: WeightBroadcast | None = None  # engines on other nodes than the actor's (ppo.gpu.weight_group)
 
     def by_broadcast(self, engines: list[ActorHandle]) -> list[bool] | None:
         """For the actor's sync_weights: which of `engines` take their weights by broadcast."""

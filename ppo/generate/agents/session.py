@@ -146,7 +146,7 @@ class Session:
         return Completion(ids, log_probs, text, finish, num_prompt_tokens)
 
     def untrained_tokens(self) -> int:
-        """Model tokens of records other than the one that trains (ppo.agents.agent)."""
+        """Model tokens of records other than the one that trains (ppo.generate.agents.agent)."""
         return sum(len(t.ids) for r in self.records if r is not self.last
                    for t in r.trajectory.turns if t.source == MODEL)
 

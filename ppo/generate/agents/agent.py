@@ -2,7 +2,7 @@
 
     async def run_agent(base_url, prompt, request_kwargs, metadata, **kwargs) -> float | dict | None
 
-runs ONE agent session against the session server (ppo.agents.server) with any OpenAI client:
+runs ONE agent session against the session server (ppo.generate.agents.server) with any OpenAI client:
 `AsyncOpenAI(base_url=base_url, api_key=kwargs["api_key"])`. `prompt` is the sample's chat
 messages where the prompt file had them, else its text; `request_kwargs` the rollout's sampling
 in OpenAI's names (pass them on: the server refuses another temperature or top_p); `metadata`
@@ -11,7 +11,7 @@ the sample's; kwargs: `api_key`, `label`, `sample_index`.
 It returns its reward (a number: the scorer is skipped), or leaves it to the reward scorer
 (None, or a dict merged into the sample's metadata for the scorer to read, as miles does).
 The training sample is built from what the server recorded: the session's latest record
-(ppo.agents.session). An agent that raises is counted (rollout/agent_errors) and its record
+(ppo.generate.agents.session). An agent that raises is counted (rollout/agent_errors) and its record
 trains like any other; one that raises before any completion stops the run with its error.
 """
 
@@ -23,8 +23,8 @@ import logging
 import os
 from collections.abc import Callable
 
-from ppo.agents.server import SessionServer
-from ppo.agents.session import Session
+from ppo.generate.agents.server import SessionServer
+from ppo.generate.agents.session import Session
 from ppo.generate.custom import GenerateArgs, Sample
 from roles.reward.custom import load_function
 

@@ -20,9 +20,9 @@ from dataclasses import dataclass
 
 from aiohttp import web
 
-from ppo.agents.openai_api import (APIError, ChatRequest, assistant_message, completion_body, logprobs_content,
+from ppo.generate.agents.openai_api import (APIError, ChatRequest, assistant_message, completion_body, logprobs_content,
                                    parse_request, stream_chunks)
-from ppo.agents.session import ContextFull, Session
+from ppo.generate.agents.session import ContextFull, Session
 
 
 @dataclass(frozen=True, kw_only=True)
