@@ -160,13 +160,13 @@ def steps(job: Job, log: RunLogger, start: checkpoint.ResumePoint, stops: Signal
         elif not rollouts.ahead:  # 7'. weights unchanged: engines take back what they released
             engines_take_back(job, version, perf)  # (sglang's from the actor; ahead, they released nothing)
 
-        # 9. eval on the engines, which hold the new weights and their KV cache again
+        # 8. eval on the engines, which hold the new weights and their KV cache again
         if evaluation.due_after(cfg, step):
             run_eval(job, log, perf, step + 1, version)
 
         log.dump_samples(step, samples)
         log.log(step, book.close(version, rollout_metrics(batch, samples)))
-        # 10. checkpoint: the trainers save with their state on the GPUs the engines lend them
+        # 9. checkpoint: the trainers save with their state on the GPUs the engines lend them
         saved = checkpoint.save_if_due(job, step, data=rollouts.data_position(), version=version, counters=counters,
                                        force=stops is not None and stops.save_requested)
         if stops is not None:  # SIGUSR1 (or SIGTERM with --save-on-signal): saved, now stop
