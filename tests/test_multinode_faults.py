@@ -1,6 +1,7 @@
-"""Faults of tiny_ppo across two nodes on 127.0.0.1 (tests/test_multinode_ppo.py's launchers):
-node 1's launcher killed mid-run stops the run on node 0 within a few heartbeats with one line
-and the resume command, and leaves no role of node 1 behind; SIGUSR1 to every launcher (Slurm's
+"""Faults of tiny_ppo across nodes on 127.0.0.1 (tests/test_multinode_ppo.py's launchers):
+the last node's launcher killed mid-run (node 1 of two, node 2 of three) stops the run on node 0
+within a few heartbeats with one line and the resume command, the other nodes stop, and no role
+of any node is left behind; SIGUSR1 to every launcher (Slurm's
 `--signal=USR1@T` reaches every task) gives one checkpoint, and both launchers end."""
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from tests.test_multinode_ppo import free_port, launch, spawned, stop
+from tests.test_multinode_ppo import free_port, launch, launch_nodes, spawned, stop
 
 LONG = ["--num-rollout", "50", "--no-check-weight-update-equal"]
 
@@ -36,26 +37,32 @@ def last_line(log: Path) -> str:
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(300)
-def test_a_node_killed_mid_run_stops_the_run_with_one_line_and_the_resume_command(tmp_path):
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize(("nnodes", "killed"), [(2, 1), (3, 2)])
+def test_a_node_killed_mid_run_stops_the_run_with_one_line_and_the_resume_command(tmp_path, nnodes, killed):
     port, run_dir, save = free_port(), tmp_path / "run", tmp_path / "ckpt"
-    node1 = launch(1, port, run_dir, tmp_path / "node1.log", LONG)
-    node0 = launch(0, port, run_dir, tmp_path / "node0.log", [*LONG, "--save", str(save), "--save-interval", "1"])
+    procs = launch_nodes(nnodes, port, run_dir, tmp_path, LONG, node_0_extra=["--save", str(save), "--save-interval", "1"])
+    node0 = procs[0]
     try:
-        wait_for_metrics(run_dir, 1, (node0, node1), 200)
-        roles = spawned(run_dir / "node1")
-        os.kill(node1.pid, signal.SIGKILL)  # the launcher: its node agent and supervisor
+        wait_for_metrics(run_dir, 1, procs, 300)
+        roles = spawned(run_dir / f"node{killed}")
+        os.kill(procs[killed].pid, signal.SIGKILL)  # the launcher: its node agent and supervisor
         t0 = time.monotonic()
         assert node0.wait(60) == 1
         took = time.monotonic() - t0
+        for rank, proc in enumerate(procs[1:], 1):  # every node but the killed one was told to stop
+            if rank != killed:
+                assert proc.wait(30) == 0, (tmp_path / f"node{rank}.log").read_text()[-3000:]
+                assert "node 0 stopped the job" in last_line(tmp_path / f"node{rank}.log")
     finally:
-        stop(node0, node1)
+        stop(*procs)
     line = last_line(tmp_path / "node0.log")
-    assert line.startswith("tandem: node 1 lost: no heartbeat for") and "the run stopped on every node" in line
+    assert line.startswith(f"tandem: node {killed} lost: no heartbeat for") and "the run stopped on every node" in line
     assert line.endswith(f"Start every node again with --load {save}")
     # noticed within the heartbeat timeout (5 heartbeats of 1 s), plus the shutdown's grace
     assert took < 5 + 15, took
     time.sleep(1)
+    roles |= spawned(run_dir)  # node 0's roles, and those the other nodes' agents told it of
     assert not [p for p in roles.values() if psutil.pid_exists(p) and psutil.Process(p).status() != "zombie"]
 
 
