@@ -124,3 +124,30 @@ def test_a_lost_node_started_again_resumes_the_run_from_the_newest_checkpoint(tm
     # the new node's roles are later incarnations than the lost one's
     back = [e for e in events if e["event"] == "spawned" and e.get("node") == 1 and e["incarnation"] > 0]
     assert {e["role"] for e in back} == {"actor.1", "critic.1", "rollout-1"}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_a_trainer_rank_killed_on_node_1_restarts_its_group_on_both_nodes_and_the_run_resumes(tmp_path):
+    """Every node lives: ppo.recovery restarts the trainer groups across the nodes
+    (ClusterSupervisor.respawn_group) and resumes from the newest checkpoint."""
+    port, run_dir, save = free_port(), tmp_path / "run", tmp_path / "ckpt"
+    again = ["--num-rollout", "4", "--no-check-weight-update-equal"]
+    procs = launch_nodes(2, port, run_dir, tmp_path, again,
+                         node_0_extra=["--save", str(save), "--save-interval", "1", "--max-trainer-restarts", "1"])
+    try:
+        wait_for_metrics(run_dir, 2, procs, 300)  # a checkpoint of this run exists
+        os.kill(spawned(run_dir / "node1")["actor.1"], signal.SIGKILL)
+        assert procs[0].wait(300) == 0, (tmp_path / "node0.log").read_text()[-5000:]
+        assert procs[1].wait(30) == 0, (tmp_path / "node1.log").read_text()[-3000:]
+    finally:
+        stop(*procs)
+    events = [json.loads(x) for x in (run_dir / "events.jsonl").read_text().splitlines()]
+    rewinds = [e for e in events if e["event"] == "rewind"]
+    assert len(rewinds) == 1 and rewinds[0]["role"] == "actor.1" and rewinds[0]["trainer_restarts"] == 1
+    metrics = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in metrics] == [0, 1, 2, 3]  # the rewound steps ran again, once each
+    # both groups restarted on both nodes, node 1's by its own supervisor (its node lived)
+    restarted = {(e["role"], e.get("node") or 0) for e in events if e["event"] == "restarted" and e["incarnation"] == 1}
+    assert restarted == {("actor.0", 0), ("critic.0", 0), ("actor.1", 1), ("critic.1", 1)}
+    assert "node 0 stopped the job" in last_line(tmp_path / "node1.log")
