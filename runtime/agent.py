@@ -22,13 +22,14 @@ arguments in wire format, as Supervisor.spawn sends them to a child.
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import os
 import pickle
 import threading
 import time
 from pathlib import Path
-from typing import Sequence
+from typing import Iterator, Sequence
 
 import msgpack
 import zmq
@@ -44,10 +45,12 @@ from runtime.rendezvous import NodeEntry
 from runtime.supervisor import Supervisor
 
 TICK_S = 0.02  # how often each side's loop looks at its socket and its clock
-# The events of a node's roles that node 0's bus carries too (with node=R), so that the monitor
-# attached at node 0 shows every node's roles. Leases and GPU bytes stay on their node: their
-# GPU ids are the node's own.
-ROLE_EVENTS = frozenset({"spawned", "ready", "state", "died", "stopped", "restarted", "hung", "role_stats"})
+# The events of a node that node 0's bus carries too (with node=R), so that the monitor attached
+# at node 0 shows every node's roles and GPUs: its roles' lives, and its GPUs' leases and the
+# bytes its roles report in their spans (`phase`). GPU ids stay the node's own; `node` tells them
+# apart from node 0's (runtime.monitor, ppo.observe.trace).
+NODE_EVENTS = frozenset({"spawned", "ready", "state", "died", "stopped", "restarted", "hung", "role_stats",
+                         "lease", "phase"})
 # The LeaseTable methods node 0 may call on a node's table (runtime.cluster.ClusterLeases).
 LEASE_OPS = ("acquire", "acquire_all", "release", "release_all", "report", "holds", "holder", "same_lease",
              "forget", "drop_dead_memory")
@@ -123,7 +126,9 @@ class NodeAgent:
                         _aside(self._wait_ready, body)
                     elif kind == b"stop_group" and self.sup is not None:
                         cause = ActorDied(body["role"], body["inc"], body["reason"])
-                        _aside(self.sup.stop_group, body["group"], cause)
+                        _aside(self.sup.stop_group, body["group"], cause, body["incs"])
+                    elif kind == b"respawn_group" and self.sup is not None:
+                        _aside(lambda *a: self._outbox.append(("answer", self._respawn_group(*a))), body, known)
                     elif kind == b"stop":
                         return f"node 0 stopped the job: {body.get('reason', '')}".rstrip(": ")
                 now = time.monotonic()
@@ -140,10 +145,10 @@ class NodeAgent:
             self.close()
 
     def _follow(self) -> None:
-        """Queue this node's role events for node 0 (the serve loop sends them); ends with the
+        """Queue this node's events for node 0 (the serve loop sends them); ends with the
         supervisor's shutdown event."""
         for event in follow_events(self.run_dir):
-            if event["event"] in ROLE_EVENTS:
+            if event["event"] in NODE_EVENTS:
                 self._outbox.append(("event", event))
 
     def close(self) -> None:
@@ -216,6 +221,24 @@ class NodeAgent:
             roles.append({"name": addr.name, "inc": addr.incarnation, "endpoint": addr.endpoint})
         return {"req": req["req"], "roles": roles}
 
+    def _respawn_group(self, req: dict, known: dict) -> dict:
+        """Supervisor.respawn_group of this node's slice, joining node 0's new store at `master`.
+        Its old ranks' stops are node 0's doing: not reported as deaths (node 0 would stop its
+        new slice for them)."""
+        for name in self.sup.incarnations(req["group"]):
+            known[name] = (known.get(name, (0, None))[0], "respawned")
+        try:
+            handles = self.sup.respawn_group(req["group"], req["reason"], timeout=req["timeout"], other_slices=True,
+                                             master=tuple(req["master"]))
+        except (SupervisionFailed, ValueError, TimeoutError) as e:  # raised again where node 0 called it
+            return {"req": req["req"], "error": f"{type(e).__name__}: {str(e).splitlines()[0]}"}
+        roles = []
+        for h in handles:
+            addr = self.sup.directory.resolve(h.name)
+            known[addr.name] = (addr.incarnation, None)
+            roles.append({"name": addr.name, "inc": addr.incarnation, "endpoint": addr.endpoint})
+        return {"req": req["req"], "roles": roles}
+
     def _report(self, driver: bytes, known: dict) -> str | None:
         """A heartbeat, then each restart and death of a role since the last one; or, when the
         supervisor gave up, that (returned too)."""
@@ -269,6 +292,7 @@ class RemoteNode:
         # stops the slice here, and a death here the slice on node 0 (a group dies as one)
         self._groups: dict[str, tuple[int, set[int]]] = {}
         self._stopped_groups: set[str] = set()
+        self._respawning: set[str] = set()  # groups whose slice here is being respawned (respawn_group)
         self._cond = threading.Condition()
         self._req = 0
         self.failure: NodeLost | None = None
@@ -311,6 +335,34 @@ class RemoteNode:
         with self._cond:
             self._groups[name] = (world_size, set(range(first_rank, first_rank + len(gpus))))
         return handles
+
+    @contextlib.contextmanager
+    def respawning(self, group: str) -> Iterator[None]:
+        """While node 0 restarts rank group `group` across nodes (ClusterSupervisor.respawn_group),
+        its ranks' deaths here stop nothing on node 0: those are the restart's own stops, and node
+        0's new slice must stay. Then the group dies as one again."""
+        with self._cond:
+            self._respawning.add(group)
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._respawning.discard(group)
+                self._stopped_groups.discard(group)
+
+    def respawn_group(self, name: str, reason: str, master: tuple[str, int], timeout: float = 60.0) -> None:
+        """Start this node's slice of rank group `name` again (Supervisor.respawn_group: its live
+        ranks stopped, new incarnations) joining the store at `master`, node 0's new one; within
+        `respawning(name)`. The handles node 0 has reach the new incarnations."""
+        reply = self._request("respawn_group", {"group": name, "reason": reason, "master": list(master),
+                                                "timeout": timeout}, timeout=timeout + 30,
+                              what=f"the restart of group {name!r}")
+        if "error" in reply:
+            raise RuntimeActorError(f"node {self.rank} could not restart group {name!r}: {reply['error']}")
+        for role in reply["roles"]:
+            self.sup.directory.update(Address(role["name"], role["inc"], role["endpoint"]))
+            with self._cond:
+                self._roles[role["name"]] = role["inc"]
 
     def _spawn(self, name: str, cls: type, args: tuple, kwargs: dict, *, gpus: Sequence[int], restart: str,
                group: str | None, env: dict[str, str] | None, ranks: dict | None, timeout: float,
@@ -470,9 +522,10 @@ class RemoteNode:
             self.sup.directory.mark_dead(body["name"], body["inc"], err)
             self.sup.caller.fail_destination(body["name"], body["inc"], err)
             group = body["name"].rpartition(".")[0]
-            if group in self._groups:  # node 0's slice of the group goes with it
-                _aside(self.sup.stop_group, group, err)
-        elif kind == "event":  # a role event of that node, for the monitor at node 0
+            if group in self._groups and group not in self._respawning:  # node 0's slice of the group goes with it
+                # the incarnations now: a respawn of the group after this death keeps its new ranks
+                _aside(self.sup.stop_group, group, err, self.sup.incarnations(group))
+        elif kind == "event":  # an event of that node (NODE_EVENTS), for the monitor at node 0
             fields = {k: v for k, v in body.items() if k not in ("event", "seq", "ts")}
             self.sup.bus.publish(body["event"], node=self.rank, **fields)
         elif kind == "failed":
@@ -491,8 +544,9 @@ class RemoteNode:
                     self.sup.directory.resolve(f"{group}.{rank}")
                 except ActorDied as e:
                     self._stopped_groups.add(group)
+                    incs = {f"{group}.{r}": self._roles[f"{group}.{r}"] for r in here if f"{group}.{r}" in self._roles}
                     self._post("stop_group", {"group": group, "role": e.role, "inc": e.incarnation,
-                                              "reason": e.reason})
+                                              "reason": e.reason, "incs": incs})
                     break
                 except KeyError:  # not started yet
                     continue
@@ -509,4 +563,4 @@ class RemoteNode:
             self.sup.directory.mark_dead(name, inc, err)
             self.sup.caller.fail_destination(name, inc, err)
             if (group := name.rpartition(".")[0]) in self._groups:
-                _aside(self.sup.stop_group, group, err)
+                _aside(self.sup.stop_group, group, err, self.sup.incarnations(group))

@@ -15,8 +15,10 @@ node only: a conflict on node 1 leaves node 0's leases of the same call changed.
 from __future__ import annotations
 
 import collections
+import contextlib
 from typing import Any, Mapping, Sequence
 
+from runtime.actor import endpoints_of
 from runtime.agent import NodeLost, RemoteNode
 from runtime.curve import KeyPair
 from runtime.handle import ActorHandle
@@ -201,24 +203,30 @@ class ClusterSupervisor:
         return dict(counts)
 
     def respawn_group(self, name: str, reason: str, timeout: float = 60.0) -> list[ActorHandle]:
-        """Supervisor.respawn_group; a group that spans nodes restarts as one: node 0's slice, then
-        each other slice anew, which is only possible on a node that came back (`call_back`): a
-        live node's supervisor still has the old slice."""
+        """Supervisor.respawn_group; a group that spans nodes restarts as one: node 0's slice on a
+        new store, then each other node's slice joining it: anew on a node that came back
+        (`call_back`), whose supervisor never had the group, else by that node's supervisor
+        (RemoteNode.respawn_group), past the incarnations the slice ran."""
         cls, args, kwargs, slices = self._group_specs[name]
-        others = [node for node, _ in slices if node != 0]
-        if not others:
+        if all(node == 0 for node, _ in slices):
             return self.sup.respawn_group(name, reason, timeout=timeout)
-        if not all((node, name) in self._fresh_slices for node in others):
-            raise ValueError(f"rank group {name!r} spans nodes: it restarts only after a lost node came back")
-        handles = self.sup.respawn_group(name, reason, timeout=timeout, other_slices=True)
-        master, world = self.sup.group_master(name), sum(len(local) for _, local in slices)
-        for node, local in slices[1:]:
-            ranks = [f"{name}.{len(handles) + i}" for i in range(len(local))]
-            first = 1 + max(self._incarnations.get(r, 0) for r in ranks)
-            handles += self.remotes[node].spawn_group(name, cls, *args, gpus=local, world_size=world,
-                                                      first_rank=len(handles), master=master,
-                                                      first_incarnation=first, **kwargs)
-            self._fresh_slices.discard((node, name))
+        with contextlib.ExitStack() as respawning:
+            for node, _ in slices[1:]:  # before node 0's slice stops: those stops are no deaths to act on
+                respawning.enter_context(self.remotes[node].respawning(name))
+            handles = self.sup.respawn_group(name, reason, timeout=timeout, other_slices=True)
+            master, world = self.sup.group_master(name), sum(len(local) for _, local in slices)
+            for node, local in slices[1:]:
+                ranks = [f"{name}.{len(handles) + i}" for i in range(len(local))]
+                remote = self.remotes[node]
+                if (node, name) in self._fresh_slices:
+                    first = 1 + max(self._incarnations.get(r, 0) for r in ranks)
+                    handles += remote.spawn_group(name, cls, *args, gpus=local, world_size=world,
+                                                  first_rank=len(handles), master=master, first_incarnation=first,
+                                                  **kwargs)
+                    self._fresh_slices.discard((node, name))
+                else:
+                    remote.respawn_group(name, reason, master, timeout=timeout)
+                    handles += [ActorHandle(r, cls.__name__, endpoints_of(cls), self.sup.caller) for r in ranks]
         return handles
 
     def lost(self) -> dict[int, NodeLost]:

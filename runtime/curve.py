@@ -16,6 +16,7 @@ import threading
 from dataclasses import dataclass
 from typing import Iterable
 
+import psutil
 import zmq
 import zmq.auth.thread
 
@@ -114,6 +115,14 @@ def route_to(master_addr: str, port: int = 9) -> str:
     with socket.socket(infos[0][0], socket.SOCK_DGRAM) as s:
         s.connect(infos[0][4])
         return s.getsockname()[0]
+
+
+def interface_of(address: str) -> str | None:
+    """The name of this host's network interface that holds `address`; None when none does."""
+    for name, addrs in psutil.net_if_addrs().items():
+        if any(a.address.split("%")[0] == address for a in addrs if a.family in (socket.AF_INET, socket.AF_INET6)):
+            return name
+    return None
 
 
 def numeric(host: str) -> str:

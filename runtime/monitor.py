@@ -52,10 +52,12 @@ class MonitorState:
 
     def __init__(self) -> None:
         self.roles: dict[str, RoleRow] = {}
-        # (gpu, budget) -> {"holder": str | None, "residuals": {holder: bytes}}; budget "" is a
+        # A GPU is (node, gpu): across nodes each node numbers its own GPUs, and node 0's bus carries
+        # the other nodes' lease and phase events with their `node` (runtime.agent); node 0 otherwise.
+        # (node, gpu, budget) -> {"holder": str | None, "residuals": {holder: bytes}}; budget "" is a
         # whole GPU's one lease, a side-by-side GPU has one per budget (runtime.memory)
-        self.leases: dict[tuple[int, str], dict] = {}
-        self.gpu_bytes: dict[int, dict[str, int]] = {}  # gpu -> holder -> bytes in use, as last reported
+        self.leases: dict[tuple[int, int, str], dict] = {}
+        self.gpu_bytes: dict[tuple[int, int], dict[str, int]] = {}  # GPU -> holder -> bytes in use, as last reported
         self.phases: list[dict] = []  # driver phases begun and not ended, outermost first
         self.last_phase: dict | None = None  # the latest phase that ended (begin/end: the driver's)
         self.groups: dict[str, str] = {}  # a rank ("actor.1") -> its group, whose name holds the leases
@@ -129,14 +131,15 @@ class MonitorState:
             row.errors_total = stats.get("errors_total", 0)
 
     def _on_lease(self, event: dict) -> None:
-        lease = self.leases.setdefault((event["gpu"], event.get("budget", "")), {"holder": None, "residuals": {}})
+        gpu = (event.get("node") or 0, event["gpu"])
+        lease = self.leases.setdefault((*gpu, event.get("budget", "")), {"holder": None, "residuals": {}})
         if event["action"] == "acquire":
             lease["holder"] = event["holder"]
         elif event["action"] == "release":
             lease["holder"] = None
         lease["residuals"] = dict(event.get("residuals") or {})
         if event["action"] != "acquire" and event.get("bytes_left") is not None:
-            self.gpu_bytes.setdefault(event["gpu"], {})[event["holder"]] = event["bytes_left"]
+            self.gpu_bytes.setdefault(gpu, {})[event["holder"]] = event["bytes_left"]
 
     def _on_phase(self, event: dict) -> None:
         track = event.get("track") or event.get("role") or "driver"
@@ -151,7 +154,8 @@ class MonitorState:
             self.last_phase = {"name": event["phase"], "track": track, "seconds": event.get("seconds")}
         if event.get("gpus") and event.get("bytes_in_use") is not None:  # a role's span reports its bytes
             for gpu in event["gpus"]:
-                self.gpu_bytes.setdefault(gpu, {})[self.groups.get(track, track)] = event["bytes_in_use"]
+                key = (event.get("node") or 0, gpu)
+                self.gpu_bytes.setdefault(key, {})[self.groups.get(track, track)] = event["bytes_in_use"]
 
     def _on_metrics(self, event: dict) -> None:
         self.step = event.get("step")
@@ -198,9 +202,12 @@ def render(state: MonitorState, run_dir: str) -> Group:
     if state.step is not None:
         values = "  ".join(f"{name}={_number(value)}" for name, value in state.metrics.items())
         lines.append(f"step {state.step}: {values}")
-    for gpu in sorted({g for g, _ in state.leases} | set(state.gpu_bytes)):
-        budgets = sorted(b for g, b in state.leases if g == gpu) or [""]
-        line = f"gpu {gpu}: " + ", ".join(_lease_text(b, state.leases.get((gpu, b))) for b in budgets)
+    gpus = sorted({(n, g) for n, g, _ in state.leases} | set(state.gpu_bytes))
+    nodes = nodes or any(n for n, _ in gpus)
+    for gpu in gpus:
+        budgets = sorted(b for n, g, b in state.leases if (n, g) == gpu) or [""]
+        line = (f"node {gpu[0]} " if nodes else "") + f"gpu {gpu[1]}: "
+        line += ", ".join(_lease_text(b, state.leases.get((*gpu, b))) for b in budgets)
         held = state.gpu_bytes.get(gpu)
         if held:  # as each role last reported it (offload, onload, release)
             line += (f"; {format_bytes(sum(held.values()))} in use: "

@@ -34,7 +34,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
-from typing import Sequence
+from typing import Mapping, Sequence
 
 import zmq
 
@@ -85,6 +85,11 @@ class Supervisor:
         self.max_restarts, self.restart_window_s = max_restarts, restart_window_s
         self.shutdown_grace_s = shutdown_grace_s
         self.transport, self.host = transport, host
+        # Across nodes: gloo (torch.distributed) binds the address the host name resolves to, on
+        # many hosts (and in a network namespace) loopback, not the node's; its ranks would then
+        # hand their peers on other nodes 127.0.0.1. Its roles use the interface of `host`.
+        iface = curve.interface_of(host) if job_keys and "GLOO_SOCKET_IFNAME" not in os.environ else None
+        self._net_env = {"GLOO_SOCKET_IFNAME": iface} if iface else {}
         self.run_id = secrets.token_hex(4)
         self.cfg = wire.WireConfig(token=token or secrets.token_hex(16), max_message_bytes=max_message_bytes,
                                    shm_prefix=f"tandem-{self.run_id}" if transport == "ipc" else None,
@@ -106,6 +111,10 @@ class Supervisor:
         self._deferred: dict[str, str] = {}  # children whose restart waits for their leases: reason
         self._stores: dict[str, object] = {}  # rank group name: its rendezvous store (a TCPStore server)
         self._respawning: set[str] = set()  # rank groups that respawn_group or stop_group stops: their deaths are its own
+        # One stop_group or respawn_group at a time: across nodes a death elsewhere stops a slice
+        # (stop_group, from the agent's channel) while the driver may be respawning it, and both
+        # act on the same Child objects, which a respawn gives new processes.
+        self._group_ops = threading.Lock()
 
         self._children: dict[str, Child] = {}
         self._lock = threading.RLock()          # guards _children and restart bookkeeping
@@ -225,15 +234,21 @@ class Supervisor:
         with self._lock:
             return self.host, self._stores[name].port
 
-    def respawn_group(self, name: str, reason: str, timeout: float = 60.0,
-                      other_slices: bool = False) -> list[ActorHandle]:
+    def respawn_group(self, name: str, reason: str, timeout: float = 60.0, other_slices: bool = False,
+                      master: tuple[str, int] | None = None) -> list[ActorHandle]:
         """Start rank group `name` again: its live ranks are stopped, then every rank starts as
         a new incarnation with a new rendezvous store (a new MASTER_PORT). The driver's call
         (ppo.recovery: the driver knows what to reload; a supervisor restart would bring back
         freshly initialised trainers). Counts once toward the restart intensity, past which
         the supervisor gives up and this raises SupervisionFailed. Returns at once; the
         handles (the same names) reach the new incarnations. A group that spans nodes restarts
-        its slice here (`other_slices`: the caller starts the others, runtime.cluster)."""
+        its slice here (`other_slices`: the caller starts the others, runtime.cluster); the slice
+        of a node other than 0 joins the new store that node 0 hosts, at `master`."""
+        with self._group_ops:
+            return self._respawn_group(name, reason, timeout, other_slices, master)
+
+    def _respawn_group(self, name: str, reason: str, timeout: float, other_slices: bool,
+                       master: tuple[str, int] | None) -> list[ActorHandle]:
         self.check()
         with self._lock:
             members = [c for c in self._children.values() if c.spec.group == name and c.spec.restart == "temporary"]
@@ -260,9 +275,12 @@ class Supervisor:
             if not self._count_restart(name, reason, err_file, read_text(err_file)):
                 self.check()  # raises the SupervisionFailed of _give_up
             with self._lock:
-                self._stores[name] = store = host_store(self.host, world)
+                if master is None:
+                    self._stores[name] = store = host_store(self.host, world)
+                    master = (self.host, store.port)
                 for c in members:
-                    c.spec = replace(c.spec, env={**c.spec.env, "MASTER_PORT": str(store.port)})
+                    c.spec = replace(c.spec, env={**c.spec.env, "MASTER_ADDR": master[0],
+                                                  "MASTER_PORT": str(master[1])})
         finally:
             with self._lock:
                 self._respawning.discard(name)
@@ -321,19 +339,31 @@ class Supervisor:
                 raise TimeoutError(f"{name} was not restarted within {timeout} s")
             time.sleep(0.01)
 
-    def stop_group(self, name: str, cause: ActorDied) -> None:
+    def stop_group(self, name: str, cause: ActorDied, incarnations: Mapping[str, int] | None = None) -> None:
         """Stop the live ranks of rank group `name` here because a rank elsewhere died (a slice
-        on another node, runtime.agent); calls to them raise `cause`. Nothing when none runs here."""
-        with self._lock:
-            live = [c for c in self._children.values() if c.spec.group == name and c.state != "dead"]
-            self._stores.pop(name, None)
-            self._respawning.add(name)  # the watch thread leaves their deaths to us: they carry `cause`
-        try:
-            self._stop_children(live, reason=f"stopped with its group {name!r}: {cause.role!r} died "
-                                f"({cause.reason})", cause=cause)
-        finally:
+        on another node, runtime.agent); calls to them raise `cause`. Nothing when none runs here,
+        or when the ranks are no longer at `incarnations` ({rank: incarnation} as the caller knew
+        them when the rank died): the group was respawned since, and the new ranks stay."""
+        with self._group_ops:
             with self._lock:
-                self._respawning.discard(name)
+                members = [c for c in self._children.values() if c.spec.group == name]
+                if incarnations is not None and any(incarnations.get(c.spec.name, c.incarnation) != c.incarnation
+                                                    for c in members):
+                    return
+                live = [c for c in members if c.state != "dead"]
+                self._stores.pop(name, None)
+                self._respawning.add(name)  # the watch thread leaves their deaths to us: they carry `cause`
+            try:
+                self._stop_children(live, reason=f"stopped with its group {name!r}: {cause.role!r} died "
+                                    f"({cause.reason})", cause=cause)
+            finally:
+                with self._lock:
+                    self._respawning.discard(name)
+
+    def incarnations(self, group: str) -> dict[str, int]:
+        """{rank: incarnation} of rank group `group`'s ranks here (what `stop_group` compares)."""
+        with self._lock:
+            return {c.spec.name: c.incarnation for c in self._children.values() if c.spec.group == group}
 
     def kill(self, name: str, sig: int = signal.SIGKILL) -> None:
         with self._lock:
@@ -412,7 +442,7 @@ class Supervisor:
             curve=(self.cfg.curve.public, self.cfg.curve.secret) if self.cfg.curve else None)
         env = {"CUDA_VISIBLE_DEVICES": ",".join(map(str, spec.gpus)), "CUDA_DEVICE_ORDER": "PCI_BUS_ID",
                **({"TANDEM_FAKE_GPU_DIR": self.fake_gpu_dir} if self.fake_gpu_dir else {}),
-               ERROR_FILE_ENV: self._error_file(child), **spec.env}
+               ERROR_FILE_ENV: self._error_file(child), **self._net_env, **spec.env}
         proc = self._mp.Process(target=child_main, args=(boot,), name=f"tandem:{spec.name}", daemon=False)
         # PR_SET_PDEATHSIG fires when the *thread* that forked the child exits, so every child
         # is forked by one thread that outlives them all (restarts come from the watch thread).

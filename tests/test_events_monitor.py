@@ -298,7 +298,7 @@ def test_monitor_state_reduces_a_scripted_run():
     assert actor.last_error == "no heartbeat for 31 s"
     assert (rollout.incarnation, rollout.pid, rollout.state, rollout.restarts) == (2, 103, "starting", 1)
     assert rollout.last_error == "killed by SIGKILL"
-    assert state.leases == {(0, ""): {"holder": None, "residuals": {"actor": 512}}}
+    assert state.leases == {(0, 0, ""): {"holder": None, "residuals": {"actor": 512}}}
     assert (state.step, state.metrics) == (2, {"loss": 0.5, "kl": 0.01})
     assert state.num_rejected == 1 and state.last_rejected == "supervisor: bad token on control socket"
     assert state.last_seq == len(SCRIPT) and not state.ended and state.failure is None
@@ -350,11 +350,11 @@ def test_monitor_shows_each_budgets_holder_on_a_side_by_side_gpu():
 def test_monitor_shows_the_running_phase_the_lease_holder_and_bytes_per_gpu():
     state = replayed(PHASES)
     assert [p["name"] for p in state.phases] == ["step", "log_probs"]
-    assert state.gpu_bytes == {0: {"rollout-0": 0, "actor": 3 << 20}}
+    assert state.gpu_bytes == {(0, 0): {"rollout-0": 0, "actor": 3 << 20}}
     state.apply({"seq": 50, "ts": 9.0, "event": "spawned", "role": "actor.1", "group": "actor", "incarnation": 0})
     state.apply({"seq": 51, "ts": 9.0, "event": "phase", "phase": "offload", "action": "span", "role": "actor.1",
                  "t0": 8.5, "seconds": 0.5, "gpus": [1], "bytes_in_use": 0})
-    assert state.gpu_bytes[1] == {"actor": 0}  # a rank's bytes count under its group, the lease holder
+    assert state.gpu_bytes[0, 1] == {"actor": 0}  # a rank's bytes count under its group, the lease holder
     text = rendered(state)
     assert "phase: step > log_probs (step 3)" in text
     assert "last finished: driver: rollout 1.50 s" in text  # role spans do not count: they are many

@@ -1,6 +1,7 @@
-"""Faults of tiny_ppo across two nodes on 127.0.0.1 (tests/test_multinode_ppo.py's launchers):
-node 1's launcher killed mid-run stops the run on node 0 within a few heartbeats with one line
-and the resume command, and leaves no role of node 1 behind; SIGUSR1 to every launcher (Slurm's
+"""Faults of tiny_ppo across nodes on 127.0.0.1 (tests/test_multinode_ppo.py's launchers):
+the last node's launcher killed mid-run (node 1 of two, node 2 of three) stops the run on node 0
+within a few heartbeats with one line and the resume command, the other nodes stop, and no role
+of any node is left behind; SIGUSR1 to every launcher (Slurm's
 `--signal=USR1@T` reaches every task) gives one checkpoint, and both launchers end."""
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from tests.test_multinode_ppo import free_port, launch, spawned, stop
+from tests.test_multinode_ppo import free_port, launch, launch_nodes, spawned, stop
 
 LONG = ["--num-rollout", "50", "--no-check-weight-update-equal"]
 
@@ -36,26 +37,32 @@ def last_line(log: Path) -> str:
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(300)
-def test_a_node_killed_mid_run_stops_the_run_with_one_line_and_the_resume_command(tmp_path):
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize(("nnodes", "killed"), [(2, 1), (3, 2)])
+def test_a_node_killed_mid_run_stops_the_run_with_one_line_and_the_resume_command(tmp_path, nnodes, killed):
     port, run_dir, save = free_port(), tmp_path / "run", tmp_path / "ckpt"
-    node1 = launch(1, port, run_dir, tmp_path / "node1.log", LONG)
-    node0 = launch(0, port, run_dir, tmp_path / "node0.log", [*LONG, "--save", str(save), "--save-interval", "1"])
+    procs = launch_nodes(nnodes, port, run_dir, tmp_path, LONG, node_0_extra=["--save", str(save), "--save-interval", "1"])
+    node0 = procs[0]
     try:
-        wait_for_metrics(run_dir, 1, (node0, node1), 200)
-        roles = spawned(run_dir / "node1")
-        os.kill(node1.pid, signal.SIGKILL)  # the launcher: its node agent and supervisor
+        wait_for_metrics(run_dir, 1, procs, 300)
+        roles = spawned(run_dir / f"node{killed}")
+        os.kill(procs[killed].pid, signal.SIGKILL)  # the launcher: its node agent and supervisor
         t0 = time.monotonic()
         assert node0.wait(60) == 1
         took = time.monotonic() - t0
+        for rank, proc in enumerate(procs[1:], 1):  # every node but the killed one was told to stop
+            if rank != killed:
+                assert proc.wait(30) == 0, (tmp_path / f"node{rank}.log").read_text()[-3000:]
+                assert "node 0 stopped the job" in last_line(tmp_path / f"node{rank}.log")
     finally:
-        stop(node0, node1)
+        stop(*procs)
     line = last_line(tmp_path / "node0.log")
-    assert line.startswith("tandem: node 1 lost: no heartbeat for") and "the run stopped on every node" in line
+    assert line.startswith(f"tandem: node {killed} lost: no heartbeat for") and "the run stopped on every node" in line
     assert line.endswith(f"Start every node again with --load {save}")
     # noticed within the heartbeat timeout (5 heartbeats of 1 s), plus the shutdown's grace
     assert took < 5 + 15, took
     time.sleep(1)
+    roles |= spawned(run_dir)  # node 0's roles, and those the other nodes' agents told it of
     assert not [p for p in roles.values() if psutil.pid_exists(p) and psutil.Process(p).status() != "zombie"]
 
 
@@ -117,3 +124,30 @@ def test_a_lost_node_started_again_resumes_the_run_from_the_newest_checkpoint(tm
     # the new node's roles are later incarnations than the lost one's
     back = [e for e in events if e["event"] == "spawned" and e.get("node") == 1 and e["incarnation"] > 0]
     assert {e["role"] for e in back} == {"actor.1", "critic.1", "rollout-1"}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_a_trainer_rank_killed_on_node_1_restarts_its_group_on_both_nodes_and_the_run_resumes(tmp_path):
+    """Every node lives: ppo.recovery restarts the trainer groups across the nodes
+    (ClusterSupervisor.respawn_group) and resumes from the newest checkpoint."""
+    port, run_dir, save = free_port(), tmp_path / "run", tmp_path / "ckpt"
+    again = ["--num-rollout", "4", "--no-check-weight-update-equal"]
+    procs = launch_nodes(2, port, run_dir, tmp_path, again,
+                         node_0_extra=["--save", str(save), "--save-interval", "1", "--max-trainer-restarts", "1"])
+    try:
+        wait_for_metrics(run_dir, 2, procs, 300)  # a checkpoint of this run exists
+        os.kill(spawned(run_dir / "node1")["actor.1"], signal.SIGKILL)
+        assert procs[0].wait(300) == 0, (tmp_path / "node0.log").read_text()[-5000:]
+        assert procs[1].wait(30) == 0, (tmp_path / "node1.log").read_text()[-3000:]
+    finally:
+        stop(*procs)
+    events = [json.loads(x) for x in (run_dir / "events.jsonl").read_text().splitlines()]
+    rewinds = [e for e in events if e["event"] == "rewind"]
+    assert len(rewinds) == 1 and rewinds[0]["role"] == "actor.1" and rewinds[0]["trainer_restarts"] == 1
+    metrics = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in metrics] == [0, 1, 2, 3]  # the rewound steps ran again, once each
+    # both groups restarted on both nodes, node 1's by its own supervisor (its node lived)
+    restarted = {(e["role"], e.get("node") or 0) for e in events if e["event"] == "restarted" and e["incarnation"] == 1}
+    assert restarted == {("actor.0", 0), ("critic.0", 0), ("actor.1", 1), ("critic.1", 1)}
+    assert "node 0 stopped the job" in last_line(tmp_path / "node1.log")

@@ -1,9 +1,10 @@
-"""tiny_ppo across two nodes on 127.0.0.1: two `launch.py --nnodes 2 --node-rank R` processes
-(docs/multinode.md). Node 0 runs the driver, a reward scorer and rank 0 of the actor and the
-critic and engine 0 on its fake GPU; node 1's agent runs rank 1 of the actor and the critic and
-engine 1 on its own. The trainers are one gloo group per role across the two nodes; batches,
-calls and weight buckets to engine 1 cross over tcp with CURVE. The sockets node 1 listens on
-refuse a peer without the job's keys."""
+"""tiny_ppo across two and three nodes on 127.0.0.1: one `launch.py --nnodes N --node-rank R`
+process per node (docs/multinode.md). Node 0 runs the driver, a reward scorer and rank 0 of the
+actor and the critic and engine 0 on its fake GPU; node R's agent runs rank R of the actor and
+the critic and engine R on its own. The trainers are one gloo group per role across the nodes;
+batches, calls and weight buckets to the other nodes' engines cross over tcp with CURVE. The
+sockets of the last node refuse a peer without the job's keys, and every metric but the times
+is that of one node with the same layout (N fake GPUs on one host)."""
 
 from __future__ import annotations
 
@@ -17,19 +18,28 @@ from pathlib import Path
 
 import psutil
 import pytest
-import zmq
 
-from runtime.curve import KeyPair
-from tests.test_curve import handshake
+from tests.netns import Namespaces, NetnsUnavailable, listeners
 
 REPO = Path(__file__).resolve().parents[1]
 ENV = {**{k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "MASTER_", "TORCHELASTIC_"))},
        "PYTHONPATH": str(REPO)}
-# tiny_ppo's layout (actor and critic on 2 fake GPUs, 2 engines, colocated), one GPU per node
-TWO_NODES = ["--num-gpus-per-node", "1", "--actor-num-nodes", "2", "--actor-num-gpus-per-node", "1", "--nnodes", "2",
-             "--master-addr", "127.0.0.1", "--rendezvous-timeout-s", "90"]
-SMALL = ["--num-rollout", "2", "--rollout-batch-size", "16", "--eval-prompt-data", "none", "--eval-interval", "none",
-         "--check-weight-update-equal", "--num-reward-workers", "1", "--log-format", "plain"]
+# 96 samples a rollout (12 prompts x 8), which 2 and 3 data-parallel ranks share evenly
+SMALL = ["--num-rollout", "2", "--rollout-batch-size", "12", "--global-batch-size", "96", "--micro-batch-size", "16",
+         "--eval-prompt-data", "none", "--eval-interval", "none", "--check-weight-update-equal",
+         "--num-reward-workers", "1", "--log-format", "plain"]
+
+
+def on_nodes(nnodes: int, master_addr: str = "127.0.0.1") -> list[str]:
+    """tiny_ppo's layout (actor and critic on every fake GPU, an engine per GPU, colocated) with one
+    GPU per node."""
+    return ["--num-gpus-per-node", "1", "--actor-num-nodes", str(nnodes), "--actor-num-gpus-per-node", "1",
+            "--nnodes", str(nnodes), "--master-addr", master_addr, "--rendezvous-timeout-s", "90"]
+
+
+def on_one_node(num_gpus: int) -> list[str]:
+    """The same layout on one host of `num_gpus` fake GPUs."""
+    return ["--num-gpus-per-node", str(num_gpus), "--actor-num-gpus-per-node", str(num_gpus)]
 
 
 def free_port() -> int:
@@ -38,11 +48,42 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch(rank: int, port: int, run_dir: Path, log: Path, extra: list[str] = ()) -> subprocess.Popen:
+def launch(rank: int, port: int, run_dir: Path, log: Path, extra: list[str] = (), nnodes: int = 2,
+           prefix: list[str] = (), master_addr: str = "127.0.0.1") -> subprocess.Popen:
+    """Node `rank`'s launcher; `prefix` runs it inside something (`ip netns exec NS`)."""
+    command = [*prefix, sys.executable, "launch.py", *on_nodes(nnodes, master_addr), "--node-rank", str(rank),
+               "--master-port", str(port), "--run-dir", str(run_dir), *SMALL, *extra]
     with open(log, "w") as out:  # a file: the roles write there too, and nobody would drain a pipe
-        return subprocess.Popen([sys.executable, "launch.py", *TWO_NODES, "--node-rank", str(rank), "--master-port",
-                                 str(port), "--run-dir", str(run_dir), *SMALL, *extra],
-                                cwd=REPO, env=ENV, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        return subprocess.Popen(command, cwd=REPO, env=ENV, stdout=out, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+
+
+def launch_nodes(nnodes: int, port: int, run_dir: Path, logs: Path, extra: list[str] = (),
+                 node_0_extra: list[str] = (), ns: Namespaces | None = None) -> list[subprocess.Popen]:
+    """Every node's launcher, node 0 last (the others wait for it in the rendezvous); in rank order.
+    With `ns`, each inside its node's network namespace, node 0 at its address there."""
+    def start(rank: int, more: list[str]) -> subprocess.Popen:
+        where = {"prefix": ns.prefix(rank), "master_addr": ns.address(0)} if ns else {}
+        return launch(rank, port, run_dir, logs / f"node{rank}.log", more, nnodes, **where)
+    others = [start(r, extra) for r in range(1, nnodes)]
+    return [start(0, [*extra, *node_0_extra]), *others]
+
+
+def run_one_node(num_gpus: int, run_dir: Path, log: Path) -> list[dict]:
+    """The same run on one host (no cluster flags); its metrics."""
+    with open(log, "w") as out:
+        subprocess.run([sys.executable, "launch.py", *on_one_node(num_gpus), "--run-dir", str(run_dir), *SMALL],
+                       cwd=REPO, env=ENV, stdout=out, stderr=subprocess.STDOUT, timeout=240, check=True)
+    return read_metrics(run_dir)
+
+
+def read_metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def computed(metrics: dict) -> dict:
+    """A rollout's metrics without the times (perf/*, wall-clock stamps), which differ run to run."""
+    return {k: v for k, v in metrics.items() if not k.startswith("perf/") }
 
 
 def stop(*procs: subprocess.Popen) -> None:
@@ -69,42 +110,100 @@ def listening_ports(pid: int) -> list[int]:
     return [c.laddr.port for c in conns if c.status == psutil.CONN_LISTEN]
 
 
-@pytest.mark.slow
-@pytest.mark.timeout(300)
-def test_tiny_ppo_runs_across_two_nodes_over_curve(tmp_path):
-    port, run_dir = free_port(), tmp_path / "run"
-    node1 = launch(1, port, run_dir, tmp_path / "node1.log")
-    node0 = launch(0, port, run_dir, tmp_path / "node0.log")
-    try:
-        # while it runs: node 1's roles listen on tcp, and a stranger's handshake is refused
-        until, ports = time.monotonic() + 180, []
-        while not ports and time.monotonic() < until and node0.poll() is None:
-            roles = spawned(run_dir / "node1")
-            if "rollout-1" in roles:
-                ports = listening_ports(roles["rollout-1"])
-            time.sleep(0.2)
-        assert ports, f"engine 1 on node 1 never listened: {(tmp_path / 'node0.log').read_text()[-3000:]}"
+def strangers_refused(endpoints: list[str], prefix: list[str] = ()) -> bool:
+    """Whether every endpoint refuses a stranger, from a process run with `prefix` (another node's
+    network namespace): a client with a key of its own guessing a server key (the job's is in no
+    store), and a plaintext one."""
+    script = """if True:
+        import sys, zmq
+        from runtime.curve import KeyPair
+        from tests.test_curve import handshake
         ctx = zmq.Context()
+        for endpoint in sys.argv[1:]:
+            for client in (KeyPair.new(), None):
+                sock, event = handshake(ctx, client, KeyPair.new().public, endpoint)
+                assert event != zmq.EVENT_HANDSHAKE_SUCCEEDED, endpoint
+                sock.close()
+        ctx.term()"""
+    out = subprocess.run([*prefix, sys.executable, "-c", script, *endpoints], cwd=REPO, env=ENV, capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    return True
+
+
+@pytest.fixture(scope="module")
+def one_node_metrics(tmp_path_factory):
+    """metrics(num_gpus): those of the one-host run of that many fake GPUs, run once per module."""
+    runs: dict[int, list[dict]] = {}
+
+    def metrics(num_gpus: int) -> list[dict]:
+        if num_gpus not in runs:
+            where = tmp_path_factory.mktemp(f"one_node_{num_gpus}")
+            runs[num_gpus] = run_one_node(num_gpus, where / "run", where / "one_node.log")
+        return runs[num_gpus]
+    return metrics
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize(("nnodes", "netns"), [(2, False), (3, False), (2, True)],
+                         ids=["2-loopback", "3-loopback", "2-netns"])
+def test_tiny_ppo_runs_across_nodes_over_curve_as_on_one_node(tmp_path, nnodes, netns, one_node_metrics):
+    """On 127.0.0.1, or each node in a network namespace of its own (tests/netns.py) so that node
+    0 is reached at a non-loopback address, as on separate hosts."""
+    ns = node_namespaces(nnodes) if netns else None
+    port, run_dir, last = free_port(), tmp_path / "run", nnodes - 1
+    try:
+        procs = launch_nodes(nnodes, port, run_dir, tmp_path, ns=ns)
+        node0_log = tmp_path / "node0.log"
         try:
-            for p in ports:
-                endpoint = f"tcp://127.0.0.1:{p}"
-                # the stranger guesses a server key (the job's is in no store) or speaks plaintext
-                for client in (KeyPair.new(), None):
-                    sock, event = handshake(ctx, client, KeyPair.new().public, endpoint)
-                    assert event != zmq.EVENT_HANDSHAKE_SUCCEEDED
-                    sock.close()
+            # while it runs: the last node's roles listen on tcp, and a stranger's handshake is refused
+            until, endpoints = time.monotonic() + 300, []
+            while not endpoints and time.monotonic() < until and procs[0].poll() is None:
+                roles = spawned(run_dir / f"node{last}")
+                if f"rollout-{last}" in roles:
+                    pid = roles[f"rollout-{last}"]
+                    if ns is None:
+                        endpoints = [f"tcp://127.0.0.1:{p}" for p in listening_ports(pid)]
+                    else:  # every socket of the node's namespace: bound to its address, none to a wildcard
+                        bound = listeners(pid)
+                        assert {a for a, _ in bound} <= {ns.address(last)}, bound
+                        endpoints = [f"tcp://{a}:{p}" for a, p in bound]
+                time.sleep(0.2)
+            assert endpoints, f"engine {last} on node {last} never listened: {node0_log.read_text()[-3000:]}"
+            # from node 0's namespace: a peer on another host
+            assert strangers_refused(endpoints, ns.prefix(0) if ns else [])
+            assert procs[0].wait(300) == 0, node0_log.read_text()[-5000:]
+            for rank, proc in enumerate(procs[1:], 1):
+                assert proc.wait(30) == 0, (tmp_path / f"node{rank}.log").read_text()[-3000:]
         finally:
-            ctx.term()
-        assert node0.wait(240) == 0, (tmp_path / "node0.log").read_text()[-5000:]
-        assert node1.wait(30) == 0, (tmp_path / "node1.log").read_text()[-3000:]
+            stop(*procs)
     finally:
-        stop(node0, node1)
-    metrics = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+        if ns is not None:
+            ns.close()
+    check_ran_across(run_dir, tmp_path, nnodes)
+    # the same layout on one host computes the same numbers: the nodes change only where ranks run
+    assert [computed(m) for m in read_metrics(run_dir)] == [computed(m) for m in one_node_metrics(nnodes)]
+
+
+def node_namespaces(nnodes: int) -> Namespaces:
+    if os.geteuid() != 0:
+        pytest.skip("network namespaces need root (CI runs as root)")
+    try:
+        return Namespaces(nnodes)
+    except NetnsUnavailable as e:
+        pytest.skip(f"network namespaces cannot be made here: {e}")
+
+
+def check_ran_across(run_dir: Path, logs: Path, nnodes: int) -> None:
+    """The run of `nnodes` launchers trained the actor, and every other node ran its ranks and engine."""
+    metrics = read_metrics(run_dir)
     assert [m["rollout/weight_version"] for m in metrics] == [0, 1]
     assert "train/pg_loss" in metrics[1]  # the actor trained across the nodes (step 0 warms the critic up)
-    # engine 1 on node 1 runs the actor's policy: its weights came over tcp, and its log-probs agree
+    # the other nodes' engines run the actor's policy: their weights came over tcp, and their log-probs agree
     assert all(m["rollout/log_probs_diff"] < 1e-4 for m in metrics)
-    on_node_1 = {e["role"] for e in map(json.loads, (run_dir / "events.jsonl").read_text().splitlines())
-                 if e["event"] == "spawned" and e.get("node") == 1}
-    assert on_node_1 == {"actor.1", "critic.1", "rollout-1"}
-    assert "node 0 stopped the job" in (tmp_path / "node1.log").read_text()
+    events = [json.loads(x) for x in (run_dir / "events.jsonl").read_text().splitlines()]
+    for rank in range(1, nnodes):
+        on_node = {e["role"] for e in events if e["event"] == "spawned" and e.get("node") == rank}
+        assert on_node == {f"actor.{rank}", f"critic.{rank}", f"rollout-{rank}"}
+        assert "node 0 stopped the job" in (logs / f"node{rank}.log").read_text()

@@ -84,6 +84,47 @@ def test_roles_call_across_nodes_until_node_0_stops_the_job(tmp_path):
     assert gone(pid, 5)
 
 
+def monitor_at(run_dir, until_true, within_s: float = 10) -> MonitorState:
+    """The monitor's state from `run_dir`'s events, read again until `until_true(state)`."""
+    until = time.monotonic() + within_s
+    while True:
+        state = MonitorState()
+        for event in read_events(run_dir):
+            state.apply(event)
+        if until_true(state):
+            return state
+        assert time.monotonic() < until, "the events did not reach node 0's bus"
+        time.sleep(0.1)
+
+
+def test_the_monitor_at_node_0_shows_every_nodes_roles_and_gpus(tmp_path):
+    keys = KeyPair.new()
+    node1 = Serving(tmp_path, keys.public)
+    with Supervisor(tmp_path / "node0", transport="tcp", job_keys=KeyPair.new(), heartbeat_interval=HEARTBEAT_S,
+                    fake_gpus=1) as sup:
+        remote = RemoteNode(sup, node1.agent.entry(), keys, hello_timeout_s=10)
+        remote.spawn("far", Echo, gpus=[0])
+        sup.spawn("near", Echo, gpus=[0])
+        # each node's GPU 0 changes hands on its own table (the driver's ClusterLeases does this)
+        sup.leases.acquire(0, "near")
+        remote.lease("acquire", 0, "far")
+        remote.lease("release", 0, "far", 0)
+        remote.lease("acquire", 0, "far2")
+        state = monitor_at(tmp_path / "node0", lambda s: s.leases.get((1, 0, ""), {}).get("holder") == "far2")
+        assert state.leases[0, 0, ""]["holder"] == "near"
+        assert state.gpu_bytes == {(1, 0): {"far": 0}}  # the bytes `far` left on node 1's GPU 0
+        console = Console(record=True, width=160)
+        console.print(render(state, "node0"))
+        text = console.export_text()
+        cells = [[c.strip() for c in line.split("│")] for line in text.splitlines()]
+        rows = {c[1]: (c[2], c[5]) for c in cells if len(c) > 5 and c[1] in ("far", "near")}
+        assert rows == {"far": ("1", "0"), "near": ("0", "0")}  # (node, gpus): each node's own GPU 0
+        assert "node 0 gpu 0: lease near" in text
+        assert "node 1 gpu 0: lease far2; 0 B in use: far 0 B" in text
+        remote.close("done")
+        assert node1.wait(10) == "node 0 stopped the job: done"
+
+
 def test_node_0_silent_past_the_timeout_stops_the_node(tmp_path):
     keys, job = KeyPair.new(), KeyPair.new()
     node1 = Serving(tmp_path, keys.public)
@@ -235,3 +276,43 @@ def test_three_nodes_a_rank_group_dies_as_one_across_all_of_them(tmp_path):
             for remote in remotes.values():
                 remote.close("done")
     assert [a.wait(10) for a in agents.values()] == ["node 0 stopped the job: done"] * 2
+
+
+def test_a_rank_group_across_live_nodes_restarts_as_one_and_dies_as_one_again(tmp_path):
+    """The trainers' recovery (ppo.recovery) across nodes while every node lives: rank 1 of
+    `actor` on node 1 dies; `actor` and the live `critic` restart on both nodes at new
+    incarnations, node 1's ranks joining node 0's new store, and die as one again after."""
+    import os
+    import signal
+
+    from runtime.cluster import ClusterSupervisor
+
+    keys = KeyPair.new()
+    node1 = Serving(tmp_path, keys.public)
+    with Supervisor(tmp_path / "node0", transport="tcp", job_keys=KeyPair.new(), heartbeat_interval=HEARTBEAT_S,
+                    fake_gpus=1) as sup:
+        cluster = ClusterSupervisor(sup, {1: RemoteNode(sup, node1.agent.entry(), keys, hello_timeout_s=10)}, 1)
+        try:
+            groups = {g: cluster.spawn_group(g, Echo, gpus=[0, 1]) for g in ("actor", "critic")}
+            cluster.wait_ready()
+            before = {h.name: h.pid() for hs in groups.values() for h in hs}
+            os.kill(before["actor.1"], signal.SIGKILL)
+            with pytest.raises(ActorDied, match="actor.1"):  # node 0's rank stopped with it
+                for _ in range(100):
+                    groups["actor"][0].ping(0, timeout=5)
+                    time.sleep(0.05)
+            for g in ("actor", "critic"):
+                groups[g] = cluster.respawn_group(g, "actor.1 died")
+            cluster.wait_ready()
+            for g, (near, far) in groups.items():
+                assert (near.ping(g), far.ping(g)) == (g, g)
+                assert far.env("MASTER_PORT", "RANK") == {"MASTER_PORT": str(sup.group_master(g)[1]), "RANK": "1"}
+            after = {h.name: h.pid() for hs in groups.values() for h in hs}
+            assert not set(after.values()) & set(before.values())  # every rank a new process
+            assert all(gone(pid, 5) for pid in before.values())
+            sup.kill("critic.0")  # the restarted group still dies as one across the nodes
+            assert gone(after["critic.1"], 5), "node 1's new rank outlived node 0's"
+            assert groups["actor"][1].ping(1) == 1  # the other group is untouched
+        finally:
+            cluster.shutdown("done")
+    assert node1.wait(10) == "node 0 stopped the job: done"

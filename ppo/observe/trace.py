@@ -34,6 +34,7 @@ from runtime.events import EVENTS_FILE
 
 TRACE_FILE = "trace.json"
 _ROLE, _GPU = 1000, 2000  # the viewer sorts tracks by index: the driver, the roles, the GPUs
+_NODE = 100  # then node 1's GPUs, node 2's, ...
 
 
 class StepPhases(dict):
@@ -72,7 +73,7 @@ class TraceBuilder:
         self._tids: dict[tuple[int, str], int] = {}
         self._open: dict[tuple[int, int], int] = {}  # open B spans per thread
         self._state_open: set[str] = set()  # roles whose state span is open
-        self._bytes: dict[int, dict[str, int]] = {}  # gpu -> holder -> bytes in use
+        self._bytes: dict[tuple[int, int], dict[str, int]] = {}  # (node, gpu) -> holder -> bytes in use
         self._groups: dict[str, str] = {}  # a rank ("actor.1") -> its group, whose name holds the leases
 
     def add(self, event: dict) -> list[dict]:
@@ -129,16 +130,22 @@ class TraceBuilder:
     def _driver(self):
         return self._track("driver", "phases", 0)
 
-    def _counter(self, gpu: int, ts: float) -> list[dict]:
-        (pid, _), meta = self._track(f"gpu {gpu}", "lease", _GPU + gpu)
-        return meta + [{"ph": "C", "name": "bytes in use", "pid": pid, "ts": self._us(ts),
-                        "args": dict(self._bytes[gpu])}]
+    def _gpu(self, node: int, gpu: int, thread: str):
+        """A GPU's track: node 0's are "gpu G"; another node's (its events carry `node`, and its
+        own GPU ids: runtime.agent) are "node N gpu G", sorted after node 0's."""
+        name = f"node {node} gpu {gpu}" if node else f"gpu {gpu}"
+        return self._track(name, thread, _GPU + _NODE * node + gpu)
 
-    def _set_bytes(self, gpus: list[int], holder: str, nbytes: int, ts: float) -> list[dict]:
+    def _counter(self, node: int, gpu: int, ts: float) -> list[dict]:
+        (pid, _), meta = self._gpu(node, gpu, "lease")
+        return meta + [{"ph": "C", "name": "bytes in use", "pid": pid, "ts": self._us(ts),
+                        "args": dict(self._bytes[node, gpu])}]
+
+    def _set_bytes(self, node: int, gpus: list[int], holder: str, nbytes: int, ts: float) -> list[dict]:
         out = []
         for gpu in gpus:
-            self._bytes.setdefault(gpu, {})[holder] = nbytes
-            out += self._counter(gpu, ts)
+            self._bytes.setdefault((node, gpu), {})[holder] = nbytes
+            out += self._counter(node, gpu, ts)
         return out
 
     # -- events --------------------------------------------------------------------------
@@ -184,15 +191,15 @@ class TraceBuilder:
         return out + [self._instant(where, "failed", e["ts"], reason=e.get("reason"))]
 
     def _on_lease(self, e: dict) -> list[dict]:
-        gpu, holder, budget = e["gpu"], e["holder"], e.get("budget")
+        node, gpu, holder, budget = e.get("node") or 0, e["gpu"], e["holder"], e.get("budget")
         # a side-by-side GPU has a lease per budget (runtime.memory), each its own span track
-        where, out = self._track(f"gpu {gpu}", f"lease: {budget} budget" if budget else "lease", _GPU + gpu)
+        where, out = self._gpu(node, gpu, f"lease: {budget} budget" if budget else "lease")
         if e["action"] == "acquire":
             out.append(self._begin(where, holder, e["ts"], residuals=e.get("residuals")))
             return out
         if e["action"] == "release":
             out += self._end(where, e["ts"], bytes_left=e.get("bytes_left"))
-        return out + self._set_bytes([gpu], holder, e.get("bytes_left") or 0, e["ts"])
+        return out + self._set_bytes(node, [gpu], holder, e.get("bytes_left") or 0, e["ts"])
 
     def _on_phase(self, e: dict) -> list[dict]:
         track = e.get("track") or e.get("role") or "driver"
@@ -209,7 +216,8 @@ class TraceBuilder:
             out.append({"ph": "X", "name": name, "pid": where[0], "tid": where[1], "ts": self._us(t0),
                         "dur": round(e.get("seconds", 0.0) * 1e6, 1), "args": args})
         if e.get("gpus") and e.get("bytes_in_use") is not None:
-            out += self._set_bytes(e["gpus"], self._groups.get(track, track), e["bytes_in_use"], e["ts"])
+            out += self._set_bytes(e.get("node") or 0, e["gpus"], self._groups.get(track, track), e["bytes_in_use"],
+                                   e["ts"])
         return out
 
     def _on_checkpoint(self, e: dict) -> list[dict]:  # published when a save is done
