@@ -241,7 +241,6 @@ def rollout_source(job: Job) -> Rollouts:
                             job.functions.dynamic_sampling)
 
     rollouts = Rollouts(rollout_of, generate, data=job.data, ahead=cfg.rollout.train_async, num_rollout=cfg.rollout.num_rollout,
-                        n_samples_per_prompt=cfg.rollout.n_samples_per_prompt,
                         max_staleness=cfg.rollout.max_weight_staleness)
     return rollouts
 
@@ -298,7 +297,7 @@ def advantages(cfg: PPOConfig, batch: dict) -> tuple[torch.Tensor, torch.Tensor]
     rewards = token_level_rewards(batch["scores"], mask, kl=kl, kl_coef=p.kl_coef)
     adv, returns = compute_advantages(p.advantage_estimator, mask=mask, token_rewards=rewards,
                                       values=batch.get("values"), group_size=cfg.rollout.n_samples_per_prompt,
-                                      gamma=p.gamma, lam=p.lambd)
+                                      sessions=batch.get("sessions"), gamma=p.gamma, lam=p.lambd)
     if p.normalize_advantages:
         adv = masked_whiten(adv, mask)
     return adv, returns
