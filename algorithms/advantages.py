@@ -31,6 +31,21 @@ def _outcome_scores(
     return masked(token_rewards, valid, compute_dtype(token_rewards)).sum(-1)
 
 
+def _per_session(scores: torch.Tensor, sessions: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """([S] one outcome per session: the mean of its rows', and [B] each row's session ordinal),
+    or (scores, None) without sessions. A session's rows must be consecutive."""
+    if sessions is None:
+        return scores, None
+    if sessions.shape != scores.shape:
+        raise ValueError(f"sessions must be [batch] = [{scores.shape[0]}], got shape {tuple(sessions.shape)}")
+    _, row_session = torch.unique_consecutive(sessions, return_inverse=True)
+    num_sessions = int(row_session[-1]) + 1 if row_session.numel() else 0
+    if num_sessions != torch.unique(sessions).numel():
+        raise ValueError("the rows of one session must be consecutive in the batch")
+    sums = torch.zeros(num_sessions, dtype=scores.dtype).index_add_(0, row_session, scores)
+    return sums / torch.bincount(row_session, minlength=num_sessions).to(scores.dtype), row_session
+
+
 def _group_centered(scores: torch.Tensor, group_size: int | None, norm_by_std: bool, eps: float) -> torch.Tensor:
     """Scores minus their group's mean, optionally over (group std + eps); groups are
     consecutive runs of group_size rows (the samples of one prompt).
@@ -58,6 +73,7 @@ def compute_advantages(
     scores: torch.Tensor | None = None,  # [B] outcome scores
     values: torch.Tensor | None = None,  # [B, T] critic values, ppo only
     group_size: int | None = None,
+    sessions: torch.Tensor | None = None,  # [B] int: rows with one id are one session's records
     gamma: float = 1.0,
     lam: float = 1.0,
     norm_by_std: bool = True,
@@ -82,6 +98,13 @@ def compute_advantages(
     Outcome estimators take scores, or token_rewards summed over valid tokens (so
     reward-level KL shaping counts); reinforce_plus_plus turns scores into token
     rewards on the last valid token. group_size: samples per prompt, consecutive rows.
+
+    sessions: several rows may be one sampled response (an agent session whose chat
+    template rewrote history gives a record per rewrite; docs/agents.md). The group
+    estimators then take one outcome per session (the mean of its rows', equal to the
+    session's shared reward when no reward-level KL is added), centre and scale it over
+    group_size consecutive SESSIONS, and give each row its session's advantage: a group
+    keeps its n members whatever the number of rows (miles' _normalize_rewards_by_rollout).
     """
     if estimator not in ADVANTAGE_ESTIMATORS:
         raise ValueError(f"advantage estimator must be one of {ADVANTAGE_ESTIMATORS}, got {estimator!r}")
@@ -105,12 +128,15 @@ def compute_advantages(
         returns = torch.where(valid, masked_discounted_cumsum(rewards, valid, gamma), 0.0)
         return masked_whiten(returns, valid), returns
 
+    outcomes, row_session = _per_session(_outcome_scores(estimator, token_rewards, scores, valid), sessions)
     centered = _group_centered(
-        _outcome_scores(estimator, token_rewards, scores, valid),
+        outcomes,
         group_size,
         norm_by_std=norm_by_std if estimator in ("grpo", "gspo") else False,
         eps=eps,
     )
+    if row_session is not None:
+        centered = centered[row_session]
     advantages = torch.where(valid, centered.unsqueeze(-1), 0.0)
     if estimator == "reinforce_plus_plus_baseline":
         advantages = masked_whiten(advantages, valid)

@@ -28,6 +28,7 @@ samples are one version old, and decoupled PPO corrects for it (mismatch_correct
 
 from __future__ import annotations
 
+import statistics
 import time
 
 import torch
@@ -44,6 +45,7 @@ from ppo.generate.batch import build_batch, select
 from ppo.config import PPOConfig
 from ppo.config.serialize import to_dict
 from ppo.generate.metrics import trajectory_metrics
+from ppo.generate.sessions import session_ends
 from ppo.generate.setup import rollout_function
 from ppo.setup.job import Job, model_context, start_job
 from ppo.observe.console import RunConsole
@@ -241,7 +243,6 @@ def rollout_source(job: Job) -> Rollouts:
                             job.functions.dynamic_sampling)
 
     rollouts = Rollouts(rollout_of, generate, data=job.data, ahead=cfg.rollout.train_async, num_rollout=cfg.rollout.num_rollout,
-                        n_samples_per_prompt=cfg.rollout.n_samples_per_prompt,
                         max_staleness=cfg.rollout.max_weight_staleness)
     return rollouts
 
@@ -298,7 +299,7 @@ def advantages(cfg: PPOConfig, batch: dict) -> tuple[torch.Tensor, torch.Tensor]
     rewards = token_level_rewards(batch["scores"], mask, kl=kl, kl_coef=p.kl_coef)
     adv, returns = compute_advantages(p.advantage_estimator, mask=mask, token_rewards=rewards,
                                       values=batch.get("values"), group_size=cfg.rollout.n_samples_per_prompt,
-                                      gamma=p.gamma, lam=p.lambd)
+                                      sessions=batch.get("sessions"), gamma=p.gamma, lam=p.lambd)
     if p.normalize_advantages:
         adv = masked_whiten(adv, mask)
     return adv, returns
@@ -339,7 +340,8 @@ def rollout_metrics(batch: dict, samples: list[dict]) -> dict[str, float]:
     mask = batch["loss_mask"]
     n_tok = mask.sum().clamp(min=1)
     return {
-        "rollout/raw_reward": batch["scores"].mean().item(),
+        # per sampled response: an agent session's records share its reward and count once (ppo.generate.sessions)
+        "rollout/raw_reward": statistics.fmean(float(s["reward"]) for s in session_ends(samples)),
         "rollout/response_len": batch["response_lens"].float().mean().item(),
         "rollout/truncated": sum(s["finish_reason"] == "length" for s in samples) / len(samples),
         "rollout/reward_failures": sum(s["reward_status"] != "ok" for s in samples),

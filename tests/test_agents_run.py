@@ -12,6 +12,7 @@ from ppo.generate.agents.agent import AgentArgs, agent_generate_function, load_a
 from ppo.config.recipes import tiny_tools_agent
 from ppo.config.serialize import override
 from ppo.config.validate import ensure_valid
+from ppo.generate.batch import build_batch
 from ppo.generate.chat import render_ids
 from ppo.generate.rollout import SamplingParams, generate_and_score
 from ppo.generate.trajectories import generate_trajectories_and_score
@@ -139,3 +140,24 @@ def test_sessions_that_start_at_once_share_one_server(ckpt):
     assert all(s is servers[0] for s in servers)
     with pytest.raises(ConnectionRefusedError):
         socket.create_connection(("127.0.0.1", port), timeout=1)
+
+
+def test_every_record_of_a_split_session_trains_with_the_sessions_reward_as_one_member_of_its_group(
+        engines, ckpt, prompts):
+    """An agent that edits its history splits its session (docs/agents.md): each record is a row,
+    all with the session's reward and its "session", and the group still has n members."""
+    async def edits_history(base_url, prompt, request_kwargs, metadata, **kwargs):
+        async with openai.AsyncOpenAI(base_url=base_url, api_key=kwargs["api_key"]) as client:
+            await client.chat.completions.create(model="tiny", messages=prompt, **request_kwargs)
+            await client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "again"}],
+                                                 **request_kwargs)
+        return float(kwargs["sample_index"])
+
+    rows = rollout(engines, ckpt, prompts[:2], edits_history)
+    assert [(r["group_index"], r["session"], r["reward"]) for r in rows] == [
+        (g, s, float(s)) for g in (0, 1) for s in (2 * g, 2 * g + 1) for _ in range(2)]
+    assert [r["index"] for r in rows] == list(range(8)) and all(r["response_ids"] for r in rows)
+    first, latest = rows[0], rows[1]  # the latest record is its session's last row, with the session's counts
+    assert first["prompt_ids"] == prompts[0]["prompt_ids"] and first["stats"] == {}
+    assert latest["stats"]["agent_splits"] == 1 and latest["stats"]["agent_records"] == 2
+    assert build_batch(rows, pad_id=0)["sessions"].tolist() == [0, 0, 1, 1, 2, 2, 3, 3]

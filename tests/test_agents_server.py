@@ -11,6 +11,7 @@ import pytest
 
 from ppo.generate.agents.server import ServerConfig, SessionServer
 from ppo.generate.agents.session import Session
+from ppo.generate.trajectory import ENV, MODEL
 from tests.agent_engine import SAMPLING, ScriptedEngine
 from tests.chat_tokenizers import qwen3_tokenizer
 
@@ -104,6 +105,22 @@ def test_n_choices_fork_the_record_and_stop_strings_cut_it(tok):
         assert len({req[2]["seed"] for req in engine.requests}) == 3
 
     serve(tok, ["first", "second", "the answer is STOP 42"], fn)
+
+
+def test_a_fork_holds_the_turns_it_shares_as_context_so_they_train_once(tok):
+    async def fn(client, session, engine, server):
+        messages = [{"role": "user", "content": "hi"}]
+        r = await client.chat.completions.create(model="any", messages=messages)
+        await client.chat.completions.create(
+            model="any", messages=messages + [r.choices[0].message, {"role": "user", "content": "more"}], n=2)
+        base, fork = session.records
+        assert [t.source for t in base.trajectory.turns] == [MODEL, ENV, MODEL]
+        assert [t.source for t in fork.trajectory.turns] == [ENV, ENV, MODEL]  # the first answer: base's to train
+        assert fork.trajectory.ids[:-len(fork.trajectory.turns[-1].ids)] == base.trajectory.ids[
+            :-len(base.trajectory.turns[-1].ids)]
+        assert session.training_records() == [fork, base]  # every record, the latest (choice 0's) last
+
+    serve(tok, ["hello", "one", "two"], fn)
 
 
 def test_bad_requests_get_openai_shaped_errors(tok):

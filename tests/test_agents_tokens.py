@@ -115,8 +115,7 @@ def test_qwen3_drops_earlier_thinking_at_a_new_query_so_a_new_sample_starts(qwen
     prompt = qwen.decode(second.prompt_ids, skip_special_tokens=False)
     assert "hmm" not in prompt and prompt.endswith("hello<|im_end|>\n<|im_start|>user\nand now?<|im_end|>\n"
                                                    "<|im_start|>assistant\n")
-    assert session.last is session.records[1] and session.untrained_tokens() == len(session.records[0].trajectory
-                                                                                    .response_ids)
+    assert session.last is session.records[1] and session.training_records() == session.records  # both train
     assert_faithful(session, requests, qwen)
 
 

@@ -122,6 +122,28 @@ def test_ppo_is_gae_with_zeros_at_masked_positions(gamma, lam):
     close(returns, expected_returns)
 
 
+@pytest.mark.parametrize("estimator", ["grpo", "reinforce_plus_plus_baseline"])
+def test_a_sessions_records_share_its_advantage_and_the_group_counts_sessions_not_rows(estimator):
+    """An agent session that split leaves several rows (docs/agents.md): the group statistics are
+    over its GROUP sessions, as if each were one row, and every record gets its session's."""
+    scores, _, _, mask = random_rollout(seed=5)
+    rows_per_session = [1 + (i % 3 == 1) + (i % 5 == 2) for i in range(len(scores))]
+    row_session = torch.tensor([i for i, k in enumerate(rows_per_session) for _ in range(k)])
+    row_mask = mask[row_session.clamp(max=4)]  # any mask: the outcome is given per row
+    row_mask[:, 0] = 1.0
+    one_row, _ = compute_advantages(estimator, mask=torch.ones(len(scores), 1, dtype=torch.float64), scores=scores,
+                                    group_size=GROUP)
+    advantages, _ = compute_advantages(estimator, mask=row_mask, scores=scores[row_session], group_size=GROUP,
+                                       sessions=row_session * 7)  # any ids: rows with one id are one session
+    if estimator == "grpo":  # the baseline form whitens over the batch's tokens, so only its sign is comparable
+        close(advantages, broadcast(one_row[row_session, 0].tolist(), row_mask))
+    else:
+        assert torch.equal(advantages[:, 0] > 0, one_row[row_session, 0] > 0)
+    with pytest.raises(ValueError, match="consecutive"):
+        compute_advantages(estimator, mask=row_mask[:3], scores=scores[:3], group_size=3,
+                           sessions=torch.tensor([0, 1, 0]))
+
+
 @pytest.mark.parametrize("norm_by_std", [True, False])
 @pytest.mark.parametrize("estimator", ["grpo", "gspo"])  # GSPO changes the ratio, not the advantage
 def test_grpo_matches_reference(norm_by_std, estimator):

@@ -107,7 +107,7 @@ def test_a_resumed_run_samples_the_same_batch(tmp_path):
     def generate(prompts, rnd):
         reqs = make_requests([dict(p, prompt_ids=[1]) for p in prompts], _params(), step=7, sampling_round=rnd)
         seeds.append([r["sampling"]["seed"] for r in reqs])
-        return [{"prompt": p["prompt"], "reward": float(i % 3 == 0 and j % 2)}
+        return [{"prompt": p["prompt"], "group_index": i, "reward": float(i % 3 == 0 and j % 2)}
                 for i, p in enumerate(prompts) for j in range(N)]
 
     first = dataset()

@@ -53,7 +53,7 @@ class Engines:
 
 def rollouts(engines: Engines, *, ahead: bool, num_rollout: int = 5, max_staleness: int = 1) -> Rollouts:
     return Rollouts(engines.rollout, engines.regenerate, data=engines, ahead=ahead, num_rollout=num_rollout,
-                    n_samples_per_prompt=N, max_staleness=max_staleness)
+                    max_staleness=max_staleness)
 
 
 def test_ahead_the_next_rollout_generates_while_the_step_trains_on_the_old_weights():
@@ -105,8 +105,7 @@ def test_a_group_older_than_the_bound_is_generated_again_and_none_is_trained_on(
         return samples, metrics
 
     e.rollout, e.version = rollout, 5
-    with Rollouts(e.rollout, e.regenerate, data=e, ahead=False, num_rollout=1, n_samples_per_prompt=N,
-                  max_staleness=bound) as r:
+    with Rollouts(e.rollout, e.regenerate, data=e, ahead=False, num_rollout=1, max_staleness=bound) as r:
         samples, metrics = r.take(0, 5)
     [(prompts, step, rnd)] = e.regenerated
     assert [p["prompt"] for p in prompts] == ["p0.1"] and step == 0 and rnd == STALE_RETRY_ROUND
@@ -134,8 +133,7 @@ def test_the_rollout_aheads_error_is_raised_in_the_step_that_takes_it():
             raise RuntimeError("engine exploded")
         return Engines.rollout(e, step)
 
-    with Rollouts(rollout, e.regenerate, data=e, ahead=True, num_rollout=3, n_samples_per_prompt=N,
-                  max_staleness=1) as r:
+    with Rollouts(rollout, e.regenerate, data=e, ahead=True, num_rollout=3, max_staleness=1) as r:
         r.take(0, 0)
         with pytest.raises(RuntimeError, match="engine exploded"):
             r.take(1, 0)

@@ -44,6 +44,15 @@ def test_plan_needs_exactly_one_limit():
         plan_micro_batches([1, 2], micro_batch_size=1, max_tokens=4)
 
 
+def test_with_sessions_the_global_batch_counts_sessions_and_keeps_each_whole():
+    sessions = torch.tensor([0, 0, 1, 2, 2, 2, 3, 4, 5, 5])  # an agent session's records are one session
+    assert split_mini_batches(10, 3, sessions) == [[0, 1, 2, 3, 4, 5], [6, 7, 8, 9]]
+    with pytest.raises(ValueError, match="6 samples, not a multiple of global_batch_size=4"):
+        split_mini_batches(10, 4, sessions)
+    with pytest.raises(ValueError, match="non-decreasing"):
+        split_mini_batches(3, 1, torch.tensor([0, 1, 0]))
+
+
 def test_mini_batches_need_a_multiple_of_global_batch_size():
     assert split_mini_batches(6, 3) == [[0, 1, 2], [3, 4, 5]]
     with pytest.raises(ValueError, match="global_batch_size=4"):

@@ -11,6 +11,9 @@ see roles.trainer.batching for the trainer side of the same schema:
                                      ppo.generate.trajectory), else every response token
     rollout_log_probs  float [N, R]  the engine's log-probs of the sampled tokens (0 where masked)
     scores             float [N]     outcome rewards
+    sessions           int64 [N]     only when the samples carry "session" (a generate function's rollout):
+                                     0, 1, ... per session, rows with one id are one sampled response's
+                                     (an agent session's records: ppo.generate.sessions)
     weight_versions    int64 [N, R]  only when the samples carry them (a partial rollout): the weight
                                      version that sampled each token (0 where padded)
     ... and, added by the loop: old_log_probs, ref_log_probs, values/old_values,
@@ -20,6 +23,8 @@ see roles.trainer.batching for the trainer side of the same schema:
 from __future__ import annotations
 
 import torch
+
+from ppo.generate.sessions import session_ordinals
 
 
 def build_batch(samples: list[dict], pad_id: int) -> dict:
@@ -39,6 +44,8 @@ def build_batch(samples: list[dict], pad_id: int) -> dict:
     batch = {"input_ids": input_ids, "prompt_lens": prompt_lens, "response_lens": response_lens,
              "loss_mask": loss_mask, "rollout_log_probs": rollout_log_probs,
              "scores": torch.tensor([float(s["reward"]) for s in samples])}
+    if any("session" in s for s in samples):  # a generate function's rollout (ppo.generate.trajectories)
+        batch["sessions"] = torch.tensor(session_ordinals(samples), dtype=torch.int64)
     if any("weight_versions" in s for s in samples):  # a sample without them (a stale group made again) has one
         batch["weight_versions"] = torch.zeros(n, r, dtype=torch.int64)
         for i, s in enumerate(samples):
@@ -48,8 +55,10 @@ def build_batch(samples: list[dict], pad_id: int) -> dict:
 
 
 TRAINER_KEYS = ("input_ids", "prompt_lens", "response_lens", "loss_mask")
+# where the batch has them: the trainers' mini-batches count sessions (roles.trainer.batching)
+OPTIONAL_TRAINER_KEYS = ("sessions",)
 
 
 def select(batch: dict, *keys: str) -> dict:
     """The sequence keys plus `keys`: send each role only what it reads."""
-    return {k: batch[k] for k in TRAINER_KEYS + keys}
+    return {k: batch[k] for k in TRAINER_KEYS + keys + tuple(k for k in OPTIONAL_TRAINER_KEYS if k in batch)}

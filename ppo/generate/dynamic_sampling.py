@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ppo.generate.sessions import by_group, renumber
 from roles.reward.custom import load_function
 
 # (prompts, sampling round) -> their samples, scored, n per prompt in prompt order
@@ -70,7 +71,6 @@ def sample_batch(generate: Generate, next_prompts: Callable[[int], list[dict]], 
                  ) -> tuple[list[dict], dict[str, float]]:
     """(samples of ds.num_groups groups in batch order, metrics). Samples are renumbered to
     their place in the batch ("index", "group_index") and carry their "sampling_round"."""
-    n = ds.n_samples_per_prompt
     if ds.keep is None:
         return generate(next_prompts(ds.num_groups), 0), {}
     kept, dropped, reasons = [], [], Counter()
@@ -80,8 +80,8 @@ def sample_batch(generate: Generate, next_prompts: Callable[[int], list[dict]], 
         prompts = next_prompts(ds.over_sampling_batch_size)
         samples = generate(prompts, rnd)
         sampled_rewards += [float(s["reward"]) for s in samples]
-        for g in range(len(prompts)):
-            group = [dict(s, sampling_round=rnd) for s in samples[g * n:(g + 1) * n]]
+        for rows in by_group(samples):  # n sessions each (ppo.generate.sessions)
+            group = [dict(s, sampling_round=rnd) for s in rows]
             keep, reason = verdict(ds, group)
             if keep:
                 kept.append(group)
@@ -93,7 +93,7 @@ def sample_batch(generate: Generate, next_prompts: Callable[[int], list[dict]], 
             break
     filled = max(0, ds.num_groups - len(kept))
     groups = kept[:ds.num_groups] + dropped[:filled]
-    batch = [dict(s, index=g * n + k, group_index=g) for g, group in enumerate(groups) for k, s in enumerate(group)]
+    batch = renumber(groups)
     metrics = {
         "rollout/dynamic_sampling_kept_groups": len(kept),
         "rollout/dynamic_sampling_dropped_groups": len(dropped),

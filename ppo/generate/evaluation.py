@@ -33,6 +33,7 @@ import statistics
 from dataclasses import dataclass
 from pathlib import Path
 
+from ppo.generate.sessions import session_ends
 from ppo.config import PPOConfig
 from ppo.prompts.dataset import PromptDataset
 from ppo.generate.rollout import SamplingParams, generate_and_score
@@ -101,7 +102,8 @@ def evaluate(engines, scorers, sets: list[EvalSet], step: int, *, decode, eos_id
     for s in sets:
         samples[s.name] = rollout(engines, scorers, s.prompts, s.sampling, step,
                                   decode=decode, eos_id=eos_id, recover=recover)
-        metrics |= set_metrics(s.name, samples[s.name], s.sampling.n_samples_per_prompt)
+        # a response is a session: an agent's records other than its latest are not answers (ppo.generate.sessions)
+        metrics |= set_metrics(s.name, session_ends(samples[s.name]), s.sampling.n_samples_per_prompt)
     # all sets' response tokens, EOS included: with perf/eval_time, the eval's throughput (bench.iteration)
     metrics["eval/response_tokens"] = float(sum(len(x["response_ids"]) for v in samples.values() for x in v))
     return metrics, samples

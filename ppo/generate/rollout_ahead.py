@@ -41,6 +41,8 @@ import threading
 import time
 from typing import Callable
 
+from ppo.generate.sessions import by_group, renumber
+
 # Seeds of a stale group generated again: a round no dynamic-sampling round (>= 0) has
 # (ppo.generate.rollout.sample_seed), so its samples do not repeat the stale ones' randomness.
 STALE_RETRY_ROUND = -1
@@ -54,16 +56,16 @@ class Rollouts:
       regenerate: (prompts, step, sampling_round) -> samples of those prompts, generated and scored now.
       data: the prompt dataset (its state_dict is the position a checkpoint records).
       ahead: --train-async; num_rollout: no rollout is started past the last step.
-      n_samples_per_prompt: a group's size; max_staleness: --max-weight-staleness.
+      max_staleness: --max-weight-staleness.
 
     `lock` and `version` are for the rollout's engine recovery (module docstring).
     """
 
     def __init__(self, rollout: Callable[[int], Rollout], regenerate: Callable[[list[dict], int, int], list[dict]],
-                 *, data, ahead: bool, num_rollout: int, n_samples_per_prompt: int, max_staleness: int):
+                 *, data, ahead: bool, num_rollout: int, max_staleness: int):
         self.rollout, self.regenerate, self.data = rollout, regenerate, data
         self.ahead, self.num_rollout = ahead, num_rollout
-        self.n, self.max_staleness = n_samples_per_prompt, max_staleness
+        self.max_staleness = max_staleness
         self.lock = threading.RLock()
         self.version = 0
         self._next: _Producer | None = None
@@ -125,16 +127,15 @@ class Rollouts:
     def _fresh(self, samples: list[dict], step: int, version: int) -> tuple[list[dict], int]:
         """`samples` with each group generated more than max_staleness versions before `version`
         generated again now (in place, renumbered as the group it replaces); the count of them."""
-        n, out = self.n, list(samples)
-        stale = [g for g in range(len(samples) // n)
-                 if any(version - s["weight_version"] > self.max_staleness for s in samples[g * n:(g + 1) * n])]
-        if stale:
-            prompts = [_prompt_of(samples[g * n]) for g in stale]
-            again = self.regenerate(prompts, step, STALE_RETRY_ROUND)
-            for j, g in enumerate(stale):
-                for k in range(n):
-                    out[g * n + k] = dict(again[j * n + k], index=g * n + k, group_index=g)
-        return out, len(stale)
+        groups = by_group(samples)  # n sessions each (ppo.generate.sessions)
+        stale = [g for g, rows in enumerate(groups)
+                 if any(version - s["weight_version"] > self.max_staleness for s in rows)]
+        if not stale:
+            return samples, 0
+        again = by_group(self.regenerate([_prompt_of(groups[g][0]) for g in stale], step, STALE_RETRY_ROUND))
+        for j, g in enumerate(stale):
+            groups[g] = again[j]
+        return renumber(groups), len(stale)
 
 
 def _prompt_of(sample: dict) -> dict:

@@ -3,8 +3,10 @@ all of them at once on one event loop; each finished trajectory goes to a reward
 
 It returns what ppo.generate.rollout.generate_and_score returns, one dict per sample in request order,
 with the trajectory's fields added (ppo.generate.trajectory: loss_mask, num_turns,
-num_env_tokens) and "turns", each turn's text for samples/ (decoded for reading only: training
-reads the ids).
+num_env_tokens), "turns", each turn's text for samples/ (decoded for reading only: training
+reads the ids), and "session", the request it was generated for: a generate function may return
+several samples for one request (an agent session's records), which share one reward and count
+as one member of the prompt's group (ppo.generate.sessions).
 """
 
 from __future__ import annotations
@@ -52,23 +54,28 @@ async def _rollout(engines, scorers, prompts, params, step, decode, eos_id, reco
         if not outs or not all(isinstance(s, Sample) for s in outs):
             raise TypeError(f"the generate function {getattr(generate_fn, '__name__', generate_fn)} returned "
                             f"{type(out).__name__}; it must return the Sample it was given (or a list of Samples)")
-        rows = [_row(s, decode, eos_id) for s in outs]
+        rows = [dict(_row(s, decode, eos_id), session=request["id"]) for s in outs]
         for r in rows:
             if not r["response_ids"]:
                 raise ValueError(f"sample {sample.index}: the generate function returned a trajectory without a "
                                  "model turn; call `await args.generate(sample, sampling_params)` at least once")
-        for r, s in zip(rows, outs):
-            if s.reward is not None:  # the generate function's own (an agent's): nothing to score
-                r.update(reward=s.reward, reward_status="ok")
-        to_score = [r for r, s in zip(rows, outs) if s.reward is None]
-        if scoring is None:  # a reward model alone scores the whole rollout later (ppo.generate.rewards)
-            for r in to_score:
-                r.update(reward=0.0, reward_status="ok")
-            return rows
-        results = await asyncio.gather(*(scoring.submit(sample.index % len(scorers),
-                                                        {k: r[k] for k in SCORED_KEYS}) for r in to_score))
-        for r, res in zip(to_score, results):
-            r.update(reward=res["reward"], reward_status=res["status"])
+        # the samples of one call are one sampled response (an agent session's records): they share
+        # its reward, the last sample's, scored once (miles' session server gives the trajectory's
+        # reward to every sample it keeps: miles/rollout/session/v2/postprocessor_hub/default_postprocess.py)
+        own = {s.reward for s in outs if s.reward is not None}
+        if len(own) > 1 or (own and outs[-1].reward is None):
+            raise ValueError(f"sample {sample.index}: the generate function returned samples with rewards "
+                             f"{[s.reward for s in outs]}; the samples of one trajectory share one reward, "
+                             "set on the last (or on none, for the scorer to grade the last)")
+        if own:
+            reward, status = own.pop(), "ok"
+        elif scoring is None:  # a reward model alone scores the whole rollout later (ppo.generate.rewards)
+            reward, status = 0.0, "ok"
+        else:
+            result = await scoring.submit(sample.index % len(scorers), {k: rows[-1][k] for k in SCORED_KEYS})
+            reward, status = result["reward"], result["status"]
+        for r in rows:
+            r.update(reward=reward, reward_status=status)
         return rows
 
     background = [pumping, *client.tasks, *(scoring.tasks if scoring is not None else ())]
@@ -90,9 +97,6 @@ async def _rollout(engines, scorers, prompts, params, step, decode, eos_id, reco
         for task in background:
             task.cancel()
         await args.aclose()
-    if len({len(rows) for rows in per_request}) > 1:
-        raise ValueError("the generate function returned lists of different lengths; every trajectory must give "
-                         "the same number of samples, so that each prompt has the same number of rows")
     samples = [r for rows in per_request for r in rows]
     for i, s in enumerate(samples):
         s["index"] = i

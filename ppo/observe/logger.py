@@ -152,4 +152,6 @@ def write_samples(path: Path, samples: list[dict]) -> None:
                                                   "weight_version")}
                                # the reward's parts, when a reward model or a post-process made it (ppo.generate.rewards);
                                # a multi-turn trajectory's turns, model and environment (ppo.generate)
-                               | {k: s[k] for k in ("rm_score", "raw_reward", "turns", "stats") if k in s}) + "\n")
+                               # and the request a generate function's samples came from (its records share it)
+                               | {k: s[k] for k in ("rm_score", "raw_reward", "turns", "stats", "session") if k in s})
+                    + "\n")

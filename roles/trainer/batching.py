@@ -9,6 +9,8 @@ A batch is a dict of CPU tensors that the driver builds; N samples, R = max(resp
     prompt_lens    int64 [N]     >= 1 (the first response token is predicted from the prompt)
     response_lens  int64 [N]     >= 1
     loss_mask      [N, R]        1 where a response token counts in the loss
+    sessions       int64 [N]     optional, train: rows with one id are one agent session's
+                                 records (consecutive); global_batch_size counts sessions
     old_log_probs  float [N, R]  actor train: log-probs under the policy that sampled
     ref_log_probs  float [N, R]  actor train, only when use_kl_loss
     advantages     float [N, R]  actor train
@@ -95,17 +97,28 @@ def valid_mask(loss_mask: torch.Tensor, response_lens: torch.Tensor) -> torch.Te
     return (loss_mask != 0) & response_mask(response_lens, loss_mask.shape[1])
 
 
-def split_mini_batches(num_samples: int, global_batch_size: int) -> list[list[int]]:
-    """Consecutive sample indices for each optimizer step; N must be a multiple of the size."""
-    if num_samples % global_batch_size != 0:
+def split_mini_batches(num_samples: int, global_batch_size: int, sessions: torch.Tensor | None = None
+                       ) -> list[list[int]]:
+    """Consecutive sample indices for each optimizer step. global_batch_size counts rows, or
+    with `sessions` ([N] int, non-decreasing: the rows of one agent session, its records, are
+    consecutive; docs/agents.md) it counts sessions, whose rows stay in one mini-batch, so a
+    rollout's number of optimizer steps does not depend on how many records its sessions made.
+    That count must be a multiple of the size."""
+    if sessions is None:
+        sessions = torch.arange(num_samples)
+    elif sessions.shape != (num_samples,) or bool((sessions[1:] < sessions[:-1]).any()):
+        raise ValueError(f"sessions must be [N={num_samples}] and non-decreasing, got {sessions.tolist()}")
+    _, ordinal = torch.unique_consecutive(sessions, return_inverse=True)
+    num_sessions = int(ordinal[-1]) + 1 if num_samples else 0
+    if num_sessions % global_batch_size != 0:
         raise ValueError(
-            f"train batch has {num_samples} samples, not a multiple of global_batch_size="
+            f"train batch has {num_sessions} samples, not a multiple of global_batch_size="
             f"{global_batch_size}; make rollout_batch_size * n_samples_per_prompt a multiple of it"
         )
-    return [
-        list(range(start, start + global_batch_size))
-        for start in range(0, num_samples, global_batch_size)
-    ]
+    minis: list[list[int]] = [[] for _ in range(num_sessions // global_batch_size)]
+    for i, k in enumerate((ordinal // global_batch_size).tolist()):
+        minis[k].append(i)
+    return minis
 
 
 def plan_micro_batches(

@@ -55,7 +55,8 @@ def plan_train(batch: dict, dp_size: int, global_batch_size: int, loss_agg_mode:
                ) -> tuple[list[list[int]], list[list[dict]]]:
     """Each dp rank's rows and mini-batch list for `train` (the rank contract in group.py).
 
-    Mini-batches are the consecutive global_batch_size rows that one process would step on;
+    Mini-batches are the consecutive global_batch_size rows (sessions, where the batch has
+    "sessions": roles.trainer.batching.split_mini_batches) that one process would step on;
     each is balanced over the ranks on its own, and a rank's share is its part of mini-batch
     0, then of mini-batch 1, ... Every rank gets >= 1 row of each mini-batch when
     global_batch_size >= dp_size (validation ensures it).
@@ -64,7 +65,7 @@ def plan_train(batch: dict, dp_size: int, global_batch_size: int, loss_agg_mode:
     n = len(costs)
     rows: list[list[int]] = [[] for _ in range(dp_size)]
     minis: list[list[dict]] = [[] for _ in range(dp_size)]
-    for mini in split_mini_batches(n, global_batch_size):
+    for mini in split_mini_batches(n, global_batch_size, batch.get("sessions")):
         idx = torch.tensor(mini)
         counts = aggregation_counts(valid_mask(batch["loss_mask"][idx], batch["response_lens"][idx]), loss_agg_mode)
         for rank, part in enumerate(balance([costs[i] for i in mini], dp_size)):

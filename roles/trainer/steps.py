@@ -69,7 +69,7 @@ def plan_steps(batch: dict, n: int, mini_batches: list[dict] | None, config: Tra
                ) -> Iterator[tuple[list[int], dict]]:
     """(rows, aggregation counts of the whole mini-batch) for each optimizer step."""
     if mini_batches is None:
-        for mini in split_mini_batches(n, config.global_batch_size):
+        for mini in split_mini_batches(n, config.global_batch_size, batch.get("sessions")):
             idx = torch.tensor(mini)
             valid = valid_mask(batch["loss_mask"][idx], batch["response_lens"][idx])
             yield mini, aggregation_counts(valid, config.loss_agg_mode)

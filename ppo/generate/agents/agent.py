@@ -10,9 +10,10 @@ the sample's; kwargs: `api_key`, `label`, `sample_index`.
 
 It returns its reward (a number: the scorer is skipped), or leaves it to the reward scorer
 (None, or a dict merged into the sample's metadata for the scorer to read, as miles does).
-The training sample is built from what the server recorded: the session's latest record
-(ppo.generate.agents.session). An agent that raises is counted (rollout/agent_errors) and its record
-trains like any other; one that raises before any completion stops the run with its error.
+The training samples are built from what the server recorded: one per record of the session
+(ppo.generate.agents.session; several where the chat template rewrote history), all with the
+session's reward, the latest last. An agent that raises is counted (rollout/agent_errors) and its
+records train like any other; one that raises before any completion stops the run with its error.
 """
 
 from __future__ import annotations
@@ -65,7 +66,7 @@ def request_kwargs(sampling_params: dict) -> dict:
 def agent_generate_function(agent: Callable) -> Callable:
     """The generate function (ppo.generate.custom) that runs `agent` in a session of its own."""
 
-    async def generate(args: AgentArgs, sample: Sample, sampling_params: dict) -> Sample:
+    async def generate(args: AgentArgs, sample: Sample, sampling_params: dict) -> list[Sample]:
         server = await args.server()
         session = Session(sample.index, args.tokenizer, sampling_params, args.max_context, args.client.generate)
         base_url = server.open_session(session)
@@ -88,16 +89,19 @@ def agent_generate_function(agent: Callable) -> Callable:
         if out is not None and not isinstance(out, (int, float, dict)):
             raise TypeError(f"the agent function returned {type(out).__name__}; it must return its reward (a number), "
                             "a dict of metadata for the reward scorer, or None")
-        trajectory = session.last.trajectory
-        result = Sample(index=sample.index, group_index=sample.group_index, prompt=sample.prompt,
-                        prompt_ids=list(trajectory.prompt_ids), label=sample.label,
-                        metadata={**sample.metadata, **(out if isinstance(out, dict) else {})},
-                        messages=sample.messages, trajectory=trajectory, weight_version=session.weight_version,
-                        num_aborts=session.num_aborts, stats=dict(session.stats))
-        result.stats["agent_untrained_tokens"] = session.untrained_tokens()
-        if isinstance(out, (int, float)) and not isinstance(out, bool):
-            result.reward = float(out)
-        return result
+        # every record trains, the latest last (the one the scorer grades); all share the session's
+        # reward, as miles' session server assigns it (ppo.generate.trajectories). The session's
+        # counts ride on the latest record only, so that the rollout's sums count them once.
+        metadata = {**sample.metadata, **(out if isinstance(out, dict) else {})}
+        reward = float(out) if isinstance(out, (int, float)) and not isinstance(out, bool) else None
+        records = session.training_records()
+        session.stats["agent_records"] = len(records)
+        return [Sample(index=sample.index, group_index=sample.group_index, prompt=sample.prompt,
+                       prompt_ids=list(r.trajectory.prompt_ids), label=sample.label, metadata=metadata,
+                       messages=sample.messages, trajectory=r.trajectory, weight_version=session.weight_version,
+                       num_aborts=session.num_aborts if r is session.last else 0,
+                       stats=dict(session.stats) if r is session.last else {}, reward=reward)
+                for r in records]
 
     generate.__name__ = getattr(agent, "__name__", "agent")
     return generate

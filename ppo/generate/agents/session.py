@@ -11,7 +11,8 @@ edited its messages) starts a new record from its whole rendered prompt: a split
 `stats["agent_splits"]`, never a silent re-tokenization of what the model wrote.
 
 With n > 1 each choice is its own record (the first continues the matched record, the others
-fork it), so the agent may continue from whichever choice it keeps.
+fork it, holding the model turns they share as context), so the agent may continue from
+whichever choice it keeps. Every record trains (ppo.generate.agents.agent).
 """
 
 from __future__ import annotations
@@ -21,9 +22,9 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 from ppo.generate.custom import turn_seed
-from ppo.generate.trajectory import MODEL, Trajectory
+from ppo.generate.trajectory import ENV, MODEL, Trajectory, Turn
 
-AGENT_STATS = ("agent_requests", "agent_completions", "agent_splits", "agent_errors", "agent_untrained_tokens")
+AGENT_STATS = ("agent_requests", "agent_completions", "agent_splits", "agent_errors", "agent_records")
 
 
 class ContextFull(Exception):
@@ -61,7 +62,7 @@ class Session:
         self.index, self.tok, self.sampling_params, self.max_context = index, tokenizer, sampling_params, max_context
         self._engine = engine
         self.records: list[Record] = []
-        self.last: Record | None = None  # the record of the latest completion: the one that trains
+        self.last: Record | None = None  # the record of the latest completion: the one the scorer grades
         self.stats: dict[str, float] = dict.fromkeys(AGENT_STATS, 0)
         self.weight_version: int | None = None
         self.num_aborts = 0
@@ -108,8 +109,9 @@ class Session:
                 completion = self._completion(result, stop, len(ids))
                 if k == 0 and base is not None:  # choice 0 continues the record in place; the others fork it
                     record = base
-                else:
-                    record = Record(Trajectory(list(trajectory.prompt_ids), list(prior)), "")
+                else:  # a fork: the turns it shares train once, in the record they came from (miles:
+                    # miles/rollout/session/v2/postprocessor_hub/default_postprocess.py), so here they are context
+                    record = Record(Trajectory(list(trajectory.prompt_ids), [_as_context(t) for t in prior]), "")
                     self.records.append(record)
                 traj = record.trajectory
                 if env:
@@ -145,10 +147,14 @@ class Session:
             text = self.decode(ids)
         return Completion(ids, log_probs, text, finish, num_prompt_tokens)
 
-    def untrained_tokens(self) -> int:
-        """Model tokens of records other than the one that trains (ppo.generate.agents.agent)."""
-        return sum(len(t.ids) for r in self.records if r is not self.last
-                   for t in r.trajectory.turns if t.source == MODEL)
+    def training_records(self) -> list[Record]:
+        """Every record, the latest last: each trains, with the session's reward (ppo.generate.agents.agent)."""
+        return [r for r in self.records if r is not self.last] + ([self.last] if self.last is not None else [])
+
+
+def _as_context(turn: Turn) -> Turn:
+    """A model turn another record trains, copied as context (loss mask 0) of a fork."""
+    return Turn(ENV, turn.ids) if turn.source == MODEL else turn
 
 
 def _first_stop(text: str, stop: list[str]) -> int | None:
