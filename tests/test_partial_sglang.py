@@ -16,7 +16,7 @@ from tests.fakes import sglang_engine
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
-LONG = 24
+LONG = 48  # room for the abort to land mid-request on a loaded machine (positions: 64)
 
 
 @pytest.fixture
@@ -74,9 +74,10 @@ def test_tiny_ppo_with_partial_rollouts_on_fake_sglang_buffers_and_continues_its
                    eval_prompt_data=None)
     history = train(cfg)
     assert [h["step"] for h in history] == [0, 1]
-    for h in history:
-        assert h["rollout/partial_buffered_groups"] == 4  # 12 started, 8 trained
-        assert h["rollout/log_probs_diff"] < 1e-4  # sglang's log-probs of the tokens it made, carried ones too
+    assert [h["rollout/partial_buffered_groups"] for h in history] == [4, 4]  # 12 started, 8 trained
+    # made and trained on by the same weights: sglang's log-probs are the actor's (later, carried
+    # tokens come from older weights than the trainer's)
+    assert history[0]["rollout/log_probs_diff"] < 1e-4, [h["rollout/log_probs_diff"] for h in history]
     assert history[1]["rollout/partial_resumed_groups"] >= 1
     rows = [json.loads(x) for x in (tmp_path / "run" / "samples" / "rollout_00001.jsonl").read_text().splitlines()]
     assert len(rows) == 32 and all(r["finish_reason"] in ("stop", "length") for r in rows)

@@ -43,7 +43,9 @@ import numpy as np
 
 ABORTED, LOCKSTEP, NEED, ABORT_SYNC, NUM_REQUESTS, NUM_CHUNKS = range(6)
 HEADER = 6
-WAIT_S = 0.0002  # how often a lockstep call looks for the others while it waits at a sync
+# a lockstep call waiting at a sync looks for the others after WAIT_S, then ever less often (an
+# engine being replaced takes seconds) up to MAX_WAIT_S
+WAIT_S, MAX_WAIT_S = 0.0002, 0.005
 NO_LIMIT = 2**31 - 1  # `need` of a rollout that runs every request to its end
 
 
@@ -137,6 +139,7 @@ class AbortBoard:
             return bool(self._ints[ABORTED])
         done = self._syncs - 1
         self._progress[self._mine] = done
+        wait = WAIT_S
         while True:
             at = int(self._ints[ABORT_SYNC])
             if at >= 0:
@@ -145,7 +148,8 @@ class AbortBoard:
                 return True
             if all(self._progress[k] >= done or self._chunk_done(k) for k in range(self.num_chunks) if k != self._mine):
                 break
-            time.sleep(WAIT_S)
+            time.sleep(wait)
+            wait = min(2 * wait, MAX_WAIT_S)
         if self.complete_groups(by_sync=done) >= self._ints[NEED]:
             self._ints[ABORT_SYNC] = done  # every call that counts here counts the same
             self._ints[ABORTED] = 1

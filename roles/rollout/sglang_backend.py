@@ -466,8 +466,16 @@ class BoardWatch:
         self.states: dict[str, object] = {}  # sglang's ReqState of each rid, once seen
         self.sent = False
         self._done = threading.Event()
+        # The first poll runs right after the call's first step, which makes every request's
+        # ReqState before it awaits anything (generate_request, tokenizer_manager.py:926; 0.5.21:
+        # 885): it sees them all, even one that finishes before the thread's first poll.
+        # (Queued now, `_arm` runs before that step; the poll it queues runs after.)
+        engine.loop.call_soon(self._arm)
         self._thread = threading.Thread(target=self._run, name="sglang-board-watch", daemon=True)
         self._thread.start()
+
+    def _arm(self) -> None:
+        self.engine.loop.call_soon(self._poll)
 
     def _run(self) -> None:
         while not self._done.wait(self.POLL_S):
