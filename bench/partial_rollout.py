@@ -88,7 +88,8 @@ def run_mode(partial: bool, engines, prompts: list[dict], args, eos_id: int) -> 
         if partial:
             samples, _ = partial_rollout(engines, [], source, params, step, num_groups=args.rollout_batch_size,
                                          over_sampling=args.over_sampling_batch_size, mask_offpolicy=False,
-                                         decode=lambda ids: "", eos_id=eos_id, recover=no_recovery)
+                                         decode=lambda ids: "", eos_id=eos_id, recover=no_recovery,
+                                         lockstep=True)  # the built-in engine's
         else:
             samples = generate_and_score(engines, [], source.next_batch(args.rollout_batch_size), params, step,
                                          decode=lambda ids: "", eos_id=eos_id, recover=no_recovery)

@@ -238,6 +238,7 @@ def rollout_source(job: Job) -> Rollouts:
                                    over_sampling=C.over_sampling_batch_size(cfg),
                                    mask_offpolicy=cfg.rollout.mask_offpolicy_in_partial_rollout,
                                    decode=tok.decode, eos_id=tok.eos_token_id, recover=recover_engine,
+                                   lockstep=cfg.engine.rollout_backend == "torch",
                                    dynamic_sampling=job.functions.dynamic_sampling)
         return sample_batch(lambda prompts, rnd: generate(prompts, step, rnd), job.data.next_batch,
                             job.functions.dynamic_sampling)

@@ -291,10 +291,6 @@ def _partial_rollout(cfg: PPOConfig) -> list[str]:
         if value is not None:
             out.append(_set_but(field, value, f"so is --partial-rollout, which does not work with {flag} yet "
                                 "(docs/partial_rollouts.md). Please remove one"))
-    if cfg.engine.rollout_backend != "torch":
-        out.append(_bad("rollout_backend", cfg.engine.rollout_backend, "--partial-rollout aborts requests through "
-                        "the built-in engine's abort board; the sglang adapter has no abort yet. Please add "
-                        "--rollout-backend torch"))
     return out
 
 

@@ -27,9 +27,15 @@ engine draws each token from (seed, position) (roles/rollout/torch_engine/sample
 sample continued on the same weights is the sample an uninterrupted request would have given,
 and a rollout that aborts nothing gives what a plain rollout of the same prompts gives.
 
-An engine that dies is replaced and its call issued again (as ppo.generate.rollout does); a call
-issued again after the abort returns at once, its requests as they were before this rollout, so
-the rollout may end with fewer complete groups than it needs: then the groups with the fewest
+The abort: the built-in engines decide it in lockstep (`lockstep`), at the first sync of their
+shared clock by which enough groups are complete, so it lands on the same tokens in every run and
+a run resumed from its checkpoint repeats the uninterrupted one bit for bit; otherwise (sglang)
+the driver decides from the finished flags every POLL_S, and where it lands depends on timing.
+
+An engine that dies is replaced and its call issued again (as ppo.generate.rollout does). In
+lockstep the others wait for it, and the call replays its syncs up to the same abort. Otherwise a
+call issued again after the abort returns at once, its requests as they were before this rollout,
+so the rollout may end with fewer complete groups than it needs: then the groups with the fewest
 tokens left run to the end without an abort.
 """
 
@@ -50,10 +56,12 @@ POLL_S = 0.005  # how often the driver reads the board while the engines generat
 
 def partial_rollout(engines: list[ActorHandle], scorers: list[ActorHandle], source: PartialSource,
                     params: SamplingParams, step: int, *, num_groups: int, over_sampling: int, mask_offpolicy: bool,
-                    decode, eos_id: int, recover: Callable[[ActorHandle, int], None],
+                    decode, eos_id: int, recover: Callable[[ActorHandle, int], None], lockstep: bool,
                     dynamic_sampling: DynamicSampling | None = None) -> tuple[list[dict], dict]:
     """(samples of `num_groups` complete groups in batch order, scored; metrics). With
-    `dynamic_sampling` (its filter set) a group counts once it passes the filter (module docstring)."""
+    `dynamic_sampling` (its filter set) a group counts once it passes the filter (module docstring).
+    `lockstep`: the engines decide the abort in a shared clock of syncs (the built-in engine's;
+    roles/rollout/abort_board.py), so it lands on the same tokens in every run."""
     n, ds = params.n_samples_per_prompt, dynamic_sampling
     rounds = 1 + (ds.max_extra_rounds if ds is not None and ds.keep is not None else 0)
     kept, dropped, reasons, sampled_rewards = [], [], Counter(), []
@@ -63,10 +71,10 @@ def partial_rollout(engines: list[ActorHandle], scorers: list[ActorHandle], sour
         need = num_groups - len(kept)
         groups = source.next_groups(over_sampling, n, step)
         resumed_groups += sum(any(s["response_ids"] or s["start_step"] < step for s in g) for g in groups)
-        aborted += _generate(engines, groups, params, step, rnd, need, recover)
+        aborted += _generate(engines, groups, params, step, rnd, need, recover, lockstep)
         if sum(map(is_complete, groups)) < need:  # a call issued again after the abort (module docstring)
             rest = sorted((g for g in groups if not is_complete(g)), key=lambda g: _tokens_left(g, params))
-            _generate(engines, rest[:need - sum(map(is_complete, groups))], params, step, rnd, None, recover)
+            _generate(engines, rest[:need - sum(map(is_complete, groups))], params, step, rnd, None, recover, lockstep)
         done = [g for g in groups if is_complete(g)]
         rows = [_sample(s, j, k, n, step, mask_offpolicy, decode, eos_id) for j, g in enumerate(done)
                 for k, s in enumerate(g)]
@@ -124,7 +132,7 @@ def _budget(s: dict, k: int, params: SamplingParams) -> int:
 
 
 def _generate(engines: list[ActorHandle], groups: list[list[dict]], params: SamplingParams, step: int, rnd: int,
-              need: int | None, recover) -> int:
+              need: int | None, recover, lockstep: bool) -> int:
     """Continue every unfinished sample of `groups` (in place); abort the rest once `need` groups
     are complete (None: run all to the end). Returns how many requests the abort stopped."""
     n = params.n_samples_per_prompt
@@ -132,16 +140,18 @@ def _generate(engines: list[ActorHandle], groups: list[list[dict]], params: Samp
     if not todo:
         return 0
     requests = [_request(rid, i, s, params, step, rnd) for rid, (i, s) in enumerate(todo)]
-    group_requests = [[rid for rid, (i, _) in enumerate(todo) if i // n == g] for g in range(len(groups))]
     chunks = split_evenly(requests, len(engines))
-    with AbortBoard.create(len(requests)) as board:
-        def check_board() -> None:
-            if need is not None and not board.aborted():
-                done = board.finished()
-                if sum(all(done[rid] for rid in rids) for rids in group_requests) >= need:
-                    board.abort()  # every engine ends its call at its next sync
-
-        answers = _call_all(engines, "generate", chunks, recover, between=check_board, abort_board=board.path)
+    # the board counts the groups with requests: the complete ones without count already
+    waiting = {i // n for i, _ in todo}
+    on_board = None if need is None else need - (len(groups) - len(waiting))
+    board = AbortBoard.create([i // n for i, _ in todo], [c for c, chunk in enumerate(chunks) for _ in chunk],
+                              on_board, lockstep)
+    with board:
+        try:
+            answers = _call_all(engines, "generate", chunks, recover, between=board.check, abort_board=board.path)
+        except BaseException:
+            board.abort()  # no call may wait in lockstep for one that will not come
+            raise
     results = {r["id"]: r for answer in answers for r in answer}
     for rid, (_, s) in enumerate(todo):
         _append(s, results[rid], step)

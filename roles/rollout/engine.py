@@ -118,8 +118,9 @@ class RolloutEngine(Actor):
         other requests in its batch.
 
         abort_board: a partial rollout's board (abort_board.py; ids are board slots): finishes
-        are marked on it, and once the driver aborts, the call returns at once with the
-        unfinished requests' tokens so far and finish_reason "abort" (not issued again).
+        are marked on it, and once the rollout is aborted (by the driver, or by the engines in
+        lockstep), the call returns with the unfinished requests' tokens so far and
+        finish_reason "abort" (not issued again). The request ids are one chunk of the board.
         """
         if isinstance(requests, list) and not requests:  # nothing to generate needs no weights nor memory
             return []
@@ -131,11 +132,7 @@ class RolloutEngine(Actor):
         parsed = parse_requests(requests, vocab_size=self._vocab_size, max_positions=self._max_positions)
         seeds = [request_seed(self.config.seed, self.config.engine_index, self._num_generate_calls, r) for r in parsed]
         self._num_generate_calls += 1
-        board = AbortBoard.open(abort_board) if abort_board is not None else None
-        if board is not None and any(not 0 <= r.id < board.num_requests for r in parsed):
-            board.close()
-            raise ValueError(f"rollout engine {self.config.engine_index}: with an abort board, request ids are its slots "
-                             f"0..{board.num_requests - 1}; got ids {sorted(r.id for r in parsed)[:4]}...")
+        board = AbortBoard.open(abort_board, [r.id for r in parsed]) if abort_board is not None else None
         backend_generate = self._backend.generate if board is None else functools.partial(self._backend.generate,
                                                                                           board=board)
         self.set_state("generating", num_requests=len(parsed))

@@ -61,6 +61,13 @@ included, with the file and line each behaviour copies.
   again with their seeds (roles/rollout/aborts.py). sglang's own request validation raises
   ValueError too; the requests reaching it are validated first (sampling.py), and a request
   that keeps failing stops the call after the bounded tries, naming it.
+- partial rollouts: the driver's abort board (roles/rollout/abort_board.py) is watched beside
+  the call (BoardWatch): each request goes with a rid of ours, finishes are read from the
+  tokenizer manager's ReqState.finished, and the abort is `tokenizer_manager.abort_request(
+  abort_all=True)` (tokenizer_manager.py:2241-2265; 0.5.21: 2114-2138), run on the engine's own
+  event loop. sglang returns every request it held: queued ones without tokens, running ones
+  with their tokens so far and one more, finish_reason "abort" with no status, so not raised
+  (docs/partial_rollouts.md, "sglang", has the lines).
 - no requests: not sent (sglang raises ValueError("input_ids cannot be empty."), io_struct.py:499).
 - pause/continue generation: not needed. Updates reach this actor only between `generate`
   calls (one message at a time), so sglang is idle when its weights change.
@@ -75,12 +82,15 @@ from __future__ import annotations
 
 import glob
 import os
+import threading
+import uuid
 from importlib import metadata
 from types import SimpleNamespace
 
 import torch
 
 from roles.device import DeviceMemory
+from roles.rollout.abort_board import AbortBoard
 from roles.model_spec import ModelSpec
 from roles.rollout.aborts import RequestsAborted
 from roles.rollout.sampling import GenerateRequest
@@ -381,10 +391,11 @@ class SglangBackend:
                            "of its (fused, possibly sharded) weights")
 
     # -- generation -------------------------------------------------------------------
-    def generate(self, requests: list[GenerateRequest], seeds: list[int], board=None) -> list[dict]:
-        if board is not None:  # ppo/config/validate.py refuses --partial-rollout with this backend first
-            raise ValueError("backend 'sglang': partial rollouts (an abort board) are not supported yet; "
-                             "use --rollout-backend torch or remove --partial-rollout")
+    def generate(self, requests: list[GenerateRequest], seeds: list[int], board: AbortBoard | None = None
+                 ) -> list[dict]:
+        """Results in request order; with an abort `board` (a partial rollout, module docstring
+        "partial rollouts") the requests the driver's abort stopped come back with finish_reason
+        "abort" and their tokens so far."""
         if not requests:  # sglang would raise ValueError("input_ids cannot be empty."): io_struct.py:499
             return []
         if self._discarded:
@@ -397,16 +408,25 @@ class SglangBackend:
         # built outside the try: only sglang's own ValueError is an abort
         input_ids = [r.prompt_ids for r in requests]
         sampling_params = [_sampling_params(r, seed if self.deterministic else None) for r, seed in zip(requests, seeds)]
+        call = uuid.uuid4().hex  # sglang's rids must be unique among the requests it holds
+        rids = [f"tandem-{call}-{r.id}" for r in requests]
+        watch = BoardWatch(self.engine, board, rids, [r.id for r in requests]) if board is not None else None
         try:
-            outputs = self.engine.generate(input_ids=input_ids, sampling_params=sampling_params, return_logprob=True)
+            outputs = self.engine.generate(input_ids=input_ids, sampling_params=sampling_params, return_logprob=True,
+                                           rid=rids)
         except (ValueError, self.sgl.HTTPException) as e:
             # An abort that sglang raises (module docstring, "aborts") names no request and
             # loses the batch's other results: every request of the call is issued again.
             raise RequestsAborted([r.id for r in requests], f"sglang {type(e).__name__}: {e}") from None
+        finally:
+            if watch is not None:
+                watch.stop()
         results, aborted, reason = [], [], ""
         for r, out in zip(requests, outputs):
             finish = out["meta_info"].get("finish_reason")
-            if isinstance(finish, dict) and finish.get("type") == "abort":  # an abort sglang returns
+            if isinstance(finish, dict) and finish.get("type") == "abort" and watch is not None and watch.sent:
+                results.append(_result(r, out, partial=True))  # the driver's abort: its tokens so far
+            elif isinstance(finish, dict) and finish.get("type") == "abort":  # an abort sglang returns
                 aborted.append(r.id)
                 reason = f"sglang aborted request id={r.id}: {finish.get('message')} (status {finish.get('status_code')})"
             else:
@@ -431,11 +451,69 @@ def _sampling_params(request: GenerateRequest, seed: int | None) -> dict:
     return params
 
 
-def _result(request: GenerateRequest, output: dict) -> dict:
+class BoardWatch:
+    """A partial rollout's board beside one `Engine.generate` call (module docstring, "partial
+    rollouts"). `Engine.generate` holds the calling thread in its event loop until the batch is
+    done, so a thread asks that loop, every POLL_S, to run `_poll`: it marks the requests sglang
+    finished on the board and, once the driver has aborted, sends `abort_request(abort_all=True)`
+    once. sglang's tokenizer manager is not thread-safe; run on its own loop, `_poll` is."""
+
+    POLL_S = 0.005
+
+    def __init__(self, engine, board: AbortBoard, rids: list[str], ids: list[int]):
+        self.engine, self.board = engine, board
+        self.pending = dict(zip(rids, ids))  # not yet marked finished
+        self.states: dict[str, object] = {}  # sglang's ReqState of each rid, once seen
+        self.sent = False
+        self._done = threading.Event()
+        # The first poll runs right after the call's first step, which makes every request's
+        # ReqState before it awaits anything (generate_request, tokenizer_manager.py:926; 0.5.21:
+        # 885): it sees them all, even one that finishes before the thread's first poll.
+        # (Queued now, `_arm` runs before that step; the poll it queues runs after.)
+        engine.loop.call_soon(self._arm)
+        self._thread = threading.Thread(target=self._run, name="sglang-board-watch", daemon=True)
+        self._thread.start()
+
+    def _arm(self) -> None:
+        self.engine.loop.call_soon(self._poll)
+
+    def _run(self) -> None:
+        while not self._done.wait(self.POLL_S):
+            self.engine.loop.call_soon_threadsafe(self._poll)
+
+    def _poll(self) -> None:
+        if self._done.is_set():  # queued before the call returned: the board may be closed
+            return
+        if self.sent:  # what finishes now is the abort's: the driver reads the call's results
+            return
+        live = self.engine.tokenizer_manager.rid_to_state
+        for rid in list(self.pending):
+            state = self.states.get(rid) or live.get(rid)
+            if state is None:
+                continue
+            self.states[rid] = state  # kept: sglang drops a finished request's state
+            if state.finished:  # set as its last output arrives: tokenizer_manager.py:2619 (0.5.21: 2483)
+                self.board.finish(self.pending.pop(rid))
+        # abort only once sglang holds every request: an abort_all sent before a request reached
+        # its scheduler would miss it (scheduler.py:5675-5810 aborts what the scheduler holds)
+        if self.board.aborted() and all(rid in self.states for rid in self.pending):
+            self.engine.tokenizer_manager.abort_request(abort_all=True)
+            self.sent = True
+
+    def stop(self) -> None:
+        self._done.set()
+        self._thread.join()
+
+
+def _result(request: GenerateRequest, output: dict, partial: bool = False) -> dict:
+    """Our result of sglang's `output`; `partial`: an output the driver's abort stopped (its
+    tokens so far, finish_reason "abort")."""
     meta = output["meta_info"]
     finish = meta.get("finish_reason")
     reason = finish.get("type") if isinstance(finish, dict) else None
-    if reason not in ("stop", "length"):
+    if partial:
+        reason = "abort"
+    elif reason not in ("stop", "length"):
         raise RuntimeError(f"sglang did not finish request id={request.id}: finish_reason={finish}")
     entries = meta["output_token_logprobs"]
     token_ids = [int(e[1]) for e in entries]

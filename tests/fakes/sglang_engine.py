@@ -21,6 +21,11 @@ modelled behaviour names the file and line it copies (sglang 0.5.23 wheel, `sgla
   non-streaming `generate` as the tokenizer manager hands it on, per version
   (`_raise_for_abort`): a ValueError for status 400, a fastapi.HTTPException for 500/503
   (0.5.21) or any 401-599 (0.5.23), the whole batch lost; other statuses as an output.
+- the partial rollout's abort: `Engine.loop` (the event loop `generate` runs the batch in, so a
+  callback another thread queues there runs mid-call), `Engine.tokenizer_manager` with its
+  `rid_to_state` (ReqState.finished) and `abort_request(abort_all=True)`: a queued request comes
+  back without tokens ("Abort in waiting queue"), the running one after one more forward with
+  finish_reason abort and no status (FakeTokenizerManager, `_batch`, `_waiting_abort`).
 - empty input: `generate(input_ids=[])` is io_struct.py's ValueError("input_ids cannot be empty.").
 - flush_cache refused while requests are pending (`pending_requests`, scheduler.py:5518-5547).
 - shutdown: `Engine.shutdown()` is recorded; its children (none here) would be killed.
@@ -35,7 +40,9 @@ one process (TP ranks are loop iterations; no scheduler or detokenizer children)
 batching, KV or radix cache (each token re-runs the whole sequence; `flush_cache` only counts),
 no CUDA graphs, no top-p/top-k kernels' numerics (torch on the CPU), HF parameter names
 (sglang fuses q/k/v and gate/up; the loaders' narrowing is not modelled), a release while
-requests run cannot happen (generate is synchronous), no memory is reported, and one payload
+requests run cannot happen (generate is synchronous), no memory is reported, an abort
+reaches the "scheduler" at once (sglang's AbortReq travels over ZMQ while the batch decodes on)
+and only abort_all is modelled, and one payload
 given to two TP ranks is a RuntimeError here (in sglang it breaks torch's CUDA-IPC ref counts
 later, with no error at the call).
 
@@ -47,6 +54,7 @@ aiohttp, IPython, ...), so its serializer is copied here and the real one runs i
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import binascii
 import io
@@ -58,6 +66,7 @@ import signal
 import sys
 import traceback
 import types
+import uuid
 from dataclasses import dataclass
 from multiprocessing.reduction import ForkingPickler
 from pathlib import Path
@@ -260,6 +269,40 @@ def scheduler_dies(exc: BaseException) -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 
 
+@dataclass
+class ReqState:  # srt/managers/tokenizer_manager.py:268-282 (0.5.21: 235-248), the fields used
+    finished: bool = False
+    abort_sent: bool = False
+
+
+class FakeTokenizerManager:
+    """`Engine.tokenizer_manager`: its requests' states and abort_request."""
+
+    def __init__(self):
+        self.rid_to_state: dict[str, ReqState] = {}
+        self.abort_all = False  # an AbortReq(abort_all=True) the scheduler holds
+
+    def abort_request(self, rid: str = "", abort_all: bool = False):
+        """tokenizer_manager.py:2241-2265 (0.5.21: 2114-2138): an empty rid without abort_all is
+        ignored, an unknown rid too (one tokenizer worker); otherwise an AbortReq goes to the
+        scheduler. The fake models abort_all only (what the adapter sends)."""
+        if not abort_all and not rid:
+            return
+        assert abort_all, "the fake models abort_request(abort_all=True) only"
+        self.abort_all = True
+
+
+def _waiting_abort(rid: str, return_logprob: bool) -> dict:
+    """What a non-streaming generate returns for a request aborted in the scheduler's waiting queue:
+    TokenizerManager._handle_abort_req (tokenizer_manager.py:3577-3643; 0.5.21: 3370-3433), no
+    tokens, "Abort in waiting queue", no status (so _handle_abort_finish_reason lets it through)."""
+    meta = {"id": rid, "finish_reason": {"type": "abort", "message": "Abort in waiting queue"},
+            "completion_tokens": 0}
+    if return_logprob:
+        meta["output_token_logprobs"] = []
+    return {"output_ids": [], "meta_info": meta}
+
+
 class FakeEngine:
     """`sglang.Engine` as the adapter uses it; `calls` records each call in order."""
 
@@ -293,6 +336,8 @@ class FakeEngine:
         self.shut_down = False
         self.read_payloads: set[bytes] = set()
         self.cache_entries = 0  # requests served since the last flush (radix cache stand-in)
+        self.loop = asyncio.new_event_loop()  # engine.py:396 (0.5.21: 374) _ensure_event_loop
+        self.tokenizer_manager = FakeTokenizerManager()
 
     @property
     def weights(self) -> dict[str, torch.Tensor]:
@@ -302,6 +347,8 @@ class FakeEngine:
     # -- srt/entrypoints/engine.py:433 generate --------------------------------------------
     def generate(self, prompt=None, sampling_params=None, input_ids=None, return_logprob=False,
                  logprob_start_len=None, top_logprobs_num=None, stream=False, rid=None):
+        """engine.py:433-545: the batch runs in the engine's event loop (run_until_complete), which
+        is how a callback another thread queued there (loop.call_soon_threadsafe) runs mid-call."""
         assert prompt is None and not stream
         if len(input_ids) == 0:  # managers/io_struct.py:499 (0.5.21: 489), no session given
             raise ValueError("input_ids cannot be empty.")
@@ -314,14 +361,34 @@ class FakeEngine:
             # a forward over unmapped memory is a CUDA fault inside the scheduler
             scheduler_dies(RuntimeError(f"CUDA error: an illegal memory access was encountered "
                                         f"(memory {sorted(self.offload_tags)} released)"))
-        outs = [self._one(ids, _verify(sp), return_logprob) for ids, sp in zip(input_ids, sampling_params)]
+        # io_struct.py GenerateReqInput: a batch without rids gets a uuid each
+        rids = list(rid) if rid is not None else [uuid.uuid4().hex for _ in input_ids]
+        outs = self.loop.run_until_complete(self._batch(rids, input_ids, [_verify(sp) for sp in sampling_params],
+                                                        return_logprob))
         self.cache_entries += len(outs)
         for out in outs:
             _raise_for_abort(out["meta_info"]["finish_reason"], self.version)
         return outs
 
-    @torch.no_grad()
-    def _one(self, ids, sp, return_logprob):
+    async def _batch(self, rids, input_ids, sps, return_logprob):
+        """The batch, one request after another (no batching here): the one running, the rest in the
+        scheduler's waiting queue. _handle_batch_request (tokenizer_manager.py:2074-2160; 0.5.21: 1959-)
+        makes every request's ReqState
+        before it waits; a finished one's state is dropped from rid_to_state."""
+        tm = self.tokenizer_manager
+        for r in rids:
+            tm.rid_to_state[r] = ReqState()
+        outs = []
+        for r, ids, sp in zip(rids, input_ids, sps):
+            if tm.abort_all:  # scheduler.py:5685-5703: a queued request is popped and echoed back
+                outs.append(_waiting_abort(r, return_logprob))  # tokenizer_manager.py:3577-3640
+            else:
+                outs.append(await self._one(ids, sp, return_logprob, r))
+            tm.rid_to_state.pop(r).finished = True
+        tm.abort_all = False
+        return outs
+
+    async def _one(self, ids, sp, return_logprob, rid="rid"):
         temperature, top_k, top_p = sp.get("temperature", 1.0), sp.get("top_k", -1), sp.get("top_p", 1.0)
         if 0 <= temperature < SAMPLING_EPS:  # sampling_params.py:245-248: greedy is top_k 1 at T = 1
             temperature, top_k = 1.0, 1
@@ -334,22 +401,30 @@ class FakeEngine:
         stops = set() if sp.get("ignore_eos") else set(sp.get("stop_token_ids") or []) | {self.eos_id}
         seq, out, logprobs, finish = list(ids), [], [], None
         for _ in range(sp["max_new_tokens"]):
-            logits = self.model(torch.tensor([seq])).logits[0, -1].float() / temperature
+            with torch.no_grad():
+                logits = self.model(torch.tensor([seq])).logits[0, -1].float() / temperature
             logp = torch.log_softmax(logits, -1)  # layers/sampler.py:192-198: of the scaled distribution
             if top_k == 1:  # sampler.py: argmax, no random draw
                 token = int(logits.argmax())
             else:
                 token = int(torch.multinomial(_filtered(logp.exp(), top_k, top_p), 1, generator=generator))
             seq.append(token), out.append(token), logprobs.append(float(logp[token]))
-            if len(out) >= sp["max_new_tokens"]:  # Req.update_finish_state (schedule_batch.py:2038-2046): length first
+            if self.tokenizer_manager.abort_all:
+                # scheduler.py:5796-5808 (0.5.21: 5569-5584): a running request gets to_finish =
+                # FINISH_ABORT() and runs one more forward, whose token is kept
+                # (batch_result_processor.py:365-369); then Req.update_finish_state
+                # (schedule_batch.py:2007-2013; 0.5.21: 1919-) finishes it as aborted
+                finish = {"type": "abort", "message": "Aborted", "status_code": None, "err_type": None}
+            elif len(out) >= sp["max_new_tokens"]:  # Req.update_finish_state (schedule_batch.py:2038-2046): length first
                 finish = {"type": "length", "length": sp["max_new_tokens"]}  # schedule_batch.py:320-329
             elif token in stops:
                 finish = {"type": "stop", "matched": token}  # schedule_batch.py:284-293
             if finish:
                 break
+            await asyncio.sleep(0)  # the event loop runs its callbacks between forwards
         if self.abort_prompts.get(sum(ids)):  # FINISH_ABORT.to_json, schedule_batch.py:332-345
             finish = {"type": "abort", "status_code": None, "err_type": None, **self.abort_prompts[sum(ids)].pop(0)}
-        meta = {"id": "rid", "finish_reason": finish, "prompt_tokens": len(ids), "completion_tokens": len(out)}
+        meta = {"id": rid, "finish_reason": finish, "prompt_tokens": len(ids), "completion_tokens": len(out)}
         if return_logprob:  # tokenizer_manager.py:3104-3108: (logprob, token_id, None) without text
             meta["output_token_logprobs"] = [(lp, t, None) for lp, t in zip(logprobs, out)]
         return {"output_ids": out, "meta_info": meta}  # tokenizer_manager.py:2647 (skip_tokenizer_init)
