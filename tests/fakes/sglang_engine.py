@@ -21,6 +21,8 @@ modelled behaviour names the file and line it copies (sglang 0.5.23 wheel, `sgla
   non-streaming `generate` as the tokenizer manager hands it on, per version
   (`_raise_for_abort`): a ValueError for status 400, a fastapi.HTTPException for 500/503
   (0.5.21) or any 401-599 (0.5.23), the whole batch lost; other statuses as an output.
+- streamed requests: `async_generate` (one prompt) on `Engine.loop`, as the adapter's stream sends
+  them; the fake computes each when its task first runs.
 - empty input: `generate(input_ids=[])` is io_struct.py's ValueError("input_ids cannot be empty.").
 - flush_cache refused while requests are pending (`pending_requests`, scheduler.py:5518-5547).
 - shutdown: `Engine.shutdown()` is recorded; its children (none here) would be killed.
@@ -47,6 +49,7 @@ aiohttp, IPython, ...), so its serializer is copied here and the real one runs i
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import binascii
 import io
@@ -293,6 +296,7 @@ class FakeEngine:
         self.shut_down = False
         self.read_payloads: set[bytes] = set()
         self.cache_entries = 0  # requests served since the last flush (radix cache stand-in)
+        self.loop = asyncio.new_event_loop()  # engine.py Engine.__init__: no loop runs in a role's thread
 
     @property
     def weights(self) -> dict[str, torch.Tensor]:
@@ -319,6 +323,32 @@ class FakeEngine:
         for out in outs:
             _raise_for_abort(out["meta_info"]["finish_reason"], self.version)
         return outs
+
+    # -- engine.py async_generate: one GenerateReqInput through the tokenizer manager, awaited on
+    # the caller's loop; Engine.__init__ keeps `self.loop` (asyncio's running loop, else a new
+    # one set as the thread's), on which `generate` runs its requests too -------------------
+    async def async_generate(self, prompt=None, sampling_params=None, input_ids=None, return_logprob=False,
+                             logprob_start_len=None, top_logprobs_num=None, stream=False, rid=None):
+        assert prompt is None and not stream
+        if len(input_ids) == 0:  # managers/io_struct.py:499 (0.5.21: 489)
+            raise ValueError("input_ids cannot be empty.")
+        assert isinstance(input_ids[0], int)  # one prompt: its output is a dict, not a list of them
+        self.calls.append(("async_generate", sampling_params))
+        if self.num_generate_calls in self.call_aborts:
+            self.abort_prompts.setdefault(sum(input_ids), []).append(self.call_aborts[self.num_generate_calls])
+        self.num_generate_calls += 1
+        self.pending_requests += 1
+        try:
+            await asyncio.sleep(0)  # the scheduler works while the caller's loop runs other tasks
+            if self.memory_saver and self.offload_tags:
+                scheduler_dies(RuntimeError(f"CUDA error: an illegal memory access was encountered "
+                                            f"(memory {sorted(self.offload_tags)} released)"))
+            out = self._one(input_ids, _verify(sampling_params), return_logprob)
+        finally:
+            self.pending_requests -= 1
+        self.cache_entries += 1
+        _raise_for_abort(out["meta_info"]["finish_reason"], self.version)
+        return out
 
     @torch.no_grad()
     def _one(self, ids, sp, return_logprob):

@@ -184,15 +184,29 @@ class TorchBackend:
         try:
             results = self.scheduler.generate(requests, seeds, board)
         except torch.OutOfMemoryError as e:
-            self.scheduler.drop_state()
-            if self.memory.kind == "cuda":
-                torch.cuda.empty_cache()
+            self._out_of_memory()
             raise RequestsAborted([r.id for r in requests], f"out of memory in the built-in engine: {e}") from None
-        bad = [r["id"] for r in results if not all(math.isfinite(lp) for lp in r["logprobs"])]
-        if bad:
-            raise RequestsAborted(bad, f"request id={bad[0]}: non-finite log-probs (an internal error in the "
-                                       "built-in engine's forward)", [r for r in results if r["id"] not in bad])
-        return results
+        return _finite(results)
+
+    def stream(self, requests: list[GenerateRequest], seeds: list[int], wait_s: float) -> list[dict]:
+        """The scheduler's `stream`: the results of the running batch's requests that finished. Its
+        aborts are generate's: out of memory aborts every request the batch held (the running
+        batch is dropped with the slot state), a non-finite result its own request."""
+        try:
+            results = self.scheduler.stream(requests, seeds, wait_s)
+        except torch.OutOfMemoryError as e:
+            ids = list(dict.fromkeys([*self.scheduler.held_ids(), *(r.id for r in requests)]))
+            self._out_of_memory()
+            raise RequestsAborted(ids, f"out of memory in the built-in engine: {e}") from None
+        return _finite(results)
+
+    def drop_stream(self) -> None:
+        self.scheduler.drop_stream()
+
+    def _out_of_memory(self) -> None:
+        self.scheduler.drop_state()  # the graphs and slot state are built again on the next try
+        if self.memory.kind == "cuda":
+            torch.cuda.empty_cache()
 
     def shutdown(self) -> None:
         """Free the device memory (KV cache, graphs, weights) and say so in the ledger, so that
@@ -202,6 +216,16 @@ class TorchBackend:
         self.weights.storages.clear()
         self.weights.named.clear()
         self.memory.account("weights", 0)
+
+
+def _finite(results: list[dict]) -> list[dict]:
+    """`results`, unless a request's log-probs are not finite (an internal error in its rows: a NaN
+    from the forward): that request is aborted alone, the others' results kept."""
+    bad = [r["id"] for r in results if not all(math.isfinite(lp) for lp in r["logprobs"])]
+    if bad:
+        raise RequestsAborted(bad, f"request id={bad[0]}: non-finite log-probs (an internal error in the "
+                                   "built-in engine's forward)", [r for r in results if r["id"] not in bad])
+    return results
 
 
 def _check_options(options: dict) -> dict:
