@@ -75,7 +75,8 @@ class SlotState:
 
 class Scheduler:
     def __init__(self, decoder: Decoder, cache: KVCache, graphs: DecodeGraphs, *, sync_every: int,
-                 slot_quantum: int, span_quantum: int, fused: bool, batch_invariant: bool = False):
+                 slot_quantum: int, span_quantum: int, fused: bool, batch_invariant: bool = False,
+                 kv_reuse: bool = True, slot_len: int | None = None):
         self.decoder = decoder
         self.spec = decoder.spec
         self.cache = cache
@@ -89,6 +90,8 @@ class Scheduler:
         # batch_invariant: a request's forward has the same shapes in any batch (one prompt per
         # prefill, decode over every slot, attention unsplit), so the same rounding (backend.py)
         self.batch_invariant = batch_invariant
+        self.kv_reuse = kv_reuse and not batch_invariant  # off under batch_invariant: module docstring
+        self.slot_len = slot_len  # fixed slots (backend.py's option), else shaped per batch
         # the longest slot a call can shape (_geometry: prompt + max_new_tokens <= max_positions)
         self.max_slot_len = self.spec.max_positions + sync_every + slot_quantum
         self.state: SlotState | None = None
@@ -261,7 +264,7 @@ class Scheduler:
 
     def _finished(self, slot: int, held: Held) -> None:
         self.batch.slots[slot] = None
-        if not self.batch_invariant:
+        if self.kv_reuse:
             self.prefixes.record(slot, held.request.prompt_ids, held.tokens)
 
     def _park_idle(self, slots) -> None:
@@ -275,7 +278,7 @@ class Scheduler:
         """Each request's slot and the positions of its prompt it reuses there (prefixes.py)."""
         slots, offsets, free = [], [], list(free)
         for r in reqs:
-            if self.batch_invariant:
+            if not self.kv_reuse:
                 slot, offset = free[0], 0
             else:
                 slot, offset = self.prefixes.choose(r.prompt_ids, free)
@@ -289,7 +292,11 @@ class Scheduler:
         longest = max(requests, key=lambda r: len(r.prompt_ids) + r.sampling.max_new_tokens)
         # the last sampled token is never fed back, but up to sync_every - 1 steps may run past it
         need = len(longest.prompt_ids) + longest.sampling.max_new_tokens + self.sync_every - 1
-        rounded = -(-need // self.slot_quantum) * self.slot_quantum
+        if self.slot_len is not None and need > self.slot_len:
+            raise ValueError(f"request id={longest.id}: prompt {len(longest.prompt_ids)} + max_new_tokens "
+                             f"{longest.sampling.max_new_tokens} (+ {self.sync_every - 1} decode steps past the end) "
+                             f"need slots of {need} positions; the engine's option slot_len={self.slot_len}")
+        rounded = -(-max(need, self.slot_len or 0) // self.slot_quantum) * self.slot_quantum
         current = self.cache.geometry
         if self.prefixes and current is not None and current.slot_len >= need:
             return current  # keep the slots whose prefixes the next turns reuse
