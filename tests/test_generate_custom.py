@@ -37,19 +37,6 @@ async def three_turns(args, sample, sampling_params):
     return sample
 
 
-@pytest.fixture(scope="module")
-def engines(ckpt, tmp_path_factory):
-    """Two engine processes, shared by the module's tests (spawning them is most of the time)."""
-    sup = Supervisor(tmp_path_factory.mktemp("run"), heartbeat_interval=0.1, heartbeat_timeout=1.0,
-                     shutdown_grace_s=2.0)
-    try:
-        yield [sup.spawn(f"rollout-{i}", RolloutEngine,
-                         EngineConfig(hf_checkpoint=ckpt, dtype="float32", max_batch_size=8, engine_index=i))
-               for i in range(2)]
-    finally:
-        sup.shutdown()
-
-
 def run(engines, fn, ckpt, clients=None):
     def make_args(client):
         if clients is not None:
@@ -60,17 +47,17 @@ def run(engines, fn, ckpt, clients=None):
                                            recover=lambda role, dead: None, generate_fn=fn, make_args=make_args)
 
 
-def test_one_turn_generate_function_samples_what_the_default_path_samples(engines, ckpt):
-    default = generate_and_score(engines, [], PROMPTS, PARAMS, step=0, decode=str, eos_id=EOS_ID,
+def test_one_turn_generate_function_samples_what_the_default_path_samples(two_engines, ckpt):
+    default = generate_and_score(two_engines, [], PROMPTS, PARAMS, step=0, decode=str, eos_id=EOS_ID,
                                  recover=lambda role, dead: None)
-    custom = run(engines, one_turn, ckpt)
+    custom = run(two_engines, one_turn, ckpt)
     for d, c in zip(default, custom, strict=True):
         assert (c["index"], c["group_index"], c["response_ids"]) == (d["index"], d["group_index"], d["response_ids"])
         assert c["rollout_log_probs"] == pytest.approx(d["rollout_log_probs"], abs=1e-5)
         assert c["loss_mask"] == [1] * len(c["response_ids"]) and c["num_turns"] == 1
 
 
-def test_a_second_turn_joins_the_running_batch_and_finishes_before_a_long_first_turn(engines, ckpt):
+def test_a_second_turn_joins_the_running_batch_and_finishes_before_a_long_first_turn(two_engines, ckpt):
     """Sample 0's second turn is sent while the long first turns of samples 2, 4 and 6 decode on
     the same engine (sample index % 2): it joins their batch and comes back before they do."""
     done = []
@@ -90,14 +77,14 @@ def test_a_second_turn_joins_the_running_batch_and_finishes_before_a_long_first_
         return sample
 
     clients = []
-    samples = run(engines, short_or_long, ckpt, clients)
+    samples = run(two_engines, short_or_long, ckpt, clients)
     assert done[0] == "second turn of 0" and sorted(done[1:]) == ["long 2", "long 4", "long 6"]
     assert [len(s["response_ids"]) for s in samples[:8:2]] == [2 + 3 + 2 + 3, 40, 40, 40]
     assert clients[0].num_calls > 2  # the engines were called again while requests were out
 
 
-def test_turns_of_many_trajectories_each_are_the_engines_own(engines, ckpt):
-    samples = run(engines, three_turns, ckpt)
+def test_turns_of_many_trajectories_each_are_the_engines_own(two_engines, ckpt):
+    samples = run(two_engines, three_turns, ckpt)
     assert len(samples) == 8
     assert sum(s["num_turns"] for s in samples) > 8
     for s in samples[:3]:  # replaying is a call per turn: a few samples say it
@@ -113,7 +100,7 @@ def test_turns_of_many_trajectories_each_are_the_engines_own(engines, ckpt):
             if source == "model":
                 seed = turn_seed(_request_seed(s["index"]), turn)
                 budget = min(5, 64 - len(context))
-                again = engines[s["index"] % 2].generate([{"id": 0, "prompt_ids": context,
+                again = two_engines[s["index"] % 2].generate([{"id": 0, "prompt_ids": context,
                                                            "sampling": {"max_new_tokens": budget, "seed": seed,
                                                                         "stop_token_ids": [EOS_ID]}}])[0]
                 assert again["token_ids"] == chunk
