@@ -172,10 +172,10 @@ class RolloutEngine(Actor):
         if not isinstance(wait_s, (int, float)) or not 0 <= wait_s <= 60:
             raise ValueError(f"wait_s={wait_s!r} must be a number of seconds in [0, 60]")
         parsed, seeds = self._parse("stream", requests)
-        if self.state != "generating":  # the state spans the stream, not each call (one event per stretch)
-            self.set_state("generating", num_requests=len(parsed) + len(self._streams))
         try:
-            check_in_run(f"rollout engine {self.config.engine_index}")
+            if self.state != "generating":  # the state spans the stream, not each call (one event per stretch)
+                self.set_state("generating", num_requests=len(parsed) + len(self._streams))
+                check_in_run(f"rollout engine {self.config.engine_index}")  # once a stretch: a call is a few syncs
             results = self._streams.call(parsed, seeds, wait_s)
         finally:
             if not len(self._streams):
