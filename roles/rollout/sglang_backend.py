@@ -412,16 +412,15 @@ class SglangBackend:
             raise RequestsAborted([r.id for r in requests], f"sglang {type(e).__name__}: {e}") from None
         results, aborted, reason = [], [], ""
         for r, out in zip(requests, outputs):
-            finish = out["meta_info"].get("finish_reason")
-            if isinstance(finish, dict) and finish.get("type") == "abort":  # an abort sglang returns
+            returned = _returned_abort(r, out)
+            if returned:
                 aborted.append(r.id)
-                reason = f"sglang aborted request id={r.id}: {finish.get('message')} (status {finish.get('status_code')})"
+                reason = returned
             else:
                 results.append(_result(r, out))
         if aborted:
             raise RequestsAborted(aborted, reason, results)
         return results
-
 
     def stream(self, requests: list[GenerateRequest], seeds: list[int], wait_s: float) -> list[dict]:
         """Send each request as its own async_generate (module docstring, "streamed generation"),
@@ -449,10 +448,10 @@ class SglangBackend:
                 aborted.append(rid)
                 reason = f"sglang {type(e).__name__} for request id={rid}: {e}"
                 continue
-            finish = out["meta_info"].get("finish_reason")
-            if isinstance(finish, dict) and finish.get("type") == "abort":
+            returned = _returned_abort(r, out)
+            if returned:
                 aborted.append(rid)
-                reason = f"sglang aborted request id={rid}: {finish.get('message')} (status {finish.get('status_code')})"
+                reason = returned
             else:
                 results.append(_result(r, out))
         if aborted:
@@ -474,6 +473,14 @@ class SglangBackend:
                                f"{missing[:2]}) were not loaded since; push the weights (update_weights per "
                                "bucket, then set_weight_version) before generating, or start the engine with "
                                "options={'enable_weights_cpu_backup': True}")
+
+
+def _returned_abort(request: GenerateRequest, output: dict) -> str | None:
+    """The reason, where sglang returned the request aborted rather than raising (module docstring)."""
+    finish = output["meta_info"].get("finish_reason")
+    if isinstance(finish, dict) and finish.get("type") == "abort":
+        return f"sglang aborted request id={request.id}: {finish.get('message')} (status {finish.get('status_code')})"
+    return None
 
 
 def _sampling_params(request: GenerateRequest, seed: int | None) -> dict:
