@@ -89,6 +89,50 @@ def ckpt(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
+def two_engines(ckpt, tmp_path_factory):
+    """Two engine processes on the module's `ckpt`, shared by its tests (spawning them is most of
+    the time). Heartbeats time out after 30 s: 1 s killed engines under this machine's load."""
+    from roles.rollout import EngineConfig, RolloutEngine
+
+    sup = Supervisor(tmp_path_factory.mktemp("run"), heartbeat_interval=0.5, heartbeat_timeout=30.0,
+                     shutdown_grace_s=2.0)
+    try:
+        yield [sup.spawn(f"rollout-{i}", RolloutEngine,
+                         EngineConfig(hf_checkpoint=ckpt, dtype="float32", max_batch_size=8, engine_index=i))
+               for i in range(2)]
+    finally:
+        sup.shutdown()
+
+
+@pytest.fixture(scope="module")
+def tool_model(tmp_path_factory):
+    """(model dir, prompt file): the tiny_tools task and a tool model warm-started briefly (the
+    recipe's full warm start takes ~40 s here)."""
+    import json
+
+    from ppo.generate.tiny_tools import build_tool_model
+    from ppo.prompts.tasks import write_tool_sum_task
+
+    root = tmp_path_factory.mktemp("tools")
+    data = write_tool_sum_task(root / "sums.jsonl", num_prompts=64, seed=0)
+    prompts = [json.loads(line)["prompt"] for line in open(data)]
+    build_tool_model(str(root / "model"), prompts, seed=0, steps=120)
+    return str(root / "model"), data
+
+
+@pytest.fixture(scope="module")
+def qwen_tok(tmp_path_factory):
+    """The tiny model's tokenizer with Qwen's chat markup as whole tokens and a Qwen-like chat template."""
+    from ppo.tiny_model import build_tiny_checkpoint, load_tokenizer
+    from tests.test_generate_tools import QWEN_LIKE_TEMPLATE
+
+    path = build_tiny_checkpoint(str(tmp_path_factory.mktemp("qwen")), extra_tokens=(
+        "<|im_start|>", "<|im_end|>", "\n", "<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>",
+        '"', "{", "}", ":", ","), chat_template=QWEN_LIKE_TEMPLATE)
+    return load_tokenizer(path)
+
+
+@pytest.fixture(scope="module")
 def one_torch_thread():
     """The tiny model's ops are microseconds long; with 2 intra-op threads on a loaded 2-core
     machine, thread hand-offs made the trainer tests ~5x slower (measured 76 s vs 17 s)."""

@@ -17,8 +17,6 @@ from ppo.generate.chat import render_ids
 from ppo.generate.rollout import SamplingParams, generate_and_score
 from ppo.generate.trajectories import generate_trajectories_and_score
 from ppo.tiny_model import EOS_ID, TINY_CHAT_TEMPLATE, build_tiny_checkpoint, load_tokenizer
-from roles.rollout import EngineConfig, RolloutEngine
-from runtime import Supervisor
 
 pytestmark = [pytest.mark.timeout(120), pytest.mark.usefixtures("one_torch_thread")]
 
@@ -30,18 +28,6 @@ PARAMS = SamplingParams(n_samples_per_prompt=2, max_new_tokens=12, temperature=1
 def ckpt(tmp_path_factory):
     """The tiny random model, with a chat template for the server to render requests with."""
     return build_tiny_checkpoint(str(tmp_path_factory.mktemp("tiny")), seed=0, chat_template=TINY_CHAT_TEMPLATE)
-
-
-@pytest.fixture(scope="module")
-def engines(ckpt, tmp_path_factory):
-    sup = Supervisor(tmp_path_factory.mktemp("run"), heartbeat_interval=0.5, heartbeat_timeout=30.0,
-                     shutdown_grace_s=2.0)
-    try:
-        yield [sup.spawn(f"rollout-{i}", RolloutEngine,
-                         EngineConfig(hf_checkpoint=ckpt, dtype="float32", max_batch_size=8, engine_index=i))
-               for i in range(2)]
-    finally:
-        sup.shutdown()
 
 
 @pytest.fixture(scope="module")
@@ -63,7 +49,7 @@ def rollout(engines, ckpt, prompts, agent):
         make_args=lambda client: AgentArgs(SimpleNamespace(), tok, 64, client))
 
 
-def test_an_agents_chat_samples_what_the_default_path_samples_and_its_reward_is_kept(engines, ckpt, prompts):
+def test_an_agents_chat_samples_what_the_default_path_samples_and_its_reward_is_kept(two_engines, ckpt, prompts):
     urls = []
 
     async def one_chat(base_url, prompt, request_kwargs, metadata, **kwargs):
@@ -72,9 +58,9 @@ def test_an_agents_chat_samples_what_the_default_path_samples_and_its_reward_is_
             r = await client.chat.completions.create(model="tiny", messages=prompt, **request_kwargs)
         return 0.5 if r.choices[0].message.content else 0.25
 
-    default = generate_and_score(engines, [], prompts, PARAMS, step=0, decode=str, eos_id=EOS_ID,
+    default = generate_and_score(two_engines, [], prompts, PARAMS, step=0, decode=str, eos_id=EOS_ID,
                                  recover=lambda role, dead: None)
-    agent = rollout(engines, ckpt, prompts, one_chat)
+    agent = rollout(two_engines, ckpt, prompts, one_chat)
     for d, a in zip(default, agent, strict=True):
         assert (a["index"], a["prompt_ids"], a["response_ids"]) == (d["index"], d["prompt_ids"], d["response_ids"])
         assert a["rollout_log_probs"] == pytest.approx(d["rollout_log_probs"], abs=1e-5)
@@ -86,20 +72,20 @@ def test_an_agents_chat_samples_what_the_default_path_samples_and_its_reward_is_
 
 
 def test_an_agent_that_fails_after_a_completion_trains_on_its_record_and_one_before_stops_the_run(
-        engines, ckpt, prompts):
+        two_engines, ckpt, prompts):
     async def fails_late(base_url, prompt, request_kwargs, metadata, **kwargs):
         async with openai.AsyncOpenAI(base_url=base_url, api_key=kwargs["api_key"]) as client:
             await client.chat.completions.create(model="tiny", messages=prompt, **request_kwargs)
         raise KeyError("the agent's own bug")
 
-    rows = rollout(engines, ckpt, prompts[:1], fails_late)
+    rows = rollout(two_engines, ckpt, prompts[:1], fails_late)
     assert [r["stats"]["agent_errors"] for r in rows] == [1, 1] and all(r["response_ids"] for r in rows)
 
     async def fails_early(base_url, prompt, request_kwargs, metadata, **kwargs):
         raise KeyError("the agent's own bug")
 
     with pytest.raises(RuntimeError, match="raised before any completion: KeyError"):
-        rollout(engines, ckpt, prompts[:1], fails_early)
+        rollout(two_engines, ckpt, prompts[:1], fails_early)
 
 
 async def an_agent(base_url, prompt, request_kwargs, metadata, **kwargs):

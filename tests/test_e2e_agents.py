@@ -8,19 +8,7 @@ import pytest
 from ppo.config.recipes import tiny_tools, tiny_tools_agent
 from ppo.config.serialize import override
 from ppo.config.validate import ensure_valid
-from ppo.generate.tiny_tools import build_tool_model
 from ppo.loop import train
-from ppo.prompts.tasks import write_tool_sum_task
-
-
-@pytest.fixture(scope="module")
-def tool_model(tmp_path_factory):
-    """A tool model warm-started briefly (as tests/test_e2e_tools.py's)."""
-    root = tmp_path_factory.mktemp("agents")
-    data = write_tool_sum_task(root / "sums.jsonl", num_prompts=64, seed=0)
-    prompts = [json.loads(line)["prompt"] for line in open(data)]
-    build_tool_model(str(root / "model"), prompts, seed=0, steps=120)
-    return str(root / "model"), data
 
 
 def run(recipe, tmp_path, model, data):

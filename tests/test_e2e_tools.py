@@ -6,20 +6,8 @@ import pytest
 
 from ppo.config.serialize import override
 from ppo.config.validate import ensure_valid
-from ppo.generate.tiny_tools import build_tool_model
-from ppo.prompts.tasks import write_tool_sum_task
 from ppo.loop import train
 from ppo.config.recipes import tiny_tools, tiny_tools_no_tool
-
-
-@pytest.fixture(scope="module")
-def tool_model(tmp_path_factory):
-    """A tool model warm-started briefly (the recipe's full warm start takes ~40 s here)."""
-    root = tmp_path_factory.mktemp("tools")
-    data = write_tool_sum_task(root / "sums.jsonl", num_prompts=64, seed=0)
-    prompts = [json.loads(line)["prompt"] for line in open(data)]
-    build_tool_model(str(root / "model"), prompts, seed=0, steps=120)
-    return str(root / "model"), data
 
 
 @pytest.mark.slow

@@ -1,5 +1,5 @@
 """Per-trajectory generation on real engine processes: a custom generate function per sample,
-many at once, turns batched across trajectories, token-faithful records."""
+many at once, turns streamed into the engines' running batches, token-faithful records."""
 
 from types import SimpleNamespace
 
@@ -37,19 +37,6 @@ async def three_turns(args, sample, sampling_params):
     return sample
 
 
-@pytest.fixture(scope="module")
-def engines(ckpt, tmp_path_factory):
-    """Two engine processes, shared by the module's tests (spawning them is most of the time)."""
-    sup = Supervisor(tmp_path_factory.mktemp("run"), heartbeat_interval=0.1, heartbeat_timeout=1.0,
-                     shutdown_grace_s=2.0)
-    try:
-        yield [sup.spawn(f"rollout-{i}", RolloutEngine,
-                         EngineConfig(hf_checkpoint=ckpt, dtype="float32", max_batch_size=8, engine_index=i))
-               for i in range(2)]
-    finally:
-        sup.shutdown()
-
-
 def run(engines, fn, ckpt, clients=None):
     def make_args(client):
         if clients is not None:
@@ -60,23 +47,46 @@ def run(engines, fn, ckpt, clients=None):
                                            recover=lambda role, dead: None, generate_fn=fn, make_args=make_args)
 
 
-def test_one_turn_generate_function_samples_what_the_default_path_samples(engines, ckpt):
-    default = generate_and_score(engines, [], PROMPTS, PARAMS, step=0, decode=str, eos_id=EOS_ID,
+def test_one_turn_generate_function_samples_what_the_default_path_samples(two_engines, ckpt):
+    default = generate_and_score(two_engines, [], PROMPTS, PARAMS, step=0, decode=str, eos_id=EOS_ID,
                                  recover=lambda role, dead: None)
-    custom = run(engines, one_turn, ckpt)
+    custom = run(two_engines, one_turn, ckpt)
     for d, c in zip(default, custom, strict=True):
         assert (c["index"], c["group_index"], c["response_ids"]) == (d["index"], d["group_index"], d["response_ids"])
         assert c["rollout_log_probs"] == pytest.approx(d["rollout_log_probs"], abs=1e-5)
         assert c["loss_mask"] == [1] * len(c["response_ids"]) and c["num_turns"] == 1
 
 
-def test_turns_of_many_trajectories_share_engine_calls_and_each_turn_is_the_engines_own(engines, ckpt):
+def test_a_second_turn_joins_the_running_batch_and_finishes_before_a_long_first_turn(two_engines, ckpt):
+    """Sample 0's second turn is sent while the long first turns of samples 2, 4 and 6 decode on
+    the same engine (sample index % 2): it joins their batch and comes back before they do."""
+    done = []
+
+    async def short_or_long(args, sample, sampling_params):
+        if sample.index % 2:
+            return await one_turn(args, sample, sampling_params)
+        if sample.index > 0:
+            await args.generate(sample, dict(sampling_params, max_new_tokens=40, ignore_eos=True))
+            done.append(f"long {sample.index}")
+            return sample
+        for turn in range(2):
+            await args.generate(sample, dict(sampling_params, max_new_tokens=len(sample.trajectory.response_ids) + 2,
+                                             ignore_eos=True))
+            sample.trajectory.add_env_turn(ENV_IDS)
+        done.append("second turn of 0")
+        return sample
+
     clients = []
-    samples = run(engines, three_turns, ckpt, clients)
+    samples = run(two_engines, short_or_long, ckpt, clients)
+    assert done[0] == "second turn of 0" and sorted(done[1:]) == ["long 2", "long 4", "long 6"]
+    assert [len(s["response_ids"]) for s in samples[:8:2]] == [2 + 3 + 2 + 3, 40, 40, 40]
+    assert clients[0].num_calls > 2  # the engines were called again while requests were out
+
+
+def test_turns_of_many_trajectories_each_are_the_engines_own(two_engines, ckpt):
+    samples = run(two_engines, three_turns, ckpt)
     assert len(samples) == 8
-    # every trajectory's turn k went out in one call per engine: 3 rounds x 2 engines at most
-    total_turns = sum(s["num_turns"] for s in samples)
-    assert total_turns > 8 and clients[0].num_calls <= 3 * 2
+    assert sum(s["num_turns"] for s in samples) > 8
     for s in samples[:3]:  # replaying is a call per turn: a few samples say it
         mask, ids = s["loss_mask"], s["response_ids"]
         assert s["num_turns"] == 3 and s["num_env_tokens"] == 2 * len(ENV_IDS)
@@ -90,7 +100,7 @@ def test_turns_of_many_trajectories_share_engine_calls_and_each_turn_is_the_engi
             if source == "model":
                 seed = turn_seed(_request_seed(s["index"]), turn)
                 budget = min(5, 64 - len(context))
-                again = engines[s["index"] % 2].generate([{"id": 0, "prompt_ids": context,
+                again = two_engines[s["index"] % 2].generate([{"id": 0, "prompt_ids": context,
                                                            "sampling": {"max_new_tokens": budget, "seed": seed,
                                                                         "stop_token_ids": [EOS_ID]}}])[0]
                 assert again["token_ids"] == chunk
@@ -177,10 +187,10 @@ class Stop(BaseException):
 
 
 def test_a_signal_raised_while_the_engines_are_called_stops_the_rollout_instead_of_hanging():
-    def call(requests):  # where the handler's exception lands: in EndpointRef.call (runtime/handle.py)
+    def call(session, requests):  # where the handler's exception lands: in EndpointRef.call (runtime/handle.py)
         raise Stop()
 
-    engine = SimpleNamespace(generate=SimpleNamespace(call=call))
+    engine = SimpleNamespace(stream=SimpleNamespace(call=call))
     with pytest.raises(Stop):
         generate_trajectories_and_score([engine], [], PROMPTS, PARAMS, step=0, decode=str, eos_id=EOS_ID,
                                         recover=lambda role, dead: None, generate_fn=three_turns,

@@ -44,14 +44,6 @@ def tok(tmp_path_factory):
     return load_tokenizer(path)
 
 
-@pytest.fixture(scope="module")
-def qwen_tok(tmp_path_factory):
-    path = build_tiny_checkpoint(str(tmp_path_factory.mktemp("qwen")), extra_tokens=(
-        "<|im_start|>", "<|im_end|>", "\n", "<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>",
-        '"', "{", "}", ":", ","), chat_template=QWEN_LIKE_TEMPLATE)
-    return load_tokenizer(path)
-
-
 def test_tool_calls_are_parsed_in_order_and_malformed_ones_become_errors():
     text = ('think <tool_call>{"name": "calc", "arguments": {"expr": "1+2"}}</tool_call>'
             '<tool_call>\n{"name": "search", "arguments": "{\\"q\\": \\"x\\"}"}\n</tool_call>')

@@ -518,3 +518,31 @@ def test_tiny_ppo_on_fake_sglang_rolls_out_the_actors_policy_after_a_critic_only
     assert all(d < 1e-4 for d in diffs), diffs  # from discarded weights it is ~1 nat per token
     # the raise lost each engine's whole call: every request of rollout 0 was issued again, once
     assert [h["rollout/aborted_requests"] for h in history] == [32, 0, 0]
+
+
+def test_streamed_requests_are_each_their_own_async_generate_and_equal_the_blocking_ones(ckpt, fake_sglang):
+    """RolloutEngine.stream on sglang: every request goes at once as one async_generate of its token
+    ids (what sglang's scheduler batches and its radix cache matches); a second request sent while
+    the first is out joins it; an abort sglang raises for one request re-issues that one alone."""
+    eng, fake = _engine(ckpt, fake_sglang, dtype="float32")
+    first = {"id": 0, "prompt_ids": [2, 3, 4], "sampling": {"temperature": 0.0, "max_new_tokens": 5, "ignore_eos": True}}
+    second = {"id": 1, "prompt_ids": [5, 6], "sampling": {"temperature": 0.0, "max_new_tokens": 3, "ignore_eos": True}}
+    got = eng.stream("s", [first], wait_s=0.0)
+    fake.abort_prompts[sum(second["prompt_ids"])] = [{"message": "retracted", "status_code": 400}]
+    got += eng.stream("s", [second], wait_s=0.0)
+    while len(got) < 2:
+        got += eng.stream("s", [], wait_s=0.0)
+    sent = [c for c in fake.calls if c[0] == "async_generate"]
+    assert len(sent) == 3 and all(isinstance(c[1], dict) for c in sent)  # the abort's retry is the third
+    by_id = {r["id"]: r for r in got}
+    assert by_id[1]["num_aborts"] == 1 and by_id[0]["num_aborts"] == 0
+    blocking = {r["id"]: r for r in eng.generate([first, second])}
+    for rid in (0, 1):
+        assert by_id[rid]["token_ids"] == blocking[rid]["token_ids"]
+        assert by_id[rid]["logprobs"] == pytest.approx(blocking[rid]["logprobs"], abs=1e-6)
+    assert by_id[0]["token_ids"] == _greedy(ckpt, [2, 3, 4], 5)[0]
+    # a release waits the stream's requests out first (sglang's scheduler dies releasing under them)
+    eng2, fake2 = _engine(ckpt, fake_sglang, dtype="float32", options=SAVER)
+    eng2.stream("t", [first], wait_s=0.0)
+    eng2.release(["kv_cache"])
+    assert fake2.pending_requests == 0 and eng2._backend._streaming == {}

@@ -17,12 +17,11 @@ from ppo.generate.custom import GenerateArgs, Sample
 from ppo.generate.metrics import trajectory_metrics
 from ppo.generate.tool_loop import generate as tool_loop
 from ppo.generate.tools import ToolSetup, tool_limits
-from ppo.tiny_model import build_tiny_checkpoint, load_tokenizer
 from roles.tools import sandbox
 from roles.tools.executor import ToolExecutor
 from roles.tools.in_process import InProcessExecutor
 from roles.tools.specs import ToolSet
-from tests.test_generate_tools import QWEN_LIKE_TEMPLATE, ScriptedClient
+from tests.test_generate_tools import ScriptedClient
 
 BWRAP, NO_SANDBOX = sandbox.choose_bwrap()
 TOOL = '''
@@ -42,14 +41,6 @@ SPECS = ({"type": "function", "function": {"name": "misbehave", "parameters": {
     "type": "object", "properties": {"what": {"type": "string"}}, "required": ["what"]}}},)
 LIMITS = tool_limits(SimpleNamespace(tools=ToolsConfig(tool_timeout=0.5, tool_cpu_seconds=2, tool_memory_mb=256)))
 SLOW_LIMITS = tool_limits(SimpleNamespace(tools=ToolsConfig(tool_timeout=10, tool_cpu_seconds=2, tool_memory_mb=256)))
-
-
-@pytest.fixture(scope="module")
-def tok(tmp_path_factory):
-    path = build_tiny_checkpoint(str(tmp_path_factory.mktemp("qwen")), extra_tokens=(
-        "<|im_start|>", "<|im_end|>", "\n", "<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>",
-        '"', "{", "}", ":", ","), chat_template=QWEN_LIKE_TEMPLATE)
-    return load_tokenizer(path)
 
 
 @pytest.fixture
@@ -93,10 +84,10 @@ def run_loop(tok, tools, ex, turns: list[str], during=None):
 
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("kind", ["sandbox", "in_process"])
-def test_a_hang_a_crash_and_a_malformed_call_are_error_messages_and_the_trajectory_goes_on(tok, tools, kind):
+def test_a_hang_a_crash_and_a_malformed_call_are_error_messages_and_the_trajectory_goes_on(qwen_tok, tools, kind):
     ex = executor(kind, tools)
     try:
-        out, texts = run_loop(tok, tools, ex, [call("hang") + call("crash") + "<tool_call>nope</tool_call>",
+        out, texts = run_loop(qwen_tok, tools, ex, [call("hang") + call("crash") + "<tool_call>nope</tool_call>",
                                         call("echo"), "the answer"])
     finally:
         ex.close()
@@ -120,7 +111,7 @@ def test_a_hang_a_crash_and_a_malformed_call_are_error_messages_and_the_trajecto
 
 
 @pytest.mark.timeout(60)
-def test_a_sandbox_worker_killed_mid_call_is_replaced_and_the_call_answered_once(tok, tools):
+def test_a_sandbox_worker_killed_mid_call_is_replaced_and_the_call_answered_once(qwen_tok, tools):
     ex = executor("sandbox", tools, SLOW_LIMITS)  # the slow call ends by itself, in 1.5 s
 
     async def kill_the_busy_worker(ex):
@@ -128,7 +119,7 @@ def test_a_sandbox_worker_killed_mid_call_is_replaced_and_the_call_answered_once
         os.kill(busy.pid, signal.SIGKILL)
 
     try:
-        out, texts = run_loop(tok, tools, ex, [call("slow"), "the answer"], during=kill_the_busy_worker)
+        out, texts = run_loop(qwen_tok, tools, ex, [call("slow"), "the answer"], during=kill_the_busy_worker)
     finally:
         ex.close()
     assert "slow done" in texts[1]  # run again on the replacement
@@ -136,7 +127,7 @@ def test_a_sandbox_worker_killed_mid_call_is_replaced_and_the_call_answered_once
 
 
 @pytest.mark.timeout(60)
-def test_a_calls_sandbox_killed_mid_call_is_an_error_and_the_worker_serves_on(tok, tools):
+def test_a_calls_sandbox_killed_mid_call_is_an_error_and_the_worker_serves_on(qwen_tok, tools):
     ex = executor("sandbox", tools, SLOW_LIMITS)
 
     async def kill_the_sandbox(ex):
@@ -145,7 +136,7 @@ def test_a_calls_sandbox_killed_mid_call_is_an_error_and_the_worker_serves_on(to
             child.kill()
 
     try:
-        out, texts = run_loop(tok, tools, ex, [call("slow"), call("echo"), "the answer"], during=kill_the_sandbox)
+        out, texts = run_loop(qwen_tok, tools, ex, [call("slow"), call("echo"), "the answer"], during=kill_the_sandbox)
     finally:
         ex.close()
     assert "error" in texts[1] and "sandbox was killed by sigkill" in texts[1] and "echo done" in texts[3]

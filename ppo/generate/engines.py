@@ -1,18 +1,25 @@
-"""Work from many trajectories, batched onto roles: turns onto the engines, finished samples
-onto the reward scorers.
+"""Work from many trajectories onto roles: turns onto the engines, finished samples onto the
+reward scorers.
 
-A `Batcher` keeps one queue per role. An idle role takes its whole queue as one call, so
-requests of many trajectories share an engine's running batch, and a turn whose tool result
-comes back while its engine is busy goes in that engine's next call. A role that dies mid-call
-is replaced (`recover(handle, incarnation)`) and the same items are sent again; engine requests
-carry their seeds, so nothing is counted twice and a re-issued turn is the one it would have
-been. Each trajectory sticks to one engine (round robin by sample index), so that its turns
-find their earlier tokens in that engine's KV cache.
+Engines (`EngineClient`): each engine serves one stream (RolloutEngine.stream). The driver keeps
+one call in flight per engine while any of its requests are out: each call carries the turns
+queued since the last one, which join the engine's running batch at once, and returns the
+requests that finished; the next call goes as soon as it returns. So a turn whose tool result
+comes back while the engine decodes joins the batch within one call (a few decode syncs), and
+continuous batching spans trajectories. Each trajectory sticks to one engine (round robin by
+sample index), so that its turns find their earlier tokens in that engine's KV cache.
+
+Scorers (`Batcher`): an idle scorer takes its whole queue as one call.
+
+A role that dies mid-call is replaced (`recover(handle, incarnation)`) and everything it had
+not answered is sent again: engine requests carry their seeds, so a re-issued turn is the one
+it would have been, and a result is taken once (nothing is counted twice).
 """
 
 from __future__ import annotations
 
 import asyncio
+import uuid
 from collections.abc import Callable
 
 from ppo.generate.pump import Pump
@@ -70,19 +77,48 @@ class EngineClient:
     """One turn at a time on the engines: `await generate(sample_index, prompt_ids, sampling)`."""
 
     def __init__(self, engines: list[ActorHandle], pump: Pump, recover: Callable[[ActorHandle, int], None]):
-        self._batcher = Batcher(engines, "generate", pump, recover)
+        self.engines, self._pump, self._recover = engines, pump, recover
+        self._session = uuid.uuid4().hex  # the engines drop an earlier rollout's requests (roles/rollout/streaming.py)
+        self._queues: list[list[tuple[dict, asyncio.Future]]] = [[] for _ in engines]
+        self._wake = [asyncio.Event() for _ in engines]
         self._next_id = 0
-
-    @property
-    def num_calls(self) -> int:
-        return self._batcher.num_calls
-
-    @property
-    def tasks(self) -> list:
-        return self._batcher.tasks
+        self.num_calls = 0  # stream calls issued, re-issues after a death included
+        self.tasks = [asyncio.create_task(self._serve(i)) for i in range(len(engines))]  # one per engine, until cancelled
 
     async def generate(self, sample_index: int, prompt_ids: list[int], sampling: dict) -> dict:
         """The engine's result {"token_ids", "logprobs", "finish_reason", "weight_version"}."""
         request = {"id": self._next_id, "prompt_ids": list(prompt_ids), "sampling": dict(sampling)}
         self._next_id += 1
-        return await self._batcher.submit(sample_index % len(self._batcher.roles), request)
+        i = sample_index % len(self.engines)
+        fut = asyncio.get_running_loop().create_future()
+        self._queues[i].append((request, fut))
+        self._wake[i].set()
+        return await fut
+
+    async def _serve(self, i: int) -> None:
+        out: dict[int, tuple[dict, asyncio.Future]] = {}  # request id -> (request, its future): sent, not answered
+        while True:
+            if not self._queues[i] and not out:
+                await self._wake[i].wait()
+            self._wake[i].clear()
+            new, self._queues[i] = self._queues[i], []
+            out.update((request["id"], (request, fut)) for request, fut in new)
+            try:
+                self.num_calls += 1
+                results = await self._pump.watch(
+                    self.engines[i].stream.call(self._session, [request for request, _ in new]))
+            except ActorDied as e:  # its replacement gets everything not answered, as new
+                self._recover(self.engines[i], e.incarnation)
+                self._queues[i][:0] = list(out.values())
+                out.clear()
+                continue
+            except Exception as e:  # a RemoteError: the engine dropped its stream; every trajectory out gets it
+                for _, fut in out.values():
+                    if not fut.done():
+                        fut.set_exception(e)
+                out.clear()
+                continue
+            for result in results:
+                _, fut = out.pop(result["id"])
+                if not fut.done():
+                    fut.set_result(result)

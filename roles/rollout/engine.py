@@ -36,12 +36,14 @@ from roles.rollout.abort_board import AbortBoard
 from roles.rollout.aborts import generate_retrying
 from roles.rollout.config import EngineConfig
 from roles.rollout.sampling import parse_requests, request_seed
+from roles.rollout.streaming import Streams
 from runtime import Actor, endpoint, wire
 
 TAGS = ("weights", "kv_cache", "cuda_graph")
 _GRAPH_HOLDS = ("weights", "kv_cache")  # what the graphs point into
 # sglang's adapter releases its graphs with its kv_cache (SGLANG_TAGS) and knows no third tag
 _BACKEND_TAGS = {"torch": TAGS, "sglang": ("weights", "kv_cache")}
+STREAM_WAIT_S = 0.02  # longest a stream call decodes without a finish: new requests wait at most this to join
 _MEMORY_STATES = ("ready", "kv_cache_released", "weights_released", "cuda_graph_released", "released")
 
 wire.register_config(EngineConfig)  # it travels to the engine's process as itself
@@ -94,6 +96,8 @@ class RolloutEngine(Actor):
         self._weight_version = 0
         self._weight_group = None  # roles.weight_broadcast.WeightGroup, when on another node than the actor
         self._num_generate_calls = 0
+        self._streams = Streams(self._backend, max_retries=config.max_request_retries,
+                                where=f"rollout engine {config.engine_index}")
         # what it holds from the start: side by side the engine never releases, and this is
         # the one report of its bytes the monitor and the trace get
         in_use = self._backend.bytes_in_use()
@@ -124,14 +128,8 @@ class RolloutEngine(Actor):
         """
         if isinstance(requests, list) and not requests:  # nothing to generate needs no weights nor memory
             return []
-        if self._released:
-            raise RuntimeError(
-                f"rollout engine {self.config.engine_index}: generate() while {sorted(self._released)} "
-                f"released (state {self.state}); call resume({sorted(self._released)}) first"
-            )
-        parsed = parse_requests(requests, vocab_size=self._vocab_size, max_positions=self._max_positions)
-        seeds = [request_seed(self.config.seed, self.config.engine_index, self._num_generate_calls, r) for r in parsed]
-        self._num_generate_calls += 1
+        parsed, seeds = self._parse("generate", requests)
+        self._drop_stream()  # one caller at a time: a stream's caller that sends this has moved on
         board = AbortBoard.open(abort_board, [r.id for r in parsed]) if abort_board is not None else None
         backend_generate = self._backend.generate if board is None else functools.partial(self._backend.generate,
                                                                                           board=board)
@@ -148,6 +146,57 @@ class RolloutEngine(Actor):
         for result in results:
             result["weight_version"] = self._weight_version
         return results
+
+    @endpoint
+    def stream(self, session: str, requests: list[dict], wait_s: float = STREAM_WAIT_S) -> list[dict]:
+        """Streamed generation: `requests` join the engine's running batch at once (taking slots as
+        they free, beside the requests of earlier calls), the batch decodes until some request
+        finishes or `wait_s` seconds pass, and the call returns the results of the requests that
+        finished (generate's format), in no particular order; the others keep running and come
+        back from later calls. The caller calls again (with new requests or none) while any of
+        its requests are out. So a trajectory's next turn joins the batch while the other
+        trajectories' turns decode, instead of waiting for a whole `generate` call to end.
+
+        `session`: the caller's name for its stream; a call of another session drops the
+        requests of the earlier one (streaming.py), as does `generate` or a release. Request ids
+        are unique within a session. Seeds as in generate; aborts are issued again as there.
+        """
+        if session != self._streams.session:
+            self._drop_stream()
+            self._streams.open(session)
+        if isinstance(requests, list) and not requests and not len(self._streams):
+            return []
+        if not isinstance(wait_s, (int, float)) or not 0 <= wait_s <= 60:
+            raise ValueError(f"wait_s={wait_s!r} must be a number of seconds in [0, 60]")
+        parsed, seeds = self._parse("stream", requests)
+        try:
+            if self.state != "generating":  # the state spans the stream, not each call (one event per stretch)
+                self.set_state("generating", num_requests=len(parsed) + len(self._streams))
+                check_in_run(f"rollout engine {self.config.engine_index}")  # once a stretch: a call is a few syncs
+            results = self._streams.call(parsed, seeds, wait_s)
+        finally:
+            if not len(self._streams):
+                self.set_state("ready")
+        for result in results:
+            result["weight_version"] = self._weight_version
+        return results
+
+    def _drop_stream(self) -> None:
+        self._streams.drop()
+        if self.state == "generating":
+            self.set_state("ready")
+
+    def _parse(self, method: str, requests: list[dict]) -> tuple[list, list[int]]:
+        """The requests validated, and their seeds (generate's docstring)."""
+        if self._released:
+            raise RuntimeError(
+                f"rollout engine {self.config.engine_index}: {method}() while {sorted(self._released)} "
+                f"released (state {self.state}); call resume({sorted(self._released)}) first"
+            )
+        parsed = parse_requests(requests, vocab_size=self._vocab_size, max_positions=self._max_positions)
+        seeds = [request_seed(self.config.seed, self.config.engine_index, self._num_generate_calls, r) for r in parsed]
+        self._num_generate_calls += 1
+        return parsed, seeds
 
     def on_stop(self) -> None:
         """The role is stopped (runtime.actor): the backend's shutdown (sglang's Engine.shutdown(),
@@ -171,6 +220,7 @@ class RolloutEngine(Actor):
             tags = self._check_tags([*tags, "cuda_graph"])
         todo = [t for t in tags if t not in self._released]
         if todo:
+            self._drop_stream()  # the slots' contents go (a stream's caller releases only once it is done)
             t0, before = time.time(), self._backend.bytes_in_use()
             mine = [t for t in todo if t in self._backend_tags]
             if mine:  # sglang: an empty tag list would mean "everything"

@@ -69,6 +69,17 @@ included, with the file and line each behaviour copies.
   with their tokens so far and one more, finish_reason "abort" with no status, so not raised
   (docs/partial_rollouts.md, "sglang", has the lines).
 - no requests: not sent (sglang raises ValueError("input_ids cannot be empty."), io_struct.py:499).
+- streamed generation (RolloutEngine.stream): each request is its own `Engine.async_generate(input_ids=ids,
+  sampling_params=..., return_logprob=True)` (one prompt), a task on the Engine's own event loop
+  (`Engine.loop`, set in `Engine.__init__` from asyncio's running or a new loop; `generate` runs
+  its requests on the same loop with `run_until_complete`). sglang's scheduler process batches
+  every request in flight, so a turn sent while others decode joins their batch, and its radix
+  cache finds the turn's earlier tokens by the token ids themselves: `input_ids` is all it needs
+  (no session or rid). Between calls the loop is idle but the scheduler keeps decoding; the
+  answers wait on the tokenizer manager's socket. A raise from one request's task (the aborts
+  above) names that request alone. Dropping a stream waits for its requests to end (sglang has
+  no cancel for a non-streaming request short of abort_request, and releasing memory while
+  requests run kills its scheduler).
 - pause/continue generation: not needed. Updates reach this actor only between `generate`
   calls (one message at a time), so sglang is idle when its weights change.
 - shutdown: RolloutEngine.on_stop calls `Engine.shutdown()` when the role is stopped (SIGTERM),
@@ -80,6 +91,7 @@ sglang is imported lazily: only this backend needs it, and only on a GPU machine
 
 from __future__ import annotations
 
+import asyncio
 import glob
 import os
 import threading
@@ -306,6 +318,7 @@ class SglangBackend:
         # Tensors whose contents sglang threw away at a release without a CPU backup, not
         # loaded since; generate refuses until an update has loaded them all and ended.
         self._discarded: set[str] = set()
+        self._streaming: dict[int, tuple[GenerateRequest, asyncio.Task]] = {}  # id -> (request, its task)
 
     # -- memory -----------------------------------------------------------------------
     def release(self, tags: list[str]) -> None:
@@ -398,13 +411,7 @@ class SglangBackend:
         "abort" and their tokens so far."""
         if not requests:  # sglang would raise ValueError("input_ids cannot be empty."): io_struct.py:499
             return []
-        if self._discarded:
-            missing = sorted(self._discarded)
-            raise RuntimeError(f"backend 'sglang': the engine's weights were released without a CPU backup, "
-                               f"so sglang threw their contents away, and {len(missing)} tensors (e.g. "
-                               f"{missing[:2]}) were not loaded since; push the weights (update_weights per "
-                               "bucket, then set_weight_version) before generating, or start the engine with "
-                               "options={'enable_weights_cpu_backup': True}")
+        self._check_weights_whole()
         # built outside the try: only sglang's own ValueError is an abort
         input_ids = [r.prompt_ids for r in requests]
         sampling_params = [_sampling_params(r, seed if self.deterministic else None) for r, seed in zip(requests, seeds)]
@@ -423,17 +430,77 @@ class SglangBackend:
                 watch.stop()
         results, aborted, reason = [], [], ""
         for r, out in zip(requests, outputs):
-            finish = out["meta_info"].get("finish_reason")
-            if isinstance(finish, dict) and finish.get("type") == "abort" and watch is not None and watch.sent:
+            returned = _returned_abort(r, out)
+            if returned and watch is not None and watch.sent:
                 results.append(_result(r, out, partial=True))  # the driver's abort: its tokens so far
-            elif isinstance(finish, dict) and finish.get("type") == "abort":  # an abort sglang returns
+            elif returned:  # an abort sglang returns
                 aborted.append(r.id)
-                reason = f"sglang aborted request id={r.id}: {finish.get('message')} (status {finish.get('status_code')})"
+                reason = returned
             else:
                 results.append(_result(r, out))
         if aborted:
             raise RequestsAborted(aborted, reason, results)
         return results
+
+    def stream(self, requests: list[GenerateRequest], seeds: list[int], wait_s: float) -> list[dict]:
+        """Send each request as its own async_generate (module docstring, "streamed generation"),
+        run the Engine's loop until one of the requests out has finished or wait_s passed, and
+        return the finished results; aborted requests raise RequestsAborted with them."""
+        self._check_weights_whole()
+        loop = self.engine.loop
+        for r, seed in zip(requests, seeds):
+            params = _sampling_params(r, seed if self.deterministic else None)
+            task = loop.create_task(self.engine.async_generate(input_ids=r.prompt_ids, sampling_params=params,
+                                                               return_logprob=True))
+            self._streaming[r.id] = (r, task)
+        if not self._streaming:
+            return []
+        loop.run_until_complete(asyncio.wait([t for _, t in self._streaming.values()], timeout=wait_s,
+                                             return_when=asyncio.FIRST_COMPLETED))
+        results, aborted, reason = [], [], ""
+        for rid, (r, task) in list(self._streaming.items()):
+            if not task.done():
+                continue
+            del self._streaming[rid]
+            try:
+                out = task.result()
+            except (ValueError, self.sgl.HTTPException) as e:  # this request's abort, raised (module docstring)
+                aborted.append(rid)
+                reason = f"sglang {type(e).__name__} for request id={rid}: {e}"
+                continue
+            returned = _returned_abort(r, out)
+            if returned:
+                aborted.append(rid)
+                reason = returned
+            else:
+                results.append(_result(r, out))
+        if aborted:
+            raise RequestsAborted(aborted, reason, results)
+        return results
+
+    def drop_stream(self) -> None:
+        """Wait for the stream's requests to end and forget their answers."""
+        tasks = [t for _, t in self._streaming.values()]
+        self._streaming.clear()
+        if tasks:
+            self.engine.loop.run_until_complete(asyncio.gather(*tasks, return_exceptions=True))
+
+    def _check_weights_whole(self) -> None:
+        if self._discarded:
+            missing = sorted(self._discarded)
+            raise RuntimeError(f"backend 'sglang': the engine's weights were released without a CPU backup, "
+                               f"so sglang threw their contents away, and {len(missing)} tensors (e.g. "
+                               f"{missing[:2]}) were not loaded since; push the weights (update_weights per "
+                               "bucket, then set_weight_version) before generating, or start the engine with "
+                               "options={'enable_weights_cpu_backup': True}")
+
+
+def _returned_abort(request: GenerateRequest, output: dict) -> str | None:
+    """The reason, where sglang returned the request aborted rather than raising (module docstring)."""
+    finish = output["meta_info"].get("finish_reason")
+    if isinstance(finish, dict) and finish.get("type") == "abort":
+        return f"sglang aborted request id={request.id}: {finish.get('message')} (status {finish.get('status_code')})"
+    return None
 
 
 def _sampling_params(request: GenerateRequest, seed: int | None) -> dict:

@@ -26,6 +26,8 @@ modelled behaviour names the file and line it copies (sglang 0.5.23 wheel, `sgla
   `rid_to_state` (ReqState.finished) and `abort_request(abort_all=True)`: a queued request comes
   back without tokens ("Abort in waiting queue"), the running one after one more forward with
   finish_reason abort and no status (FakeTokenizerManager, `_batch`, `_waiting_abort`).
+- streamed requests: `async_generate` (one prompt) on `Engine.loop`, as the adapter's stream sends
+  them; the fake computes each when its task first runs.
 - empty input: `generate(input_ids=[])` is io_struct.py's ValueError("input_ids cannot be empty.").
 - flush_cache refused while requests are pending (`pending_requests`, scheduler.py:5518-5547).
 - shutdown: `Engine.shutdown()` is recorded; its children (none here) would be killed.
@@ -387,6 +389,32 @@ class FakeEngine:
             tm.rid_to_state.pop(r).finished = True
         tm.abort_all = False
         return outs
+
+    # -- engine.py async_generate: one GenerateReqInput through the tokenizer manager, awaited on
+    # the caller's loop; Engine.__init__ keeps `self.loop` (asyncio's running loop, else a new
+    # one set as the thread's), on which `generate` runs its requests too -------------------
+    async def async_generate(self, prompt=None, sampling_params=None, input_ids=None, return_logprob=False,
+                             logprob_start_len=None, top_logprobs_num=None, stream=False, rid=None):
+        assert prompt is None and not stream
+        if len(input_ids) == 0:  # managers/io_struct.py:499 (0.5.21: 489)
+            raise ValueError("input_ids cannot be empty.")
+        assert isinstance(input_ids[0], int)  # one prompt: its output is a dict, not a list of them
+        self.calls.append(("async_generate", sampling_params))
+        if self.num_generate_calls in self.call_aborts:
+            self.abort_prompts.setdefault(sum(input_ids), []).append(self.call_aborts[self.num_generate_calls])
+        self.num_generate_calls += 1
+        self.pending_requests += 1
+        try:
+            await asyncio.sleep(0)  # the scheduler works while the caller's loop runs other tasks
+            if self.memory_saver and self.offload_tags:
+                scheduler_dies(RuntimeError(f"CUDA error: an illegal memory access was encountered "
+                                            f"(memory {sorted(self.offload_tags)} released)"))
+            out = await self._one(input_ids, _verify(sampling_params), return_logprob, rid or "rid")
+        finally:
+            self.pending_requests -= 1
+        self.cache_entries += 1
+        _raise_for_abort(out["meta_info"]["finish_reason"], self.version)
+        return out
 
     async def _one(self, ids, sp, return_logprob, rid="rid"):
         temperature, top_k, top_p = sp.get("temperature", 1.0), sp.get("top_k", -1), sp.get("top_p", 1.0)

@@ -43,8 +43,13 @@ from roles.rollout.torch_engine.scheduler import Scheduler
 # and in any batch, in bf16 too, with the Triton kernels, as long as every call gets the same
 # number of slots (the KV budget holds max_batch_size of them). The torch attention (triton off,
 # and the CPU) still attends over a span that follows the batch. Cost: bench.rollout --batch-invariant.
+# kv_reuse (default on): a trajectory's next turn continues its slot's K/V (prefixes.py); off,
+# every turn prefills its whole context (bench.multi_turn's recompute peer). slot_len (tokens;
+# default: shaped per batch from its longest request): every batch's slots hold this many
+# positions, so requests whose own length says little of the trajectory's (a turn told where to
+# stop) still find their earlier turns' slots; a longer request is refused.
 TORCH_OPTIONS = {"cuda_graphs": bool, "compile": bool, "triton": bool, "sync_every": int, "load_format": str,
-                 "batch_invariant": bool}
+                 "batch_invariant": bool, "kv_reuse": bool, "slot_len": int}
 LOAD_FORMATS = ("safetensors", "dummy")
 
 
@@ -86,7 +91,8 @@ class TorchBackend:
                                    sync_every=options.get("sync_every", 16 if on_gpu else 1),
                                    slot_quantum=64 if on_gpu else 1, span_quantum=64 if on_gpu else 1,
                                    fused=on_gpu and options.get("triton", True),
-                                   batch_invariant=options.get("batch_invariant", False))
+                                   batch_invariant=options.get("batch_invariant", False),
+                                   kv_reuse=options.get("kv_reuse", True), slot_len=options.get("slot_len"))
 
     @property
     def weights_bytes(self) -> int:
@@ -184,15 +190,29 @@ class TorchBackend:
         try:
             results = self.scheduler.generate(requests, seeds, board)
         except torch.OutOfMemoryError as e:
-            self.scheduler.drop_state()
-            if self.memory.kind == "cuda":
-                torch.cuda.empty_cache()
+            self._out_of_memory()
             raise RequestsAborted([r.id for r in requests], f"out of memory in the built-in engine: {e}") from None
-        bad = [r["id"] for r in results if not all(math.isfinite(lp) for lp in r["logprobs"])]
-        if bad:
-            raise RequestsAborted(bad, f"request id={bad[0]}: non-finite log-probs (an internal error in the "
-                                       "built-in engine's forward)", [r for r in results if r["id"] not in bad])
-        return results
+        return _finite(results)
+
+    def stream(self, requests: list[GenerateRequest], seeds: list[int], wait_s: float) -> list[dict]:
+        """The scheduler's `stream`: the results of the running batch's requests that finished. Its
+        aborts are generate's: out of memory aborts every request the batch held (the running
+        batch is dropped with the slot state), a non-finite result its own request."""
+        try:
+            results = self.scheduler.stream(requests, seeds, wait_s)
+        except torch.OutOfMemoryError as e:
+            ids = list(dict.fromkeys([*self.scheduler.held_ids(), *(r.id for r in requests)]))
+            self._out_of_memory()
+            raise RequestsAborted(ids, f"out of memory in the built-in engine: {e}") from None
+        return _finite(results)
+
+    def drop_stream(self) -> None:
+        self.scheduler.drop_stream()
+
+    def _out_of_memory(self) -> None:
+        self.scheduler.drop_state()  # the graphs and slot state are built again on the next try
+        if self.memory.kind == "cuda":
+            torch.cuda.empty_cache()
 
     def shutdown(self) -> None:
         """Free the device memory (KV cache, graphs, weights) and say so in the ledger, so that
@@ -204,6 +224,16 @@ class TorchBackend:
         self.memory.account("weights", 0)
 
 
+def _finite(results: list[dict]) -> list[dict]:
+    """`results`, unless a request's log-probs are not finite (an internal error in its rows: a NaN
+    from the forward): that request is aborted alone, the others' results kept."""
+    bad = [r["id"] for r in results if not all(math.isfinite(lp) for lp in r["logprobs"])]
+    if bad:
+        raise RequestsAborted(bad, f"request id={bad[0]}: non-finite log-probs (an internal error in the "
+                                   "built-in engine's forward)", [r for r in results if r["id"] not in bad])
+    return results
+
+
 def _check_options(options: dict) -> dict:
     unknown = sorted(set(options) - set(TORCH_OPTIONS))
     if unknown:
@@ -211,6 +241,8 @@ def _check_options(options: dict) -> dict:
     for name, kind in TORCH_OPTIONS.items():
         if name in options and type(options[name]) is not kind:
             raise ValueError(f"backend 'torch': option {name}={options[name]!r} must be a {kind.__name__}")
+    if options.get("slot_len", 1) < 1:
+        raise ValueError(f"backend 'torch': option slot_len={options['slot_len']} must be >= 1 (tokens)")
     if options.get("sync_every", 1) < 1:
         raise ValueError(f"backend 'torch': option sync_every={options['sync_every']} must be >= 1")
     if options.get("load_format", "safetensors") not in LOAD_FORMATS:

@@ -1,6 +1,11 @@
 """Continuous batching over the slot KV cache: prefill packed, decode on the device.
 
-One `generate` call runs this loop until every request is done:
+A blocking `generate` call runs this loop until every request is done; a `stream` call adds its
+requests to the running batch (running.py), which outlives the call, and runs the loop until
+some request has finished (or a short wait has passed), returning the finished ones: requests
+that arrive while others decode (a trajectory's next turn) take slots as they free, as any
+waiting request does. The running batch keeps one slot geometry; a request too long for it
+waits until the batch drains, then starts one of its own.
 
 1. admit: waiting requests take the free slots (lowest first), those with the most
    max_new_tokens first (the only length known ahead: it shortens the tail in which the
@@ -33,8 +38,7 @@ Off under `batch_invariant` (a reused prefix changes the shapes a request is com
 
 from __future__ import annotations
 
-from collections import deque
-from itertools import islice
+import time
 
 import torch
 import torch.nn.functional as F
@@ -45,7 +49,8 @@ from roles.rollout.torch_engine.decoder import Decoder
 from roles.rollout.torch_engine.graphs import DecodeGraphs, batch_bucket
 from roles.rollout.torch_engine.kv_cache import Geometry, KVCache
 from roles.rollout.torch_engine.prefixes import SlotPrefixes
-from roles.rollout.torch_engine.sampler import SamplingRows, sample, sampling_mode
+from roles.rollout.torch_engine.running import Held, RunningBatch
+from roles.rollout.torch_engine.sampler import SamplingRows, sample
 
 PREFILL_TOKENS = 16384  # packed prompt tokens per prefill forward (activations scale with it)
 
@@ -70,7 +75,8 @@ class SlotState:
 
 class Scheduler:
     def __init__(self, decoder: Decoder, cache: KVCache, graphs: DecodeGraphs, *, sync_every: int,
-                 slot_quantum: int, span_quantum: int, fused: bool, batch_invariant: bool = False):
+                 slot_quantum: int, span_quantum: int, fused: bool, batch_invariant: bool = False,
+                 kv_reuse: bool = True, slot_len: int | None = None):
         self.decoder = decoder
         self.spec = decoder.spec
         self.cache = cache
@@ -84,10 +90,13 @@ class Scheduler:
         # batch_invariant: a request's forward has the same shapes in any batch (one prompt per
         # prefill, decode over every slot, attention unsplit), so the same rounding (backend.py)
         self.batch_invariant = batch_invariant
+        self.kv_reuse = kv_reuse and not batch_invariant  # off under batch_invariant: module docstring
+        self.slot_len = slot_len  # fixed slots (backend.py's option), else shaped per batch
         # the longest slot a call can shape (_geometry: prompt + max_new_tokens <= max_positions)
         self.max_slot_len = self.spec.max_positions + sync_every + slot_quantum
         self.state: SlotState | None = None
         self.prefixes = SlotPrefixes()
+        self.batch: RunningBatch | None = None  # the requests being served (running.py)
         self.last_stats: dict = {}
 
     def drop_state(self) -> None:
@@ -95,6 +104,7 @@ class Scheduler:
         weights are going away)."""
         self.graphs.free()
         self.state = None
+        self.batch = None
         self.decoder.drop_rope()
         self.prefixes.clear()
 
@@ -106,7 +116,54 @@ class Scheduler:
     @torch.no_grad()
     def generate(self, requests: list[GenerateRequest], seeds: list[int], board: AbortBoard | None = None
                  ) -> list[dict]:
-        geometry = self._geometry(requests)
+        """Every request to its finish (or to the board's abort), results in request order."""
+        if self.batch is not None:
+            raise RuntimeError(f"generate() while {len(self.batch.held())} streamed requests are in the running "
+                               "batch; let them finish (stream) or drop them (drop_stream) first")
+        held = self._admit(requests, seeds)
+        self._run(board, until_all=True)
+        if self.batch is not None:  # aborted mid-way: their K/V stay for a continuation
+            for s in self.batch.busy():
+                self._finished(s, self.batch.slots[s])
+            self.last_stats["aborted"] = sum(h.finish is None for h in held)
+            self.batch = None
+        else:
+            self.last_stats["aborted"] = 0
+        return [h.result() for h in held]
+
+    @torch.no_grad()
+    def stream(self, requests: list[GenerateRequest], seeds: list[int], wait_s: float) -> list[dict]:
+        """`requests` join the running batch (taking slots as they free, as any waiting request);
+        decode until at least one held request has finished or `wait_s` has passed, and return
+        the results of those finished, in finishing order. The others stay in their slots for
+        the next call."""
+        self._admit(requests, seeds)
+        return [h.result() for h in self._run(None, until_all=False, wait_s=wait_s)]
+
+    def held_ids(self) -> list[int]:
+        """The ids of the requests in the running batch (streamed, not yet returned)."""
+        return [h.request.id for h in self.batch.held()] if self.batch is not None else []
+
+    def drop_stream(self) -> None:
+        """Forget the running batch (its caller is gone): its slots keep nothing."""
+        if self.batch is not None:
+            for s in self.batch.busy():
+                self.prefixes.take(s)
+        self.batch = None
+
+    def _admit(self, requests: list[GenerateRequest], seeds: list[int]) -> list[Held]:
+        eos = frozenset(self.spec.eos_ids)
+        held = [Held(r, seed, frozenset() if r.sampling.ignore_eos else frozenset(r.sampling.stop_token_ids) | eos)
+                for r, seed in zip(requests, seeds)]
+        if held and self.batch is None:
+            self._start(held)
+        for h in held:
+            self.batch.add(h)
+        return held
+
+    def _start(self, held: list[Held]) -> None:
+        """A new running batch, its slots shaped for `held`."""
+        geometry = self._geometry([h.request for h in held])
         if geometry != self.cache.geometry:
             self.prefixes.clear()  # the slots' contents move under a new geometry
         self.cache.shape(geometry)
@@ -115,62 +172,64 @@ class Scheduler:
             self.state = SlotState(self.cache.max_slots, self.sync_every, self.spec.vocab_size, self.max_slot_len,
                                    device)
             self.decoder.build_rope(self.max_slot_len, device)
-        self._park_idle(range(geometry.num_slots))  # slots idle from the last call restart past what they keep
-        mode = sampling_mode([r.sampling for r in requests])
-        eos = frozenset(self.spec.eos_ids)
-        stops = [frozenset() if r.sampling.ignore_eos else frozenset(r.sampling.stop_token_ids) | eos
-                 for r in requests]
-        tokens: list[list[int]] = [[] for _ in requests]
-        logprobs: list[list[float]] = [[] for _ in requests]
-        finish: list[str | None] = [None] * len(requests)
-        waiting = deque(sorted(range(len(requests)), key=lambda r: -requests[r].sampling.max_new_tokens))
-        slot_request: list[int | None] = [None] * geometry.num_slots
-        # slot_steps: slots decoded (batch size x steps); busy_steps: of those, tokens kept.
-        # The *_queued pair counts only steps taken while requests were waiting: continuous
-        # batching should keep that ratio near 1 (the tail, once nothing waits, cannot be full).
-        stats = {"num_slots": geometry.num_slots, "slot_len": geometry.slot_len, "decode_steps": 0,
-                 "slot_steps": 0, "busy_steps": 0, "slot_steps_queued": 0, "busy_steps_queued": 0,
-                 "num_prefills": 0, "admitted_while_decoding": 0, "prefill_tokens": 0, "reused_tokens": 0}
+        self._park_idle(range(geometry.num_slots))  # slots idle since the last batch restart past what they keep
+        self.batch = RunningBatch(geometry, self.sync_every)
+        self.last_stats = self.batch.stats
 
-        def take(r: int, token: int, logprob: float) -> bool:
-            """Append one sampled token to request r; True when r is finished."""
-            tokens[r].append(token)
-            logprobs[r].append(logprob)
-            if len(tokens[r]) >= requests[r].sampling.max_new_tokens:
-                finish[r] = "length"  # checked before stop tokens, as sglang does
-            elif token in stops[r]:
-                finish[r] = "stop"
-            if finish[r] is not None and board is not None:
-                board.finish(requests[r].id)
-            return finish[r] is not None
+    def _run(self, board: AbortBoard | None, *, until_all: bool, wait_s: float = 0.0) -> list[Held]:
+        """Admit, decode, sync (module docstring) until the batch is done, or (until_all False) until
+        a request finished or wait_s passed; the requests finished meanwhile. The batch is None
+        once it holds nothing."""
+        finished: list[Held] = []
+        started = time.monotonic()
+
+        def take(h: Held, token: int, logprob: float) -> bool:
+            """Append one sampled token; True when h is finished."""
+            h.tokens.append(token)
+            h.logprobs.append(logprob)
+            if len(h.tokens) >= h.budget:
+                h.finish = "length"  # checked before stop tokens, as sglang does
+            elif token in h.stops:
+                h.finish = "stop"
+            if h.finish is not None:
+                finished.append(h)
+                if board is not None:
+                    board.finish(h.request.id)
+            return h.finish is not None
 
         while board is None or not board.aborted():
-            while waiting and None in slot_request:  # 1. admit
-                free = [s for s, r in enumerate(slot_request) if r is None]
-                admitted = self._pack(list(islice(waiting, 1 if self.batch_invariant else len(free))), requests)
-                for _ in admitted:
-                    waiting.popleft()
-                slots, offsets = self._place([requests[r] for r in admitted], free)
+            b = self.batch
+            stats, geometry, mode = b.stats, b.geometry, b.mode
+            while b.waiting and None in b.slots:  # 1. admit
+                free = [s for s, h in enumerate(b.slots) if h is None]
+                admitted = self._pack(b.waiting[:1 if self.batch_invariant else len(free)])
+                del b.waiting[:len(admitted)]
+                slots, offsets = self._place([h.request for h in admitted], free)
                 stats["num_prefills"] += 1
-                stats["prefill_tokens"] += sum(len(requests[r].prompt_ids) - o for r, o in zip(admitted, offsets))
+                stats["prefill_tokens"] += sum(len(h.request.prompt_ids) - o for h, o in zip(admitted, offsets))
                 stats["reused_tokens"] += sum(offsets)
                 if stats["decode_steps"]:
                     stats["admitted_while_decoding"] += len(admitted)
-                first = self._prefill([requests[r] for r in admitted], [seeds[r] for r in admitted], slots, mode,
+                first = self._prefill([h.request for h in admitted], [h.seed for h in admitted], slots, mode,
                                       offsets)
-                for s, r, (tok, lp) in zip(slots, admitted, first):
-                    slot_request[s] = r
-                    if take(r, tok, lp):
-                        self._finished(s, requests[r], tokens[r], slot_request)
-            busy = [s for s, r in enumerate(slot_request) if r is not None]
+                for s, h, (tok, lp) in zip(slots, admitted, first):
+                    b.slots[s] = h
+                    if take(h, tok, lp):
+                        self._finished(s, h)
+            busy = b.busy()
             if not busy:
+                if b.deferred:
+                    self._start(b.deferred)
+                    for h in b.deferred:
+                        self.batch.add(h)
+                    continue
+                self.batch = None
                 break
             # 2. decode
             batch = geometry.num_slots if self.batch_invariant else batch_bucket(busy[-1] + 1, geometry.num_slots)
-            steps = min([self.sync_every] + [requests[slot_request[s]].sampling.max_new_tokens
-                                             - len(tokens[slot_request[s]]) for s in busy])
+            steps = min([self.sync_every] + [b.slots[s].budget - len(b.slots[s].tokens) for s in busy])
             # attention reads only the cache positions these steps can reach (rounded, so graphs repeat)
-            reach = max(len(requests[slot_request[s]].prompt_ids) + len(tokens[slot_request[s]]) for s in busy)
+            reach = max(len(b.slots[s].request.prompt_ids) + len(b.slots[s].tokens) for s in busy)
             span = None if self.fused else min(geometry.slot_len,
                                                -(-(reach + steps) // self.span_quantum) * self.span_quantum)
             key = (batch, geometry, mode, span)
@@ -183,32 +242,30 @@ class Scheduler:
             stats["slot_steps"] += steps * batch
             busy_before = stats["busy_steps"]
             for s in busy:
-                r = slot_request[s]
+                h = b.slots[s]
                 for j in range(steps):
                     stats["busy_steps"] += 1
-                    if take(r, ring_tokens[j][s], ring_logprobs[j][s]):
-                        self._finished(s, requests[r], tokens[r], slot_request)
+                    if take(h, ring_tokens[j][s], ring_logprobs[j][s]):
+                        self._finished(s, h)
                         break
-            if waiting:
+            if b.waiting:
                 stats["slot_steps_queued"] += steps * batch
                 stats["busy_steps_queued"] += stats["busy_steps"] - busy_before
             # idle slots in the batch decode garbage in their own slot, past what it keeps: harmless,
             # and within the slot, as long as they restart there at every sync
-            idle = [s for s in range(batch) if slot_request[s] is None]
+            idle = [s for s in range(batch) if b.slots[s] is None]
             if idle:
                 self._park_idle(idle)
-        for s, r in enumerate(slot_request):  # aborted mid-way: their K/V stay for a continuation
-            if r is not None:
-                self._finished(s, requests[r], tokens[r], slot_request)
-        stats["aborted"] = sum(f is None for f in finish)
-        self.last_stats = stats
-        return [{"id": req.id, "token_ids": tokens[i], "logprobs": logprobs[i], "finish_reason": finish[i] or "abort"}
-                for i, req in enumerate(requests)]
+            if not until_all and (finished or time.monotonic() - started >= wait_s):
+                break
+        if self.batch is not None and not self.batch.held():
+            self.batch = None
+        return finished
 
-    def _finished(self, slot: int, request: GenerateRequest, tokens: list[int], slot_request: list) -> None:
-        slot_request[slot] = None
-        if not self.batch_invariant:
-            self.prefixes.record(slot, request.prompt_ids, tokens)
+    def _finished(self, slot: int, held: Held) -> None:
+        self.batch.slots[slot] = None
+        if self.kv_reuse:
+            self.prefixes.record(slot, held.request.prompt_ids, held.tokens)
 
     def _park_idle(self, slots) -> None:
         """Idle slots restart just past the tokens they keep (0 when none), so that the garbage they
@@ -221,7 +278,7 @@ class Scheduler:
         """Each request's slot and the positions of its prompt it reuses there (prefixes.py)."""
         slots, offsets, free = [], [], list(free)
         for r in reqs:
-            if self.batch_invariant:
+            if not self.kv_reuse:
                 slot, offset = free[0], 0
             else:
                 slot, offset = self.prefixes.choose(r.prompt_ids, free)
@@ -235,7 +292,11 @@ class Scheduler:
         longest = max(requests, key=lambda r: len(r.prompt_ids) + r.sampling.max_new_tokens)
         # the last sampled token is never fed back, but up to sync_every - 1 steps may run past it
         need = len(longest.prompt_ids) + longest.sampling.max_new_tokens + self.sync_every - 1
-        rounded = -(-need // self.slot_quantum) * self.slot_quantum
+        if self.slot_len is not None and need > self.slot_len:
+            raise ValueError(f"request id={longest.id}: prompt {len(longest.prompt_ids)} + max_new_tokens "
+                             f"{longest.sampling.max_new_tokens} (+ {self.sync_every - 1} decode steps past the end) "
+                             f"need slots of {need} positions; the engine's option slot_len={self.slot_len}")
+        rounded = -(-max(need, self.slot_len or 0) // self.slot_quantum) * self.slot_quantum
         current = self.cache.geometry
         if self.prefixes and current is not None and current.slot_len >= need:
             return current  # keep the slots whose prefixes the next turns reuse
@@ -252,17 +313,17 @@ class Scheduler:
         return geometry
 
     @staticmethod
-    def _pack(admitted: list[int], requests: list[GenerateRequest]) -> list[int]:
-        """The first of `admitted` that fit one prefill forward (counted whole: a reused prefix is
+    def _pack(waiting: list[Held]) -> list[Held]:
+        """The first of `waiting` that fit one prefill forward (counted whole: a reused prefix is
         found later), sorted so equal prompt lengths are adjacent."""
         chosen, total = [], 0
-        for r in admitted:
-            n = len(requests[r].prompt_ids)
+        for h in waiting:
+            n = len(h.request.prompt_ids)
             if chosen and total + n > PREFILL_TOKENS:
                 break
-            chosen.append(r)
+            chosen.append(h)
             total += n
-        return sorted(chosen, key=lambda r: len(requests[r].prompt_ids))
+        return sorted(chosen, key=lambda h: len(h.request.prompt_ids))
 
     # -- prefill ----------------------------------------------------------------------
     def _prefill(self, reqs: list[GenerateRequest], seeds: list[int], slots: list[int],
