@@ -14,7 +14,6 @@ from ppo.config.validate import ensure_valid
 from ppo.loop import train
 from ppo.state import checkpoint as ck
 from roles.tools import sandbox
-from tests.test_e2e_tools import tool_model  # noqa: F401 (a fixture)
 
 BWRAP, NO_SANDBOX = sandbox.choose_bwrap()
 SMALL = dict(num_critic_only_steps=0, rollout_batch_size=4, global_batch_size=32, micro_batch_size=16,
