@@ -129,7 +129,7 @@ def test_sessions_that_start_at_once_share_one_server(ckpt):
 
 
 def test_every_record_of_a_split_session_trains_with_the_sessions_reward_as_one_member_of_its_group(
-        engines, ckpt, prompts):
+        two_engines, ckpt, prompts):
     """An agent that edits its history splits its session (docs/agents.md): each record is a row,
     all with the session's reward and its "session", and the group still has n members."""
     async def edits_history(base_url, prompt, request_kwargs, metadata, **kwargs):
@@ -139,7 +139,7 @@ def test_every_record_of_a_split_session_trains_with_the_sessions_reward_as_one_
                                                  **request_kwargs)
         return float(kwargs["sample_index"])
 
-    rows = rollout(engines, ckpt, prompts[:2], edits_history)
+    rows = rollout(two_engines, ckpt, prompts[:2], edits_history)
     assert [(r["group_index"], r["session"], r["reward"]) for r in rows] == [
         (g, s, float(s)) for g in (0, 1) for s in (2 * g, 2 * g + 1) for _ in range(2)]
     assert [r["index"] for r in rows] == list(range(8)) and all(r["response_ids"] for r in rows)
