@@ -56,6 +56,7 @@ def test_engine_killed_mid_generation_is_replaced_resynced_and_its_prompts_reiss
     assert all(h["rollout/log_probs_diff"] < 1e-4 for h in history)
 
 
+@pytest.mark.slow  # 33 s; the chaos row in make test kills scorers too
 def test_reward_scorer_killed_is_replaced_and_its_samples_rescored_once(tmp_path):
     values = dict(num_rollout=3, rollout_batch_size=64)
     history, _ = run_with_fault(tmp_path, "reward-0", after_first_rollout("reward-0", "scoring"), **values)
