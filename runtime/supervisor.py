@@ -110,6 +110,9 @@ class Supervisor:
         self.leases.listen(self._on_lease_event)
         self._deferred: dict[str, str] = {}  # children whose restart waits for their leases: reason
         self._stores: dict[str, object] = {}  # rank group name: its rendezvous store (a TCPStore server)
+        # rank groups whose ranks here are all stopped after a death (by the watch thread or
+        # stop_group): what respawn_group waits for, on every node (only node 0 hosts a store)
+        self._groups_down: set[str] = set()
         self._respawning: set[str] = set()  # rank groups that respawn_group or stop_group stops: their deaths are its own
         # One stop_group or respawn_group at a time: across nodes a death elsewhere stops a slice
         # (stop_group, from the agent's channel) while the driver may be respawning it, and both
@@ -259,14 +262,15 @@ class Supervisor:
             raise ValueError(f"rank group {name!r} spans nodes: respawning it restarts its other slices too "
                              "(runtime.cluster.ClusterSupervisor.respawn_group)")
         members.sort(key=lambda c: int(c.spec.env["RANK"]))
-        # A rank's death stops its peers in the watch thread, which then drops the store:
+        # A rank's death stops its peers in the watch thread, which then marks the group down:
         # wait for that, so that no stop of an old incarnation lands on a new one.
         until = time.monotonic() + timeout
-        while any(c.state == "dead" for c in members) and name in self._stores:
+        while any(c.state == "dead" for c in members) and name not in self._groups_down:
             if time.monotonic() > until:
                 raise TimeoutError(f"group {name!r}: its ranks were not stopped within {timeout} s")
             time.sleep(0.01)
         with self._lock:
+            self._groups_down.discard(name)
             self._respawning.add(name)  # the watch thread leaves the stop of its live ranks to us
         try:
             self._stop_children([c for c in members if c.state != "dead"],
@@ -359,6 +363,7 @@ class Supervisor:
             finally:
                 with self._lock:
                     self._respawning.discard(name)
+                    self._groups_down.add(name)
 
     def incarnations(self, group: str) -> dict[str, int]:
         """{rank: incarnation} of rank group `group`'s ranks here (what `stop_group` compares)."""
@@ -505,6 +510,7 @@ class Supervisor:
                                                   f"({reason})", cause=err)
                 with self._lock:
                     self._stores.pop(spec.group, None)  # never restarted: nobody rendezvouses again
+                    self._groups_down.add(spec.group)
             return
         if not child.ever_ready:
             self._give_up(f"actor {spec.name!r} died while starting ({reason}); not restarting it, "
