@@ -82,8 +82,8 @@ def read_metrics(run_dir: Path) -> list[dict]:
 
 
 def computed(metrics: dict) -> dict:
-    """A rollout's metrics without the times (perf/*, wall-clock stamps), which differ run to run."""
-    return {k: v for k, v in metrics.items() if not k.startswith("perf/") }
+    """A rollout's metrics without the times (perf/*), which differ run to run."""
+    return {k: v for k, v in metrics.items() if not k.startswith("perf/")}
 
 
 def stop(*procs: subprocess.Popen) -> None:
