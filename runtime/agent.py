@@ -214,12 +214,7 @@ class NodeAgent:
                                                **kwargs)
         except Exception as e:  # the driver raises it where it called spawn
             return {"req": req["req"], "error": f"{type(e).__name__}: {e}"}
-        roles = []
-        for h in handles:
-            addr = self.sup.directory.resolve(h.name)
-            known[addr.name] = (addr.incarnation, None)
-            roles.append({"name": addr.name, "inc": addr.incarnation, "endpoint": addr.endpoint})
-        return {"req": req["req"], "roles": roles}
+        return self._roles_reply(req, handles, known)
 
     def _respawn_group(self, req: dict, known: dict) -> dict:
         """Supervisor.respawn_group of this node's slice, joining node 0's new store at `master`.
@@ -232,6 +227,11 @@ class NodeAgent:
                                              master=tuple(req["master"]))
         except (SupervisionFailed, ValueError, TimeoutError) as e:  # raised again where node 0 called it
             return {"req": req["req"], "error": f"{type(e).__name__}: {str(e).splitlines()[0]}"}
+        return self._roles_reply(req, handles, known)
+
+    def _roles_reply(self, req: dict, handles: list, known: dict) -> dict:
+        """The reply to a spawn or respawn: each started role's incarnation and endpoint, now
+        known here as alive."""
         roles = []
         for h in handles:
             addr = self.sup.directory.resolve(h.name)
