@@ -5,7 +5,6 @@ split), its tool call runs, and it reads the model's answer as its final output.
 
 import asyncio
 
-import openai
 import pytest
 
 from ppo.generate.agents.server import SessionServer
@@ -14,6 +13,8 @@ from ppo.generate.trajectory import ENV, MODEL
 from roles.tools.calculator import evaluate
 from tests.agent_engine import SAMPLING, ScriptedEngine
 from tests.chat_tokenizers import qwen3_tokenizer
+
+openai = pytest.importorskip("openai", reason="the openai client (in .[test]); the GPU image lacks it")
 
 agents = pytest.importorskip("agents", reason="the OpenAI Agents SDK (pip install openai-agents, in .[test])")
 

@@ -5,7 +5,6 @@ import asyncio
 import socket
 from types import SimpleNamespace
 
-import openai
 import pytest
 
 from ppo.generate.agents.agent import AgentArgs, agent_generate_function, load_agent_function
@@ -17,6 +16,8 @@ from ppo.generate.chat import render_ids
 from ppo.generate.rollout import SamplingParams, generate_and_score
 from ppo.generate.trajectories import generate_trajectories_and_score
 from ppo.tiny_model import EOS_ID, TINY_CHAT_TEMPLATE, build_tiny_checkpoint, load_tokenizer
+
+openai = pytest.importorskip("openai", reason="the openai client (in .[test]); the GPU image lacks it")
 
 pytestmark = [pytest.mark.timeout(120), pytest.mark.usefixtures("one_torch_thread")]
 

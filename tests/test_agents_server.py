@@ -6,7 +6,6 @@ import json
 import socket
 
 import aiohttp
-import openai
 import pytest
 
 from ppo.generate.agents.server import ServerConfig, SessionServer
@@ -14,6 +13,8 @@ from ppo.generate.agents.session import Session
 from ppo.generate.trajectory import ENV, MODEL
 from tests.agent_engine import SAMPLING, ScriptedEngine
 from tests.chat_tokenizers import qwen3_tokenizer
+
+openai = pytest.importorskip("openai", reason="the openai client (in .[test]); the GPU image lacks it")
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -62,3 +62,15 @@ def test_no_reuse_for_single_turn_samples_nor_after_new_weights(ckpt):
     e.set_weight_version(1)
     e.generate(requests([PROMPTS[1] + out["token_ids"] + ENV], 4))
     assert e._backend.scheduler.last_stats["reused_tokens"] == 0
+
+
+def test_unmatched_requests_keep_the_decode_batch_narrow(ckpt):
+    # Slots 0-2 still hold the first call's prefixes when the second call (no continuation) comes:
+    # taking the empty slots 3-5 would decode a batch of 8 rows (a new graph on the GPU) where 4 serve.
+    e = engine(ckpt, 1)
+    widths = []
+    for seed in (1, 2):
+        e.generate(requests(PROMPTS[:3], seed))
+        stats = e._backend.scheduler.last_stats
+        widths.append(stats["slot_steps"] / stats["decode_steps"])  # rows decoded per step, on average
+    assert max(widths) <= 4, widths  # 3 requests: the graph batch of 4

@@ -40,10 +40,16 @@ class SlotPrefixes:
         self._held.pop(slot, None)
         self._age.pop(slot, None)
 
-    def choose(self, prompt_ids: list[int], free: list[int]) -> tuple[int, int]:
+    def choose(self, prompt_ids: list[int], free: list[int], width: int) -> tuple[int, int]:
         """(slot, positions to reuse) for a request: the free slot holding the longest continuation
         of `prompt_ids` (at least one token is left to prefill: its logits give the first sample),
-        else an empty free slot, else the one recorded longest ago."""
+        else a free slot below `width` (any free slot if none is), empty first, then the one
+        recorded longest ago.
+
+        `width` is the decode batch the running and admitted requests need at the least; keeping
+        unmatched requests below it keeps decode batches (and their graphs) as narrow as without
+        this table, at the cost of prefixes no continuation claimed in time.
+        """
         best, best_len = None, 0
         for s in free:
             if s not in self._held:
@@ -54,7 +60,6 @@ class SlotPrefixes:
                 best, best_len = s, n
         if best is not None:
             return best, best_len
-        empty = [s for s in free if s not in self._held]
-        if empty:
-            return empty[0], 0
-        return min(free, key=lambda s: self._age[s]), 0
+        near = [s for s in free if s < width] or free
+        empty = [s for s in near if s not in self._held]
+        return (empty[0], 0) if empty else (min(near, key=lambda s: self._age[s]), 0)

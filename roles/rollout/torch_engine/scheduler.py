@@ -277,11 +277,13 @@ class Scheduler:
     def _place(self, reqs: list[GenerateRequest], free: list[int]) -> tuple[list[int], list[int]]:
         """Each request's slot and the positions of its prompt it reuses there (prefixes.py)."""
         slots, offsets, free = [], [], list(free)
+        num_slots = self.batch.geometry.num_slots
+        width = batch_bucket(num_slots - len(free) + len(reqs), num_slots)
         for r in reqs:
             if not self.kv_reuse:
                 slot, offset = free[0], 0
             else:
-                slot, offset = self.prefixes.choose(r.prompt_ids, free)
+                slot, offset = self.prefixes.choose(r.prompt_ids, free, width)
                 self.prefixes.take(slot)
             free.remove(slot)
             slots.append(slot)
