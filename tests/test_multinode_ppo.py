@@ -23,7 +23,7 @@ from tests.netns import Namespaces, NetnsUnavailable, listeners
 
 REPO = Path(__file__).resolve().parents[1]
 ENV = {**{k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "MASTER_", "TORCHELASTIC_"))},
-       "PYTHONPATH": str(REPO)}
+       "PYTHONPATH": str(REPO), "TANDEM_JOB_SECRET": "the job's secret, 32 characters!"}
 # 96 samples a rollout (12 prompts x 8), which 2 and 3 data-parallel ranks share evenly
 SMALL = ["--num-rollout", "2", "--rollout-batch-size", "12", "--global-batch-size", "96", "--micro-batch-size", "16",
          "--eval-prompt-data", "none", "--eval-interval", "none", "--check-weight-update-equal",
