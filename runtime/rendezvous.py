@@ -201,7 +201,7 @@ class _Board:
         if not mac:
             return None, f"it is not signed (its launcher has no {SECRET_ENV})"
         if run is not None and entry_run != run:
-            return None, "it is signed for another run"
+            return None, "it names another run than node 0's (a launcher of an earlier run of the job)"
         if not self.secret.verify(mac, "node-entry", run=str(entry_run), generation=self.generation, slot=slot,
                                   rank=rank, endpoint=entry.endpoint, public_key=entry.public_key):
             return None, (f"its signature does not verify under this job's {SECRET_ENV} (a launcher without the "
