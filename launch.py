@@ -11,7 +11,7 @@ import os
 import sys
 
 from ppo.config.cli import build_parser, parse_cli
-from ppo.config.cluster import from_environment
+from ppo.config.cluster import from_environment, job_secret
 from ppo.config import ConfigError, PPOConfig, derived_values, to_dict
 from ppo.gpu.placement import format_nodes, format_placement, plan_placement
 
@@ -57,8 +57,10 @@ def main(argv: list[str] | None = None) -> None:
             print(f"tandem: {refused}", file=sys.stderr)
             sys.exit(2)
         return
-    if (cfg.cluster.nnodes or 1) > 1 and cfg.cluster.node_rank != 0:
-        serve_node(cfg)  # node 0 runs the driver below, which places roles on every node
+    if (cfg.cluster.nnodes or 1) > 1:
+        check_job_secret(cfg)
+        if cfg.cluster.node_rank != 0:
+            serve_node(cfg)  # node 0 runs the driver below, which places roles on every node
     try:
         from ppo.state.checkpoint import SaveFailed
         from ppo.setup.job import JobSetupError  # imported late: they pull in torch and the roles
@@ -97,13 +99,22 @@ def main(argv: list[str] | None = None) -> None:
             sm.close()
 
 
+def check_job_secret(cfg: PPOConfig) -> None:
+    """A job across nodes: exit 2, one line, before anything starts, without its secret."""
+    try:
+        job_secret(os.environ, cfg.cluster.nnodes)
+    except ValueError as err:
+        print(f"tandem: node {cfg.cluster.node_rank}: {err}", file=sys.stderr)
+        sys.exit(2)
+
+
 def serve_node(cfg: PPOConfig) -> None:
     """A node > 0: its node agent serves node 0's driver until the job ends; exits."""
     from ppo.setup.nodes import run_node
     from runtime.rendezvous import RendezvousFailed
 
     try:
-        reason = run_node(cfg)
+        reason = run_node(cfg, os.environ)
     except (RendezvousFailed, ValueError) as err:  # node 0 unreachable, a node missing, a bad address
         print(f"tandem: node {cfg.cluster.node_rank}: {err}", file=sys.stderr)
         sys.exit(2)

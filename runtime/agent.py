@@ -4,7 +4,8 @@ on that node's GPUs, under node 0's driver (docs/multinode.md).
 Node 0's driver holds a `RemoteNode` per other node; each node runs a `NodeAgent`. They talk
 over one tcp channel: the agent's ROUTER, a CURVE server with the node's key pair that admits
 node 0's public key only (both keys come from the rendezvous store, runtime.rendezvous), and a
-DEALER in the driver. Over it node 0 sends the job's secrets (the wire token and the job's CURVE
+DEALER in the driver. Over it node 0 sends, in its hello, signed under the job's secret
+(runtime.signing) for this node and run, the job's secrets (the wire token and the job's CURVE
 key pair, which the store must not carry), spawn requests (a role, or the node's slice of a
 rank group), pings, and the stop of a slice whose group lost a rank elsewhere; the agent answers
 with the spawned roles' addresses, heartbeats, each death or restart its supervisor sees, and
@@ -24,6 +25,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
+import logging
 import os
 import pickle
 import threading
@@ -42,7 +44,10 @@ from runtime.events import follow_events
 from runtime.handle import ActorHandle, Address
 from runtime.memory import Grant, LeaseError
 from runtime.rendezvous import NodeEntry
+from runtime.signing import SECRET_ENV, JobSecret
 from runtime.supervisor import Supervisor
+
+logger = logging.getLogger(__name__)
 
 TICK_S = 0.02  # how often each side's loop looks at its socket and its clock
 # The events of a node that node 0's bus carries too (with node=R), so that the monitor attached
@@ -98,9 +103,11 @@ class NodeAgent:
         """Let node 0 (its public key) in; before this node's entry is published (rendezvous.meet)."""
         self._gate.allow(node_0.public_key)
 
-    def serve(self, driver_key: bytes, hello_timeout_s: float) -> str:
+    def serve(self, driver_key: bytes, hello_timeout_s: float, *, secret: JobSecret, run: str) -> str:
         """Run this node for node 0 (known by `driver_key`) until it says stop or goes silent;
-        returns why it stopped, one line. Stops every role of the node before it returns."""
+        returns why it stopped, one line. Stops every role of the node before it returns. Node
+        0's hello must be signed under the job's `secret` for this node and `run` (the
+        rendezvous'); one that is not is logged and dropped."""
         self._gate.allow(driver_key)
         driver, last_heard, timeout = None, time.monotonic(), hello_timeout_s
         known: dict[str, tuple[int, str | None]] = {}  # role: (incarnation, its death once reported)
@@ -110,6 +117,8 @@ class NodeAgent:
                 if self._sock.poll(int(TICK_S * 1000)):
                     ident, kind, payload, *frames = self._sock.recv_multipart()
                     body = msgpack.unpackb(payload, raw=False, strict_map_key=False)  # {gpu: bytes} maps
+                    if kind == b"hello" and self.sup is None and not self._signed(body, secret, run):
+                        continue
                     driver, last_heard = ident, time.monotonic()
                     if kind == b"hello" and self.sup is None:
                         self.sup = self._start(body)
@@ -143,6 +152,17 @@ class NodeAgent:
                     next_beat = now + self.sup.heartbeat_interval
         finally:
             self.close()
+
+    def _signed(self, hello: dict, secret: JobSecret, run: str) -> bool:
+        """Whether node 0's `hello` is signed under the job's secret for this node and run; logs
+        one line when it is not."""
+        fields = {k: v for k, v in hello.items() if k != "mac"}
+        if secret.verify(hello.get("mac"), "hello", run=run, rank=self.rank, **fields):
+            return True
+        logger.warning("tandem: node %d: refused a hello that is %s (a peer with node 0's key but not the job's "
+                       "%s, or of another run)", self.rank, "signed wrong" if hello.get("mac") else "not signed",
+                       SECRET_ENV)
+        return False
 
     def _follow(self) -> None:
         """Queue this node's events for node 0 (the serve loop sends them); ends with the
@@ -271,7 +291,8 @@ class RemoteNode:
     go through `sup`'s caller, straight to their mailboxes; `sup` must use tcp with the job's
     key pair (Supervisor(transport="tcp", job_keys=...)), whose token and keys go to the agent."""
 
-    def __init__(self, sup: Supervisor, entry: NodeEntry, keys: KeyPair, *, hello_timeout_s: float = 60.0):
+    def __init__(self, sup: Supervisor, entry: NodeEntry, keys: KeyPair, *, secret: JobSecret, run: str,
+                 hello_timeout_s: float = 60.0):
         if sup.cfg.curve is None:
             raise ValueError("a RemoteNode needs a Supervisor with job_keys (CURVE across nodes)")
         self.sup, self.rank = sup, entry.rank
@@ -298,9 +319,10 @@ class RemoteNode:
         self.failure: NodeLost | None = None
         self._closing = False
         job = sup.cfg.curve
-        self._post("hello", {"token": sup.cfg.token, "job_public": job.public, "job_secret": job.secret,
-                             "heartbeat_interval": sup.heartbeat_interval,
-                             "heartbeat_timeout": self.heartbeat_timeout})
+        hello = {"token": sup.cfg.token, "job_public": job.public, "job_secret": job.secret,
+                 "heartbeat_interval": sup.heartbeat_interval, "heartbeat_timeout": self.heartbeat_timeout}
+        # signed for this node and run: the agent takes the job's key pair from no one else
+        self._post("hello", {**hello, "mac": secret.sign("hello", run=run, rank=self.rank, **hello)})
         self._last_heard = time.monotonic()
         self._hello_timeout_s = hello_timeout_s
         self._welcomed = False

@@ -242,7 +242,8 @@ class ClusterSupervisor:
         assert old.failure is not None and self._rendezvous is not None and self._keys is not None
         entry = call_back(self._rendezvous, rank, self._rendezvous.nodes[0], timeout_s)
         old.close("the node was lost")
-        new = RemoteNode(self.sup, entry, self._keys, hello_timeout_s=timeout_s)
+        new = RemoteNode(self.sup, entry, self._keys, secret=self._rendezvous.secret, run=self._rendezvous.run,
+                         hello_timeout_s=timeout_s)
         new.restarts.update(old.restarts)  # the run's restart counts go on
         self._incarnations.update(old.roles())
         self.remotes[rank] = new

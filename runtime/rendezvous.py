@@ -8,17 +8,24 @@ as a client (roles.trainer.distributed.init_from_env).
 
 The nodes of a multi-node job meet the same way (`meet`): node 0 serves the job's store
 (the c10d TCPStore torchrun uses; under torchrun its agent's), and every node publishes there
-its control endpoint and CURVE public key (runtime.curve) and reads the others'.
+its control endpoint and CURVE public key (runtime.curve), signed under the job's secret
+(runtime.signing), and reads the others'.
 """
 
 from __future__ import annotations
 
 import json
+import logging
+import secrets
 import socket
 import time
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Callable
+
+from runtime.signing import SECRET_ENV, JobSecret
+
+logger = logging.getLogger(__name__)
 
 
 def host_store(host: str, world_size: int):
@@ -36,38 +43,35 @@ class RendezvousFailed(Exception):
 @dataclass(frozen=True)
 class NodeEntry:
     """What a node publishes in the job's store: where its control socket listens and the CURVE
-    public key it answers with (runtime.curve)."""
+    public key it answers with (runtime.curve). In the store it is signed (`_Board`)."""
 
     rank: int
     endpoint: str  # tcp://ADDRESS:PORT
     public_key: bytes  # Z85
 
-    def encode(self) -> bytes:
-        return json.dumps({"rank": self.rank, "endpoint": self.endpoint,
-                           "public_key": self.public_key.decode()}).encode()
-
-    @classmethod
-    def decode(cls, raw: bytes) -> "NodeEntry":
-        d = json.loads(raw)
-        return cls(int(d["rank"]), str(d["endpoint"]), str(d["public_key"]).encode())
-
 
 @dataclass
 class Rendezvous:
-    """Every node's entry, by rank. Node 0's store serves while this object lives."""
+    """Every node's entry, by rank. Node 0's store serves while this object lives. `run` is node
+    0's nonce for this run, which every signed entry and node 0's hello carry."""
 
     nodes: list[NodeEntry]
     store: Any
+    secret: JobSecret
+    run: str
+    where: str
+    prefix: str = "tandem"
 
 
-def meet(master_addr: str, master_port: int, *, nnodes: int, entry: NodeEntry, timeout_s: float,
+def meet(master_addr: str, master_port: int, *, nnodes: int, entry: NodeEntry, secret: JobSecret, timeout_s: float,
          host: bool, prefix: str = "tandem", on_node_0: Callable[[NodeEntry], None] | None = None) -> Rendezvous:
-    """Publish `entry` in the job's c10d TCPStore at master_addr:master_port and wait for the
-    entries of all `nnodes` nodes. `host`: this node serves the store (node 0, unless torchrun's
-    agent already serves one there). `on_node_0(node 0's entry)`: called on a node > 0 before it
-    publishes its own entry, so that it admits node 0's key before node 0 can dial it (a CURVE
-    handshake refused by the ZAP handler lost node 0's first message). Raises RendezvousFailed
-    within about `timeout_s`."""
+    """Publish `entry`, signed under the job's `secret`, in the job's c10d TCPStore at
+    master_addr:master_port and wait for the signed entries of all `nnodes` nodes; an entry whose
+    signature does not verify is logged and passed over. `host`: this node serves the store
+    (node 0, unless torchrun's agent already serves one there). `on_node_0(node 0's entry)`:
+    called on a node > 0 before it publishes its own entry, so that it admits node 0's key
+    before node 0 can dial it (a CURVE handshake refused by the ZAP handler lost node 0's first
+    message). Raises RendezvousFailed within about `timeout_s`."""
     deadline = time.monotonic() + timeout_s
     where = f"{master_addr}:{master_port}"
     if not host:  # fail with our own line, not c10d's retry log, when node 0 is not there
@@ -85,44 +89,128 @@ def meet(master_addr: str, master_port: int, *, nnodes: int, entry: NodeEntry, t
     # a node that node 0 lost and calls back (`call_back`) joins the newest generation, where only
     # node 0 and itself meet; the first meeting is generation 0
     generation = int(store.get(f"{prefix}/generation")) if store.check([f"{prefix}/generation"]) else 0
-    if store.add(f"{prefix}/claim/{generation}/{entry.rank}", 1) > 1:
-        raise RendezvousFailed(f"another launcher already joined as node {entry.rank}: give each launcher "
-                               "its own --node-rank (a node started again before node 0 noticed it lost: start "
-                               "it once more)")
-    if on_node_0 is not None and entry.rank != 0:
-        first = f"{prefix}/node/{generation}/0"
-        while not store.check([first]):
-            if time.monotonic() > deadline:
-                raise RendezvousFailed(f"node(s) 0 of {nnodes} did not join the rendezvous at {where} within "
-                                       f"{timeout_s:g} s (--rendezvous-timeout-s): start one launcher per node")
-            time.sleep(0.05)
-        on_node_0(NodeEntry.decode(store.get(first)))
-    store.set(f"{prefix}/node/{generation}/{entry.rank}", entry.encode())
+    board = _Board(store, prefix, generation, secret, where)
     ranks = list(range(nnodes)) if generation == 0 else [0, entry.rank]
-    keys = [f"{prefix}/node/{generation}/{r}" for r in ranks]
-    while not store.check(keys):  # polled: c10d's blocking wait logs its timeout on stderr
-        if time.monotonic() > deadline:
-            missing = [r for r, k in zip(ranks, keys) if not store.check([k])]
-            raise RendezvousFailed(f"node(s) {', '.join(map(str, missing))} of {nnodes} did not join the "
-                                   f"rendezvous at {where} within {timeout_s:g} s (--rendezvous-timeout-s): "
-                                   "start one launcher per node")
-        time.sleep(0.05)
-    return Rendezvous([NodeEntry.decode(store.get(k)) for k in keys], store)
+
+    def missing(waited: list[int]) -> Callable[[], RendezvousFailed]:
+        return lambda: RendezvousFailed(
+            f"node(s) {', '.join(map(str, board.missing(waited)))} of {nnodes} did not join the rendezvous at "
+            f"{where} within {timeout_s:g} s (--rendezvous-timeout-s): start one launcher per node, each with the "
+            f"job's {SECRET_ENV}")
+
+    if entry.rank == 0:
+        run = secrets.token_hex(16)
+    else:  # node 0's run nonce goes into this node's signature: an entry of another run does not verify
+        node_0 = board.wait(0, None, deadline, missing([0]))
+        run = node_0.run
+        if on_node_0 is not None:
+            on_node_0(node_0.entry)
+    board.offer(entry, run, deadline, missing([entry.rank]))
+    nodes = [board.wait(r, run if r else None, deadline, missing(ranks)).entry for r in ranks]
+    return Rendezvous(nodes, store, secret, run, where, prefix)
 
 
-def call_back(rdv: Rendezvous, rank: int, node0: NodeEntry, timeout_s: float, prefix: str = "tandem") -> NodeEntry:
+def call_back(rdv: Rendezvous, rank: int, node0: NodeEntry, timeout_s: float) -> NodeEntry:
     """Node 0: open a new generation of the job's rendezvous for node `rank`, which was lost, and
     wait up to `timeout_s` for a launcher of that rank to join it (`meet` started again there, by
-    hand or by the scheduler); returns its entry. Raises RendezvousFailed, one line."""
-    generation = rdv.store.add(f"{prefix}/generation", 1)
-    rdv.store.set(f"{prefix}/node/{generation}/0", node0.encode())
-    key, deadline = f"{prefix}/node/{generation}/{rank}", time.monotonic() + timeout_s
-    while not rdv.store.check([key]):
-        if time.monotonic() > deadline:
-            raise RendezvousFailed(f"node {rank} did not come back within {timeout_s:g} s "
-                                   "(--rendezvous-timeout-s)")
-        time.sleep(0.05)
-    return NodeEntry.decode(rdv.store.get(key))
+    hand or by the scheduler, with the job's secret); returns its entry. Raises
+    RendezvousFailed, one line."""
+    generation = rdv.store.add(f"{rdv.prefix}/generation", 1)
+    board = _Board(rdv.store, rdv.prefix, generation, rdv.secret, rdv.where)
+    deadline = time.monotonic() + timeout_s
+
+    def gone() -> RendezvousFailed:
+        return RendezvousFailed(f"node {rank} did not come back within {timeout_s:g} s (--rendezvous-timeout-s)")
+
+    board.offer(node0, rdv.run, deadline, gone)
+    return board.wait(rank, rdv.run, deadline, gone).entry
+
+
+@dataclass(frozen=True)
+class _Signed:
+    entry: NodeEntry
+    run: str
+
+
+class _Board:
+    """The entries of one generation in the store. Whoever reaches the store can write there, so
+    a rank's place is not a key that the first writer takes: each launcher that offers itself as
+    node R takes the next slot of R (`add`) and writes its entry, signed over the job, the run,
+    the generation, the slot and the entry itself, at that slot. Node R is the lowest slot whose
+    entry verifies, decided once every lower slot is written; an entry that does not verify is
+    logged once and passed over. A copy of a good entry at another slot does not verify."""
+
+    def __init__(self, store: Any, prefix: str, generation: int, secret: JobSecret, where: str):
+        self.store, self.secret, self.where = store, secret, where
+        self.prefix, self.generation = f"{prefix}/node/{generation}", generation
+        self._counter = f"{prefix}/offers/{generation}"
+        self._refused: set[tuple[int, int]] = set()  # (rank, slot)
+        self._found: dict[int, _Signed] = {}
+
+    def offer(self, entry: NodeEntry, run: str, deadline: float, timed_out: Callable[[], Exception]) -> None:
+        """Write `entry` at its rank's next slot; RendezvousFailed when a launcher that holds the
+        job's secret offered itself as that rank first."""
+        slot = self.store.add(f"{self._counter}/{entry.rank}", 1)
+        mac = self._sign(entry, run, slot)
+        self.store.set(f"{self.prefix}/{entry.rank}/{slot}", json.dumps(
+            {"endpoint": entry.endpoint, "public_key": entry.public_key.decode(), "run": run, "mac": mac}))
+        first = self.wait(entry.rank, run if entry.rank else None, deadline, timed_out)
+        if first.entry != entry:
+            raise RendezvousFailed(f"another launcher already joined as node {entry.rank}: give each launcher "
+                                   "its own --node-rank (a node started again before node 0 noticed it lost: start "
+                                   "it once more)")
+
+    def wait(self, rank: int, run: str | None, deadline: float, timed_out: Callable[[], Exception]) -> _Signed:
+        """Node `rank`'s entry, once it is there; `run`: the run it must be signed for (None: any,
+        for node 0's own entry, which declares the run). Polled: c10d's blocking wait logs its
+        timeout on stderr."""
+        while (found := self._find(rank, run)) is None:
+            if time.monotonic() > deadline:
+                raise timed_out()
+            time.sleep(0.05)
+        return found
+
+    def missing(self, ranks: list[int]) -> list[int]:
+        return [r for r in ranks if r not in self._found]
+
+    def _find(self, rank: int, run: str | None) -> _Signed | None:
+        if rank in self._found:
+            return self._found[rank]
+        for slot in range(1, self.store.add(f"{self._counter}/{rank}", 0) + 1):
+            if (rank, slot) in self._refused:
+                continue
+            key = f"{self.prefix}/{rank}/{slot}"
+            if not self.store.check([key]):
+                return None  # taken, not written yet: the lower slot decides first
+            found, why = self._verify(self.store.get(key), rank, slot, run)
+            if found is not None:
+                self._found[rank] = found
+                return found
+            self._refused.add((rank, slot))
+            logger.warning("tandem: refused an entry for node %d in the rendezvous store at %s (generation %d, "
+                           "slot %d): %s", rank, self.where, self.generation, slot, why)
+        return None
+
+    def _verify(self, raw: bytes, rank: int, slot: int, run: str | None) -> tuple[_Signed | None, str]:
+        try:
+            d = json.loads(raw)
+            entry = NodeEntry(rank, str(d["endpoint"]), str(d["public_key"]).encode())
+            entry_run, mac = d["run"], d.get("mac")
+        except (ValueError, TypeError, KeyError):
+            return None, "not an entry that a launcher of this version writes"
+        if not mac:
+            return None, f"it is not signed (its launcher has no {SECRET_ENV})"
+        if run is not None and entry_run != run:
+            return None, "it names another run than node 0's (a launcher of an earlier run of the job)"
+        if not self.secret.verify(mac, "node-entry", run=str(entry_run), generation=self.generation, slot=slot,
+                                  rank=rank, endpoint=entry.endpoint, public_key=entry.public_key):
+            return None, (f"its signature does not verify under this job's {SECRET_ENV} (a launcher without the "
+                          "job's secret, or of another job)")
+        return _Signed(entry, str(entry_run)), ""
+
+    def _sign(self, entry: NodeEntry, run: str, slot: int) -> str:
+        return self.secret.sign("node-entry", run=run, generation=self.generation, slot=slot, rank=entry.rank,
+                                endpoint=entry.endpoint, public_key=entry.public_key)
 
 
 def _wait_reachable(addr: str, port: int, deadline: float, timeout_s: float) -> None:

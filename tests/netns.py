@@ -8,6 +8,7 @@ namespaces cannot be made (no root, a container without CAP_SYS_ADMIN) `skip_rea
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import secrets
 import shutil
@@ -76,13 +77,16 @@ class NetnsUnavailable(RuntimeError):
 
 
 def listeners(pid: int) -> set[tuple[str, int]]:
-    """(address, port) of every IPv4 socket listening in process `pid`'s network namespace
-    (/proc/PID/net/tcp is the namespace's, whoever reads it)."""
+    """(address, port) of every TCP socket, IPv4 and IPv6, listening in process `pid`'s network
+    namespace (/proc/PID/net/tcp and tcp6 are the namespace's, whoever reads them)."""
     out = set()
-    with open(f"/proc/{pid}/net/tcp") as f:
-        for line in f.readlines()[1:]:
-            local, state = line.split()[1], line.split()[3]
-            if state == "0A":  # TCP_LISTEN
-                addr, port = local.split(":")
-                out.add((".".join(str(int(addr[i:i + 2], 16)) for i in (6, 4, 2, 0)), int(port, 16)))
+    for table in ("tcp", "tcp6"):
+        with open(f"/proc/{pid}/net/{table}") as f:
+            for line in f.readlines()[1:]:
+                local, state = line.split()[1], line.split()[3]
+                if state == "0A":  # TCP_LISTEN
+                    addr, port = local.split(":")
+                    raw = bytes.fromhex(addr)  # 32-bit words in host (little-endian) order
+                    packed = b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4))
+                    out.add((str(ipaddress.ip_address(packed)), int(port, 16)))
     return out

@@ -42,7 +42,8 @@ def node_1_command(run_dir: Path, port: int, timeout_s: float) -> list[str]:
             "--master-port", str(port), "--run-dir", str(run_dir), "--rendezvous-timeout-s", str(timeout_s)]
 
 
-ENV = {**{k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}, "PYTHONPATH": str(REPO)}
+SECRET = {"TANDEM_JOB_SECRET": "the job's secret, 32 characters!"}  # the same on every node
+ENV = {**{k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}, "PYTHONPATH": str(REPO), **SECRET}
 
 
 def start_node_1(run_dir: Path, port: int) -> subprocess.Popen:
@@ -73,7 +74,7 @@ def two_nodes(tmp_path):
                      heartbeat_interval=HEARTBEAT_S, fake_gpus=1)
     nodes = None
     try:
-        nodes = connect_nodes(cfg, sup, environ={})
+        nodes = connect_nodes(cfg, sup, environ=SECRET)
         yield sup, nodes.remotes[1], node1
     finally:
         if nodes is not None:
@@ -126,3 +127,14 @@ def test_node_0_unreachable_is_one_line_and_exit_2(tmp_path):
     assert out.stderr.splitlines() == [out.stderr.strip()], out.stderr
     assert out.stderr.startswith("tandem: node 1: node 0's rendezvous store at 127.0.0.1:")
     assert "did not answer within 1 s" in out.stderr
+
+
+def test_a_node_without_the_jobs_secret_is_one_line_and_exit_2(tmp_path):
+    env = {k: v for k, v in ENV.items() if k != "TANDEM_JOB_SECRET"}
+    out = subprocess.run(node_1_command(tmp_path, free_port(), 1), cwd=REPO, env=env, capture_output=True,
+                         text=True, timeout=60)
+    assert out.returncode == 2
+    assert out.stderr.splitlines() == [out.stderr.strip()], out.stderr
+    assert out.stderr.startswith("tandem: node 1: --nnodes 2: TANDEM_JOB_SECRET is not set. Export one secret, "
+                                 "the same on every node")
+    assert "export TANDEM_JOB_SECRET=$(openssl rand -hex 32)" in out.stderr

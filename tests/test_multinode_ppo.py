@@ -3,8 +3,10 @@ process per node (docs/multinode.md). Node 0 runs the driver, a reward scorer an
 actor and the critic and engine 0 on its fake GPU; node R's agent runs rank R of the actor and
 the critic and engine R on its own. The trainers are one gloo group per role across the nodes;
 batches, calls and weight buckets to the other nodes' engines cross over tcp with CURVE. The
-sockets of the last node refuse a peer without the job's keys, and every metric but the times
-is that of one node with the same layout (N fake GPUs on one host)."""
+last node refuses a peer without the job's keys (its agent by the ZAP handler, though the
+stranger read the agent's public key from the store); in network namespaces every node's
+sockets, IPv4 and IPv6, are bound to its own address, c10d's stores on node 0 apart; and every
+metric but the times is that of one node with the same layout (N fake GPUs on one host)."""
 
 from __future__ import annotations
 
@@ -23,7 +25,7 @@ from tests.netns import Namespaces, NetnsUnavailable, listeners
 
 REPO = Path(__file__).resolve().parents[1]
 ENV = {**{k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "MASTER_", "TORCHELASTIC_"))},
-       "PYTHONPATH": str(REPO)}
+       "PYTHONPATH": str(REPO), "TANDEM_JOB_SECRET": "the job's secret, 32 characters!"}
 # 96 samples a rollout (12 prompts x 8), which 2 and 3 data-parallel ranks share evenly
 SMALL = ["--num-rollout", "2", "--rollout-batch-size", "12", "--global-batch-size", "96", "--micro-batch-size", "16",
          "--eval-prompt-data", "none", "--eval-interval", "none", "--check-weight-update-equal",
@@ -110,25 +112,71 @@ def listening_ports(pid: int) -> list[int]:
     return [c.laddr.port for c in conns if c.status == psutil.CONN_LISTEN]
 
 
-def strangers_refused(endpoints: list[str], prefix: list[str] = ()) -> bool:
-    """Whether every endpoint refuses a stranger, from a process run with `prefix` (another node's
-    network namespace): a client with a key of its own guessing a server key (the job's is in no
-    store), and a plaintext one."""
+def strangers_refused(store: tuple[str, int], rank: int, endpoints: list[str], prefix: list[str] = ()) -> bool:
+    """Whether node `rank` refuses a stranger, from a process run with `prefix` (another node's
+    network namespace). Its agent's channel, dialled with the agent's real public key, which the
+    stranger reads from the rendezvous store at `store` (open to whoever reaches it), and a client
+    key not in the job: the agent's ZAP handler refuses the handshake (EVENT_HANDSHAKE_FAILED_AUTH).
+    Every endpoint (the roles' mailboxes, whose server key is the job's and in no store): a client
+    with a key of its own guessing a server key, and a plaintext one, never finish a handshake."""
     script = """if True:
-        import sys, zmq
+        import json, sys, zmq
+        import torch.distributed as dist
         from runtime.curve import KeyPair
         from tests.test_curve import handshake
+        addr, port, rank, *endpoints = sys.argv[1:]
+        store = dist.TCPStore(addr, int(port), is_master=False, wait_for_workers=False)
+        agent = json.loads(store.get(f"tandem/node/0/{rank}/1"))  # the node's entry, at its first slot here
         ctx = zmq.Context()
-        for endpoint in sys.argv[1:]:
+        sock, event = handshake(ctx, KeyPair.new(), agent["public_key"].encode(), agent["endpoint"])
+        assert event == zmq.EVENT_HANDSHAKE_FAILED_AUTH, (agent["endpoint"], event)
+        sock.close()
+        for endpoint in [agent["endpoint"], *endpoints]:
             for client in (KeyPair.new(), None):
                 sock, event = handshake(ctx, client, KeyPair.new().public, endpoint)
                 assert event != zmq.EVENT_HANDSHAKE_SUCCEEDED, endpoint
                 sock.close()
         ctx.term()"""
-    out = subprocess.run([*prefix, sys.executable, "-c", script, *endpoints], cwd=REPO, env=ENV, capture_output=True,
-                         text=True, timeout=120)
+    out = subprocess.run([*prefix, sys.executable, "-c", script, store[0], str(store[1]), str(rank), *endpoints],
+                         cwd=REPO, env=ENV, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     return True
+
+
+def store_ports(run_dir: Path, master_port: int) -> set[int]:
+    """The ports of c10d's stores that node 0 serves: the job's rendezvous store (--master-port),
+    each rank group's (the MASTER_PORT its ranks were given) and the weight broadcast group's (its
+    `weight_group` event)."""
+    ports = {master_port}
+    for pid in spawned(run_dir).values():
+        try:
+            if "MASTER_PORT" in (env := psutil.Process(pid).environ()):
+                ports.add(int(env["MASTER_PORT"]))
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+            continue
+    events = [json.loads(x) for x in (run_dir / "events.jsonl").read_text().splitlines() if x.strip()]
+    return ports | {e["master"][1] for e in events if e["event"] == "weight_group"}
+
+
+def stray_listeners(procs: list[subprocess.Popen], ns: Namespaces, run_dir: Path, master_port: int) -> tuple[int, list]:
+    """Every socket, IPv4 and IPv6, listening in a node's namespace on another address than the
+    node's own (a wildcard, loopback), but c10d's stores on node 0, which listen on every
+    interface and are told apart by their ports (`store_ports`). Returns (the stores seen on a
+    wildcard, the strays as (node, address, port)); a node whose launcher ended is skipped."""
+    bound = {}
+    for rank, proc in enumerate(procs):
+        try:
+            bound[rank] = listeners(proc.pid)
+        except (FileNotFoundError, ProcessLookupError):
+            continue
+    stores = store_ports(run_dir, master_port)
+    stray = [(r, a, p) for r, pairs in bound.items() for a, p in pairs
+             if a != ns.address(r) and not (r == 0 and p in stores)]
+    if stray:  # a store made between the reading of the sockets and of the ports: read them again
+        time.sleep(1)
+        stores = store_ports(run_dir, master_port)
+        stray = [(r, a, p) for r, a, p in stray if not (r == 0 and p in stores)]
+    return sum(1 for a, p in bound.get(0, ()) if p in stores and a in ("0.0.0.0", "::")), stray
 
 
 @pytest.fixture(scope="module")
@@ -165,14 +213,21 @@ def test_tiny_ppo_runs_across_nodes_over_curve_as_on_one_node(tmp_path, nnodes, 
                     pid = roles[f"rollout-{last}"]
                     if ns is None:
                         endpoints = [f"tcp://127.0.0.1:{p}" for p in listening_ports(pid)]
-                    else:  # every socket of the node's namespace: bound to its address, none to a wildcard
-                        bound = listeners(pid)
-                        assert {a for a, _ in bound} <= {ns.address(last)}, bound
-                        endpoints = [f"tcp://{a}:{p}" for a, p in bound]
+                    else:  # every socket of the node's namespace
+                        endpoints = [f"tcp://{a}:{p}" for a, p in listeners(pid) if a == ns.address(last)]
                 time.sleep(0.2)
             assert endpoints, f"engine {last} on node {last} never listened: {node0_log.read_text()[-3000:]}"
             # from node 0's namespace: a peer on another host
-            assert strangers_refused(endpoints, ns.prefix(0) if ns else [])
+            store = (ns.address(0) if ns else "127.0.0.1", port)
+            assert strangers_refused(store, last, endpoints, ns.prefix(0) if ns else [])
+            # every node's sockets, until the run ends: each bound to its node's address, but c10d's stores
+            stores_seen = snapshots = 0
+            while ns is not None and procs[0].poll() is None:
+                seen, stray = stray_listeners(procs, ns, run_dir, port)
+                assert not stray, f"sockets not bound to their node's address (node, address, port): {stray}"
+                stores_seen, snapshots = max(stores_seen, seen), snapshots + 1
+                time.sleep(0.5)
+            assert ns is None or (snapshots and stores_seen), "no snapshot saw node 0's stores listening"
             assert procs[0].wait(300) == 0, node0_log.read_text()[-5000:]
             for rank, proc in enumerate(procs[1:], 1):
                 assert proc.wait(30) == 0, (tmp_path / f"node{rank}.log").read_text()[-3000:]

@@ -20,9 +20,11 @@ from runtime.curve import KeyPair, dial
 from runtime.events import read_events
 from runtime.monitor import MonitorState, render
 from runtime.rendezvous import NodeEntry
+from runtime.signing import JobSecret
 from tests.actors import Echo
 
 HEARTBEAT_S = 0.1
+SECRET, RUN = JobSecret(b"the job's secret, 32 characters!"), "run-1"  # what the rendezvous hands both sides
 pytestmark = pytest.mark.timeout(60)
 
 
@@ -36,7 +38,7 @@ class Serving:
         self.thread.start()
 
     def _serve(self, driver_key, hello_timeout_s):
-        self.reason = self.agent.serve(driver_key, hello_timeout_s)
+        self.reason = self.agent.serve(driver_key, hello_timeout_s, secret=SECRET, run=RUN)
 
     def wait(self, timeout: float) -> str | None:
         self.thread.join(timeout)
@@ -56,7 +58,7 @@ def test_roles_call_across_nodes_until_node_0_stops_the_job(tmp_path):
     keys = KeyPair.new()
     node1 = Serving(tmp_path, keys.public)
     with Supervisor(tmp_path / "node0", transport="tcp", job_keys=KeyPair.new(), heartbeat_interval=HEARTBEAT_S) as sup:
-        remote = RemoteNode(sup, node1.agent.entry(), keys, hello_timeout_s=10)
+        remote = RemoteNode(sup, node1.agent.entry(), keys, secret=SECRET, run=RUN, hello_timeout_s=10)
         echo = remote.spawn("echo", Echo, gpus=[0])
         assert echo.ping([1, 2]) == [1, 2]
         near = sup.spawn("near", Echo)
@@ -102,7 +104,7 @@ def test_the_monitor_at_node_0_shows_every_nodes_roles_and_gpus(tmp_path):
     node1 = Serving(tmp_path, keys.public)
     with Supervisor(tmp_path / "node0", transport="tcp", job_keys=KeyPair.new(), heartbeat_interval=HEARTBEAT_S,
                     fake_gpus=1) as sup:
-        remote = RemoteNode(sup, node1.agent.entry(), keys, hello_timeout_s=10)
+        remote = RemoteNode(sup, node1.agent.entry(), keys, secret=SECRET, run=RUN, hello_timeout_s=10)
         remote.spawn("far", Echo, gpus=[0])
         sup.spawn("near", Echo, gpus=[0])
         # each node's GPU 0 changes hands on its own table (the driver's ClusterLeases does this)
@@ -132,9 +134,9 @@ def test_node_0_silent_past_the_timeout_stops_the_node(tmp_path):
     sock = ctx.socket(zmq.DEALER)  # node 0 as runtime.agent.RemoteNode speaks: hello, then nothing
     sock.linger = 0
     dial(sock, keys, node1.agent.keys.public, node1.agent.endpoint)
-    sock.send_multipart([b"hello", msgpack.packb({
-        "token": "t" * 32, "job_public": job.public, "job_secret": job.secret,
-        "heartbeat_interval": HEARTBEAT_S, "heartbeat_timeout": 0.5})])
+    hello = {"token": "t" * 32, "job_public": job.public, "job_secret": job.secret,
+             "heartbeat_interval": HEARTBEAT_S, "heartbeat_timeout": 0.5}
+    sock.send_multipart([b"hello", msgpack.packb({**hello, "mac": SECRET.sign("hello", run=RUN, rank=1, **hello)})])
     assert sock.poll(10_000) and sock.recv_multipart()[0] == b"welcome"
     started = time.monotonic()
     reason = node1.wait(10)
@@ -150,9 +152,26 @@ def test_a_node_0_without_the_jobs_key_is_never_let_in(tmp_path):
         impostor = KeyPair.new()  # not the key node 1 read from the rendezvous store
         entry = NodeEntry(1, node1.agent.endpoint, node1.agent.keys.public)
         with pytest.raises(Exception, match="node 1 .*did not answer node 0's hello|node 1 lost"):
-            RemoteNode(sup, entry, impostor, hello_timeout_s=1.0)
+            RemoteNode(sup, entry, impostor, secret=SECRET, run=RUN, hello_timeout_s=1.0)
     assert node1.wait(5) == "node 0 did not say hello for 1 s: stopping this node's roles"
     assert node1.agent.sup is None  # no supervisor was ever started for the impostor
+
+
+@pytest.mark.parametrize("secret, run", [(JobSecret(b"another job's secret, 32 chars.."), RUN), (SECRET, "run-0")],
+                         ids=["wrong-secret", "another-run"])
+def test_a_hello_not_signed_for_this_job_and_run_is_refused(tmp_path, caplog, secret, run):
+    """A peer that holds node 0's key (the agent admits it) but signs its hello with another
+    secret, or for another run, never gets a supervisor started, and the refusal is one line."""
+    keys = KeyPair.new()
+    node1 = Serving(tmp_path, keys.public, hello_timeout_s=1.0)
+    with Supervisor(tmp_path / "node0", transport="tcp", job_keys=KeyPair.new(), heartbeat_interval=HEARTBEAT_S) as sup:
+        with pytest.raises(Exception, match="node 1 .*did not answer node 0's hello|node 1 lost"):
+            RemoteNode(sup, node1.agent.entry(), keys, secret=secret, run=run, hello_timeout_s=1.0)
+    assert node1.wait(5) == "node 0 did not say hello for 1 s: stopping this node's roles"
+    assert node1.agent.sup is None
+    assert [r.getMessage() for r in caplog.records if "refused a hello" in r.getMessage()] == [
+        "tandem: node 1: refused a hello that is signed wrong (a peer with node 0's key but not the job's "
+        "TANDEM_JOB_SECRET, or of another run)"]
 
 
 def test_a_caller_without_the_jobs_key_cannot_reach_a_role(tmp_path):
@@ -200,7 +219,7 @@ def test_a_rank_group_spans_two_nodes_over_gloo(tmp_path):
     node1 = Serving(tmp_path, keys.public)
     # the default heartbeats: a rank importing torch on a busy 2-core machine misses short ones
     with Supervisor(tmp_path / "node0", transport="tcp", job_keys=KeyPair.new(), fake_gpus=1) as sup:
-        remote = RemoteNode(sup, node1.agent.entry(), keys, hello_timeout_s=10)
+        remote = RemoteNode(sup, node1.agent.entry(), keys, secret=SECRET, run=RUN, hello_timeout_s=10)
         try:
             here = sup.spawn_group("actor", GlooRank, gpus=[0], world_size=2, first_rank=0)
             there = remote.spawn_group("actor", GlooRank, gpus=[0], world_size=2, first_rank=1,
@@ -228,7 +247,7 @@ def test_a_rank_group_across_nodes_dies_as_one_from_either_side(tmp_path):
     node1 = Serving(tmp_path, keys.public)
     with Supervisor(tmp_path / "node0", transport="tcp", job_keys=KeyPair.new(), heartbeat_interval=HEARTBEAT_S,
                     fake_gpus=1) as sup:
-        remote = RemoteNode(sup, node1.agent.entry(), keys, hello_timeout_s=10)
+        remote = RemoteNode(sup, node1.agent.entry(), keys, secret=SECRET, run=RUN, hello_timeout_s=10)
         try:
             slices = {}
             for group in ("left", "right"):
@@ -260,7 +279,8 @@ def test_three_nodes_a_rank_group_dies_as_one_across_all_of_them(tmp_path):
     agents = {rank: Serving(tmp_path / f"n{rank}", keys.public, rank=rank) for rank in (1, 2)}
     with Supervisor(tmp_path / "node0", transport="tcp", job_keys=KeyPair.new(), heartbeat_interval=HEARTBEAT_S,
                     fake_gpus=1) as sup:
-        remotes = {r: RemoteNode(sup, a.agent.entry(), keys, hello_timeout_s=10) for r, a in agents.items()}
+        remotes = {r: RemoteNode(sup, a.agent.entry(), keys, secret=SECRET, run=RUN, hello_timeout_s=10)
+                   for r, a in agents.items()}
         try:
             ranks = sup.spawn_group("grp", Echo, gpus=[0], world_size=3)
             for r, remote in remotes.items():
@@ -291,7 +311,8 @@ def test_a_rank_group_across_live_nodes_restarts_as_one_and_dies_as_one_again(tm
     node1 = Serving(tmp_path, keys.public)
     with Supervisor(tmp_path / "node0", transport="tcp", job_keys=KeyPair.new(), heartbeat_interval=HEARTBEAT_S,
                     fake_gpus=1) as sup:
-        cluster = ClusterSupervisor(sup, {1: RemoteNode(sup, node1.agent.entry(), keys, hello_timeout_s=10)}, 1)
+        remote = RemoteNode(sup, node1.agent.entry(), keys, secret=SECRET, run=RUN, hello_timeout_s=10)
+        cluster = ClusterSupervisor(sup, {1: remote}, 1)
         try:
             groups = {g: cluster.spawn_group(g, Echo, gpus=[0, 1]) for g in ("actor", "critic")}
             cluster.wait_ready()

@@ -1,6 +1,7 @@
 """The nodes of a job meet in node 0's c10d TCPStore (runtime.rendezvous.meet): each publishes
-its control endpoint and CURVE public key and reads the others'; every way it fails is one
-line within the timeout."""
+its control endpoint and CURVE public key, signed under the job's secret, and reads the others';
+every way it fails is one line within the timeout, and an entry that is not signed under the
+job's secret takes no node's place."""
 
 from __future__ import annotations
 
@@ -12,6 +13,9 @@ import pytest
 
 from runtime.curve import KeyPair
 from runtime.rendezvous import NodeEntry, RendezvousFailed, meet
+from runtime.signing import JobSecret
+
+SECRET = JobSecret(b"the job's secret, 32 characters!", job="4242")
 
 
 def free_port() -> int:
@@ -27,9 +31,9 @@ def entry(rank: int) -> NodeEntry:
 def test_every_node_reads_every_entry():
     port, entries = free_port(), [entry(r) for r in range(3)]
     with ThreadPoolExecutor(3) as pool:
-        host = pool.submit(meet, "127.0.0.1", port, nnodes=3, entry=entries[0], timeout_s=20, host=True)
+        host = pool.submit(meet, "127.0.0.1", port, nnodes=3, entry=entries[0], secret=SECRET, timeout_s=20, host=True)
         time.sleep(0.2)  # node 0 first, as a launcher that waits for it would find it
-        others = [pool.submit(meet, "127.0.0.1", port, nnodes=3, entry=e, timeout_s=20, host=False)
+        others = [pool.submit(meet, "127.0.0.1", port, nnodes=3, entry=e, secret=SECRET, timeout_s=20, host=False)
                   for e in entries[1:]]
         seen = [f.result(timeout=30).nodes for f in [host, *others]]
     assert all(nodes == entries for nodes in seen)
@@ -38,7 +42,7 @@ def test_every_node_reads_every_entry():
 def test_node_0_unreachable_is_one_line_within_the_timeout():
     started = time.monotonic()
     with pytest.raises(RendezvousFailed) as err:
-        meet("127.0.0.1", free_port(), nnodes=2, entry=entry(1), timeout_s=1.0, host=False)
+        meet("127.0.0.1", free_port(), nnodes=2, entry=entry(1), secret=SECRET, timeout_s=1.0, host=False)
     assert time.monotonic() - started < 3
     assert "\n" not in str(err.value) and "did not answer within 1 s" in str(err.value)
     assert "--master-addr" in str(err.value)
@@ -46,19 +50,20 @@ def test_node_0_unreachable_is_one_line_within_the_timeout():
 
 def test_a_missing_node_is_named():
     with pytest.raises(RendezvousFailed, match=r"node\(s\) 1, 2 of 3 did not join .* within 0.5 s"):
-        meet("127.0.0.1", free_port(), nnodes=3, entry=entry(0), timeout_s=0.5, host=True)
+        meet("127.0.0.1", free_port(), nnodes=3, entry=entry(0), secret=SECRET, timeout_s=0.5, host=True)
 
 
 def test_two_launchers_with_one_rank_are_refused():
     port = free_port()
     with ThreadPoolExecutor(1) as pool:
-        host = pool.submit(meet, "127.0.0.1", port, nnodes=2, entry=entry(0), timeout_s=10, host=True)
+        host = pool.submit(meet, "127.0.0.1", port, nnodes=2, entry=entry(0), secret=SECRET, timeout_s=10, host=True)
         time.sleep(0.2)
         with ThreadPoolExecutor(1) as second:
-            first = second.submit(meet, "127.0.0.1", port, nnodes=2, entry=entry(1), timeout_s=10, host=False)
+            first = second.submit(meet, "127.0.0.1", port, nnodes=2, entry=entry(1), secret=SECRET, timeout_s=10,
+                                  host=False)
             first.result(timeout=20)
         with pytest.raises(RendezvousFailed, match="already joined as node 1"):
-            meet("127.0.0.1", port, nnodes=2, entry=entry(1), timeout_s=5, host=False)
+            meet("127.0.0.1", port, nnodes=2, entry=entry(1), secret=SECRET, timeout_s=5, host=False)
         host.result(timeout=20)
 
 
@@ -67,18 +72,19 @@ def test_a_lost_node_joins_again_in_a_new_generation():
 
     port, entries = free_port(), [entry(0), entry(1)]
     with ThreadPoolExecutor(2) as pool:
-        host = pool.submit(meet, "127.0.0.1", port, nnodes=2, entry=entries[0], timeout_s=20, host=True)
+        host = pool.submit(meet, "127.0.0.1", port, nnodes=2, entry=entries[0], secret=SECRET, timeout_s=20, host=True)
         time.sleep(0.2)
-        meet("127.0.0.1", port, nnodes=2, entry=entries[1], timeout_s=20, host=False)
+        meet("127.0.0.1", port, nnodes=2, entry=entries[1], secret=SECRET, timeout_s=20, host=False)
         rdv = host.result(timeout=30)
         # node 1 lost: a launcher of rank 1 started before node 0 calls it back is refused ...
         with pytest.raises(RendezvousFailed, match="already joined as node 1"):
-            meet("127.0.0.1", port, nnodes=2, entry=entry(1), timeout_s=5, host=False)
+            meet("127.0.0.1", port, nnodes=2, entry=entry(1), secret=SECRET, timeout_s=5, host=False)
         back = pool.submit(call_back, rdv, 1, entries[0], timeout_s=20)
         time.sleep(0.2)
         # ... and one started after is let in, meeting node 0 alone
         again = entry(1)
-        assert meet("127.0.0.1", port, nnodes=2, entry=again, timeout_s=20, host=False).nodes == [entries[0], again]
+        joined = meet("127.0.0.1", port, nnodes=2, entry=again, secret=SECRET, timeout_s=20, host=False)
+        assert joined.nodes == [entries[0], again]
         assert back.result(timeout=30) == again
 
 
@@ -87,9 +93,9 @@ def test_a_lost_node_that_never_comes_back_is_one_line():
 
     port = free_port()
     with ThreadPoolExecutor(1) as pool:
-        host = pool.submit(meet, "127.0.0.1", port, nnodes=2, entry=entry(0), timeout_s=20, host=True)
+        host = pool.submit(meet, "127.0.0.1", port, nnodes=2, entry=entry(0), secret=SECRET, timeout_s=20, host=True)
         time.sleep(0.2)
-        meet("127.0.0.1", port, nnodes=2, entry=entry(1), timeout_s=20, host=False)
+        meet("127.0.0.1", port, nnodes=2, entry=entry(1), secret=SECRET, timeout_s=20, host=False)
         rdv = host.result(timeout=30)
     with pytest.raises(RendezvousFailed, match=r"^node 1 did not come back within 0.5 s \(--rendezvous-timeout-s\)$"):
         call_back(rdv, 1, entry(0), timeout_s=0.5)
@@ -102,11 +108,72 @@ def test_a_node_admits_node_0_before_its_own_entry_is_there_to_dial():
 
     def admit(node_0: NodeEntry) -> None:  # as NodeAgent.admit: node 0 must not find node 1 before this
         store = dist.TCPStore("127.0.0.1", port, 2, is_master=False)
-        seen.append((node_0, store.check(["tandem/node/0/1"])))
+        seen.append((node_0, store.check(["tandem/offers/0/1", "tandem/node/0/1/1"])))
 
     with ThreadPoolExecutor(1) as pool:
-        host = pool.submit(meet, "127.0.0.1", port, nnodes=2, entry=entries[0], timeout_s=20, host=True)
+        host = pool.submit(meet, "127.0.0.1", port, nnodes=2, entry=entries[0], secret=SECRET, timeout_s=20, host=True)
         time.sleep(0.2)
-        meet("127.0.0.1", port, nnodes=2, entry=entries[1], timeout_s=20, host=False, on_node_0=admit)
+        meet("127.0.0.1", port, nnodes=2, entry=entries[1], secret=SECRET, timeout_s=20, host=False, on_node_0=admit)
         host.result(timeout=30)
     assert seen == [(entries[0], False)]
+
+
+def test_an_impostor_that_writes_a_nodes_entry_first_is_refused_and_the_real_node_joins(caplog):
+    """Whoever reaches node 0's store can write there before node 1 does: one with a secret of
+    its own, and one that signs nothing. Neither takes node 1's place; each is logged, naming
+    node 1; node 1 joins after them."""
+    import json
+
+    import torch.distributed as dist
+
+    from runtime.rendezvous import _Board
+
+    port, entries = free_port(), [entry(0), entry(1)]
+    with ThreadPoolExecutor(1) as pool:
+        host = pool.submit(meet, "127.0.0.1", port, nnodes=2, entry=entries[0], secret=SECRET, timeout_s=20, host=True)
+        store = dist.TCPStore("127.0.0.1", port, 2, is_master=False)
+        while not store.check(["tandem/node/0/0/1"]):  # node 0's entry: its run is in the clear
+            time.sleep(0.05)
+        run = json.loads(store.get("tandem/node/0/0/1"))["run"]
+        wrong = JobSecret(b"a secret of its own, 32 chars...", job=SECRET.job)
+        # the impostor writes as a launcher does, with its own key pair and endpoint
+        _Board(store, "tandem", 0, wrong, "here").offer(entry(1), run, time.monotonic() + 5, TimeoutError)
+        slot = store.add("tandem/offers/0/1", 1)  # and one unsigned
+        store.set(f"tandem/node/0/1/{slot}", json.dumps({"endpoint": "tcp://127.0.0.1:9", "public_key": "x",
+                                                         "run": run}))
+        joined = meet("127.0.0.1", port, nnodes=2, entry=entries[1], secret=SECRET, timeout_s=20, host=False)
+        assert joined.nodes == entries
+        assert host.result(timeout=30).nodes == entries
+    refused = [r.getMessage() for r in caplog.records if "refused an entry" in r.getMessage()]
+    assert any("for node 1" in m and "slot 1" in m and "does not verify under this job's TANDEM_JOB_SECRET" in m
+               for m in refused), refused
+    assert any("for node 1" in m and "slot 2" in m and "is not signed" in m for m in refused), refused
+    assert all("\n" not in m for m in refused)
+
+
+def test_a_good_entry_copied_to_another_slot_does_not_verify():
+    """An impostor that copies node 1's signed entry (the store is readable) to a slot of its own
+    does not become node 1 either: the signature covers the slot."""
+    import json
+
+    import torch.distributed as dist
+
+    port, entries = free_port(), [entry(0), entry(1)]
+    with ThreadPoolExecutor(1) as pool:
+        host = pool.submit(meet, "127.0.0.1", port, nnodes=2, entry=entries[0], secret=SECRET, timeout_s=20, host=True)
+        time.sleep(0.2)
+        meet("127.0.0.1", port, nnodes=2, entry=entries[1], secret=SECRET, timeout_s=20, host=False)
+        host.result(timeout=30)
+        store = dist.TCPStore("127.0.0.1", port, 2, is_master=False)
+        signed = json.loads(store.get("tandem/node/0/1/1"))
+        # node 1 lost and called back: the copy goes first in the new generation, then node 1 itself
+        from runtime.rendezvous import call_back
+
+        back = pool.submit(call_back, host.result(), 1, entries[0], timeout_s=20)
+        while not store.check(["tandem/generation"]):
+            time.sleep(0.05)
+        slot = store.add("tandem/offers/1/1", 1)
+        store.set(f"tandem/node/1/1/{slot}", json.dumps(signed))
+        again = entry(1)
+        assert meet("127.0.0.1", port, nnodes=2, entry=again, secret=SECRET, timeout_s=20, host=False).nodes[1] == again
+        assert back.result(timeout=30) == again

@@ -75,6 +75,8 @@ def test_srun_runs_two_nodes_usr1_saves_and_a_requeue_resumes(slurm, tmp_path):
 set -euo pipefail
 cd {REPO}
 export PYTHONPATH={REPO} MASTER_PORT={free_port()}
+# one secret per job, as the example makes it: srun hands it to both tasks
+export TANDEM_JOB_SECRET=$({sys.executable} -c "import secrets; print(secrets.token_hex(32))")
 srun --kill-on-bad-exit=1 --overcommit -n2 {sys.executable} launch.py --num-gpus-per-node 1 \\
   --actor-num-nodes 2 --actor-num-gpus-per-node 1 --num-rollout 3 --rollout-batch-size 16 \\
   --eval-prompt-data none --eval-interval none --num-reward-workers 1 --log-format plain \\

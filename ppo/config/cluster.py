@@ -18,6 +18,11 @@ else from the environment of the launcher that started it:
 
 Under `srun torchrun ...` torchrun is the launcher that started this process and its ranks
 win; the two only contradict each other when they count different nodes.
+
+A job of more than one node also needs its secret, TANDEM_JOB_SECRET, the same on every node
+(`job_secret`): the nodes sign their rendezvous entries with it (runtime.signing). It is read
+from the environment only, never a flag, so that it shows in no command line, config dump or
+resume command.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from ppo.config.schema import PPOConfig
+from runtime.signing import MIN_SECRET_CHARS, SECRET_ENV, JobSecret
 
 
 def from_environment(env: Mapping[str, str],
@@ -40,6 +46,20 @@ def from_environment(env: Mapping[str, str],
                          f"{torchrun['nnodes']} nodes: run one torchrun per node "
                          "(srun --ntasks-per-node=1 torchrun --nnodes $SLURM_NNODES ...) or pass --nnodes")
     return {**slurm, **torchrun}
+
+
+def job_secret(env: Mapping[str, str], nnodes: int) -> JobSecret:
+    """The job's secret for a job of `nnodes` > 1 nodes, with the scheduler's job id (Slurm's,
+    else torchrun's run id, else none) that its signatures cover. ValueError, one line that
+    says how to set it, when it is missing or too short."""
+    value = env.get(SECRET_ENV, "")
+    if len(value) < MIN_SECRET_CHARS:
+        what = "is not set" if not value else f"has {len(value)} characters, fewer than {MIN_SECRET_CHARS}"
+        raise ValueError(f"--nnodes {nnodes}: {SECRET_ENV} {what}. Export one secret, the same on every node, "
+                         f"before the launchers start: in an sbatch script `export {SECRET_ENV}=$(openssl rand "
+                         "-hex 32)` before srun; under torchrun or by hand, generate it once and export it on "
+                         "each node. The nodes sign their rendezvous entries with it (docs/multinode.md)")
+    return JobSecret(value.encode(), env.get("SLURM_JOB_ID") or env.get("TORCHELASTIC_RUN_ID") or "")
 
 
 def uses_agent_store(env: Mapping[str, str]) -> bool:

@@ -29,6 +29,9 @@ def open_weight_broadcast(job) -> WeightBroadcast | None:
     store = host_store(job.sup.sup.host, world)  # the ClusterSupervisor's node 0 address
     backend = "gloo" if plan.fake_gpus else "nccl"
     host, port = job.sup.sup.host, store.port
+    # where the group meets: c10d's store listens on every interface (docs/multinode.md), and a
+    # check of a node's sockets tells it from the job's own by this port
+    job.sup.publish("weight_group", world=world, backend=backend, master=[host, port])
     members = [e for e, r in zip(job.engines, remote) if r]
     gather([job.actor.join_weight_group.call(host, port, world, backend)]
            + [e.join_weight_group.call(host, port, world, rank, backend) for rank, e in enumerate(members, 1)])

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ppo.config import PPOConfig
-from ppo.config.cluster import uses_agent_store
+from ppo.config.cluster import job_secret, uses_agent_store
 from ppo.gpu.placement import plan_placement
 from ppo.gpu.sizing import FAKE_GPU_BYTES
 from runtime import Supervisor
@@ -33,10 +33,12 @@ def node_address(cfg: PPOConfig) -> str:
     return numeric(cfg.cluster.node_ip) if cfg.cluster.node_ip else route_to(cfg.cluster.master_addr)
 
 
-def run_node(cfg: PPOConfig) -> str:
+def run_node(cfg: PPOConfig, environ: Mapping[str, str]) -> str:
     """Serve as node `--node-rank` (> 0) of the job; returns why it stopped, one line. Raises
-    RendezvousFailed when the nodes do not meet, ValueError for an unresolvable address."""
+    RendezvousFailed when the nodes do not meet, ValueError for an unresolvable address or no
+    job secret in `environ`."""
     c, plan = cfg.cluster, plan_placement(cfg)
+    secret = job_secret(environ, c.nnodes)
     assert c.nnodes and c.node_rank and c.master_addr, "validate() requires them on a node > 0"
     per_node = plan.num_gpus_per_node
     agent = NodeAgent(c.node_rank, KeyPair.new(), node_address(cfg), Path(cfg.logging.run_dir) / f"node{c.node_rank}",
@@ -48,12 +50,12 @@ def run_node(cfg: PPOConfig) -> str:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     signal.signal(signal.SIGUSR1, signal.SIG_IGN)
     try:
-        rdv = meet(c.master_addr, c.master_port, nnodes=c.nnodes, entry=agent.entry(),  # node 0 serves the store
-                   timeout_s=c.rendezvous_timeout_s, host=False, on_node_0=agent.admit)
+        rdv = meet(c.master_addr, c.master_port, nnodes=c.nnodes, entry=agent.entry(), secret=secret,
+                   timeout_s=c.rendezvous_timeout_s, host=False, on_node_0=agent.admit)  # node 0 serves the store
     except BaseException:
         agent.close()
         raise
-    return agent.serve(rdv.nodes[0].public_key, hello_timeout_s=c.rendezvous_timeout_s)
+    return agent.serve(rdv.nodes[0].public_key, hello_timeout_s=c.rendezvous_timeout_s, secret=secret, run=rdv.run)
 
 
 @dataclass
@@ -78,16 +80,19 @@ class Nodes:
 def connect_nodes(cfg: PPOConfig, sup: Supervisor, environ: Mapping[str, str]) -> Nodes:
     """Node 0: meet the other nodes and open a RemoteNode to each. `sup` is node 0's supervisor,
     made with transport="tcp", host=node_address(cfg) and the job's key pair. Raises
-    RendezvousFailed, or NodeLost when a node does not answer node 0's hello."""
+    RendezvousFailed, or NodeLost when a node does not answer node 0's hello; ValueError
+    without the job's secret in `environ`."""
     c = cfg.cluster
     assert c.nnodes and c.node_rank == 0 and c.master_addr, "validate() requires them on node 0"
     keys = KeyPair.new()  # node 0's own: the agents admit it on their channels
     rdv = meet(c.master_addr, c.master_port, nnodes=c.nnodes, entry=NodeEntry(0, sup.control_endpoint, keys.public),
-               timeout_s=c.rendezvous_timeout_s, host=not uses_agent_store(environ))
+               secret=job_secret(environ, c.nnodes), timeout_s=c.rendezvous_timeout_s,
+               host=not uses_agent_store(environ))
     remotes: dict[int, RemoteNode] = {}
     try:
         for entry in rdv.nodes[1:]:
-            remotes[entry.rank] = RemoteNode(sup, entry, keys, hello_timeout_s=c.rendezvous_timeout_s)
+            remotes[entry.rank] = RemoteNode(sup, entry, keys, secret=rdv.secret, run=rdv.run,
+                                             hello_timeout_s=c.rendezvous_timeout_s)
     except BaseException:
         Nodes(rdv, remotes, keys).close("node 0 could not reach every node")
         raise
