@@ -224,8 +224,10 @@ def tiny_tools() -> PPOConfig:
     return dataclasses.replace(
         base,
         checkpoint=CheckpointConfig(hf_checkpoint="generated:tiny-qwen3-tools"),
+        # a turn ends at its call (the stop token stays in the response): no turn carries text after
+        # its call, which an OpenAI message could not hold (tiny_tools_agent: docs/agents.md)
         rollout=dataclasses.replace(base.rollout, prompt_data="generated:tool_sums", num_rollout=40,
-                                    rollout_batch_size=64, rollout_max_response_len=30),
+                                    rollout_batch_size=64, rollout_max_response_len=30, rollout_stop=("</tool_call>",)),
         reward=RewardConfig(custom_rm_path="ppo.generate.tiny_tools:answer_reward"),
         ppo=dataclasses.replace(base.ppo, advantage_estimator="grpo"),
         optimizer=dataclasses.replace(base.optimizer, lr=2e-3, lr_warmup_iters=40),
@@ -246,7 +248,7 @@ def tiny_tools_no_tool() -> PPOConfig:
     0.100 -> 0.126 in 40 rollouts, seed 1234 (2026-12-07)."""
     base = tiny_tools()
     return dataclasses.replace(base, checkpoint=CheckpointConfig(hf_checkpoint="generated:tiny-qwen3"),
-                               rollout=dataclasses.replace(base.rollout, rollout_max_response_len=5),
+                               rollout=dataclasses.replace(base.rollout, rollout_max_response_len=5, rollout_stop=None),
                                generate=GenerateConfig())
 
 
