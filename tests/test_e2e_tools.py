@@ -30,7 +30,9 @@ def test_tool_trajectories_train_with_engine_and_trainer_agreeing_on_every_model
     first = called[0]
     assert [t["source"] for t in first["turns"][:3]] == ["model", "env", "model"]
     assert first["turns"][0]["text"].startswith("<tool_call>")
-    assert first["turns"][1]["text"].startswith("<tool_response>")
+    # the call turn stops at </tool_call> (--rollout-stop): the template's <eos> after it opens the tool's turn
+    assert first["turns"][0]["text"].endswith("</tool_call>")
+    assert first["turns"][1]["text"].startswith("<eos><tool_response>")
     assert first["stats"]["tool_calls"] >= 1
 
 
