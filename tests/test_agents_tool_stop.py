@@ -125,7 +125,7 @@ def through_the_session_server(case, params):
 def test_a_turn_stopped_at_the_tool_call_round_trips_through_the_session_server_as_through_the_tool_loop(name, request):
     case = request.getfixturevalue(name)
     tok = case.tok
-    params = sampling(case, stop_token_ids(tiny_tools_agent(), tok))  # --rollout-stop </tool_call>
+    params = sampling(case, stop_token_ids(tiny_tools_agent(), tok))  # --rollout-stop '</tool_call>'
     loop, loop_model = through_the_tool_loop(case, params)
     records, agent_model = through_the_session_server(case, params)
     assert len(records) == 1 and records[0].stats["agent_splits"] == 0

@@ -138,7 +138,7 @@ class Session:
         self.weight_version = version if self.weight_version is None else min(self.weight_version, version)
         self.num_aborts += result.get("num_aborts", 0)
         # the stop token that ends the turn is the template's to write back after the message; any
-        # other (a tool call's closing tag: --rollout-stop </tool_call>) is part of what the model wrote
+        # other (a tool call's closing tag: --rollout-stop '</tool_call>') is part of what the model wrote
         ended = (finish == "stop" and ids and ids[-1] in self._stop_ids
                  and self._turn_end.startswith(self.decode(ids[-1:])))
         text = self.decode(ids[:-1] if ended else ids)
