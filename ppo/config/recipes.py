@@ -209,9 +209,9 @@ def tiny_tools() -> PPOConfig:
     tiny_ppo's placement on `generated:tool_sums` (`347+285=`, operands 100..499, carries) through
     the built-in tool loop: the model calls `calculator` in Qwen's `<tool_call>{json}</tool_call>`
     format (its turn stops at `</tool_call>`), reads the result in the tool turn its chat template
-    renders, and answers (ppo.generate.tiny_tools). It starts knowing the call format but answering at random, so PPO
-    has to learn to copy the tool's result; the answer after the last tool turn is graded digit
-    by digit. tiny_tools_no_tool is the same task without the tool.
+    renders, and answers (ppo.generate.tiny_tools). It starts knowing the call format but
+    answering at random, so PPO has to learn to copy the tool's result; the answer after the last
+    tool turn is graded digit by digit. tiny_tools_no_tool is the same task without the tool.
 
     GRPO (no critic) on 64 prompts x 8 samples, 16 optimizer steps of 32 a rollout, the LR
     warming up over 40 of them: the 40th rollout's reward is 0.83 (median of seeds 1234, 1, 2:
