@@ -39,7 +39,8 @@ SAMPLING = {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "max_new_tokens": 30,
 
 class InstantEngine:
     """EngineClient.generate's contract (ppo/generate/engines.py) without a model: turn 1 calls the
-    calculator on the prompt's expression, turn 2 answers its result."""
+    calculator on the prompt's expression and stops at `</tool_call>` (tiny_tools' --rollout-stop),
+    turn 2 answers its result and stops at eos."""
 
     def __init__(self, tok, prompts: list[str]):
         self.tok, self.prompts, self.num_turns = tok, prompts, 0
@@ -48,8 +49,9 @@ class InstantEngine:
         self.num_turns += 1
         expr = self.prompts[sample_index].rstrip("=")
         a, _, b = expr.partition("+")  # tool_sums' prompts are sums
-        text = call_text(expr) if "<tool_response>" not in self.tok.decode(prompt_ids) else str(int(a) + int(b))
-        ids = self.tok.encode(text, add_special_tokens=False) + [self.tok.eos_token_id]
+        calls = "<tool_response>" not in self.tok.decode(prompt_ids)
+        text = call_text(expr) if calls else str(int(a) + int(b)) + self.tok.eos_token
+        ids = self.tok.encode(text, add_special_tokens=False)
         return {"token_ids": ids, "logprobs": [-0.1] * len(ids), "finish_reason": "stop", "weight_version": 0}
 
 
@@ -70,8 +72,9 @@ async def _tool_loop(tok, client, prompts) -> list[Sample]:
 async def _agent(tok, client, prompts) -> list[Sample]:
     args = AgentArgs(SimpleNamespace(), tok, 64, client)
     generate = agent_generate_function(run_agent)
-    try:
-        return await asyncio.gather(*(generate(args, s, dict(SAMPLING)) for s in _samples(tok, prompts)))
+    try:  # a session gives a list of records (one here: the sessions of this task never split)
+        sessions = await asyncio.gather(*(generate(args, s, dict(SAMPLING)) for s in _samples(tok, prompts)))
+        return [record for records in sessions for record in records]
     finally:
         await args.aclose()
 

@@ -47,6 +47,7 @@ from ppo.config.serialize import to_dict
 from ppo.generate.metrics import trajectory_metrics
 from ppo.generate.sessions import session_ends
 from ppo.generate.setup import rollout_function
+from ppo.generate.stops import stop_token_ids
 from ppo.setup.job import Job, model_context, start_job
 from ppo.observe.console import RunConsole
 from ppo.generate.dynamic_sampling import sample_batch
@@ -220,7 +221,7 @@ def rollout_source(job: Job) -> Rollouts:
     """Step 1 of the loop: each step's samples, generated then or one step ahead (--train-async).
     An engine or scorer that dies is replaced; an engine is brought to the actor's version."""
     cfg, tok = job.cfg, job.tok
-    sampling = sampling_params(cfg, tok.eos_token_id)
+    sampling = sampling_params(cfg, stop_token_ids(cfg, tok))
     rollout = job_rollout_function(job)
 
     def generate(prompts: list[dict], step: int, sampling_round: int) -> list[dict]:
@@ -285,11 +286,11 @@ def check_skipped(cfg: PPOConfig, skipped: float) -> float:
     return skipped
 
 
-def sampling_params(cfg: PPOConfig, eos_id: int) -> SamplingParams:
+def sampling_params(cfg: PPOConfig, stop_ids: tuple[int, ...]) -> SamplingParams:
     r = cfg.rollout
     return SamplingParams(n_samples_per_prompt=r.n_samples_per_prompt, max_new_tokens=r.rollout_max_response_len,
                           temperature=r.rollout_temperature, top_p=r.rollout_top_p, top_k=r.rollout_top_k,
-                          stop_token_ids=(eos_id, *(r.rollout_stop_token_ids or ())), seed=r.rollout_seed)
+                          stop_token_ids=stop_ids, seed=r.rollout_seed)
 
 
 def advantages(cfg: PPOConfig, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:

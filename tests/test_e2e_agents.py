@@ -30,4 +30,5 @@ def test_the_tiny_agent_trains_like_the_built_in_tool_loop(tmp_path, tool_model)
         assert h_agent["rollout/raw_reward"] == pytest.approx(h_loop["rollout/raw_reward"], rel=0.1)
     rows = [json.loads(x) for x in (tmp_path / "agent" / "samples" / "rollout_00001.jsonl").read_text().splitlines()]
     called = [r for r in rows if len(r["turns"]) >= 3]
-    assert called and called[0]["turns"][1]["text"].startswith("<tool_response>")
+    # the call turn stopped at </tool_call> (--rollout-stop): the template's <eos> opens the tool's turn
+    assert called and called[0]["turns"][1]["text"].startswith("<eos><tool_response>")

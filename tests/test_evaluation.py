@@ -64,16 +64,16 @@ def test_schedule_is_miles_before_training_and_every_interval():
 
 def test_eval_flags_fall_back_to_the_rollout_settings():
     cfg = override(tiny_ppo(), rollout_temperature=0.7, rollout_top_p=0.9, rollout_top_k=5,
-                   rollout_max_response_len=6, rollout_stop_token_ids=(3,))
-    s = ev.eval_sampling(cfg, "a", eos_id=1)
+                   rollout_max_response_len=6)
+    s = ev.eval_sampling(cfg, "a", (1, 3))  # the rollout's stop ids (ppo.generate.stops)
     assert (s.temperature, s.top_p, s.top_k, s.max_new_tokens, s.stop_token_ids) == (0.7, 0.9, 5, 6, (1, 3))
     assert s.n_samples_per_prompt == 16  # tiny_ppo's --n-samples-per-eval-prompt
     own = override(cfg, eval_temperature=0.0, eval_top_p=1.0, eval_top_k=-1, eval_max_response_len=2,
                    n_samples_per_eval_prompt=1)
-    s = ev.eval_sampling(own, "a", eos_id=1)
+    s = ev.eval_sampling(own, "a", (1, 3))
     assert (s.temperature, s.top_p, s.top_k, s.max_new_tokens, s.n_samples_per_prompt) == (0.0, 1.0, -1, 2, 1)
     # its own seed stream, apart from the rollouts' and from the other sets'
-    assert s.seed not in (cfg.rollout.rollout_seed, ev.eval_sampling(own, "b", eos_id=1).seed)
+    assert s.seed not in (cfg.rollout.rollout_seed, ev.eval_sampling(own, "b", (1, 3)).seed)
 
 
 def test_eval_config_problems_name_the_flag_and_the_fix():

@@ -118,6 +118,9 @@ class RolloutConfig:
     rollout_top_p: float = knob(1.0, gt=0.0, le=1.0)
     rollout_top_k: int = knob(-1, "-1 disables top-k")
     rollout_stop_token_ids: tuple[int, ...] | None = knob(None, "extra stop token ids", ge=0)
+    rollout_stop: tuple[str, ...] | None = knob(
+        None, "miles' stop strings, here each one token of the tokenizer (the engines stop on token ids), "
+        "kept in the response: e.g. </tool_call> ends a turn at its tool call (docs/multi_turn.md)")
     num_rollout: int | None = knob(None, "number of PPO iterations. Required.", ge=1)
     rollout_seed: int = knob(42, "seed of prompt shuffling and sampling")
     rollout_shuffle: bool = knob(False, "shuffle prompts each epoch")

@@ -37,6 +37,7 @@ from ppo.generate.sessions import session_ends
 from ppo.config import PPOConfig
 from ppo.prompts.dataset import PromptDataset
 from ppo.generate.rollout import SamplingParams, generate_and_score
+from ppo.generate.stops import stop_token_ids
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -59,7 +60,7 @@ def _fallback(value, default):
     return default if value is None else value
 
 
-def eval_sampling(cfg: PPOConfig, name: str, eos_id: int) -> SamplingParams:
+def eval_sampling(cfg: PPOConfig, name: str, stop_ids: tuple[int, ...]) -> SamplingParams:
     """A set's sampling: each --eval-* setting, or the rollout's where it is unset (as miles)."""
     e, r = cfg.evaluation, cfg.rollout
     return SamplingParams(
@@ -67,7 +68,7 @@ def eval_sampling(cfg: PPOConfig, name: str, eos_id: int) -> SamplingParams:
         max_new_tokens=_fallback(e.eval_max_response_len, r.rollout_max_response_len),
         temperature=_fallback(e.eval_temperature, r.rollout_temperature),
         top_p=_fallback(e.eval_top_p, r.rollout_top_p), top_k=_fallback(e.eval_top_k, r.rollout_top_k),
-        stop_token_ids=(eos_id, *(r.rollout_stop_token_ids or ())), seed=eval_seed(r.rollout_seed, name))
+        stop_token_ids=stop_ids, seed=eval_seed(r.rollout_seed, name))
 
 
 def load_eval_sets(cfg: PPOConfig, paths: list[tuple[str, str]], tok) -> list[EvalSet]:
@@ -87,7 +88,7 @@ def load_eval_sets(cfg: PPOConfig, paths: list[tuple[str, str]], tok) -> list[Ev
             for p in prompts:
                 p["metadata"]["rm_type"] = rm_type
         sets.append(EvalSet(name=name, path=str(Path(path)), prompts=prompts,
-                            sampling=eval_sampling(cfg, name, tok.eos_token_id)))
+                            sampling=eval_sampling(cfg, name, stop_token_ids(cfg, tok))))
     return sets
 
 

@@ -33,6 +33,7 @@ from ppo.prompts.dataset import PromptDataset
 from ppo.generate.evaluation import EvalSet, load_eval_sets
 from ppo.setup.generated import resolve_eval_paths, resolve_paths
 from ppo.generate.setup import check_generation
+from ppo.generate.stops import stop_token_ids
 from ppo.generate.partial_buffer import PartialSource
 from ppo.gpu.dry_run import check_memory_plan
 from ppo.gpu.memory_plan import MemoryPlan
@@ -332,6 +333,7 @@ def _start(cfg: PPOConfig, console: RunConsole, lock: RunDirLock, actor_cls, cri
         if problem := context_problem(cfg, hf_checkpoint):  # a generated model's context is known only now
             raise ValueError(problem)
         check_generation(functions.generation, tok)
+        stop_token_ids(cfg, tok)  # --rollout-stop's strings are one token each
         data = PromptDataset(prompt_data, input_key=cfg.rollout.input_key, label_key=cfg.rollout.label_key,
                              tokenizer=tok, apply_chat_template=cfg.rollout.apply_chat_template,
                              max_prompt_len=cfg.rollout.rollout_max_prompt_len,

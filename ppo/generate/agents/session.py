@@ -44,7 +44,7 @@ class Completion:
 
     ids: list[int]
     log_probs: list[float]
-    text: str  # the ids decoded, without the stop token
+    text: str  # the ids decoded, without the end-of-turn token the template writes back (`turn_end`)
     finish_reason: str  # "stop" or "length"
     num_prompt_tokens: int  # the context it continued
 
@@ -70,6 +70,7 @@ class Session:
         self._num_engine_requests = 0
         eos = tokenizer.eos_token_id
         self._stop_ids = frozenset(sampling_params.get("stop_token_ids") or ()) | ({eos} if eos is not None else set())
+        self._turn_end = turn_end(tokenizer)
 
     def decode(self, ids: list[int]) -> str:
         return self.tok.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
@@ -136,8 +137,11 @@ class Session:
         version = result["weight_version"]
         self.weight_version = version if self.weight_version is None else min(self.weight_version, version)
         self.num_aborts += result.get("num_aborts", 0)
-        stopped = finish == "stop" and ids and ids[-1] in self._stop_ids
-        text = self.decode(ids[:-1] if stopped else ids)
+        # the stop token that ends the turn is the template's to write back after the message; any
+        # other (a tool call's closing tag: --rollout-stop '</tool_call>') is part of what the model wrote
+        ended = (finish == "stop" and ids and ids[-1] in self._stop_ids
+                 and self._turn_end.startswith(self.decode(ids[-1:])))
+        text = self.decode(ids[:-1] if ended else ids)
         cut = _first_stop(text, stop)
         if cut is not None:
             # the record keeps the tokens whose text lies before the stop string, so that the
@@ -150,6 +154,15 @@ class Session:
     def training_records(self) -> list[Record]:
         """Every record, the latest last: each trains, with the session's reward (ppo.generate.agents.agent)."""
         return [r for r in self.records if r is not self.last] + ([self.last] if self.last is not None else [])
+
+
+def turn_end(tokenizer) -> str:
+    """What the chat template writes right after an assistant message's content: Qwen3's
+    "<|im_end|>\\n", Llama 3's "<|eot_id|>", tiny_tools' "<eos>"."""
+    mark = "END-OF-CONTENT"
+    text = tokenizer.apply_chat_template([{"role": "user", "content": "x"}, {"role": "assistant", "content": mark}],
+                                         tokenize=False)
+    return text[text.rindex(mark) + len(mark):]
 
 
 def _as_context(turn: Turn) -> Turn:
