@@ -54,8 +54,8 @@ def tiny(tmp_path_factory):
 @pytest.fixture(scope="module")
 def qwen_like(qwen_tok):
     """Qwen's layout (tests/test_generate_tools.py QWEN_LIKE_TEMPLATE: "\\n" after <|im_end|>, tool
-    results in a user turn). Not Qwen3's real template: the tool loop cannot extend it (its last
-    assistant turn gains an empty thinking block, which tool_turn_ids' check refuses)."""
+    results in a user turn). Qwen3's real template is held by tests/test_generate_tools.py (the tool
+    loop) and tests/test_agents_tokens.py (the session server)."""
     return Case(qwen_tok, (QWEN_CALL + "\nthe sum is 150", "the answer is 632"), "<|im_end|>", 512, 200)
 
 

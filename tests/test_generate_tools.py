@@ -18,6 +18,7 @@ from ppo.tiny_model import EOS_ID, build_tiny_checkpoint, load_tokenizer
 from roles.tools.calculator import TOOL_SPECS
 from roles.tools.in_process import InProcessExecutor
 from roles.tools.specs import ToolSet
+from tests.chat_tokenizers import qwen3_tokenizer
 
 NAMES = frozenset({"calc", "search"})
 CALCULATOR = ToolSet(specs=tuple(TOOL_SPECS), function_path="roles.tools.calculator:execute_tool")
@@ -93,6 +94,27 @@ def test_tool_turn_keeps_what_the_template_writes_after_the_stop_token(qwen_tok)
     after = render_ids(qwen_tok, messages + tool_messages(calls, ["3", "oops"]), add_generation_prompt=True)
     cut = len(before) - 1  # the "\n" after the assistant's <|im_end|>
     assert before[cut - 1] == im_end and after[cut:] == env
+
+
+def test_qwen3s_own_template_renders_the_tool_turn_after_a_thinking_turn():
+    """Qwen3's template (tests/fixtures/chat_templates) gives the last assistant turn an empty
+    thinking block and drops it once tool messages follow; the tool turn is still cut right
+    after the assistant's <|im_end|>, whatever the model's turn held."""
+    tok = qwen3_tokenizer()
+    im_end = tok.convert_tokens_to_ids("<|im_end|>")
+    check_chat_template(tok, ToolSetup(tools=CALCULATOR, executor=None, max_turns=4, parser="qwen25"))
+    calls = [ToolCall("calculator", {"expression": "1+2"})]
+    env = tool_turn_ids(tok, tool_messages(calls, ["3"]), calls, end_of_turn=im_end, tools=TOOL_SPECS)
+    assert tok.decode(env, skip_special_tokens=False) == (
+        "\n<|im_start|>user\n<tool_response>\n3\n</tool_response><|im_end|>\n<|im_start|>assistant\n")
+    # the whole conversation as the template writes it: the prompt, the assistant turn, then exactly env
+    user = [{"role": "user", "content": "1+2="}]
+    prompt = render_ids(tok, user, TOOL_SPECS, add_generation_prompt=True)
+    whole = render_ids(tok, user + [{"role": "assistant", "content": "", "tool_calls": [
+        {"type": "function", "function": {"name": "calculator", "arguments": {"expression": "1+2"}}}]}]
+        + tool_messages(calls, ["3"]), TOOL_SPECS, add_generation_prompt=True)
+    assert whole[:len(prompt)] == prompt and whole[-len(env):] == env
+    assert whole[-len(env) - 1] == im_end
 
 
 def test_a_template_that_cannot_render_tool_turns_is_refused(tok, tmp_path):

@@ -7,7 +7,8 @@ which the tool loop answers with an error message: the model learns from it, the
 
 Out: `tool_turn_ids` renders tool results with the tokenizer's chat template and keeps only the
 new tokens: the template's rendering of [user, assistant(tool calls)] plus the tool messages
-(with the generation prompt), cut right after the assistant's end-of-turn token. What the
+(with the generation prompt), cut right after the assistant's end-of-turn token (or the stop
+token the turn ended with, e.g. `</tool_call>` under --rollout-stop). What the
 template writes after that token ("\\n" in Qwen's) belongs to the environment's turn, so the
 trajectory's ids are, token for token, the template's rendering of the conversation. (miles
 cuts after the whole assistant rendering instead, dropping that "\\n" from the trajectory.)
@@ -84,18 +85,38 @@ def _assistant_with_calls(calls: list[ToolCall | ToolCallError]) -> dict:
 def tool_turn_ids(tokenizer, messages: list[dict], calls: list[ToolCall | ToolCallError], end_of_turn: int,
                   tools: list[dict] | None = None) -> list[int]:
     """The ids of the environment's turn after an assistant turn that ended with `end_of_turn`:
-    the tool messages and the next assistant header, as the chat template writes them."""
+    the tool messages and the next assistant header, as the chat template writes them.
+
+    The assistant turn itself may render otherwise once tool messages follow it (Qwen3's
+    template gives the last assistant turn an empty thinking block, and drops it once the turn
+    is not last): the trajectory keeps the model's own ids for it, so only where the turn ends
+    matters. That is after as many `end_of_turn` tokens, counted from where the assistant's
+    body starts, as its rendering alone holds."""
     base = [{"role": "user", "content": "x"}, _assistant_with_calls(calls)]
+    head = render_ids(tokenizer, base[:1], tools, add_generation_prompt=True)
     before = render_ids(tokenizer, base, tools, add_generation_prompt=False)
     after = render_ids(tokenizer, base + messages, tools, add_generation_prompt=True)
-    if after[:len(before)] != before:
-        raise ValueError("the chat template renders the conversation before the tool messages differently once "
-                         "they are added: the trajectory cannot be extended token by token")
-    if end_of_turn not in before:
+    start = _common_prefix(head, before, after)
+    if start < _common_prefix(head, before):
+        raise ValueError("the chat template renders the conversation before the assistant's turn differently once "
+                         "tool messages follow: the trajectory cannot be extended token by token")
+    ends = before[start:].count(end_of_turn)
+    if ends == 0:
         raise ValueError(f"the chat template does not end an assistant turn with token {end_of_turn} (the model's "
                          "stop token), so the tool turn cannot be placed after it")
-    cut = len(before) - before[::-1].index(end_of_turn)
-    return after[cut:]
+    at = [i for i in range(start, len(after)) if after[i] == end_of_turn]
+    if len(at) < ends:
+        raise ValueError(f"the chat template's assistant turn holds token {end_of_turn} {ends} times, but fewer once "
+                         "tool messages follow: the tool turn cannot be placed after it")
+    return after[at[ends - 1] + 1:]
+
+
+def _common_prefix(first: list[int], *rest: list[int]) -> int:
+    """How many leading ids every list shares."""
+    n = 0
+    while n < len(first) and all(n < len(r) and r[n] == first[n] for r in rest):
+        n += 1
+    return n
 
 
 def render_ids(tokenizer, messages: list[dict], tools: list[dict] | None = None,
