@@ -1,6 +1,7 @@
 """Per-trajectory generation on real engine processes: a custom generate function per sample,
 many at once, turns streamed into the engines' running batches, token-faithful records."""
 
+import asyncio
 from types import SimpleNamespace
 
 import pytest
@@ -37,14 +38,15 @@ async def three_turns(args, sample, sampling_params):
     return sample
 
 
-def run(engines, fn, ckpt, clients=None):
+def run(engines, fn, ckpt, clients=None, lockstep=False):
     def make_args(client):
         if clients is not None:
             clients.append(client)
         return GenerateArgs(config=None, tokenizer=None, max_context=64, client=client)
 
     return generate_trajectories_and_score(engines, [], PROMPTS, PARAMS, step=0, decode=str, eos_id=EOS_ID,
-                                           recover=lambda role, dead: None, generate_fn=fn, make_args=make_args)
+                                           recover=lambda role, dead: None, generate_fn=fn, make_args=make_args,
+                                           lockstep=lockstep)
 
 
 def test_one_turn_generate_function_samples_what_the_default_path_samples(two_engines, ckpt):
@@ -109,6 +111,34 @@ def test_turns_of_many_trajectories_each_are_the_engines_own(two_engines, ckpt):
                 assert chunk == ENV_IDS
             context += chunk
             pos += length
+
+
+def slow_tools(delays):
+    """three_turns whose environment takes delays[(sample + turn) % len(delays)] seconds to answer."""
+
+    async def generate(args, sample, sampling_params):
+        for turn in range(3):
+            turn_params = dict(sampling_params, max_new_tokens=len(sample.trajectory.response_ids) + 5)
+            if await args.generate(sample, turn_params) is None:
+                break
+            if turn < 2:
+                await asyncio.sleep(delays[(sample.index + turn) % len(delays)])
+                sample.trajectory.add_env_turn(ENV_IDS)
+        return sample
+
+    return generate
+
+
+def test_in_lockstep_the_engines_batches_and_log_probs_do_not_depend_on_how_long_tools_take(two_engines, ckpt):
+    """EngineClient's lockstep (the built-in engines'): a call waits for every running trajectory
+    of its engine, so the same turns decode together whatever the tools' timing, and the engine's
+    log-probs repeat to the last bit (free-running, they moved by up to 5e-7 with the batch here)."""
+    clients = []
+    runs = [run(two_engines, slow_tools(delays), ckpt, clients, lockstep=True)
+            for delays in ([0.0, 0.03, 0.001], [0.02, 0.0, 0.05, 0.01])]
+    assert runs[0] == runs[1]  # every field: ids, log-probs (bitwise), masks, turns
+    assert clients[0].num_calls == clients[1].num_calls
+    assert sum(s["num_turns"] for s in runs[0]) > len(runs[0])
 
 
 def _turn_lengths(mask):

@@ -74,16 +74,43 @@ class Batcher:
 
 
 class EngineClient:
-    """One turn at a time on the engines: `await generate(sample_index, prompt_ids, sampling)`."""
+    """One turn at a time on the engines: `await generate(sample_index, prompt_ids, sampling)`.
 
-    def __init__(self, engines: list[ActorHandle], pump: Pump, recover: Callable[[ActorHandle, int], None]):
+    lockstep (the built-in engine's): an engine's next call goes only once every trajectory that
+    `expect` named for it and that is not `done` waits on it (a request queued or out), its new
+    requests in (sample index, request id) order, and it decodes until one of its requests finishes,
+    with no time limit (RolloutEngine.stream, wait_s None). So each call carries exactly the turns
+    that followed the last call's results, and which requests decode together at every step
+    depends on what the trajectories did, never on when: a run repeats bit for bit, and so does
+    a run resumed from its checkpoint (on the CPU, where a request's log-probs move in their
+    last bits with its batch-mates). The cost: the engine does not decode while a trajectory that
+    got a result computes its next turn (runs its tools). Without lockstep a call goes as soon as
+    the last returns, with whatever was queued meanwhile, and ends after at most STREAM_WAIT_S.
+    """
+
+    def __init__(self, engines: list[ActorHandle], pump: Pump, recover: Callable[[ActorHandle, int], None],
+                 lockstep: bool = False):
         self.engines, self._pump, self._recover = engines, pump, recover
+        self.lockstep = lockstep
         self._session = uuid.uuid4().hex  # the engines drop an earlier rollout's requests (roles/rollout/streaming.py)
-        self._queues: list[list[tuple[dict, asyncio.Future]]] = [[] for _ in engines]
+        self._queues: list[list[tuple[int, dict, asyncio.Future]]] = [[] for _ in engines]  # (sample, request, future)
         self._wake = [asyncio.Event() for _ in engines]
+        self._running: list[set[int]] = [set() for _ in engines]  # lockstep: the trajectories that may still ask
+        self._asking: dict[int, int] = {}  # sample index -> its requests queued or out
         self._next_id = 0
         self.num_calls = 0  # stream calls issued, re-issues after a death included
         self.tasks = [asyncio.create_task(self._serve(i)) for i in range(len(engines))]  # one per engine, until cancelled
+
+    def expect(self, sample_indices: list[int]) -> None:
+        """Lockstep: these trajectories will ask for turns; no call goes while one of them computes."""
+        for s in sample_indices:
+            self._running[s % len(self.engines)].add(s)
+
+    def done(self, sample_index: int) -> None:
+        """Lockstep: this trajectory asks for no more turns."""
+        i = sample_index % len(self.engines)
+        self._running[i].discard(sample_index)
+        self._wake[i].set()
 
     async def generate(self, sample_index: int, prompt_ids: list[int], sampling: dict) -> dict:
         """The engine's result {"token_ids", "logprobs", "finish_reason", "weight_version"}."""
@@ -91,34 +118,50 @@ class EngineClient:
         self._next_id += 1
         i = sample_index % len(self.engines)
         fut = asyncio.get_running_loop().create_future()
-        self._queues[i].append((request, fut))
+        self._queues[i].append((sample_index, request, fut))
+        self._asking[sample_index] = self._asking.get(sample_index, 0) + 1
         self._wake[i].set()
         return await fut
 
+    def _may_call(self, i: int, out: dict) -> bool:
+        if not self._queues[i] and not out:
+            return False
+        return not self.lockstep or all(self._asking.get(s, 0) for s in self._running[i])
+
+    def _answer(self, sample_index: int, fut: asyncio.Future, result=None, error: Exception | None = None) -> None:
+        self._asking[sample_index] -= 1  # its trajectory computes from here on
+        if fut.done():
+            return
+        if error is not None:
+            fut.set_exception(error)
+        else:
+            fut.set_result(result)
+
     async def _serve(self, i: int) -> None:
-        out: dict[int, tuple[dict, asyncio.Future]] = {}  # request id -> (request, its future): sent, not answered
+        out: dict[int, tuple[int, dict, asyncio.Future]] = {}  # request id -> (sample, request, future): sent, not answered
         while True:
-            if not self._queues[i] and not out:
+            while not self._may_call(i, out):
                 await self._wake[i].wait()
-            self._wake[i].clear()
+                self._wake[i].clear()
             new, self._queues[i] = self._queues[i], []
-            out.update((request["id"], (request, fut)) for request, fut in new)
+            if self.lockstep:
+                new.sort(key=lambda entry: (entry[0], entry[1]["id"]))  # not in the order their tools returned
+            out.update((entry[1]["id"], entry) for entry in new)
+            wait = {"wait_s": None} if self.lockstep else {}
             try:
                 self.num_calls += 1
                 results = await self._pump.watch(
-                    self.engines[i].stream.call(self._session, [request for request, _ in new]))
+                    self.engines[i].stream.call(self._session, [request for _, request, _ in new], **wait))
             except ActorDied as e:  # its replacement gets everything not answered, as new
                 self._recover(self.engines[i], e.incarnation)
                 self._queues[i][:0] = list(out.values())
                 out.clear()
                 continue
             except Exception as e:  # a RemoteError: the engine dropped its stream; every trajectory out gets it
-                for _, fut in out.values():
-                    if not fut.done():
-                        fut.set_exception(e)
+                for sample, _, fut in out.values():
+                    self._answer(sample, fut, error=e)
                 out.clear()
                 continue
             for result in results:
-                _, fut = out.pop(result["id"])
-                if not fut.done():
-                    fut.set_result(result)
+                sample, _, fut = out.pop(result["id"])
+                self._answer(sample, fut, result)

@@ -72,4 +72,7 @@ def rollout_function(generation: Generation | None, cfg, tokenizer, max_context:
     def make_args(client) -> GenerateArgs:
         return generation.args_class(cfg, tokenizer, max_context, client, tools=generation.tools)
 
-    return functools.partial(generate_trajectories_and_score, generate_fn=generation.function, make_args=make_args)
+    # the built-in engines take turns in lockstep, so that a run repeats bit for bit (ppo.generate.engines);
+    # sglang batches whatever is in flight by itself: no lockstep would make it repeat
+    return functools.partial(generate_trajectories_and_score, generate_fn=generation.function, make_args=make_args,
+                             lockstep=cfg.engine.rollout_backend == "torch")

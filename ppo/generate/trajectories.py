@@ -26,19 +26,20 @@ SCORED_KEYS = ("index", "group_index", "prompt", "response", "label", "metadata"
 def generate_trajectories_and_score(
     engines: list[ActorHandle], scorers: list[ActorHandle], prompts: list[dict], params: SamplingParams, step: int,
     decode, eos_id: int, recover: Callable[[ActorHandle, int], None], generate_fn: Callable,
-    make_args: Callable[[EngineClient], GenerateArgs], sampling_round: int = 0,
+    make_args: Callable[[EngineClient], GenerateArgs], sampling_round: int = 0, lockstep: bool = False,
 ) -> list[dict]:
     """Samples in request order (request = group * n + k, seeded as ppo.generate.rollout.make_requests).
-    `make_args(client)` builds the generate function's `args` around the engine client."""
+    `make_args(client)` builds the generate function's `args` around the engine client; `lockstep`:
+    the engines' calls wait for every running trajectory (ppo.generate.engines.EngineClient)."""
     return asyncio.run(_rollout(engines, scorers, prompts, params, step, decode, eos_id, recover, generate_fn,
-                                make_args, sampling_round))
+                                make_args, sampling_round, lockstep))
 
 
 async def _rollout(engines, scorers, prompts, params, step, decode, eos_id, recover, generate_fn, make_args,
-                   sampling_round) -> list[dict]:
+                   sampling_round, lockstep) -> list[dict]:
     pump = Pump()
     pumping = asyncio.create_task(pump.run())
-    client = EngineClient(engines, pump, recover)
+    client = EngineClient(engines, pump, recover, lockstep=lockstep)
     scoring = Batcher(scorers, "score", pump, recover) if scorers else None
     args = make_args(client)
     n = params.n_samples_per_prompt
@@ -49,7 +50,10 @@ async def _rollout(engines, scorers, prompts, params, step, decode, eos_id, reco
         sample = Sample(index=request["id"], group_index=group, prompt=prompt["prompt"],
                         prompt_ids=list(prompt["prompt_ids"]), label=prompt.get("label"),
                         metadata=dict(prompt.get("metadata") or {}), messages=prompt.get("messages"))
-        out = await generate_fn(args, sample, dict(request["sampling"]))
+        try:
+            out = await generate_fn(args, sample, dict(request["sampling"]))
+        finally:
+            client.done(request["id"])
         outs = out if isinstance(out, list) else [out]
         if not outs or not all(isinstance(s, Sample) for s in outs):
             raise TypeError(f"the generate function {getattr(generate_fn, '__name__', generate_fn)} returned "
@@ -79,8 +83,9 @@ async def _rollout(engines, scorers, prompts, params, step, decode, eos_id, reco
         return rows
 
     background = [pumping, *client.tasks, *(scoring.tasks if scoring is not None else ())]
-    trajectories = asyncio.ensure_future(
-        asyncio.gather(*(one(r) for r in make_requests(prompts, params, step, sampling_round))))
+    requests = make_requests(prompts, params, step, sampling_round)
+    client.expect([r["id"] for r in requests])  # all of them before any starts: the first call waits for each
+    trajectories = asyncio.ensure_future(asyncio.gather(*(one(r) for r in requests)))
     # read when cancelled on the way out, so asyncio does not report an unread error
     trajectories.add_done_callback(lambda f: f.cancelled() or f.exception())
     try:

@@ -148,12 +148,13 @@ class RolloutEngine(Actor):
         return results
 
     @endpoint
-    def stream(self, session: str, requests: list[dict], wait_s: float = STREAM_WAIT_S) -> list[dict]:
+    def stream(self, session: str, requests: list[dict], wait_s: float | None = STREAM_WAIT_S) -> list[dict]:
         """Streamed generation: `requests` join the engine's running batch at once (taking slots as
         they free, beside the requests of earlier calls), the batch decodes until some request
-        finishes or `wait_s` seconds pass, and the call returns the results of the requests that
-        finished (generate's format), in no particular order; the others keep running and come
-        back from later calls. The caller calls again (with new requests or none) while any of
+        finishes or `wait_s` seconds pass (None: no time limit, so where the call ends depends on
+        its requests alone: the driver's lockstep, ppo.generate.engines), and the call returns the
+        results of the requests that finished (generate's format), in no particular order; the
+        others keep running and come back from later calls. The caller calls again (with new requests or none) while any of
         its requests are out. So a trajectory's next turn joins the batch while the other
         trajectories' turns decode, instead of waiting for a whole `generate` call to end.
 
@@ -166,8 +167,8 @@ class RolloutEngine(Actor):
             self._streams.open(session)
         if isinstance(requests, list) and not requests and not len(self._streams):
             return []
-        if not isinstance(wait_s, (int, float)) or not 0 <= wait_s <= 60:
-            raise ValueError(f"wait_s={wait_s!r} must be a number of seconds in [0, 60]")
+        if wait_s is not None and (not isinstance(wait_s, (int, float)) or not 0 <= wait_s <= 60):
+            raise ValueError(f"wait_s={wait_s!r} must be a number of seconds in [0, 60], or None (until a finish)")
         parsed, seeds = self._parse("stream", requests)
         try:
             if self.state != "generating":  # the state spans the stream, not each call (one event per stretch)

@@ -442,9 +442,10 @@ class SglangBackend:
             raise RequestsAborted(aborted, reason, results)
         return results
 
-    def stream(self, requests: list[GenerateRequest], seeds: list[int], wait_s: float) -> list[dict]:
+    def stream(self, requests: list[GenerateRequest], seeds: list[int], wait_s: float | None) -> list[dict]:
         """Send each request as its own async_generate (module docstring, "streamed generation"),
-        run the Engine's loop until one of the requests out has finished or wait_s passed, and
+        run the Engine's loop until one of the requests out has finished or wait_s passed (None:
+        no limit), and
         return the finished results; aborted requests raise RequestsAborted with them."""
         self._check_weights_whole()
         loop = self.engine.loop

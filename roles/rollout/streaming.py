@@ -32,8 +32,11 @@ class Streams:
         return len(self._held)
 
     def open(self, session: str) -> None:
-        """Serve `session` from now on; another session's requests are dropped."""
-        self.drop()
+        """Serve `session` from now on; another session's requests are dropped, and with them what
+        the backend kept of earlier turns' K/V: a session's turns reuse only their own, so what a
+        rollout computes does not depend on the rollouts before it (ppo.generate.engines' lockstep)."""
+        self._held.clear()
+        self._backend.drop_stream()
         self.session = session
 
     def drop(self) -> None:
@@ -41,7 +44,7 @@ class Streams:
             self._backend.drop_stream()
         self._held.clear()
 
-    def call(self, requests: list[GenerateRequest], seeds: list[int], wait_s: float) -> list[dict]:
+    def call(self, requests: list[GenerateRequest], seeds: list[int], wait_s: float | None) -> list[dict]:
         """The backend's `stream` for `requests` (new to the batch): results of finished requests,
         each with "num_aborts". Any error drops the whole stream (its batch is in no known state)."""
         twice = [r.id for r in requests if r.id in self._held]

@@ -194,7 +194,7 @@ class TorchBackend:
             raise RequestsAborted([r.id for r in requests], f"out of memory in the built-in engine: {e}") from None
         return _finite(results)
 
-    def stream(self, requests: list[GenerateRequest], seeds: list[int], wait_s: float) -> list[dict]:
+    def stream(self, requests: list[GenerateRequest], seeds: list[int], wait_s: float | None) -> list[dict]:
         """The scheduler's `stream`: the results of the running batch's requests that finished. Its
         aborts are generate's: out of memory aborts every request the batch held (the running
         batch is dropped with the slot state), a non-finite result its own request."""

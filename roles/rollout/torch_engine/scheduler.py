@@ -132,9 +132,10 @@ class Scheduler:
         return [h.result() for h in held]
 
     @torch.no_grad()
-    def stream(self, requests: list[GenerateRequest], seeds: list[int], wait_s: float) -> list[dict]:
+    def stream(self, requests: list[GenerateRequest], seeds: list[int], wait_s: float | None) -> list[dict]:
         """`requests` join the running batch (taking slots as they free, as any waiting request);
-        decode until at least one held request has finished or `wait_s` has passed, and return
+        decode until at least one held request has finished or `wait_s` has passed (None: no time
+        limit: the call then ends at a sync its requests decide), and return
         the results of those finished, in finishing order. The others stay in their slots for
         the next call."""
         self._admit(requests, seeds)
@@ -145,10 +146,8 @@ class Scheduler:
         return [h.request.id for h in self.batch.held()] if self.batch is not None else []
 
     def drop_stream(self) -> None:
-        """Forget the running batch (its caller is gone): its slots keep nothing."""
-        if self.batch is not None:
-            for s in self.batch.busy():
-                self.prefixes.take(s)
+        """Forget the running batch (its caller is gone): no slot keeps anything for a later turn."""
+        self.prefixes.clear()
         self.batch = None
 
     def _admit(self, requests: list[GenerateRequest], seeds: list[int]) -> list[Held]:
@@ -176,7 +175,7 @@ class Scheduler:
         self.batch = RunningBatch(geometry, self.sync_every)
         self.last_stats = self.batch.stats
 
-    def _run(self, board: AbortBoard | None, *, until_all: bool, wait_s: float = 0.0) -> list[Held]:
+    def _run(self, board: AbortBoard | None, *, until_all: bool, wait_s: float | None = 0.0) -> list[Held]:
         """Admit, decode, sync (module docstring) until the batch is done, or (until_all False) until
         a request finished or wait_s passed; the requests finished meanwhile. The batch is None
         once it holds nothing."""
@@ -256,7 +255,7 @@ class Scheduler:
             idle = [s for s in range(batch) if b.slots[s] is None]
             if idle:
                 self._park_idle(idle)
-            if not until_all and (finished or time.monotonic() - started >= wait_s):
+            if not until_all and (finished or (wait_s is not None and time.monotonic() - started >= wait_s)):
                 break
         if self.batch is not None and not self.batch.held():
             self.batch = None
