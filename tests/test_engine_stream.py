@@ -104,6 +104,27 @@ def test_another_session_generate_or_release_drops_the_streamed_requests(ckpt):
     assert e._backend.scheduler.held_ids() == []  # an error drops the stream
 
 
+def test_a_session_continues_only_its_own_turns_kv_and_none_waits_past_a_finish(ckpt):
+    """A new session (a new rollout) starts with no kept K/V, so what it computes does not depend
+    on the sessions before it; wait_s None (the driver's lockstep) decodes until a finish."""
+    e = engine(ckpt)
+    # the budget of the whole response (as ppo.generate does), so later turns fit the first's slot
+    stops = {"temperature": 1.0, "ignore_eos": False, "stop_token_ids": list(range(10, 16))}
+
+    def turn(rid, session, before):
+        prompt = before["prompt_ids"] + before["token_ids"] + [40, 41]
+        req = request(rid, prompt, 30 - (len(prompt) - len(LONG[0])), seed=100 + rid, **stops)
+        return dict(drain(e, session, [req], [rid])[0], prompt_ids=prompt)
+
+    first = dict(drain(e, "a", [request(0, LONG[0], 30, seed=100, **stops)], [0])[0], prompt_ids=LONG[0])
+    second = turn(1, "b", first)
+    assert e._backend.scheduler.last_stats["reused_tokens"] == 0  # another session's turn: prefilled whole
+    turn(2, "b", second)
+    assert e._backend.scheduler.last_stats["reused_tokens"] > 0  # its own session's: continued
+    got = e.stream("c", [request(3, LONG[1], 30)], wait_s=None)  # one call, however long it decodes
+    assert [(r["id"], len(r["token_ids"])) for r in got] == [(3, 30)]
+
+
 def test_aborted_streamed_requests_rejoin_with_their_seeds_and_count_their_aborts(ckpt, monkeypatch):
     e, calm = engine(ckpt), engine(ckpt)
     reqs = [request(i, p, 8, temperature=1.0, seed=7 + i) for i, p in enumerate(LONG)]

@@ -38,15 +38,14 @@ async def three_turns(args, sample, sampling_params):
     return sample
 
 
-def run(engines, fn, ckpt, clients=None, lockstep=False):
+def run(engines, fn, ckpt, clients=None):
     def make_args(client):
         if clients is not None:
             clients.append(client)
         return GenerateArgs(config=None, tokenizer=None, max_context=64, client=client)
 
     return generate_trajectories_and_score(engines, [], PROMPTS, PARAMS, step=0, decode=str, eos_id=EOS_ID,
-                                           recover=lambda role, dead: None, generate_fn=fn, make_args=make_args,
-                                           lockstep=lockstep)
+                                           recover=lambda role, dead: None, generate_fn=fn, make_args=make_args)
 
 
 def test_one_turn_generate_function_samples_what_the_default_path_samples(two_engines, ckpt):
@@ -132,9 +131,9 @@ def slow_tools(delays):
 def test_in_lockstep_the_engines_batches_and_log_probs_do_not_depend_on_how_long_tools_take(two_engines, ckpt):
     """EngineClient's lockstep (the built-in engines'): a call waits for every running trajectory
     of its engine, so the same turns decode together whatever the tools' timing, and the engine's
-    log-probs repeat to the last bit (free-running, they moved by up to 5e-7 with the batch here)."""
+    log-probs repeat to the last bit (free-running, some moved by ~2e-7 with their batch-mates here)."""
     clients = []
-    runs = [run(two_engines, slow_tools(delays), ckpt, clients, lockstep=True)
+    runs = [run(two_engines, slow_tools(delays), ckpt, clients)  # lockstep: the default
             for delays in ([0.0, 0.03, 0.001], [0.02, 0.0, 0.05, 0.01])]
     assert runs[0] == runs[1]  # every field: ids, log-probs (bitwise), masks, turns
     assert clients[0].num_calls == clients[1].num_calls
@@ -217,7 +216,7 @@ class Stop(BaseException):
 
 
 def test_a_signal_raised_while_the_engines_are_called_stops_the_rollout_instead_of_hanging():
-    def call(session, requests):  # where the handler's exception lands: in EndpointRef.call (runtime/handle.py)
+    def call(session, requests, wait_s=None):  # where the handler's exception lands: in EndpointRef.call (runtime/handle.py)
         raise Stop()
 
     engine = SimpleNamespace(stream=SimpleNamespace(call=call))

@@ -26,11 +26,12 @@ SCORED_KEYS = ("index", "group_index", "prompt", "response", "label", "metadata"
 def generate_trajectories_and_score(
     engines: list[ActorHandle], scorers: list[ActorHandle], prompts: list[dict], params: SamplingParams, step: int,
     decode, eos_id: int, recover: Callable[[ActorHandle, int], None], generate_fn: Callable,
-    make_args: Callable[[EngineClient], GenerateArgs], sampling_round: int = 0, lockstep: bool = False,
+    make_args: Callable[[EngineClient], GenerateArgs], sampling_round: int = 0, lockstep: bool = True,
 ) -> list[dict]:
     """Samples in request order (request = group * n + k, seeded as ppo.generate.rollout.make_requests).
-    `make_args(client)` builds the generate function's `args` around the engine client; `lockstep`:
-    the engines' calls wait for every running trajectory (ppo.generate.engines.EngineClient)."""
+    `make_args(client)` builds the generate function's `args` around the engine client; `lockstep`
+    (the built-in engines'; off for sglang): an engine's next call waits for every running trajectory
+    of that engine (ppo.generate.engines.EngineClient)."""
     return asyncio.run(_rollout(engines, scorers, prompts, params, step, decode, eos_id, recover, generate_fn,
                                 make_args, sampling_round, lockstep))
 
