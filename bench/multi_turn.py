@@ -25,6 +25,12 @@ driver's own functions:
 - single-turn: ppo.generate.rollout.generate_and_score (the default path, one blocking generate
   call), one response per trajectory as long as its model turns together.
 
+The turns go to the engine in lockstep, as a run sends them (ppo.generate.engines: a call waits
+for every running trajectory); `--no-lockstep` streams them free-running instead (a call goes as
+soon as the last returns, with whatever was queued), and `--tool-seconds S` makes each tool turn
+take a wall-clock time drawn in [0, S] (seeded by the sample), where lockstep's cost shows: the
+engine does not decode while a tool runs.
+
 tokens/s counts model tokens only (the loss-masked ones), over the rollout's wall clock. The
 engine's slots are fixed (the torch option slot_len) at the trajectory's whole length, so every
 way runs with the same geometry and the turns find their slots. Goals (issue 42): multi-turn at
@@ -34,23 +40,27 @@ least 0.85x single-turn and at least 1.5x recompute.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import random
 import tempfile
 import time
 
 
 
-def make_generate(turns: int, turn_len: int, tool_len: int, vocab: int):
+def make_generate(turns: int, turn_len: int, tool_len: int, vocab: int, tool_seconds: float = 0.0):
     """The benchmark's generate function: `turns` model turns of `turn_len` tokens, a tool turn of
-    `tool_len` random ids (drawn from the sample's index) after each but the last."""
+    `tool_len` random ids (drawn from the sample's index) after each but the last, which takes a
+    time drawn in [0, tool_seconds]."""
 
     async def generate(args, sample, sampling_params):
-        rng = random.Random(sample.index)
+        rng, clock = random.Random(sample.index), random.Random(-1 - sample.index)
         for turn in range(turns):
             told = dict(sampling_params, max_new_tokens=len(sample.trajectory.response_ids) + turn_len, ignore_eos=True)
             if await args.generate(sample, told) is None:
                 break
             if turn < turns - 1:
+                if tool_seconds:
+                    await asyncio.sleep(clock.uniform(0, tool_seconds))
                 sample.trajectory.add_env_turn([rng.randrange(10, vocab - 10) for _ in range(tool_len)])
         return sample
 
@@ -98,8 +108,8 @@ def run_engine(args, ckpt: str, engine_args: dict, kv_reuse: bool, eos_id: int, 
     def multi_turn(engines, turn_len: int, step: int):
         return generate_trajectories_and_score(
             engines, [], records, params, step, decode=lambda ids: "", eos_id=eos_id, recover=no_recovery,
-            generate_fn=make_generate(args.turns, turn_len, args.tool_len, vocab),
-            make_args=lambda client: GenerateArgs(None, None, max_context, client))
+            generate_fn=make_generate(args.turns, turn_len, args.tool_len, vocab, args.tool_seconds),
+            make_args=lambda client: GenerateArgs(None, None, max_context, client), lockstep=not args.no_lockstep)
 
     options = dict(engine_args.pop("options"), kv_reuse=kv_reuse, slot_len=max_context + 64)
     sup = Supervisor(tempfile.mkdtemp(prefix="bench-multi-turn-run-"))
@@ -128,6 +138,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--tool-len", type=int, default=None, help="tokens a tool turn")
     parser.add_argument("--prompt-len", type=int, default=None)
     parser.add_argument("--mem-fraction", type=float, default=0.8, help="--gpu: the engine's share of the GPU")
+    parser.add_argument("--tool-seconds", type=float, default=0.0, help="a tool turn takes up to this long")
+    parser.add_argument("--no-lockstep", action="store_true", help="stream turns free-running (not as a run does)")
     args = parser.parse_args(argv)
     gpu_defaults = dict(trajectories=64, turns=4, turn_len=512, tool_len=100, prompt_len=256)
     cpu_defaults = dict(trajectories=4, turns=3, turn_len=8, tool_len=4, prompt_len=8)
@@ -139,6 +151,8 @@ def main(argv: list[str] | None = None) -> dict:
             raise ValueError(f"--{key.replace('_', '-')}={getattr(args, key)} must be >= 1")
     if args.tool_len < 0:
         raise ValueError(f"--tool-len={args.tool_len} must be >= 0")
+    if not 0 <= args.tool_seconds <= 60:
+        raise ValueError(f"--tool-seconds={args.tool_seconds} must be in [0, 60]")
 
     from roles.model_spec import ModelSpec
 
@@ -163,8 +177,9 @@ def main(argv: list[str] | None = None) -> dict:
     multi, single, recompute = (results[k]["tokens_per_s"] for k in ("multi-turn", "single-turn", "recompute"))
     results["vs_single_turn"], results["vs_recompute"] = multi / single, multi / recompute
     shape = "Qwen3-4B shape, GPU" if args.gpu else "tiny, CPU"
+    tools = f"tool turns of {args.tool_len}" + (f" taking up to {args.tool_seconds} s" if args.tool_seconds else "")
     print(f"\nmulti-turn rollout ({shape}; {args.trajectories} trajectories x {args.turns} turns of {args.turn_len} "
-          f"tokens, tool turns of {args.tool_len}, prompts of {args.prompt_len})")
+          f"tokens, {tools}, prompts of {args.prompt_len}; {'free-running' if args.no_lockstep else 'lockstep'})")
     print(f"{'multi-turn':>12} {'recompute':>12} {'single-turn':>12} {'vs single':>10} {'vs recompute':>13}")
     print(f"{multi:>8,.0f} t/s {recompute:>8,.0f} t/s {single:>8,.0f} t/s {results['vs_single_turn']:>9.2f}x "
           f"{results['vs_recompute']:>12.2f}x")

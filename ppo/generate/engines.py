@@ -7,7 +7,9 @@ queued since the last one, which join the engine's running batch at once, and re
 requests that finished; the next call goes as soon as it returns. So a turn whose tool result
 comes back while the engine decodes joins the batch within one call (a few decode syncs), and
 continuous batching spans trajectories. Each trajectory sticks to one engine (round robin by
-sample index), so that its turns find their earlier tokens in that engine's KV cache.
+sample index), so that its turns find their earlier tokens in that engine's KV cache. With the
+built-in engines the calls go in lockstep (`EngineClient`): a call waits until every running
+trajectory of its engine has asked, so that a run repeats bit for bit.
 
 Scorers (`Batcher`): an idle scorer takes its whole queue as one call.
 
