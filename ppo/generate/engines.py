@@ -91,7 +91,7 @@ class EngineClient:
     """
 
     def __init__(self, engines: list[ActorHandle], pump: Pump, recover: Callable[[ActorHandle, int], None],
-                 lockstep: bool = False):
+                 lockstep: bool):
         self.engines, self._pump, self._recover = engines, pump, recover
         self.lockstep = lockstep
         self._session = uuid.uuid4().hex  # the engines drop an earlier rollout's requests (roles/rollout/streaming.py)
