@@ -6,7 +6,8 @@ one was never fed back). A later request whose ids start with those of a free sl
 first generated token, takes that slot and reuses the matched positions. Only continuations are
 matched, never a bare shared prompt: a single-turn rollout computes exactly what it computed
 before this table existed. The table is forgotten whenever the cache's contents stop meaning
-those ids: new weights, a new slot geometry, a released cache.
+those ids: new weights, a new slot geometry, a released cache; and when a stream's caller is gone
+(a new session: a rollout continues only its own turns, so it computes the same after any other).
 """
 
 from __future__ import annotations
