@@ -25,9 +25,10 @@ driver's own functions:
 - single-turn: ppo.generate.rollout.generate_and_score (the default path, one blocking generate
   call), one response per trajectory as long as its model turns together.
 
-The turns go to the engine in lockstep, as a run sends them (ppo.generate.engines: a call waits
-for every running trajectory); `--no-lockstep` streams them free-running instead (a call goes as
-soon as the last returns, with whatever was queued), and `--tool-seconds S` makes each tool turn
+The turns go to the engine as a run sends them (ppo.generate.setup.lockstep): in lockstep on the
+CPU (ppo.generate.engines: a call waits for every running trajectory), free-running on the GPU (a
+call goes as soon as the last returns, with whatever was queued); `--lockstep`/`--no-lockstep`
+choose either way, and `--tool-seconds S` makes each tool turn
 take a wall-clock time drawn in [0, S] (seeded by the sample), where lockstep's cost shows: the
 engine does not decode while a tool runs.
 
@@ -109,7 +110,7 @@ def run_engine(args, ckpt: str, engine_args: dict, kv_reuse: bool, eos_id: int, 
         return generate_trajectories_and_score(
             engines, [], records, params, step, decode=lambda ids: "", eos_id=eos_id, recover=no_recovery,
             generate_fn=make_generate(args.turns, turn_len, args.tool_len, vocab, args.tool_seconds),
-            make_args=lambda client: GenerateArgs(None, None, max_context, client), lockstep=not args.no_lockstep)
+            make_args=lambda client: GenerateArgs(None, None, max_context, client), lockstep=args.lockstep)
 
     options = dict(engine_args.pop("options"), kv_reuse=kv_reuse, slot_len=max_context + 64)
     sup = Supervisor(tempfile.mkdtemp(prefix="bench-multi-turn-run-"))
@@ -139,13 +140,16 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--prompt-len", type=int, default=None)
     parser.add_argument("--mem-fraction", type=float, default=0.8, help="--gpu: the engine's share of the GPU")
     parser.add_argument("--tool-seconds", type=float, default=0.0, help="a tool turn takes up to this long")
-    parser.add_argument("--no-lockstep", action="store_true", help="stream turns free-running (not as a run does)")
+    parser.add_argument("--lockstep", action=argparse.BooleanOptionalAction, default=None,
+                        help="turns in lockstep (default: as a run sends them, on the CPU only)")
     args = parser.parse_args(argv)
     gpu_defaults = dict(trajectories=64, turns=4, turn_len=512, tool_len=100, prompt_len=256)
     cpu_defaults = dict(trajectories=4, turns=3, turn_len=8, tool_len=4, prompt_len=8)
     for key, value in (gpu_defaults if args.gpu else cpu_defaults).items():
         if getattr(args, key) is None:
             setattr(args, key, value)
+    if args.lockstep is None:
+        args.lockstep = not args.gpu
     for key in ("trajectories", "turns", "turn_len", "prompt_len"):
         if getattr(args, key) < 1:
             raise ValueError(f"--{key.replace('_', '-')}={getattr(args, key)} must be >= 1")
@@ -179,7 +183,7 @@ def main(argv: list[str] | None = None) -> dict:
     shape = "Qwen3-4B shape, GPU" if args.gpu else "tiny, CPU"
     tools = f"tool turns of {args.tool_len}" + (f" taking up to {args.tool_seconds} s" if args.tool_seconds else "")
     print(f"\nmulti-turn rollout ({shape}; {args.trajectories} trajectories x {args.turns} turns of {args.turn_len} "
-          f"tokens, {tools}, prompts of {args.prompt_len}; {'free-running' if args.no_lockstep else 'lockstep'})")
+          f"tokens, {tools}, prompts of {args.prompt_len}; {'lockstep' if args.lockstep else 'free-running'})")
     print(f"{'multi-turn':>12} {'recompute':>12} {'single-turn':>12} {'vs single':>10} {'vs recompute':>13}")
     print(f"{multi:>8,.0f} t/s {recompute:>8,.0f} t/s {single:>8,.0f} t/s {results['vs_single_turn']:>9.2f}x "
           f"{results['vs_recompute']:>12.2f}x")

@@ -224,3 +224,17 @@ def test_a_signal_raised_while_the_engines_are_called_stops_the_rollout_instead_
         generate_trajectories_and_score([engine], [], PROMPTS, PARAMS, step=0, decode=str, eos_id=EOS_ID,
                                         recover=lambda role, dead: None, generate_fn=three_turns,
                                         make_args=lambda client: GenerateArgs(None, None, 64, client))
+
+
+@pytest.mark.parametrize("changes, want", [
+    ({}, True),  # tiny_tools: the built-in engine on fake GPUs
+    ({"fake_gpus": False}, False),  # on a GPU turns go free-running ...
+    ({"fake_gpus": False, "sglang_enable_deterministic_inference": True}, True),  # ... unless batch-invariant
+    ({"rollout_backend": "sglang"}, False),
+])
+def test_lockstep_where_a_run_can_repeat_bit_for_bit(changes, want):
+    from ppo.config.recipes import tiny_tools
+    from ppo.config.serialize import override
+    from ppo.generate.setup import lockstep
+
+    assert lockstep(override(tiny_tools(), **changes)) is want

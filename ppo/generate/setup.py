@@ -72,7 +72,16 @@ def rollout_function(generation: Generation | None, cfg, tokenizer, max_context:
     def make_args(client) -> GenerateArgs:
         return generation.args_class(cfg, tokenizer, max_context, client, tools=generation.tools)
 
-    # the built-in engines take turns in lockstep, so that a run repeats bit for bit (ppo.generate.engines);
-    # sglang batches whatever is in flight by itself: no lockstep would make it repeat
     return functools.partial(generate_trajectories_and_score, generate_fn=generation.function, make_args=make_args,
-                             lockstep=cfg.engine.rollout_backend == "torch")
+                             lockstep=lockstep(cfg))
+
+
+def lockstep(cfg) -> bool:
+    """Whether the built-in engines take turns in lockstep (ppo.generate.engines), so that a run
+    and its resume repeat bit for bit: where their numerics can (on the CPU, or in the engine's
+    batch-invariant mode). Elsewhere a turn goes to the engine as soon as it is ready: lockstep
+    idles an engine while any of its trajectories waits on a tool, and bf16 decode on a GPU does
+    not repeat across batch compositions anyway. sglang batches whatever is in flight by itself:
+    no lockstep would make it repeat."""
+    e = cfg.engine
+    return e.rollout_backend == "torch" and (cfg.placement.fake_gpus or e.sglang_enable_deterministic_inference)
