@@ -99,8 +99,20 @@ def partial_rollout(engines: list[ActorHandle], scorers: list[ActorHandle], sour
              for g, group in enumerate(kept + dropped[:filled]) for k, s in enumerate(group)]
     if ds is None or ds.keep is None:
         _score(scorers, batch, n, recover)
+    metrics = partial_metrics(batch, source, resumed_groups, aborted)
+    if ds is not None and ds.keep is not None:  # dynamic sampling's own metrics (ppo.generate.dynamic_sampling)
+        metrics.update({
+            "rollout/dynamic_sampling_kept_groups": len(kept), "rollout/dynamic_sampling_dropped_groups": len(dropped),
+            "rollout/dynamic_sampling_extra_rounds": extra_rounds, "rollout/dynamic_sampling_filled_groups": filled,
+            "rollout/sampled_raw_reward": sum(sampled_rewards) / max(len(sampled_rewards), 1),
+            **{f"rollout/dynamic_filter/drop_{r}": c for r, c in sorted(reasons.items())}})
+    return batch, metrics
+
+
+def partial_metrics(batch: list[dict], source: PartialSource, resumed_groups: int, aborted: int) -> dict:
+    """rollout/partial_* counts of a trained batch (docs/partial_rollouts.md, "Metrics")."""
     resumed = [s for s in batch if s["partial_age"]]
-    metrics = {
+    return {
         # trained samples begun in an earlier rollout, and their tokens generated there
         "rollout/partial_resumed_samples": len(resumed),
         "rollout/partial_carried_tokens": sum(s["partial_carried_tokens"] for s in batch),
@@ -111,13 +123,6 @@ def partial_rollout(engines: list[ActorHandle], scorers: list[ActorHandle], sour
         "rollout/partial_buffered_groups": len(source.groups),
         "rollout/partial_buffered_tokens": source.num_buffered_tokens,
     }
-    if ds is not None and ds.keep is not None:  # dynamic sampling's own metrics (ppo.generate.dynamic_sampling)
-        metrics.update({
-            "rollout/dynamic_sampling_kept_groups": len(kept), "rollout/dynamic_sampling_dropped_groups": len(dropped),
-            "rollout/dynamic_sampling_extra_rounds": extra_rounds, "rollout/dynamic_sampling_filled_groups": filled,
-            "rollout/sampled_raw_reward": sum(sampled_rewards) / max(len(sampled_rewards), 1),
-            **{f"rollout/dynamic_filter/drop_{r}": c for r, c in sorted(reasons.items())}})
-    return batch, metrics
 
 
 def _tokens_left(group: list[dict], params: SamplingParams) -> int:

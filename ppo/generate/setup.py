@@ -73,3 +73,10 @@ def rollout_function(generation: Generation | None, cfg, tokenizer, max_context:
         return generation.args_class(cfg, tokenizer, max_context, client, tools=generation.tools)
 
     return functools.partial(generate_trajectories_and_score, generate_fn=generation.function, make_args=make_args)
+
+
+def tool_loop_arguments(generation: Generation, cfg, tokenizer, max_context: int) -> dict:
+    """What ppo.generate.partial_tools.partial_tool_rollout takes of the tool loop: its function
+    and the builder of its args (as rollout_function builds them)."""
+    return {"generate_fn": generation.function,
+            "make_args": lambda client: generation.args_class(cfg, tokenizer, max_context, client, tools=generation.tools)}
