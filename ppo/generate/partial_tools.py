@@ -232,7 +232,10 @@ def _trained_row(run: _Run, step: int, mask_offpolicy: bool, decode, eos_id: int
     partial_* counts; under --mask-offpolicy-in-partial-rollout its tokens from earlier rollouts
     get loss mask 0."""
     row = _row(run.sample, decode, eos_id)
-    row.update(weight_versions=run.sample.trajectory.weight_versions, sampling_seed=run.seed,
+    versions = run.sample.trajectory.weight_versions
+    # its last turn's version, as a continued single response's is its last segment's: what
+    # --train-async's staleness check reads (ppo.generate.rollout_ahead)
+    row.update(weight_versions=versions, weight_version=versions[-1], sampling_seed=run.seed,
                partial_carried_tokens=run.carried, partial_age=step - run.record["start_step"])
     if mask_offpolicy:
         row["loss_mask"] = [0] * run.carried + row["loss_mask"][run.carried:]
