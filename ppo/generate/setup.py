@@ -80,4 +80,3 @@ def rollout_function(generation: Generation | None, cfg, tokenizer, max_context:
         return generation.args_class(cfg, tokenizer, max_context, client, tools=generation.tools)
 
     return functools.partial(generate_trajectories_and_score, generate_fn=generation.function, make_args=make_args)
-
