@@ -46,13 +46,14 @@ from ppo.config import PPOConfig
 from ppo.config.serialize import to_dict
 from ppo.generate.metrics import trajectory_metrics
 from ppo.generate.sessions import session_ends
-from ppo.generate.setup import rollout_function, tool_loop_arguments
+from ppo.generate.setup import rollout_function
 from ppo.setup.job import Job, model_context, start_job
 from ppo.observe.console import RunConsole
 from ppo.generate.dynamic_sampling import sample_batch
 from ppo.generate.partial import offpolicy_report, partial_rollout
 from ppo.generate.engines import EngineClient
 from ppo.generate.partial_tools import partial_tool_rollout
+from ppo.generate.setup import tool_loop_arguments
 from ppo.observe.logger import RunLogger
 from ppo.generate.rollout import SamplingParams
 from ppo.generate.rollout_ahead import Rollouts
