@@ -79,7 +79,7 @@ def partial_rollout(engines: list[ActorHandle], scorers: list[ActorHandle], sour
         rows = [_sample(s, j, k, n, step, mask_offpolicy, decode, eos_id) for j, g in enumerate(done)
                 for k, s in enumerate(g)]
         if ds is not None and ds.keep is not None:
-            _score(scorers, rows, n, recover)  # the filter reads the rewards
+            score_groups(scorers, rows, n, recover)  # the filter reads the rewards
             sampled_rewards += [float(r["reward"]) for r in rows]
         taken = set()
         for j, g in enumerate(done):
@@ -98,7 +98,7 @@ def partial_rollout(engines: list[ActorHandle], scorers: list[ActorHandle], sour
     batch = [dict(s, index=g * n + k, group_index=g)
              for g, group in enumerate(kept + dropped[:filled]) for k, s in enumerate(group)]
     if ds is None or ds.keep is None:
-        _score(scorers, batch, n, recover)
+        score_groups(scorers, batch, n, recover)
     metrics = partial_metrics(batch, source, resumed_groups, aborted)
     if ds is not None and ds.keep is not None:  # dynamic sampling's own metrics (ppo.generate.dynamic_sampling)
         metrics.update({
@@ -216,7 +216,7 @@ def _sample(s: dict, group: int, k: int, n: int, step: int, mask_offpolicy: bool
 SCORED_KEYS = ("index", "group_index", "prompt", "response", "label", "metadata")
 
 
-def _score(scorers: list[ActorHandle], samples: list[dict], n: int, recover) -> None:
+def score_groups(scorers: list[ActorHandle], samples: list[dict], n: int, recover) -> None:
     """Rewards onto `samples` (whole groups of n, in order), one call per scorer with whole groups
     (a group reward function sees its group together; a scorer that dies is replaced and asked
     again); without scorers (a reward model alone, later: ppo.generate.rewards) 0 and "ok"."""

@@ -43,7 +43,7 @@ from dataclasses import dataclass, field
 
 from ppo.generate.custom import Sample
 from ppo.generate.engines import EngineClient
-from ppo.generate.partial import _score, partial_metrics
+from ppo.generate.partial import partial_metrics, score_groups
 from ppo.generate.partial_buffer import PartialSource, num_tokens
 from ppo.generate.pump import Pump
 from ppo.generate.rollout import SamplingParams, sample_seed
@@ -70,7 +70,7 @@ def partial_tool_rollout(client_of: Callable[[Pump], EngineClient], scorers, sou
     batch = [dict(_trained_row(runs[g * n + k], step, mask_offpolicy, decode, eos_id), index=j * n + k,
                   group_index=j, session=j * n + k) for j, g in enumerate(trained) for k in range(n)]
     source.put_back([[runs[g * n + k].buffered() for k in range(n)] for g in range(len(groups)) if g not in trained])
-    _score(scorers, batch, n, recover)
+    score_groups(scorers, batch, n, recover)
     return batch, partial_metrics(batch, source, resumed_groups, num_cut)
 
 
@@ -118,6 +118,7 @@ class _Run:
         """Its state for the buffer (partial_buffer's tool form)."""
         traj = self.sample.trajectory
         return {"prompt": self.record["prompt"], "start_step": self.record["start_step"],
+                # no model turn to say why it ended: its budget was spent before one ("length")
                 "finish_reason": (traj.finish_reason or "length") if self.finished else None,
                 "num_aborts": self.sample.num_aborts, "seed": self.seed, "trajectory": traj.state(),
                 "stats": dict(self.sample.stats)}
