@@ -1,12 +1,13 @@
 """tiny_tools with --partial-rollout end to end (docs/partial_rollouts.md, "Tool trajectories"):
-rollouts that train continued trajectories, and a resume from a checkpoint (the buffer with its
-cut trajectories) that repeats the uninterrupted run."""
+rollouts that train continued trajectories, a resume from a checkpoint (the buffer with its cut
+trajectories) that repeats the uninterrupted run, and the rollout ahead of --train-async."""
 
 import json
 import shutil
 
 import pytest
 
+from bench.faults import ASYNC
 from ppo.config.recipes import tiny_tools
 from ppo.config.serialize import override
 from ppo.config.validate import ensure_valid
@@ -15,7 +16,7 @@ from ppo.loop import train
 from ppo.state import checkpoint as ck
 from tests.test_e2e_tools_modes import SMALL, is_timing
 
-# n = 2: group completion times spread, so the cut finds trajectories running
+# 32 groups of 2 started, 16 trained: 32 samples, SMALL's global batch
 PARTIAL = dict(partial_rollout=True, n_samples_per_prompt=2, rollout_batch_size=16, over_sampling_batch_size=32,
                num_rollout=3)
 
@@ -55,3 +56,18 @@ def test_partial_tool_rollouts_continue_cut_trajectories_and_a_resume_repeats_th
         differ = {k: (want[k], got.get(k)) for k in want
                   if not is_timing(k) and not k.endswith("_total") and k != gap and want[k] != got.get(k)}
         assert differ == {}, f"step {want['step']}: {differ}"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_partial_tool_rollouts_generate_ahead_with_train_async(tmp_path, tool_model):
+    """--train-async (engines and trainer on GPUs of their own): the rollout ahead is a partial one
+    of tool trajectories; a group more than --max-weight-staleness versions old is made again whole."""
+    model, data = tool_model
+    history = train(ensure_valid(override(tiny_tools(), run_dir=str(tmp_path / "run"), hf_checkpoint=model,
+                                          prompt_data=data, **{**SMALL, **PARTIAL, **ASYNC})))
+    assert [h["step"] for h in history] == [0, 1, 2]
+    for h in history:
+        assert h["rollout/partial_buffered_groups"] == 16 and h["rollout/staleness"] <= 1
+        assert 0 <= h["rollout/partial_offpolicy_token_share"] <= 1 and "train/tis" in h
+    assert history[2]["rollout/partial_resumed_samples"] > 0
