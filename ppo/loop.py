@@ -46,12 +46,14 @@ from ppo.config import PPOConfig
 from ppo.config.serialize import to_dict
 from ppo.generate.metrics import trajectory_metrics
 from ppo.generate.sessions import session_ends
-from ppo.generate.setup import rollout_function
 from ppo.generate.stops import stop_token_ids
 from ppo.setup.job import Job, model_context, start_job
 from ppo.observe.console import RunConsole
 from ppo.generate.dynamic_sampling import sample_batch
 from ppo.generate.partial import offpolicy_report, partial_rollout
+from ppo.generate.engines import EngineClient
+from ppo.generate.partial_tools import partial_tool_rollout
+from ppo.generate.setup import lockstep, rollout_function, tool_loop_arguments
 from ppo.observe.logger import RunLogger
 from ppo.generate.rollout import SamplingParams
 from ppo.generate.rollout_ahead import Rollouts
@@ -233,6 +235,16 @@ def rollout_source(job: Job) -> Rollouts:
             recover(job, role, dead, rollouts.version)
 
     def rollout_of(step: int):
+        if cfg.rollout.partial_rollout and job.functions.generation is not None:  # tool trajectories
+            return partial_tool_rollout(lambda pump: EngineClient(job.engines, pump, recover_engine, lockstep=lockstep(cfg)),
+                                        job.scorers,
+                                        job.data, sampling, step,
+                                        num_groups=cfg.rollout.rollout_batch_size,
+                                        over_sampling=C.over_sampling_batch_size(cfg),
+                                        mask_offpolicy=cfg.rollout.mask_offpolicy_in_partial_rollout,
+                                        decode=tok.decode, eos_id=tok.eos_token_id, recover=recover_engine,
+                                        **tool_loop_arguments(job.functions.generation, cfg, tok,
+                                                              model_context(job.hf_checkpoint)))
         if cfg.rollout.partial_rollout:  # job.data is a PartialSource (ppo.setup.job)
             return partial_rollout(job.engines, job.scorers, job.data, sampling, step,
                                    num_groups=cfg.rollout.rollout_batch_size,

@@ -315,8 +315,12 @@ def problems(**overrides) -> list[str]:
      "--mask-offpolicy-in-partial-rollout (rollout.mask_offpolicy_in_partial_rollout) is set but --partial-rollout"),
     ({"partial_rollout": True, "over_sampling_batch_size": 64},
      "--over-sampling-batch-size 64 (rollout.over_sampling_batch_size): must be >= --rollout-batch-size 128"),
-    ({"partial_rollout": True, "generate_tool_specs_path": "tools.json",
-      "generate_execute_tool_function_path": "tools:run"}, "does not work with --generate-tool-specs-path yet"),
+    ({"partial_rollout": True, "custom_generate_function_path": "agent:generate"},
+     "cannot continue the state of --custom-generate-function-path"),
+    ({"partial_rollout": True, "custom_agent_function_path": "agent:run"},
+     "cannot continue the state of --custom-agent-function-path"),
+    ({"partial_rollout": True, "generate_tool_specs_path": "tools.json", "generate_execute_tool_function_path": "t:run",
+      "dynamic_sampling_filter_path": "f:keep"}, "whose partial rollout has no sampling rounds yet"),
 ])
 def test_partial_rollout_flags_are_checked_with_field_and_value(overrides, fragment):
     assert any(fragment in p for p in problems(**overrides)), problems(**overrides)
@@ -324,6 +328,9 @@ def test_partial_rollout_flags_are_checked_with_field_and_value(overrides, fragm
 
 def test_partial_rollout_over_samples_without_a_dynamic_sampling_filter():
     assert problems(partial_rollout=True, over_sampling_batch_size=160) == []
+    # the built-in tool loop's trajectories are continued (ppo.generate.partial_tools)
+    assert problems(partial_rollout=True, over_sampling_batch_size=160, generate_tool_specs_path="tools.json",
+                    generate_execute_tool_function_path="t:run") == []
     # sglang aborts through its abort_request (roles/rollout/sglang_backend.py); what is left is
     # that sglang needs a GPU, not this flag
     assert not any("partial" in p for p in problems(partial_rollout=True, rollout_backend="sglang"))

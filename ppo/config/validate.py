@@ -284,13 +284,19 @@ def _partial_rollout(cfg: PPOConfig) -> list[str]:
                             "--partial-rollout"))
     if not r.partial_rollout:
         return out
-    not_yet = [("custom_generate_function_path", cfg.generate.custom_generate_function_path,
+    # a generate function's (an agent's) state lives where the buffer cannot see it; the built-in
+    # tool loop's trajectories are continued (ppo.generate.partial_tools)
+    refused = [("custom_generate_function_path", cfg.generate.custom_generate_function_path,
                 "--custom-generate-function-path"),
-               ("generate_tool_specs_path", cfg.generate.generate_tool_specs_path, "--generate-tool-specs-path")]
-    for field, value, flag in not_yet:
+               ("custom_agent_function_path", cfg.generate.custom_agent_function_path, "--custom-agent-function-path")]
+    for field, value, flag in refused:
         if value is not None:
-            out.append(_set_but(field, value, f"so is --partial-rollout, which does not work with {flag} yet "
+            out.append(_set_but(field, value, f"so is --partial-rollout, which cannot continue the state of {flag} "
                                 "(docs/partial_rollouts.md). Please remove one"))
+    if cfg.generate.generate_tool_specs_path is not None and r.dynamic_sampling_filter_path is not None:
+        out.append(_set_but("dynamic_sampling_filter_path", r.dynamic_sampling_filter_path, "so are --partial-rollout "
+                            "and --generate-tool-specs-path, whose partial rollout has no sampling rounds yet "
+                            "(docs/partial_rollouts.md). Please remove one"))
     return out
 
 

@@ -66,14 +66,15 @@ class GenerateArgs:
         budget = min(sampling_params["max_new_tokens"] - len(traj.response_ids), self.max_context - len(traj.ids))
         if budget <= 0:
             return None
-        turn = self._turns.get(sample.index, 0)
+        # a trajectory continued from a partial rollout's buffer counts on from the turns it has
+        turn = self._turns.get(sample.index, traj.num_model_turns)
         self._turns[sample.index] = turn + 1
         seed = sampling_params.get("seed")
         request = dict(sampling_params, max_new_tokens=budget,
                        seed=turn_seed(seed, turn) if seed is not None else None)
         result = await self._client.generate(sample.index, traj.ids, request)
-        traj.add_model_turn(result["token_ids"], result["logprobs"], result["finish_reason"])
         version = result["weight_version"]
+        traj.add_model_turn(result["token_ids"], result["logprobs"], result["finish_reason"], version)
         sample.num_aborts += result.get("num_aborts", 0)
         sample.weight_version = version if sample.weight_version is None else min(sample.weight_version, version)
         return result

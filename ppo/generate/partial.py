@@ -79,7 +79,7 @@ def partial_rollout(engines: list[ActorHandle], scorers: list[ActorHandle], sour
         rows = [_sample(s, j, k, n, step, mask_offpolicy, decode, eos_id) for j, g in enumerate(done)
                 for k, s in enumerate(g)]
         if ds is not None and ds.keep is not None:
-            _score(scorers, rows, n, recover)  # the filter reads the rewards
+            score_groups(scorers, rows, n, recover)  # the filter reads the rewards
             sampled_rewards += [float(r["reward"]) for r in rows]
         taken = set()
         for j, g in enumerate(done):
@@ -98,9 +98,21 @@ def partial_rollout(engines: list[ActorHandle], scorers: list[ActorHandle], sour
     batch = [dict(s, index=g * n + k, group_index=g)
              for g, group in enumerate(kept + dropped[:filled]) for k, s in enumerate(group)]
     if ds is None or ds.keep is None:
-        _score(scorers, batch, n, recover)
+        score_groups(scorers, batch, n, recover)
+    metrics = partial_metrics(batch, source, resumed_groups, aborted)
+    if ds is not None and ds.keep is not None:  # dynamic sampling's own metrics (ppo.generate.dynamic_sampling)
+        metrics.update({
+            "rollout/dynamic_sampling_kept_groups": len(kept), "rollout/dynamic_sampling_dropped_groups": len(dropped),
+            "rollout/dynamic_sampling_extra_rounds": extra_rounds, "rollout/dynamic_sampling_filled_groups": filled,
+            "rollout/sampled_raw_reward": sum(sampled_rewards) / max(len(sampled_rewards), 1),
+            **{f"rollout/dynamic_filter/drop_{r}": c for r, c in sorted(reasons.items())}})
+    return batch, metrics
+
+
+def partial_metrics(batch: list[dict], source: PartialSource, resumed_groups: int, aborted: int) -> dict:
+    """rollout/partial_* counts of a trained batch (docs/partial_rollouts.md, "Metrics")."""
     resumed = [s for s in batch if s["partial_age"]]
-    metrics = {
+    return {
         # trained samples begun in an earlier rollout, and their tokens generated there
         "rollout/partial_resumed_samples": len(resumed),
         "rollout/partial_carried_tokens": sum(s["partial_carried_tokens"] for s in batch),
@@ -111,13 +123,6 @@ def partial_rollout(engines: list[ActorHandle], scorers: list[ActorHandle], sour
         "rollout/partial_buffered_groups": len(source.groups),
         "rollout/partial_buffered_tokens": source.num_buffered_tokens,
     }
-    if ds is not None and ds.keep is not None:  # dynamic sampling's own metrics (ppo.generate.dynamic_sampling)
-        metrics.update({
-            "rollout/dynamic_sampling_kept_groups": len(kept), "rollout/dynamic_sampling_dropped_groups": len(dropped),
-            "rollout/dynamic_sampling_extra_rounds": extra_rounds, "rollout/dynamic_sampling_filled_groups": filled,
-            "rollout/sampled_raw_reward": sum(sampled_rewards) / max(len(sampled_rewards), 1),
-            **{f"rollout/dynamic_filter/drop_{r}": c for r, c in sorted(reasons.items())}})
-    return batch, metrics
 
 
 def _tokens_left(group: list[dict], params: SamplingParams) -> int:
@@ -211,7 +216,7 @@ def _sample(s: dict, group: int, k: int, n: int, step: int, mask_offpolicy: bool
 SCORED_KEYS = ("index", "group_index", "prompt", "response", "label", "metadata")
 
 
-def _score(scorers: list[ActorHandle], samples: list[dict], n: int, recover) -> None:
+def score_groups(scorers: list[ActorHandle], samples: list[dict], n: int, recover) -> None:
     """Rewards onto `samples` (whole groups of n, in order), one call per scorer with whole groups
     (a group reward function sees its group together; a scorer that dies is replaced and asked
     again); without scorers (a reward model alone, later: ppo.generate.rewards) 0 and "ok"."""

@@ -15,6 +15,14 @@ stores them as JSON, floats exactly):
     start_step         the rollout step it began in
     num_aborts         the engine's own aborts it was issued again after (roles/rollout/aborts.py)
 
+A tool trajectory's sample (ppo.generate.partial_tools) keeps its whole state instead of the
+response fields: prompt, finish_reason, start_step and num_aborts as above, and
+
+    trajectory         its turns (ppo.generate.trajectory.Trajectory.state: ids, log-probs, finish
+                       reason and weight version of each model turn; the ids of each tool turn)
+    stats              its tool counts so far (ppo.generate.tool_loop.STATS)
+    seed               its request seed, kept from its first rollout
+
 PartialSource stands where the PromptDataset stands (job.data): its state_dict adds the buffer to
 the data position, so a checkpoint saves the buffer and --load (or a trainer's recovery) brings it
 back with the position (ppo.state.checkpoint stores and restores `data.state_dict()`).
@@ -35,6 +43,13 @@ def new_group(prompt: dict, n: int, step: int) -> list[dict]:
 
 def is_complete(group: list[dict]) -> bool:
     return all(s["finish_reason"] is not None for s in group)
+
+
+def num_tokens(s: dict) -> int:
+    """Response tokens a buffered sample holds (a tool trajectory's: model and tool turns)."""
+    if "trajectory" in s:
+        return sum(len(t["ids"]) for t in s["trajectory"]["turns"])
+    return len(s["response_ids"])
 
 
 class PartialSource:
@@ -65,7 +80,7 @@ class PartialSource:
 
     @property
     def num_buffered_tokens(self) -> int:
-        return sum(len(s["response_ids"]) for g in self.groups for s in g)
+        return sum(num_tokens(s) for g in self.groups for s in g)
 
     def state_dict(self) -> dict:
         return {**self.data.state_dict(), BUFFER_KEY: copy.deepcopy(self.groups)}

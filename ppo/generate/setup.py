@@ -64,6 +64,13 @@ def check_generation(generation: Generation | None, tokenizer) -> None:
         check_chat_template(tokenizer, generation.tools)
 
 
+def tool_loop_arguments(generation: Generation, cfg, tokenizer, max_context: int) -> dict:
+    """What ppo.generate.partial_tools.partial_tool_rollout takes of the tool loop: its function
+    and the builder of its args (as rollout_function builds them)."""
+    return {"generate_fn": generation.function,
+            "make_args": lambda client: generation.args_class(cfg, tokenizer, max_context, client, tools=generation.tools)}
+
+
 def rollout_function(generation: Generation | None, cfg, tokenizer, max_context: int) -> Callable:
     """generate_and_score, or its per-trajectory twin with the same arguments and result."""
     if generation is None:
