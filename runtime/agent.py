@@ -156,11 +156,10 @@ class NodeAgent:
     def _signed(self, hello: dict, secret: JobSecret, run: str) -> bool:
         """Whether node 0's `hello` is signed under the job's secret for this node and run; logs
         one line when it is not."""
-        fields = {k: v for k, v in hello.items() if k != "mac"}
-        if secret.verify(hello.get("mac"), "hello", run=run, rank=self.rank, **fields):
+        if isinstance(hello, dict) and secret.verify(hello.get("mac"), "hello", _hello_fields(hello, run, self.rank)):
             return True
         logger.warning("tandem: node %d: refused a hello that is %s (a peer with node 0's key but not the job's "
-                       "%s, or of another run)", self.rank, "signed wrong" if hello.get("mac") else "not signed",
+                       "%s, or of another run)", self.rank, "signed wrong" if isinstance(hello, dict) and hello.get("mac") else "not signed",
                        SECRET_ENV)
         return False
 
@@ -322,7 +321,7 @@ class RemoteNode:
         hello = {"token": sup.cfg.token, "job_public": job.public, "job_secret": job.secret,
                  "heartbeat_interval": sup.heartbeat_interval, "heartbeat_timeout": self.heartbeat_timeout}
         # signed for this node and run: the agent takes the job's key pair from no one else
-        self._post("hello", {**hello, "mac": secret.sign("hello", run=run, rank=self.rank, **hello)})
+        self._post("hello", {**hello, "mac": secret.sign("hello", _hello_fields(hello, run, self.rank))})
         self._last_heard = time.monotonic()
         self._hello_timeout_s = hello_timeout_s
         self._welcomed = False
@@ -586,3 +585,8 @@ class RemoteNode:
             self.sup.caller.fail_destination(name, inc, err)
             if (group := name.rpartition(".")[0]) in self._groups:
                 _aside(self.sup.stop_group, group, err, self.sup.incarnations(group))
+
+
+def _hello_fields(hello: dict, run: str, rank: int) -> dict:
+    """What node 0's hello to node `rank` of run `run` is signed over: its body, the run and the rank."""
+    return {"hello": {k: v for k, v in hello.items() if k != "mac"}, "run": run, "rank": rank}

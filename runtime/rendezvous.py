@@ -202,15 +202,17 @@ class _Board:
             return None, f"it is not signed (its launcher has no {SECRET_ENV})"
         if run is not None and entry_run != run:
             return None, "it names another run than node 0's (a launcher of an earlier run of the job)"
-        if not self.secret.verify(mac, "node-entry", run=str(entry_run), generation=self.generation, slot=slot,
-                                  rank=rank, endpoint=entry.endpoint, public_key=entry.public_key):
+        if not self.secret.verify(mac, "node-entry", self._signed_fields(entry, str(entry_run), slot)):
             return None, (f"its signature does not verify under this job's {SECRET_ENV} (a launcher without the "
                           "job's secret, or of another job)")
         return _Signed(entry, str(entry_run)), ""
 
     def _sign(self, entry: NodeEntry, run: str, slot: int) -> str:
-        return self.secret.sign("node-entry", run=run, generation=self.generation, slot=slot, rank=entry.rank,
-                                endpoint=entry.endpoint, public_key=entry.public_key)
+        return self.secret.sign("node-entry", self._signed_fields(entry, run, slot))
+
+    def _signed_fields(self, entry: NodeEntry, run: str, slot: int) -> dict:
+        return {"run": run, "generation": self.generation, "slot": slot, "rank": entry.rank,
+                "endpoint": entry.endpoint, "public_key": entry.public_key}
 
 
 def _wait_reachable(addr: str, port: int, deadline: float, timeout_s: float) -> None:

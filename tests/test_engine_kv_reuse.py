@@ -74,3 +74,17 @@ def test_unmatched_requests_keep_the_decode_batch_narrow(ckpt):
         stats = e._backend.scheduler.last_stats
         widths.append(stats["slot_steps"] / stats["decode_steps"])  # rows decoded per step, on average
     assert max(widths) <= 4, widths  # 3 requests: the graph batch of 4
+
+
+def test_a_continuation_keeps_its_slot_when_a_first_turn_comes_in_the_same_admission(ckpt):
+    # slots 0-1 keep turn 1 of two trajectories; turn 2 of the one recorded first comes with a new
+    # first turn (shorter, so packed first), which would evict the oldest record: its slot
+    e = engine(ckpt, 1)
+    contexts = [list(p) for p in PROMPTS[:2]]
+    first = e.generate(requests(contexts, 100))
+    table = e._backend.scheduler.prefixes
+    oldest = min(table._age, key=table._age.get)
+    i = next(i for i, c in enumerate(contexts) if table._held[oldest][0][:len(c)] == c)
+    second = contexts[i] + first[i]["token_ids"] + ENV
+    e.generate(requests([[20, 21], second], 300))
+    assert e._backend.scheduler.last_stats["reused_tokens"] == len(second) - len(ENV) - 1

@@ -238,3 +238,38 @@ def test_lockstep_where_a_run_can_repeat_bit_for_bit(changes, want):
     from ppo.generate.setup import lockstep
 
     assert lockstep(override(tiny_tools(), **changes)) is want
+
+
+def test_in_lockstep_a_stopped_trajectorys_turn_brings_no_call(two_engines):
+    """A partial rollout's cut cancels a trajectory mid-turn (ppo.generate.partial_tools): once no
+    one awaits any turn of an engine, the client calls it no more; a turn queued and cancelled
+    before its call is never sent."""
+    from ppo.generate.engines import EngineClient
+    from ppo.generate.pump import Pump
+
+    def no_recovery(role, dead):
+        raise RuntimeError(f"{role.name} died")
+
+    async def main():
+        pump = Pump()
+        pumping = asyncio.create_task(pump.run())
+        client = EngineClient(two_engines[:1], pump, no_recovery, lockstep=True)
+        client.expect([0, 1])
+        long = asyncio.create_task(client.generate(0, [5, 14, 6], {"max_new_tokens": 50, "ignore_eos": True,
+                                                                     "seed": 1}))
+        short = asyncio.create_task(client.generate(1, [9, 8], {"max_new_tokens": 2, "ignore_eos": True, "seed": 2}))
+        assert len((await short)["token_ids"]) == 2
+        long.cancel()  # the cut: sample 0 stops, with its request out
+        client.done(0)
+        await asyncio.sleep(0)
+        calls = client.num_calls
+        queued = asyncio.create_task(client.generate(1, [9, 8, 7], {"max_new_tokens": 2, "seed": 3}))
+        await asyncio.sleep(0)
+        queued.cancel()  # queued, cancelled before any call took it
+        client.done(1)
+        await asyncio.sleep(0.3)
+        assert client.num_calls == calls
+        for task in [pumping, *client.tasks]:
+            task.cancel()
+
+    asyncio.run(main())

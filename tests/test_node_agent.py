@@ -136,7 +136,8 @@ def test_node_0_silent_past_the_timeout_stops_the_node(tmp_path):
     dial(sock, keys, node1.agent.keys.public, node1.agent.endpoint)
     hello = {"token": "t" * 32, "job_public": job.public, "job_secret": job.secret,
              "heartbeat_interval": HEARTBEAT_S, "heartbeat_timeout": 0.5}
-    sock.send_multipart([b"hello", msgpack.packb({**hello, "mac": SECRET.sign("hello", run=RUN, rank=1, **hello)})])
+    mac = SECRET.sign("hello", {"hello": hello, "run": RUN, "rank": 1})  # as RemoteNode signs it (runtime/agent.py)
+    sock.send_multipart([b"hello", msgpack.packb({**hello, "mac": mac})])
     assert sock.poll(10_000) and sock.recv_multipart()[0] == b"welcome"
     started = time.monotonic()
     reason = node1.wait(10)
@@ -172,6 +173,23 @@ def test_a_hello_not_signed_for_this_job_and_run_is_refused(tmp_path, caplog, se
     assert [r.getMessage() for r in caplog.records if "refused a hello" in r.getMessage()] == [
         "tandem: node 1: refused a hello that is signed wrong (a peer with node 0's key but not the job's "
         "TANDEM_JOB_SECRET, or of another run)"]
+
+
+@pytest.mark.parametrize("body", [["not", "a", "dict"], {"run": RUN, "rank": 1, "job": "j", "mac": "0" * 64}],
+                         ids=["not-a-dict", "reserved-names"])
+def test_a_malformed_hello_is_refused_and_the_agent_goes_on(tmp_path, caplog, body):
+    keys = KeyPair.new()
+    node1 = Serving(tmp_path, keys.public, hello_timeout_s=1.0)
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.linger = 0
+    dial(sock, keys, node1.agent.keys.public, node1.agent.endpoint)
+    sock.send_multipart([b"hello", msgpack.packb(body)])
+    assert node1.wait(5) == "node 0 did not say hello for 1 s: stopping this node's roles"
+    assert node1.agent.sup is None
+    assert any("refused a hello that is" in r.getMessage() for r in caplog.records)
+    sock.close()
+    ctx.term()
 
 
 def test_a_caller_without_the_jobs_key_cannot_reach_a_role(tmp_path):

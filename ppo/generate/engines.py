@@ -126,7 +126,8 @@ class EngineClient:
         return await fut
 
     def _may_call(self, i: int, out: dict) -> bool:
-        if not self._queues[i] and not out:
+        # a turn whose trajectory was stopped (a partial rollout's cut) is awaited by no one: not worth a call
+        if all(fut.done() for _, _, fut in [*self._queues[i], *out.values()]):
             return False
         return not self.lockstep or all(self._asking.get(s, 0) for s in self._running[i])
 
@@ -145,7 +146,11 @@ class EngineClient:
             while not self._may_call(i, out):
                 await self._wake[i].wait()
                 self._wake[i].clear()
-            new, self._queues[i] = self._queues[i], []
+            queued, self._queues[i] = self._queues[i], []
+            new = [entry for entry in queued if not entry[2].done()]
+            for sample, _, fut in queued:
+                if fut.done():  # a queued turn is done only if cancelled: it is never sent
+                    self._asking[sample] -= 1
             if self.lockstep:
                 new.sort(key=lambda entry: (entry[0], entry[1]["id"]))  # not in the order their tools returned
             out.update((entry[1]["id"], entry) for entry in new)

@@ -41,16 +41,10 @@ class SlotPrefixes:
         self._held.pop(slot, None)
         self._age.pop(slot, None)
 
-    def choose(self, prompt_ids: list[int], free: list[int], width: int) -> tuple[int, int]:
-        """(slot, positions to reuse) for a request: the free slot holding the longest continuation
-        of `prompt_ids` (at least one token is left to prefill: its logits give the first sample),
-        else a free slot below `width` (any free slot if none is), empty first, then the one
-        recorded longest ago.
-
-        `width` is the decode batch the running and admitted requests need at the least; keeping
-        unmatched requests below it keeps decode batches (and their graphs) as narrow as without
-        this table, at the cost of prefixes no continuation claimed in time.
-        """
+    def match(self, prompt_ids: list[int], free: list[int]) -> tuple[int, int] | None:
+        """(slot, positions to reuse): the free slot holding the longest continuation of
+        `prompt_ids` (at least one token is left to prefill: its logits give the first sample);
+        None when no free slot holds one."""
         best, best_len = None, 0
         for s in free:
             if s not in self._held:
@@ -59,8 +53,15 @@ class SlotPrefixes:
             n = min(len(ids), len(prompt_ids) - 1)
             if n >= shortest and ids[:n] == prompt_ids[:n] and n > best_len:
                 best, best_len = s, n
-        if best is not None:
-            return best, best_len
+        return None if best is None else (best, best_len)
+
+    def spare(self, free: list[int], width: int) -> int:
+        """The slot for a request that continues none: a free slot below `width` (any free slot
+        if none is), empty first, then the one recorded longest ago.
+
+        `width` is the decode batch the running and admitted requests need anyway; keeping
+        unmatched requests below it keeps decode batches (and their graphs) as narrow as without
+        this table, at the cost of prefixes no continuation claimed in time."""
         near = [s for s in free if s < width] or free
         empty = [s for s in near if s not in self._held]
-        return (empty[0], 0) if empty else (min(near, key=lambda s: self._age[s]), 0)
+        return empty[0] if empty else min(near, key=lambda s: self._age[s])

@@ -274,19 +274,24 @@ class Scheduler:
         self.state.positions[torch.tensor(slots, device=at.device)] = at
 
     def _place(self, reqs: list[GenerateRequest], free: list[int]) -> tuple[list[int], list[int]]:
-        """Each request's slot and the positions of its prompt it reuses there (prefixes.py)."""
-        slots, offsets, free = [], [], list(free)
-        num_slots = self.batch.geometry.num_slots
-        width = batch_bucket(num_slots - len(free) + len(reqs), num_slots)
-        for r in reqs:
-            if not self.kv_reuse:
-                slot, offset = free[0], 0
-            else:
-                slot, offset = self.prefixes.choose(r.prompt_ids, free, width)
-                self.prefixes.take(slot)
-            free.remove(slot)
-            slots.append(slot)
-            offsets.append(offset)
+        """Each request's slot and the positions of its prompt it reuses there (prefixes.py):
+        continuations first, so that no request of the same admission takes their slots."""
+        num_slots, free = self.batch.geometry.num_slots, list(free)
+        busy = sorted(set(range(num_slots)) - set(free))
+        # what decodes anyway: the slots up to the highest busy one, and room for every request
+        width = batch_bucket(max(len(busy) + len(reqs), busy[-1] + 1 if busy else 0), num_slots)
+        slots, offsets = [None] * len(reqs), [0] * len(reqs)
+        for j, r in enumerate(reqs):
+            hit = self.prefixes.match(r.prompt_ids, free) if self.kv_reuse else None
+            if hit is not None:
+                slots[j], offsets[j] = hit
+                free.remove(hit[0])
+        for j in range(len(reqs)):
+            if slots[j] is None:
+                slots[j] = self.prefixes.spare(free, width) if self.kv_reuse else free[0]
+                free.remove(slots[j])
+        for s in slots:
+            self.prefixes.take(s)
         return slots, offsets
 
     def _geometry(self, requests: list[GenerateRequest]) -> Geometry:
