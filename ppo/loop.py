@@ -52,8 +52,9 @@ from ppo.observe.console import RunConsole
 from ppo.generate.dynamic_sampling import sample_batch
 from ppo.generate.partial import offpolicy_report, partial_rollout
 from ppo.generate.engines import EngineClient
+from ppo.generate.pump import Pump
 from ppo.generate.partial_tools import partial_tool_rollout
-from ppo.generate.setup import lockstep, rollout_function, tool_loop_arguments
+from ppo.generate.setup import lockstep, rollout_function, generation_arguments
 from ppo.observe.logger import RunLogger
 from ppo.generate.rollout import SamplingParams
 from ppo.generate.rollout_ahead import Rollouts
@@ -234,17 +235,18 @@ def rollout_source(job: Job) -> Rollouts:
         with rollouts.lock:  # ahead, the driver's thread may be training meanwhile (ppo.generate.rollout_ahead)
             recover(job, role, dead, rollouts.version)
 
+    def engine_client(pump: Pump) -> EngineClient:
+        return EngineClient(job.engines, pump, recover_engine, lockstep=lockstep(cfg))
+
     def rollout_of(step: int):
         if cfg.rollout.partial_rollout and job.functions.generation is not None:  # tool trajectories
-            return partial_tool_rollout(lambda pump: EngineClient(job.engines, pump, recover_engine, lockstep=lockstep(cfg)),
-                                        job.scorers,
-                                        job.data, sampling, step,
+            return partial_tool_rollout(engine_client, job.scorers, job.data, sampling, step,
                                         num_groups=cfg.rollout.rollout_batch_size,
                                         over_sampling=C.over_sampling_batch_size(cfg),
                                         mask_offpolicy=cfg.rollout.mask_offpolicy_in_partial_rollout,
                                         decode=tok.decode, eos_id=tok.eos_token_id, recover=recover_engine,
-                                        **tool_loop_arguments(job.functions.generation, cfg, tok,
-                                                              model_context(job.hf_checkpoint)))
+                                        **generation_arguments(job.functions.generation, cfg, tok,
+                                                               model_context(job.hf_checkpoint)))
         if cfg.rollout.partial_rollout:  # job.data is a PartialSource (ppo.setup.job)
             return partial_rollout(job.engines, job.scorers, job.data, sampling, step,
                                    num_groups=cfg.rollout.rollout_batch_size,

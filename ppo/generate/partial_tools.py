@@ -58,7 +58,7 @@ def partial_tool_rollout(client_of: Callable[[Pump], EngineClient], scorers, sou
     """(samples of `num_groups` complete groups in batch order, scored; metrics), as
     ppo.generate.partial.partial_rollout returns. `client_of(pump)`: the engines' EngineClient on
     the rollout's pump; `generate_fn`: the tool loop's generate; `make_args(client)` builds its
-    args (ppo.generate.setup.tool_loop_arguments)."""
+    args (ppo.generate.setup.generation_arguments)."""
     n = params.n_samples_per_prompt
     groups = source.next_groups(over_sampling, n, step)
     resumed_groups = sum(any(num_tokens(s) or s["start_step"] < step for s in g) for g in groups)

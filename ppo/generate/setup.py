@@ -64,23 +64,21 @@ def check_generation(generation: Generation | None, tokenizer) -> None:
         check_chat_template(tokenizer, generation.tools)
 
 
-def tool_loop_arguments(generation: Generation, cfg, tokenizer, max_context: int) -> dict:
-    """What ppo.generate.partial_tools.partial_tool_rollout takes of the tool loop: its function
-    and the builder of its args (as rollout_function builds them)."""
-    return {"generate_fn": generation.function,
-            "make_args": lambda client: generation.args_class(cfg, tokenizer, max_context, client, tools=generation.tools)}
+def generation_arguments(generation: Generation, cfg, tokenizer, max_context: int) -> dict:
+    """A per-trajectory generate function and the builder of its args around an engine client:
+    what generate_trajectories_and_score and ppo.generate.partial_tools.partial_tool_rollout take."""
+    def make_args(client) -> GenerateArgs:
+        return generation.args_class(cfg, tokenizer, max_context, client, tools=generation.tools)
+
+    return {"generate_fn": generation.function, "make_args": make_args}
 
 
 def rollout_function(generation: Generation | None, cfg, tokenizer, max_context: int) -> Callable:
     """generate_and_score, or its per-trajectory twin with the same arguments and result."""
     if generation is None:
         return generate_and_score
-
-    def make_args(client) -> GenerateArgs:
-        return generation.args_class(cfg, tokenizer, max_context, client, tools=generation.tools)
-
-    return functools.partial(generate_trajectories_and_score, generate_fn=generation.function, make_args=make_args,
-                             lockstep=lockstep(cfg))
+    return functools.partial(generate_trajectories_and_score, lockstep=lockstep(cfg),
+                             **generation_arguments(generation, cfg, tokenizer, max_context))
 
 
 def lockstep(cfg) -> bool:

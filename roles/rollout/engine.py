@@ -173,7 +173,7 @@ class RolloutEngine(Actor):
         try:
             if self.state != "generating":  # the state spans the stream, not each call (one event per stretch)
                 self.set_state("generating", num_requests=len(parsed) + len(self._streams))
-                check_in_run(f"rollout engine {self.config.engine_index}")  # once a stretch: a call is a few syncs
+                check_in_run(f"rollout engine {self.config.engine_index}")  # once a stretch, not every call
             results = self._streams.call(parsed, seeds, wait_s)
         finally:
             if not len(self._streams):
