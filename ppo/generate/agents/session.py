@@ -117,7 +117,8 @@ class Session:
                 traj = record.trajectory
                 if env:
                     traj.add_env_turn(env)
-                traj.add_model_turn(completion.ids, completion.log_probs, completion.finish_reason)
+                traj.add_model_turn(completion.ids, completion.log_probs, completion.finish_reason,
+                                    result["weight_version"])
                 record.text = self.decode(traj.ids)
                 self.last = record if k == 0 else self.last
                 completions.append(completion)
