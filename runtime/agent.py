@@ -156,11 +156,11 @@ class NodeAgent:
     def _signed(self, hello: dict, secret: JobSecret, run: str) -> bool:
         """Whether node 0's `hello` is signed under the job's secret for this node and run; logs
         one line when it is not."""
-        if isinstance(hello, dict) and secret.verify(hello.get("mac"), "hello", _hello_fields(hello, run, self.rank)):
+        mac = hello.get("mac") if isinstance(hello, dict) else None
+        if mac is not None and secret.verify(mac, "hello", _hello_fields(hello, run, self.rank)):
             return True
         logger.warning("tandem: node %d: refused a hello that is %s (a peer with node 0's key but not the job's "
-                       "%s, or of another run)", self.rank, "signed wrong" if isinstance(hello, dict) and hello.get("mac") else "not signed",
-                       SECRET_ENV)
+                       "%s, or of another run)", self.rank, "signed wrong" if mac else "not signed", SECRET_ENV)
         return False
 
     def _follow(self) -> None:

@@ -37,7 +37,15 @@ class JobSecret:
         return hmac.new(self.key, message.encode(), hashlib.sha256).hexdigest()
 
     def verify(self, mac: object, purpose: str, fields: dict) -> bool:
-        return isinstance(mac, str) and hmac.compare_digest(mac, self.sign(purpose, fields))
+        """Whether `mac` signs these fields; False too for fields that cannot be signed (what a
+        peer sent may hold any type msgpack decodes)."""
+        if not isinstance(mac, str):
+            return False
+        try:
+            want = self.sign(purpose, fields)
+        except (TypeError, ValueError):
+            return False
+        return hmac.compare_digest(mac, want)
 
 
 def _text(value: object) -> str:
