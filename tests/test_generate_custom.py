@@ -26,16 +26,26 @@ async def one_turn(args, sample, sampling_params):
     return sample
 
 
-async def three_turns(args, sample, sampling_params):
-    """Model, environment, model, environment, model: the turn log the tool loop writes."""
-    for turn in range(3):
-        # at most 5 tokens a turn: the budget is the whole response's, so lift it by 5 each time
-        turn_params = dict(sampling_params, max_new_tokens=len(sample.trajectory.response_ids) + 5)
-        if await args.generate(sample, turn_params) is None:
-            break
-        if turn < 2:
-            sample.trajectory.add_env_turn(ENV_IDS)
-    return sample
+def tool_turns(delays=(0.0,)):
+    """Model, environment, model, environment, model: the turn log the tool loop writes; the
+    environment takes delays[(sample + turn) % len(delays)] seconds to answer."""
+
+    async def generate(args, sample, sampling_params):
+        for turn in range(3):
+            # at most 5 tokens a turn: the budget is the whole response's, so lift it by 5 each time
+            turn_params = dict(sampling_params, max_new_tokens=len(sample.trajectory.response_ids) + 5)
+            if await args.generate(sample, turn_params) is None:
+                break
+            if turn < 2:
+                if delay := delays[(sample.index + turn) % len(delays)]:
+                    await asyncio.sleep(delay)
+                sample.trajectory.add_env_turn(ENV_IDS)
+        return sample
+
+    return generate
+
+
+three_turns = tool_turns()
 
 
 def run(engines, fn, ckpt, clients=None):
@@ -112,28 +122,12 @@ def test_turns_of_many_trajectories_each_are_the_engines_own(two_engines, ckpt):
             pos += length
 
 
-def slow_tools(delays):
-    """three_turns whose environment takes delays[(sample + turn) % len(delays)] seconds to answer."""
-
-    async def generate(args, sample, sampling_params):
-        for turn in range(3):
-            turn_params = dict(sampling_params, max_new_tokens=len(sample.trajectory.response_ids) + 5)
-            if await args.generate(sample, turn_params) is None:
-                break
-            if turn < 2:
-                await asyncio.sleep(delays[(sample.index + turn) % len(delays)])
-                sample.trajectory.add_env_turn(ENV_IDS)
-        return sample
-
-    return generate
-
-
 def test_in_lockstep_the_engines_batches_and_log_probs_do_not_depend_on_how_long_tools_take(two_engines, ckpt):
     """EngineClient's lockstep (the built-in engines'): a call waits for every running trajectory
     of its engine, so the same turns decode together whatever the tools' timing, and the engine's
     log-probs repeat to the last bit (free-running, some moved by ~2e-7 with their batch-mates here)."""
     clients = []
-    runs = [run(two_engines, slow_tools(delays), ckpt, clients)  # lockstep: the default
+    runs = [run(two_engines, tool_turns(delays), ckpt, clients)  # lockstep: the default
             for delays in ([0.0, 0.03, 0.001], [0.02, 0.0, 0.05, 0.01])]
     assert runs[0] == runs[1]  # every field: ids, log-probs (bitwise), masks, turns
     assert clients[0].num_calls == clients[1].num_calls
