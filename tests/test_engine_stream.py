@@ -84,11 +84,15 @@ def test_a_request_too_long_for_the_running_slots_waits_for_the_batch_to_drain(c
     assert {r["id"]: r["token_ids"] for r in got}[1] == e.generate([long])[0]["token_ids"]
 
 
-def test_another_session_generate_or_release_drops_the_streamed_requests(ckpt):
+def test_another_session_generate_or_release_drops_the_streamed_requests(ckpt, monkeypatch):
     e = engine(ckpt)
     e.stream("a", [request(0, LONG[0], 30)], wait_s=0.0)
     assert e._backend.scheduler.held_ids() == [0]
+    drops = []
+    drop = e._backend.drop_stream
+    monkeypatch.setattr(e._backend, "drop_stream", lambda: (drops.append(1), drop()))
     got = drain(e, "b", [request(0, LONG[1], 2)], [0])  # id 0 again: session a's request is gone
+    assert len(drops) == 1  # session a's requests and its kept K/V go in one drop
     assert e._backend.scheduler.held_ids() == []
     assert [r["token_ids"] for r in got] == [r["token_ids"] for r in e.generate([request(0, LONG[1], 2)])]
     e.stream("b", [request(1, LONG[0], 30)], wait_s=0.0)

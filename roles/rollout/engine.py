@@ -163,8 +163,8 @@ class RolloutEngine(Actor):
         are unique within a session. Seeds as in generate; aborts are issued again as there.
         """
         if session != self._streams.session:
-            self._drop_stream()
-            self._streams.open(session)
+            self._streams.open(session)  # the earlier session's requests and kept K/V go, in one backend drop
+            self._stop_generating()
         if isinstance(requests, list) and not requests and not len(self._streams):
             return []
         if wait_s is not None and (not isinstance(wait_s, (int, float)) or not 0 <= wait_s <= 60):
@@ -184,6 +184,9 @@ class RolloutEngine(Actor):
 
     def _drop_stream(self) -> None:
         self._streams.drop()
+        self._stop_generating()
+
+    def _stop_generating(self) -> None:
         if self.state == "generating":
             self.set_state("ready")
 
