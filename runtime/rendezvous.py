@@ -155,6 +155,10 @@ class _Board:
         self.store.set(f"{self.prefix}/{entry.rank}/{slot}", json.dumps(
             {"endpoint": entry.endpoint, "public_key": entry.public_key.decode(), "run": run, "mac": mac}))
         first = self.wait(entry.rank, run if entry.rank else None, deadline, timed_out)
+        if first.run != run:  # node 0's place: it declares the run, so it waits for any run's entry
+            raise RendezvousFailed(f"the rendezvous store at {self.where} still holds node {entry.rank}'s entry of an "
+                                   "earlier run of this job (the store outlived that run): give this run a store of "
+                                   "its own (another --master-port)")
         if first.entry != entry:
             raise RendezvousFailed(f"another launcher already joined as node {entry.rank}: give each launcher "
                                    "its own --node-rank (a node started again before node 0 noticed it lost: start "

@@ -67,6 +67,14 @@ def test_two_launchers_with_one_rank_are_refused():
         host.result(timeout=20)
 
 
+def test_a_store_that_outlived_its_run_is_named_not_taken_for_a_second_node_0():
+    port = free_port()
+    earlier = meet("127.0.0.1", port, nnodes=1, entry=entry(0), secret=SECRET, timeout_s=5, host=True)
+    with pytest.raises(RendezvousFailed, match="still holds node 0's entry of an earlier run .*another --master-port"):
+        meet("127.0.0.1", port, nnodes=2, entry=entry(0), secret=SECRET, timeout_s=5, host=False)
+    assert earlier.nodes[0].rank == 0  # its store served until here
+
+
 def test_a_lost_node_joins_again_in_a_new_generation():
     from runtime.rendezvous import call_back
 
