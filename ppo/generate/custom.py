@@ -44,6 +44,13 @@ class Sample:
         if self.trajectory is None:
             self.trajectory = Trajectory(list(self.prompt_ids))
 
+    @classmethod
+    def of_prompt(cls, prompt: dict, index: int, group_index: int) -> Sample:
+        """A fresh sample of a prompt record (ppo.data's: prompt, prompt_ids, label, metadata, messages)."""
+        return cls(index=index, group_index=group_index, prompt=prompt["prompt"], prompt_ids=list(prompt["prompt_ids"]),
+                   label=prompt.get("label"), metadata=dict(prompt.get("metadata") or {}),
+                   messages=prompt.get("messages"))
+
 
 class GenerateArgs:
     """What a generate function gets as `args`: the run's config, its tokenizer, the tool setup

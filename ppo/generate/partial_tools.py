@@ -100,9 +100,7 @@ class _Run:
     @classmethod
     def of(cls, record: dict, index: int, params: SamplingParams, step: int) -> _Run:
         prompt, n = record["prompt"], params.n_samples_per_prompt
-        sample = Sample(index=index, group_index=index // n, prompt=prompt["prompt"],
-                        prompt_ids=list(prompt["prompt_ids"]), label=prompt.get("label"),
-                        metadata=dict(prompt.get("metadata") or {}), messages=prompt.get("messages"))
+        sample = Sample.of_prompt(prompt, index, index // n)
         if "trajectory" in record:  # continued (partial_buffer's tool form)
             sample.trajectory = Trajectory.from_state(sample.prompt_ids, record["trajectory"])
             sample.stats = dict(record["stats"])

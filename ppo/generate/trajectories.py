@@ -47,10 +47,7 @@ async def _rollout(engines, scorers, prompts, params, step, decode, eos_id, reco
 
     async def one(request: dict) -> list[dict]:
         group = request["id"] // n
-        prompt = prompts[group]
-        sample = Sample(index=request["id"], group_index=group, prompt=prompt["prompt"],
-                        prompt_ids=list(prompt["prompt_ids"]), label=prompt.get("label"),
-                        metadata=dict(prompt.get("metadata") or {}), messages=prompt.get("messages"))
+        sample = Sample.of_prompt(prompts[group], request["id"], group)
         try:
             out = await generate_fn(args, sample, dict(request["sampling"]))
         finally:
