@@ -86,17 +86,39 @@ def meet(master_addr: str, master_port: int, *, nnodes: int, entry: NodeEntry, s
                                    f"({_first_line(e)}): another job may hold it; pass another --master-port") from None
         raise RendezvousFailed(f"node 0's rendezvous store at {where} did not answer ({_first_line(e)}): "
                                "check --master-addr and --master-port") from None
-    # a node that node 0 lost and calls back (`call_back`) joins the newest generation, where only
-    # node 0 and itself meet; the first meeting is generation 0
-    generation = int(store.get(f"{prefix}/generation")) if store.check([f"{prefix}/generation"]) else 0
+    # Each start of the job meets in an epoch of its own, opened by node 0: a store can outlive a
+    # start (torchrun's agent store serves every restart of its workers), and the entries of an
+    # earlier start must not be taken for this one's. Within an epoch, a node that node 0 lost and
+    # calls back (`call_back`) joins the newest generation, where only node 0 and itself meet.
+    epochs = f"{prefix}/epochs"
+    epoch = store.add(epochs, 1) if entry.rank == 0 else 0
+    while True:
+        if entry.rank:  # the newest epoch, once node 0 has opened one
+            while (epoch := store.add(epochs, 0)) == 0:
+                if time.monotonic() > deadline:
+                    raise _missing(where, nnodes, [0], timeout_s)
+                time.sleep(0.05)
+        here = f"{prefix}/{epoch}"
+        generation = _generation(store, here)
+        try:
+            return _meet(store, here, generation, entry, secret, nnodes, where, deadline, timeout_s, on_node_0)
+        except _PlaceTaken as taken:
+            # the place is this node's own from an earlier start (node 0 opens a new epoch once it
+            # starts again) or from before node 0 noticed it lost it (node 0 calls it back in a
+            # new generation); else another launcher holds it
+            while store.add(epochs, 0) == epoch and _generation(store, here) == generation:
+                if time.monotonic() > deadline:
+                    raise RendezvousFailed(str(taken)) from None
+                time.sleep(0.05)
+
+
+def _meet(store, prefix: str, generation: int, entry: NodeEntry, secret: JobSecret, nnodes: int, where: str,
+          deadline: float, timeout_s: float, on_node_0) -> Rendezvous:
     board = _Board(store, prefix, generation, secret, where)
     ranks = list(range(nnodes)) if generation == 0 else [0, entry.rank]
 
     def missing(waited: list[int]) -> Callable[[], RendezvousFailed]:
-        return lambda: RendezvousFailed(
-            f"node(s) {', '.join(map(str, board.missing(waited)))} of {nnodes} did not join the rendezvous at "
-            f"{where} within {timeout_s:g} s (--rendezvous-timeout-s): start one launcher per node, each with the "
-            f"job's {SECRET_ENV}")
+        return lambda: _missing(where, nnodes, board.missing(waited), timeout_s)
 
     if entry.rank == 0:
         run = secrets.token_hex(16)
@@ -108,6 +130,20 @@ def meet(master_addr: str, master_port: int, *, nnodes: int, entry: NodeEntry, s
     board.offer(entry, run, deadline, missing([entry.rank]))
     nodes = [board.wait(r, run if r else None, deadline, missing(ranks)).entry for r in ranks]
     return Rendezvous(nodes, store, secret, run, where, prefix)
+
+
+def _generation(store, prefix: str) -> int:
+    return int(store.get(f"{prefix}/generation")) if store.check([f"{prefix}/generation"]) else 0
+
+
+def _missing(where: str, nnodes: int, ranks: list[int], timeout_s: float) -> RendezvousFailed:
+    return RendezvousFailed(
+        f"node(s) {', '.join(map(str, ranks))} of {nnodes} did not join the rendezvous at {where} within "
+        f"{timeout_s:g} s (--rendezvous-timeout-s): start one launcher per node, each with the job's {SECRET_ENV}")
+
+
+class _PlaceTaken(RendezvousFailed):
+    """A launcher holding the job's secret offered itself as this node's rank first."""
 
 
 def call_back(rdv: Rendezvous, rank: int, node0: NodeEntry, timeout_s: float) -> NodeEntry:
@@ -155,14 +191,9 @@ class _Board:
         self.store.set(f"{self.prefix}/{entry.rank}/{slot}", json.dumps(
             {"endpoint": entry.endpoint, "public_key": entry.public_key.decode(), "run": run, "mac": mac}))
         first = self.wait(entry.rank, run if entry.rank else None, deadline, timed_out)
-        if first.run != run:  # node 0's place: it declares the run, so it waits for any run's entry
-            raise RendezvousFailed(f"the rendezvous store at {self.where} still holds node {entry.rank}'s entry of an "
-                                   "earlier run of this job (the store outlived that run): give this run a store of "
-                                   "its own (another --master-port)")
         if first.entry != entry:
-            raise RendezvousFailed(f"another launcher already joined as node {entry.rank}: give each launcher "
-                                   "its own --node-rank (a node started again before node 0 noticed it lost: start "
-                                   "it once more)")
+            raise _PlaceTaken(f"another launcher already joined as node {entry.rank}: give each launcher "
+                              "its own --node-rank")
 
     def wait(self, rank: int, run: str | None, deadline: float, timed_out: Callable[[], Exception]) -> _Signed:
         """Node `rank`'s entry, once it is there; `run`: the run it must be signed for (None: any,

@@ -44,6 +44,26 @@ def handshake(ctx: zmq.Context, client: KeyPair | None, server_public: bytes, en
     return sock, event
 
 
+def handshake_succeeds(ctx: zmq.Context, client: KeyPair | None, server_public: bytes, endpoint: str,
+                       within_s: float = 2.0) -> bool:
+    """Whether a DEALER (with CURVE when `client` is given) finishes a handshake within `within_s`.
+    A peer with a wrong server key, or none, gets no verdict to wait for: the server drops its
+    connection, or never answers."""
+    sock = ctx.socket(zmq.DEALER)
+    sock.linger = 0
+    monitor = sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+                                      | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_DISCONNECTED)
+    if client is None:
+        sock.connect(endpoint)
+    else:
+        dial(sock, client, server_public, endpoint)
+    ok = monitor.poll(int(within_s * 1000)) and recv_monitor_message(monitor)["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED
+    sock.disable_monitor()
+    monitor.close(linger=0)
+    sock.close()
+    return bool(ok)
+
+
 def test_a_peer_with_the_jobs_key_is_answered(server):
     ctx, router, endpoint, keys, member = server
     sock, event = handshake(ctx, member, keys.public, endpoint)
@@ -67,6 +87,13 @@ def test_a_peer_without_the_jobs_key_is_refused(server):
         pass
     assert not router.poll(300), "a message of a refused peer reached the server"
     stranger.close()
+
+
+def test_a_peer_guessing_the_server_key_or_without_curve_never_finishes_a_handshake(server):
+    ctx, _, endpoint, keys, member = server
+    assert handshake_succeeds(ctx, member, keys.public, endpoint)
+    assert not handshake_succeeds(ctx, member, KeyPair.new().public, endpoint, within_s=1.0)
+    assert not handshake_succeeds(ctx, None, keys.public, endpoint, within_s=1.0)
 
 
 def test_a_peer_without_curve_is_refused(server):
