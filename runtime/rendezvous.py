@@ -101,8 +101,12 @@ def meet(master_addr: str, master_port: int, *, nnodes: int, entry: NodeEntry, s
         here = f"{prefix}/{epoch}"
         generation = _generation(store, here)
         try:
+            if generation and store.get(f"{here}/callback/{generation}") != str(entry.rank).encode():
+                raise _PlaceTaken(_taken(entry.rank))  # node 0 calls back another node: not a place for this one
             return _meet(store, here, generation, entry, secret, nnodes, where, deadline, timeout_s, on_node_0)
         except _PlaceTaken as taken:
+            if entry.rank == 0:  # its epoch is its own: never taken
+                raise
             # the place is this node's own from an earlier start (node 0 opens a new epoch once it
             # starts again) or from before node 0 noticed it lost it (node 0 calls it back in a
             # new generation); else another launcher holds it
@@ -142,6 +146,10 @@ def _missing(where: str, nnodes: int, ranks: list[int], timeout_s: float) -> Ren
         f"{timeout_s:g} s (--rendezvous-timeout-s): start one launcher per node, each with the job's {SECRET_ENV}")
 
 
+def _taken(rank: int) -> str:
+    return f"another launcher already joined as node {rank}: give each launcher its own --node-rank"
+
+
 class _PlaceTaken(RendezvousFailed):
     """A launcher holding the job's secret offered itself as this node's rank first."""
 
@@ -151,6 +159,8 @@ def call_back(rdv: Rendezvous, rank: int, node0: NodeEntry, timeout_s: float) ->
     wait up to `timeout_s` for a launcher of that rank to join it (`meet` started again there, by
     hand or by the scheduler, with the job's secret); returns its entry. Raises
     RendezvousFailed, one line."""
+    # which node the generation is for, written before the generation opens: only that rank joins it
+    rdv.store.set(f"{rdv.prefix}/callback/{_generation(rdv.store, rdv.prefix) + 1}", str(rank))
     generation = rdv.store.add(f"{rdv.prefix}/generation", 1)
     board = _Board(rdv.store, rdv.prefix, generation, rdv.secret, rdv.where)
     deadline = time.monotonic() + timeout_s
@@ -192,8 +202,7 @@ class _Board:
             {"endpoint": entry.endpoint, "public_key": entry.public_key.decode(), "run": run, "mac": mac}))
         first = self.wait(entry.rank, run if entry.rank else None, deadline, timed_out)
         if first.entry != entry:
-            raise _PlaceTaken(f"another launcher already joined as node {entry.rank}: give each launcher "
-                              "its own --node-rank")
+            raise _PlaceTaken(_taken(entry.rank))
 
     def wait(self, rank: int, run: str | None, deadline: float, timed_out: Callable[[], Exception]) -> _Signed:
         """Node `rank`'s entry, once it is there; `run`: the run it must be signed for (None: any,

@@ -115,6 +115,27 @@ def test_a_lost_node_joins_again_in_a_new_generation():
         assert back.result(timeout=30) == again
 
 
+def test_a_call_back_of_another_node_lets_no_second_launcher_of_a_live_rank_in():
+    from runtime.rendezvous import call_back
+
+    port, entries = free_port(), [entry(0), entry(1), entry(2)]
+    with ThreadPoolExecutor(3) as pool:
+        host = pool.submit(meet, "127.0.0.1", port, nnodes=3, entry=entries[0], secret=SECRET, timeout_s=20, host=True)
+        time.sleep(0.2)
+        others = [pool.submit(meet, "127.0.0.1", port, nnodes=3, entry=e, secret=SECRET, timeout_s=20, host=False)
+                  for e in entries[1:]]
+        [f.result(timeout=30) for f in others]
+        rdv = host.result(timeout=30)
+        back = pool.submit(call_back, rdv, 2, entries[0], timeout_s=20)  # node 2 lost, node 1 alive
+        time.sleep(0.3)
+        with pytest.raises(RendezvousFailed, match="already joined as node 1"):
+            meet("127.0.0.1", port, nnodes=3, entry=entry(1), secret=SECRET, timeout_s=1, host=False)
+        again = entry(2)
+        assert meet("127.0.0.1", port, nnodes=3, entry=again, secret=SECRET, timeout_s=20, host=False).nodes == \
+            [entries[0], again]
+        assert back.result(timeout=30) == again
+
+
 def test_a_lost_node_that_never_comes_back_is_one_line():
     from runtime.rendezvous import call_back
 
