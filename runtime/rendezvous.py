@@ -53,14 +53,15 @@ class NodeEntry:
 @dataclass
 class Rendezvous:
     """Every node's entry, by rank. Node 0's store serves while this object lives. `run` is node
-    0's nonce for this run, which every signed entry and node 0's hello carry."""
+    0's nonce for this run, which every signed entry and node 0's hello carry; `prefix` is its
+    epoch's keys in the store (`tandem/E`), where `call_back` opens new generations."""
 
     nodes: list[NodeEntry]
     store: Any
     secret: JobSecret
     run: str
     where: str
-    prefix: str = "tandem"
+    prefix: str
 
 
 def meet(master_addr: str, master_port: int, *, nnodes: int, entry: NodeEntry, secret: JobSecret, timeout_s: float,
