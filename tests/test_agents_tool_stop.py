@@ -10,6 +10,8 @@ from types import SimpleNamespace
 
 import pytest
 
+pytest.importorskip("openai", reason="the openai client (in .[test]); the GPU image lacks it")
+
 from ppo.config import ToolsConfig
 from ppo.config.recipes import tiny_tools, tiny_tools_agent, tiny_tools_no_tool
 from ppo.generate.agents.agent import AgentArgs, agent_generate_function
