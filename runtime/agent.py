@@ -31,7 +31,7 @@ import pickle
 import threading
 import time
 from pathlib import Path
-from typing import Iterator, Sequence
+from typing import Callable, Iterator, Sequence
 
 import msgpack
 import zmq
@@ -50,6 +50,7 @@ from runtime.supervisor import Supervisor
 logger = logging.getLogger(__name__)
 
 TICK_S = 0.02  # how often each side's loop looks at its socket and its clock
+SUPERSEDED_LOOK_S = 0.5  # how often a node waiting for node 0's hello asks the store for a newer start
 # The events of a node that node 0's bus carries too (with node=R), so that the monitor attached
 # at node 0 shows every node's roles and GPUs: its roles' lives, and its GPUs' leases and the
 # bytes its roles report in their spans (`phase`). GPU ids stay the node's own; `node` tells them
@@ -103,15 +104,18 @@ class NodeAgent:
         """Let node 0 (its public key) in; before this node's entry is published (rendezvous.meet)."""
         self._gate.allow(node_0.public_key)
 
-    def serve(self, driver_key: bytes, hello_timeout_s: float, *, secret: JobSecret, run: str) -> str:
+    def serve(self, driver_key: bytes, hello_timeout_s: float, *, secret: JobSecret, run: str,
+              superseded: Callable[[], bool] | None = None) -> str | None:
         """Run this node for node 0 (known by `driver_key`) until it says stop or goes silent;
-        returns why it stopped, one line. Stops every role of the node before it returns. Node
-        0's hello must be signed under the job's `secret` for this node and `run` (the
-        rendezvous'); one that is not is logged and dropped."""
+        returns why it stopped, one line. Stops every role of the node and closes the agent
+        before it returns. Node 0's hello must be signed under the job's `secret` for this node
+        and `run` (the rendezvous'); one that is not is logged and dropped. `superseded()`,
+        asked while no hello has come: true once the job has started again without the node 0
+        met (Rendezvous.superseded); serve then returns None, for the node to meet again."""
         self._gate.allow(driver_key)
         driver, last_heard, timeout = None, time.monotonic(), hello_timeout_s
         known: dict[str, tuple[int, str | None]] = {}  # role: (incarnation, its death once reported)
-        next_beat = 0.0
+        next_beat = next_look = 0.0
         try:
             while True:
                 if self._sock.poll(int(TICK_S * 1000)):
@@ -141,6 +145,10 @@ class NodeAgent:
                     elif kind == b"stop":
                         return f"node 0 stopped the job: {body.get('reason', '')}".rstrip(": ")
                 now = time.monotonic()
+                if self.sup is None and superseded is not None and now >= next_look:
+                    if superseded():
+                        return None
+                    next_look = now + SUPERSEDED_LOOK_S
                 if now - last_heard > timeout:
                     what = "did not say hello" if self.sup is None else "stopped answering"
                     return f"node 0 {what} for {timeout:g} s: stopping this node's roles"

@@ -19,7 +19,7 @@ import logging
 import secrets
 import socket
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any, Callable
 
@@ -53,15 +53,34 @@ class NodeEntry:
 @dataclass
 class Rendezvous:
     """Every node's entry, by rank. Node 0's store serves while this object lives. `run` is node
-    0's nonce for this run, which every signed entry and node 0's hello carry; `prefix` is its
-    epoch's keys in the store (`tandem/E`), where `call_back` opens new generations."""
+    0's nonce for this run, which every signed entry and node 0's hello carry; `epoch` is the
+    start of the job it met in, whose keys in the store (`prefix`, `tandem/E`) are where
+    `call_back` opens new generations."""
 
     nodes: list[NodeEntry]
     store: Any
     secret: JobSecret
     run: str
     where: str
-    prefix: str
+    base: str  # the job's keys in the store, every epoch's: `meet`'s prefix
+    epoch: int
+    _store_gone: bool = field(default=False, init=False, repr=False)
+
+    @property
+    def prefix(self) -> str:
+        return f"{self.base}/{self.epoch}"
+
+    def superseded(self) -> bool:
+        """Whether node 0 has opened a newer epoch since this meeting: the job started again, and
+        a node that met the earlier start's node 0 is to meet again. False once the store does
+        not answer (the store of node 0's own launcher ends with it: no newer epoch comes there)."""
+        if self._store_gone:
+            return False
+        try:
+            return self.store.add(f"{self.base}/epochs", 0) != self.epoch
+        except (RuntimeError, OSError):  # DistNetworkError is a RuntimeError; c10d logs it, once
+            self._store_gone = True
+            return False
 
 
 def meet(master_addr: str, master_port: int, *, nnodes: int, entry: NodeEntry, secret: JobSecret, timeout_s: float,
@@ -91,6 +110,9 @@ def meet(master_addr: str, master_port: int, *, nnodes: int, entry: NodeEntry, s
     # start (torchrun's agent store serves every restart of its workers), and the entries of an
     # earlier start must not be taken for this one's. Within an epoch, a node that node 0 lost and
     # calls back (`call_back`) joins the newest generation, where only node 0 and itself meet.
+    # A node > 0 can read the epochs before the new node 0 has opened its own, and join the earlier
+    # start's epoch where its place is free: it meets again once a newer epoch opens (`_Superseded`
+    # here, Rendezvous.superseded once met).
     epochs = f"{prefix}/epochs"
     epoch = store.add(epochs, 1) if entry.rank == 0 else 0
     while True:
@@ -99,27 +121,33 @@ def meet(master_addr: str, master_port: int, *, nnodes: int, entry: NodeEntry, s
                 if time.monotonic() > deadline:
                     raise _missing(where, nnodes, [0], timeout_s)
                 time.sleep(0.05)
-        here = f"{prefix}/{epoch}"
-        generation = _generation(store, here)
+        rdv = Rendezvous([], store, secret, "", where, prefix, epoch)
+        generation = _generation(store, rdv.prefix)
         try:
-            if generation and store.get(f"{here}/callback/{generation}") != str(entry.rank).encode():
+            if generation and store.get(f"{rdv.prefix}/callback/{generation}") != str(entry.rank).encode():
                 raise _PlaceTaken(_taken(entry.rank))  # node 0 calls back another node: not a place for this one
-            return _meet(store, here, generation, entry, secret, nnodes, where, deadline, timeout_s, on_node_0)
+            return _meet(rdv, generation, entry, nnodes, deadline, timeout_s, on_node_0)
+        except _Superseded:
+            continue
         except _PlaceTaken as taken:
             if entry.rank == 0:  # its epoch is its own: never taken
                 raise
             # the place is this node's own from an earlier start (node 0 opens a new epoch once it
             # starts again) or from before node 0 noticed it lost it (node 0 calls it back in a
             # new generation); else another launcher holds it
-            while store.add(epochs, 0) == epoch and _generation(store, here) == generation:
+            while store.add(epochs, 0) == epoch and _generation(store, rdv.prefix) == generation:
                 if time.monotonic() > deadline:
                     raise RendezvousFailed(str(taken)) from None
                 time.sleep(0.05)
 
 
-def _meet(store, prefix: str, generation: int, entry: NodeEntry, secret: JobSecret, nnodes: int, where: str,
-          deadline: float, timeout_s: float, on_node_0) -> Rendezvous:
-    board = _Board(store, prefix, generation, secret, where)
+def _meet(rdv: Rendezvous, generation: int, entry: NodeEntry, nnodes: int, deadline: float, timeout_s: float,
+          on_node_0) -> Rendezvous:
+    """Meet in `rdv`'s epoch and `generation`; returns `rdv` with its nodes and run filled in."""
+    where = rdv.where
+    # node 0's epoch is its own; another node stops waiting there once a newer one opens
+    board = _Board(rdv.store, rdv.prefix, generation, rdv.secret, where,
+                   superseded=rdv.superseded if entry.rank else None)
     ranks = list(range(nnodes)) if generation == 0 else [0, entry.rank]
 
     def missing(waited: list[int]) -> Callable[[], RendezvousFailed]:
@@ -133,8 +161,8 @@ def _meet(store, prefix: str, generation: int, entry: NodeEntry, secret: JobSecr
         if on_node_0 is not None:
             on_node_0(node_0.entry)
     board.offer(entry, run, deadline, missing([entry.rank]))
-    nodes = [board.wait(r, run if r else None, deadline, missing(ranks)).entry for r in ranks]
-    return Rendezvous(nodes, store, secret, run, where, prefix)
+    rdv.nodes, rdv.run = [board.wait(r, run if r else None, deadline, missing(ranks)).entry for r in ranks], run
+    return rdv
 
 
 def _generation(store, prefix: str) -> int:
@@ -153,6 +181,10 @@ def _taken(rank: int) -> str:
 
 class _PlaceTaken(RendezvousFailed):
     """A launcher holding the job's secret offered itself as this node's rank first."""
+
+
+class _Superseded(Exception):
+    """Node 0 opened a newer epoch while this node waited in an earlier one."""
 
 
 def call_back(rdv: Rendezvous, rank: int, node0: NodeEntry, timeout_s: float) -> NodeEntry:
@@ -187,8 +219,9 @@ class _Board:
     entry verifies, decided once every lower slot is written; an entry that does not verify is
     logged once and passed over. A copy of a good entry at another slot does not verify."""
 
-    def __init__(self, store: Any, prefix: str, generation: int, secret: JobSecret, where: str):
-        self.store, self.secret, self.where = store, secret, where
+    def __init__(self, store: Any, prefix: str, generation: int, secret: JobSecret, where: str,
+                 superseded: Callable[[], bool] | None = None):
+        self.store, self.secret, self.where, self.superseded = store, secret, where, superseded
         self.prefix, self.generation = f"{prefix}/node/{generation}", generation
         self._counter = f"{prefix}/offers/{generation}"
         self._refused: set[tuple[int, int]] = set()  # (rank, slot)
@@ -212,6 +245,8 @@ class _Board:
         while (found := self._find(rank, run)) is None:
             if time.monotonic() > deadline:
                 raise timed_out()
+            if self.superseded is not None and self.superseded():
+                raise _Superseded
             time.sleep(0.05)
         return found
 

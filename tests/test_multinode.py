@@ -138,3 +138,40 @@ def test_a_node_without_the_jobs_secret_is_one_line_and_exit_2(tmp_path):
     assert out.stderr.startswith("tandem: node 1: --nnodes 2: TANDEM_JOB_SECRET is not set. Export one secret, "
                                  "the same on every node")
     assert "export TANDEM_JOB_SECRET=$(openssl rand -hex 32)" in out.stderr
+
+
+@pytest.mark.slow
+def test_node_1_that_met_an_earlier_starts_node_0_serves_the_new_one(tmp_path):
+    """A store that outlives its starts (torchrun's agent's): the earlier start's node 0 died before
+    node 1 joined, and node 1's launcher, up before the new node 0, meets the dead one in the earlier
+    start's epoch. It learns of the new start while it waits for the hello (~13 s: the launcher
+    imports torch)."""
+    from ppo.config.cluster import job_secret
+    from runtime.rendezvous import NodeEntry, RendezvousFailed, host_store, meet
+
+    store, secret = host_store("127.0.0.1", 2), job_secret(SECRET, 2)  # as every launcher reads it
+    with pytest.raises(RendezvousFailed, match="did not join"):  # the earlier start, alone
+        meet("127.0.0.1", store.port, nnodes=2, entry=NodeEntry(0, "tcp://127.0.0.1:9", KeyPair.new().public),
+             secret=secret, timeout_s=0.3, host=False)
+    node1 = start_node_1(tmp_path, store.port)
+    deadline = time.monotonic() + 60
+    while not store.check(["tandem/1/node/0/1/1"]):  # node 1 met the earlier start's node 0
+        assert time.monotonic() < deadline and node1.poll() is None, (tmp_path / "node1.log").read_text()
+        time.sleep(0.1)
+    cfg = parse_args(node_1_command(tmp_path, store.port, 60)[2:] + ["--node-rank", "0"])
+    sup = Supervisor(tmp_path / "node0", transport="tcp", host=node_address(cfg), job_keys=KeyPair.new(),
+                     heartbeat_interval=HEARTBEAT_S, fake_gpus=1)
+    try:
+        nodes = connect_nodes(cfg, sup, environ={**SECRET, "TORCHELASTIC_USE_AGENT_STORE": "true"})
+        assert nodes.rendezvous.epoch == 2
+        echo = nodes.remotes[1].spawn("echo", Echo, "far", gpus=[0])
+        assert echo.ping(7) == 7
+        nodes.close("the test ended")
+        assert node1.wait(timeout=15) == 0
+    finally:
+        sup.shutdown()
+        if node1.poll() is None:
+            node1.kill()
+            node1.wait()
+    log = (tmp_path / "node1.log").read_text()
+    assert "tandem: node 1: the node 0 met in epoch 1 is of an earlier start of the job; meeting the new one" in log

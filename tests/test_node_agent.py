@@ -31,14 +31,14 @@ pytestmark = pytest.mark.timeout(60)
 class Serving:
     """A NodeAgent (node 1 unless told) whose serve() runs in a thread; `.reason` once it returned."""
 
-    def __init__(self, tmp_path, driver_key: bytes, hello_timeout_s: float = 10.0, rank: int = 1):
+    def __init__(self, tmp_path, driver_key: bytes, hello_timeout_s: float = 10.0, rank: int = 1, superseded=None):
         self.agent = NodeAgent(rank, KeyPair.new(), "127.0.0.1", tmp_path / f"node{rank}", fake_gpus=1)
         self.reason: str | None = None
-        self.thread = threading.Thread(target=self._serve, args=(driver_key, hello_timeout_s), daemon=True)
+        self.thread = threading.Thread(target=self._serve, args=(driver_key, hello_timeout_s, superseded), daemon=True)
         self.thread.start()
 
-    def _serve(self, driver_key, hello_timeout_s):
-        self.reason = self.agent.serve(driver_key, hello_timeout_s, secret=SECRET, run=RUN)
+    def _serve(self, driver_key, hello_timeout_s, superseded):
+        self.reason = self.agent.serve(driver_key, hello_timeout_s, secret=SECRET, run=RUN, superseded=superseded)
 
     def wait(self, timeout: float) -> str | None:
         self.thread.join(timeout)
@@ -128,8 +128,8 @@ def test_the_monitor_at_node_0_shows_every_nodes_roles_and_gpus(tmp_path):
 
 
 def test_node_0_silent_past_the_timeout_stops_the_node(tmp_path):
-    keys, job = KeyPair.new(), KeyPair.new()
-    node1 = Serving(tmp_path, keys.public)
+    keys, job, started_again = KeyPair.new(), KeyPair.new(), threading.Event()
+    node1 = Serving(tmp_path, keys.public, superseded=started_again.is_set)
     ctx = zmq.Context()
     sock = ctx.socket(zmq.DEALER)  # node 0 as runtime.agent.RemoteNode speaks: hello, then nothing
     sock.linger = 0
@@ -139,12 +139,27 @@ def test_node_0_silent_past_the_timeout_stops_the_node(tmp_path):
     mac = SECRET.sign("hello", {"hello": hello, "run": RUN, "rank": 1})  # as RemoteNode signs it (runtime/agent.py)
     sock.send_multipart([b"hello", msgpack.packb({**hello, "mac": mac})])
     assert sock.poll(10_000) and sock.recv_multipart()[0] == b"welcome"
+    started_again.set()  # a node 0 that said hello is the job's: a newer start in the store is not asked about
     started = time.monotonic()
     reason = node1.wait(10)
     assert reason == "node 0 stopped answering for 0.5 s: stopping this node's roles"
     assert time.monotonic() - started < 3
     sock.close()
     ctx.term()
+
+
+def test_a_node_waiting_for_a_hello_returns_once_the_job_has_started_again(tmp_path):
+    """The node 0 it met is of an earlier start (Rendezvous.superseded): serve returns None, its
+    agent closed, for run_node to meet the new node 0 with a new one (ppo/setup/nodes.py)."""
+    started_again = threading.Event()
+    node1 = Serving(tmp_path, KeyPair.new().public, hello_timeout_s=30, superseded=started_again.is_set)
+    time.sleep(1.0)
+    assert node1.thread.is_alive()
+    started_again.set()
+    started = time.monotonic()
+    node1.thread.join(5)
+    assert not node1.thread.is_alive() and node1.reason is None
+    assert time.monotonic() - started < 2 and node1.agent._ctx.closed
 
 
 def test_a_node_0_without_the_jobs_key_is_never_let_in(tmp_path):

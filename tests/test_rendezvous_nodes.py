@@ -87,6 +87,79 @@ def test_a_job_started_again_on_its_store_meets_afresh_whichever_node_comes_firs
     assert node_0.run == again.run != earlier.run and node_0.prefix == "tandem/2" and earlier.prefix == "tandem/1"
 
 
+def until(predicate, within_s: float) -> bool:
+    deadline = time.monotonic() + within_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
+def a_start_that_died_alone(port: int, nnodes: int):
+    """A store that outlives its starts, as torchrun's agent's does, and the epoch of a start whose
+    node 0 died before any other node joined: node 0's entry is there, every other place free."""
+    from runtime.rendezvous import host_store
+
+    store = host_store("127.0.0.1", nnodes)
+    with pytest.raises(RendezvousFailed, match="did not join"):
+        meet("127.0.0.1", port if port else store.port, nnodes=nnodes, entry=entry(0), secret=SECRET,
+             timeout_s=0.3, host=False)
+    return store
+
+
+def test_a_node_that_met_an_earlier_starts_node_0_meets_the_new_one_once_it_opens_its_epoch():
+    """A node of the new start that reads the epochs before the new node 0 opens its own joins the
+    earlier start's epoch where its place is free, and meets the dead node 0 there. It learns of
+    the new start from the store (Rendezvous.superseded) and meets again, in the new epoch."""
+    store = a_start_that_died_alone(0, 2)
+    port, after = store.port, [entry(0), entry(1)]
+    stale = meet("127.0.0.1", port, nnodes=2, entry=after[1], secret=SECRET, timeout_s=20, host=False)
+    assert stale.epoch == 1 and stale.nodes[0] != after[0] and not stale.superseded()
+    with ThreadPoolExecutor(1) as pool:
+        node_0 = pool.submit(meet, "127.0.0.1", port, nnodes=2, entry=after[0], secret=SECRET, timeout_s=20,
+                             host=False)
+        assert until(stale.superseded, 10)
+        again = meet("127.0.0.1", port, nnodes=2, entry=after[1], secret=SECRET, timeout_s=20, host=False)
+        assert node_0.result(timeout=30).nodes == again.nodes == after and again.epoch == 2
+
+
+def test_a_node_waiting_in_an_earlier_starts_epoch_moves_to_the_new_one():
+    """The same, caught while the node still waits there, for a node the earlier start never had:
+    it leaves the earlier epoch once a newer one opens, and every node of the new start meets."""
+    store = a_start_that_died_alone(0, 3)
+    port, after = store.port, [entry(0), entry(1), entry(2)]
+    with ThreadPoolExecutor(2) as pool:
+        node_1 = pool.submit(meet, "127.0.0.1", port, nnodes=3, entry=after[1], secret=SECRET, timeout_s=20,
+                             host=False)
+        assert until(lambda: store.check(["tandem/1/node/0/1/1"]), 10)  # node 1 offered itself in epoch 1
+        node_0 = pool.submit(meet, "127.0.0.1", port, nnodes=3, entry=after[0], secret=SECRET, timeout_s=20,
+                             host=False)
+        # node 2 after the new epoch opens (before, it would meet in epoch 1, as node 1 did above)
+        assert until(lambda: store.add("tandem/epochs", 0) == 2, 10)
+        node_2 = meet("127.0.0.1", port, nnodes=3, entry=after[2], secret=SECRET, timeout_s=20, host=False)
+        met = [node_0.result(timeout=30), node_1.result(timeout=30), node_2]
+    assert all(r.nodes == after and r.epoch == 2 for r in met)
+
+
+def test_a_store_that_ended_supersedes_nothing():
+    """Node 0's own launcher serves its store; once it ends there is no newer epoch to meet in,
+    and the hello's timeout decides (superseded is False, and asks no more)."""
+    from runtime.rendezvous import host_store
+
+    store = host_store("127.0.0.1", 2)
+    with ThreadPoolExecutor(1) as pool:
+        node_0 = pool.submit(meet, "127.0.0.1", store.port, nnodes=2, entry=entry(0), secret=SECRET, timeout_s=20,
+                             host=False)
+        node_1 = meet("127.0.0.1", store.port, nnodes=2, entry=entry(1), secret=SECRET, timeout_s=20, host=False)
+        node_0.result(timeout=30)
+    del store, node_0
+    import gc
+
+    gc.collect()  # the server goes with its last reference
+    assert node_1.superseded() is False and node_1.superseded() is False
+
+
 def test_a_lost_node_joins_again_in_a_new_generation():
     from runtime.rendezvous import call_back
 

@@ -41,21 +41,29 @@ def run_node(cfg: PPOConfig, environ: Mapping[str, str]) -> str:
     secret = job_secret(environ, c.nnodes)
     assert c.nnodes and c.node_rank and c.master_addr, "validate() requires them on a node > 0"
     per_node = plan.num_gpus_per_node
-    agent = NodeAgent(c.node_rank, KeyPair.new(), node_address(cfg), Path(cfg.logging.run_dir) / f"node{c.node_rank}",
-                      gpus=range(per_node), fake_gpus=per_node if plan.fake_gpus else 0,
-                      fake_gpu_bytes=FAKE_GPU_BYTES)
     # SIGTERM (scancel, a node's shutdown) stops the roles through serve()'s finally. Slurm's
     # --signal=USR1@T reaches every task: node 0 saves the checkpoint and stops the job, so here
     # it must not take the default action (the process ends, and node 0 loses the node mid-save)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     signal.signal(signal.SIGUSR1, signal.SIG_IGN)
-    try:
-        rdv = meet(c.master_addr, c.master_port, nnodes=c.nnodes, entry=agent.entry(), secret=secret,
-                   timeout_s=c.rendezvous_timeout_s, host=False, on_node_0=agent.admit)  # node 0 serves the store
-    except BaseException:
-        agent.close()
-        raise
-    return agent.serve(rdv.nodes[0].public_key, hello_timeout_s=c.rendezvous_timeout_s, secret=secret, run=rdv.run)
+    while True:
+        agent = NodeAgent(c.node_rank, KeyPair.new(), node_address(cfg),
+                          Path(cfg.logging.run_dir) / f"node{c.node_rank}", gpus=range(per_node),
+                          fake_gpus=per_node if plan.fake_gpus else 0, fake_gpu_bytes=FAKE_GPU_BYTES)
+        try:
+            rdv = meet(c.master_addr, c.master_port, nnodes=c.nnodes, entry=agent.entry(), secret=secret,
+                       timeout_s=c.rendezvous_timeout_s, host=False, on_node_0=agent.admit)  # node 0 serves the store
+        except BaseException:
+            agent.close()
+            raise
+        why = agent.serve(rdv.nodes[0].public_key, hello_timeout_s=c.rendezvous_timeout_s, secret=secret,
+                          run=rdv.run, superseded=rdv.superseded)
+        if why is not None:
+            return why
+        # this node met an earlier start's node 0 (the store outlived it: torchrun's), whose hello
+        # never comes; the new node 0 has opened its epoch since
+        print(f"tandem: node {c.node_rank}: the node 0 met in epoch {rdv.epoch} is of an earlier start of the job; "
+              "meeting the new one", file=sys.stderr, flush=True)
 
 
 @dataclass
