@@ -36,23 +36,10 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import (AutoModelForCausalLM, AutoModelForSequenceClassification, GenerationConfig,
                           PreTrainedTokenizerFast, Qwen3Config)
 
+from ppo.model_shapes import ARCHS, REWARD_MODELS, TOKENIZER_VOCAB
 from ppo.prompts.dapo import dapo_math_records, write_dapo_math_prompts
 from roles.model_spec import ModelSpec
 
-TOKENIZER_VOCAB = 8192  # the BPE tokenizer's size, its specials included
-
-# Qwen3-4B's config.json as Qwen publishes it (the fields that shape the model).
-ARCHS: dict[str, dict] = {
-    "qwen3-4b": dict(hidden_size=2560, intermediate_size=9728, num_hidden_layers=36, num_attention_heads=32,
-                     num_key_value_heads=8, head_dim=128, vocab_size=151936, max_position_embeddings=40960,
-                     rope_theta=1_000_000.0, rms_norm_eps=1e-6, tie_word_embeddings=True),
-}
-ARCHS["qwen3-4b-rm"] = dict(ARCHS["qwen3-4b"], tie_word_embeddings=False)  # no LM head to tie
-# a reward model small enough for a test or a CPU run, with the BPE tokenizer's vocabulary
-ARCHS["qwen3-tiny-rm"] = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                              num_key_value_heads=2, head_dim=16, vocab_size=TOKENIZER_VOCAB,
-                              max_position_embeddings=4096, rope_theta=1_000_000.0, rms_norm_eps=1e-6)
-REWARD_MODELS = frozenset({"qwen3-4b-rm", "qwen3-tiny-rm"})  # one-label sequence classifiers
 # Qwen's special tokens; <|im_end|> ends a chat turn, and so a response.
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>")
 PAD_TOKEN, EOS_TOKEN = "<|endoftext|>", "<|im_end|>"

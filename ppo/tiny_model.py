@@ -6,14 +6,14 @@ code path that loads Qwen3-4B from disk is exercised unchanged by the tests. Not
 downloaded.
 
 The tokenizer is character level: one token per character of `TOKEN_CHARS`, plus the
-specials in `SPECIAL_TOKENS`. Text is lower-cased before encoding (the vocabulary has only
-lower-case letters) and any other character becomes `<unk>`, so encoding never fails.
+specials in `SPECIAL_TOKENS` (both in ppo.model_shapes, beside the config's fields). Text is
+lower-cased before encoding (the vocabulary has only lower-case letters) and any other
+character becomes `<unk>`, so encoding never fails.
 """
 
 from __future__ import annotations
 
 import os
-import string
 
 import torch
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
@@ -29,18 +29,11 @@ from transformers import (
     Qwen3ForSequenceClassification,
 )
 
-# Ids 0..3 are fixed so tests and recipes can name them without loading the tokenizer.
-SPECIAL_TOKENS = ("<pad>", "<eos>", "<bos>", "<unk>")
-PAD_ID, EOS_ID, BOS_ID, UNK_ID = range(len(SPECIAL_TOKENS))
-TOKEN_CHARS = string.digits + "+-*=() " + string.ascii_lowercase
+from ppo.model_shapes import BOS_ID, EOS_ID, PAD_ID, tiny_config_fields, tiny_vocab
+
 # A reward model reads the conversation through its chat template; the tiny one's uses only
 # characters of the vocabulary: "u 1+1= a 2 ".
 TINY_CHAT_TEMPLATE = "{%- for m in messages %}{{ m['role'][0] + ' ' + m['content'] + ' ' }}{%- endfor %}"
-
-
-def tiny_vocab() -> dict[str, int]:
-    """Token -> id for the character-level tokenizer (specials first, then `TOKEN_CHARS`)."""
-    return {tok: i for i, tok in enumerate(SPECIAL_TOKENS + tuple(TOKEN_CHARS))}
 
 
 def _build_tokenizer(model_max_length: int, extra_tokens: tuple[str, ...] = ()) -> PreTrainedTokenizerFast:
@@ -65,33 +58,10 @@ def _build_tokenizer(model_max_length: int, extra_tokens: tuple[str, ...] = ()) 
     )
 
 
-def tiny_config(*, hidden_size: int = 64, num_layers: int = 2, num_heads: int = 4, num_kv_heads: int = 2,
-                head_dim: int = 16, intermediate_size: int = 128, max_position_embeddings: int = 64,
-                tie_word_embeddings: bool = False, vocab_size: int | None = None) -> Qwen3Config:
-    """The HF config of the tiny model `build_tiny_checkpoint` writes with the same sizes (the
-    memory plan reads it without building anything); `vocab_size` defaults to the tokenizer's."""
-    if vocab_size is None:
-        vocab_size = len(_build_tokenizer(max_position_embeddings))
-    if num_heads % num_kv_heads != 0:
-        raise ValueError(
-            f"num_heads={num_heads} must be a multiple of num_kv_heads={num_kv_heads} "
-            "(grouped-query attention shares each kv head among num_heads/num_kv_heads heads)"
-        )
-    return Qwen3Config(
-        vocab_size=vocab_size,
-        hidden_size=hidden_size,
-        intermediate_size=intermediate_size,
-        num_hidden_layers=num_layers,
-        num_attention_heads=num_heads,
-        num_key_value_heads=num_kv_heads,
-        head_dim=head_dim,
-        max_position_embeddings=max_position_embeddings,
-        tie_word_embeddings=tie_word_embeddings,
-        pad_token_id=PAD_ID,
-        bos_token_id=BOS_ID,
-        eos_token_id=EOS_ID,
-        dtype="float32",
-    )
+def tiny_config(**sizes) -> Qwen3Config:
+    """The HF config of the tiny model `build_tiny_checkpoint` writes with the same sizes
+    (ppo.model_shapes.tiny_config_fields: hidden_size, num_layers, ... vocab_size)."""
+    return Qwen3Config(**tiny_config_fields(**sizes))
 
 
 def build_tiny_checkpoint(

@@ -27,10 +27,12 @@ log-softmax; training adds the float32 gradient.
 
 from __future__ import annotations
 
-import torch
-from torch import nn
+from typing import TYPE_CHECKING
 
 from roles.model_spec import ModelSpec
+
+if TYPE_CHECKING:  # the memory plan sizes activations without importing torch (launch.py --dry-run)
+    from torch import nn
 
 
 def layer_activation_elements(spec: ModelSpec) -> int:
@@ -40,14 +42,14 @@ def layer_activation_elements(spec: ModelSpec) -> int:
     return 4 * (spec.hidden_size + q + kv + spec.intermediate_size)
 
 
-def micro_batch_bytes(spec: ModelSpec, *, num_tokens: int, num_logit_tokens: int, dtype: torch.dtype, training: bool,
+def micro_batch_bytes(spec: ModelSpec, *, num_tokens: int, num_logit_tokens: int, width: int, training: bool,
                       gradient_checkpointing: bool = False, with_logits: bool = True) -> int:
     """Bytes one micro-batch holds on the device while it is computed.
 
     `num_tokens`: positions through the decoder (padded rows x padded width);
-    `num_logit_tokens`: positions through the LM head.
+    `num_logit_tokens`: positions through the LM head; `width`: bytes per element of the compute
+    dtype (its `itemsize`).
     """
-    width = torch.empty((), dtype=dtype).element_size()
     layer = layer_activation_elements(spec)
     if not training:
         per_token = layer + spec.hidden_size

@@ -16,8 +16,10 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:  # a spec is read without torch (the memory plan of launch.py --dry-run)
+    import torch
 
 ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
@@ -54,6 +56,8 @@ class Rope:
         """[head_dim / 2] float32, as transformers' ROPE_INIT_FUNCTIONS[kind] computes it: on the
         CPU, so every backend rotates by the very numbers of the HF model (a device's pow may
         round differently)."""
+        import torch
+
         d = self.head_dim
         wave = self.theta ** (torch.arange(0, d, 2, dtype=torch.float32) / d)  # theta^(2i/d)
         if self.kind == "linear":
@@ -69,11 +73,11 @@ class Rope:
         old = self.original_max_position_embeddings
         low_wavelen, high_wavelen = old / self.low_freq_factor, old / self.high_freq_factor
         wavelen = 2 * math.pi / inv_freq
-        scaled = torch.where(wavelen > low_wavelen, inv_freq / self.factor, inv_freq)
+        scaled = (inv_freq / self.factor).where(wavelen > low_wavelen, inv_freq)
         smooth = (old / wavelen - self.low_freq_factor) / (self.high_freq_factor - self.low_freq_factor)
         smoothed = (1 - smooth) * scaled / self.factor + smooth * scaled
         medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
-        return torch.where(medium, smoothed, scaled)
+        return smoothed.where(medium, scaled)
 
     def _yarn(self, wave: torch.Tensor) -> torch.Tensor:
         # YaRN: interpolate (divide by factor) the dimensions that rotate less than beta_slow times
@@ -89,7 +93,7 @@ class Rope:
         low, high = max(low, 0), min(high, d - 1)
         if low == high:
             high += 0.001  # no zero-width ramp
-        ramp = ((torch.arange(d // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+        ramp = ((wave.new_tensor(range(d // 2)) - low) / (high - low)).clamp(0, 1)
         extrapolation = 1 - ramp
         return (1.0 / (self.factor * wave)) * (1 - extrapolation) + (1.0 / wave) * extrapolation
 
@@ -98,7 +102,7 @@ class Rope:
         float32 freqs and attention factor, then the cast."""
         # a copy staged from pageable memory: the host does not wait for the device's queue
         inv_freq = self.inv_freq().to(positions.device, non_blocking=True)
-        freqs = torch.outer(positions.to(torch.float32), inv_freq)
+        freqs = positions.float().outer(inv_freq)
         cos, sin = freqs.cos(), freqs.sin()
         if self.attention_factor != 1.0:
             cos, sin = cos * self.attention_factor, sin * self.attention_factor

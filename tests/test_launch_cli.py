@@ -82,6 +82,18 @@ def test_dry_run_without_a_recipe_resolves_tiny_ppo(capsys):
     assert "fake GPUs" in out
 
 
+def test_a_dry_run_of_a_generated_model_imports_neither_torch_nor_transformers():
+    """Its memory plan is sized from plain config fields (ppo.model_shapes), so it answers in a
+    fraction of a second rather than the seconds those imports take."""
+    code = ("import runpy, sys\nsys.argv = ['launch.py', '--recipe', 'tiny_ppo', '--dry-run']\n"
+            "try:\n    runpy.run_path('launch.py', run_name='__main__')\nexcept SystemExit as e:\n    assert not e.code\n"
+            "print('imported:', sorted(m for m in ('torch', 'transformers') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.splitlines()[-1] == "imported: []"
+    assert "memory plan, GiB per GPU" in out.stdout
+
+
 def test_without_dry_run_the_config_goes_to_ppo_loop_train(monkeypatch):
     received = []
     loop = types.ModuleType("ppo.loop")

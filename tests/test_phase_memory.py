@@ -23,15 +23,15 @@ QWEN3_4B = ModelSpec.from_hf(Qwen3Config(hidden_size=2560, intermediate_size=972
 def test_estimates_from_the_qwen3_4b_shape():
     assert layer_activation_elements(QWEN3_4B) == 4 * (2560 + 4096 + 1024 + 9728)  # 27.2 x hidden
     tokens = 4 * 2048
-    train = micro_batch_bytes(QWEN3_4B, num_tokens=tokens, num_logit_tokens=0, dtype=torch.bfloat16,
+    train = micro_batch_bytes(QWEN3_4B, num_tokens=tokens, num_logit_tokens=0, width=2,
                               training=True, with_logits=False)
     assert train == tokens * 36 * 69632 * 2  # 41 GB: why Qwen3-4B needs recomputation or small micro-batches
-    ckpt = micro_batch_bytes(QWEN3_4B, num_tokens=tokens, num_logit_tokens=0, dtype=torch.bfloat16,
+    ckpt = micro_batch_bytes(QWEN3_4B, num_tokens=tokens, num_logit_tokens=0, width=2,
                              training=True, gradient_checkpointing=True, with_logits=False)
-    forward = micro_batch_bytes(QWEN3_4B, num_tokens=tokens, num_logit_tokens=0, dtype=torch.bfloat16,
+    forward = micro_batch_bytes(QWEN3_4B, num_tokens=tokens, num_logit_tokens=0, width=2,
                                 training=False, with_logits=False)
     assert forward < ckpt < train / 10
-    logits = micro_batch_bytes(QWEN3_4B, num_tokens=0, num_logit_tokens=tokens, dtype=torch.bfloat16,
+    logits = micro_batch_bytes(QWEN3_4B, num_tokens=0, num_logit_tokens=tokens, width=2,
                                training=True)
     assert logits == tokens * 151936 * (2 + 4 + 4 + 4)  # bf16 logits, fp32 copy, softmax temp, fp32 grad
 
@@ -58,7 +58,7 @@ def test_a_plan_that_fits_is_charged_its_activations_per_micro_batch(ckpt, tmp_p
     model_cfg = actor.model.config
     # the largest micro-batch of make_batch: 2 rows x the padded width, 6 response positions
     biggest = micro_batch_bytes(ModelSpec.from_hf(model_cfg), num_tokens=2 * make_batch()["input_ids"].shape[1], num_logit_tokens=2 * 6,
-                                dtype=torch.float32, training=True)
+                                width=4, training=True)
     assert max(charges) <= biggest and max(charges) > nbytes_of(actor.model) // 100
     assert device.usage("actor", "activations") == 0
 

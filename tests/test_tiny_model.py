@@ -7,15 +7,8 @@ import os
 import pytest
 import torch
 
-from ppo.tiny_model import (
-    BOS_ID,
-    EOS_ID,
-    PAD_ID,
-    TOKEN_CHARS,
-    build_tiny_checkpoint,
-    load_causal_lm,
-    load_tokenizer,
-)
+from ppo.model_shapes import BOS_ID, EOS_ID, PAD_ID, TOKEN_CHARS
+from ppo.tiny_model import build_tiny_checkpoint, load_causal_lm, load_tokenizer
 
 
 def _weights_digest(path):

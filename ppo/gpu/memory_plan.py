@@ -35,11 +35,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-import torch
-
 from ppo import config as C
 from ppo.config import PPOConfig
-from ppo.gpu.sizing import compute_dtype
+from ppo.gpu.sizing import compute_dtype_bytes
 from ppo.gpu.placement import Placement, plan_placement
 from roles.model_spec import ModelSpec
 from roles.phase_memory import micro_batch_bytes
@@ -138,8 +136,7 @@ def _trainer(cfg: PPOConfig, spec: ModelSpec, name: str, gpus: list[int], *, cri
              prompt_len: int) -> _Trainer:
     t, par = cfg.training, cfg.parallelism
     megatron = t.train_backend == "megatron"
-    dtype = getattr(torch, compute_dtype(cfg))
-    w = dtype.itemsize
+    w = compute_dtype_bytes(cfg)
     tp, pp = (par.tensor_model_parallel_size, par.pipeline_model_parallel_size) if megatron else (1, 1)
     params = model_parameters(spec, lm_head=not critic, value_head=critic, tp=tp) // pp
     dp = C.data_parallel_size(cfg) if megatron else 1
@@ -162,7 +159,7 @@ def _trainer(cfg: PPOConfig, spec: ModelSpec, name: str, gpus: list[int], *, cri
 
             logit_rows = min(logit_rows, MegatronTrainerConfig.logits_chunk_tokens)
         return micro_batch_bytes(spec, num_tokens=tokens, num_logit_tokens=logit_rows,
-                                 dtype=dtype, training=training, gradient_checkpointing=recompute,
+                                 width=w, training=training, gradient_checkpointing=recompute,
                                  with_logits=not critic)
 
     if megatron:  # --optimizer-cpu-offload keeps a share of the optimizer in host memory for good
@@ -186,7 +183,7 @@ class _Engine:
 
 
 def _engine(cfg: PPOConfig, spec: ModelSpec, index: int, gpus: list[int], *, fake: bool, capacity: int) -> _Engine:
-    w = getattr(torch, compute_dtype(cfg)).itemsize
+    w = compute_dtype_bytes(cfg)
     tp = len(gpus)
     weights = model_parameters(spec, lm_head=True, tp=tp) * w
     fraction = cfg.engine.sglang_mem_fraction_static
@@ -291,7 +288,7 @@ def plan_memory(cfg: PPOConfig, spec: ModelSpec, *, capacity: int, prompt_len: i
     notes = []
     rows = _engine_rows(cfg)
     sequence_bytes = (prompt_len + (cfg.rollout.rollout_max_response_len or 0)) * spec.kv_elements_per_token \
-        * getattr(torch, compute_dtype(cfg)).itemsize
+        * compute_dtype_bytes(cfg)
     for e in engines:
         held = e.kv_cache * len(e.gpus) // sequence_bytes
         if held < rows:

@@ -7,6 +7,7 @@ import os
 
 from ppo.config import PPOConfig
 from ppo.config.schema import GENERATED_PREFIX
+from ppo.model_shapes import ARCHS, tiny_config_fields
 from roles.model_spec import ModelSpec
 
 FAKE_GPU_BYTES = 80 << 30  # the memory of each fake GPU (--fake-gpus), on every node
@@ -18,6 +19,11 @@ DEFAULT_PROMPT_LEN = 512
 def compute_dtype(cfg: PPOConfig) -> str:
     """The roles' compute dtype: float32 on fake GPUs (the CPU computes), bfloat16 on GPUs."""
     return "float32" if cfg.placement.fake_gpus else "bfloat16"
+
+
+def compute_dtype_bytes(cfg: PPOConfig) -> int:
+    """Bytes per element of `compute_dtype` (known here without importing torch)."""
+    return {"float32": 4, "bfloat16": 2}[compute_dtype(cfg)]
 
 
 def gpu_capacity_bytes() -> int | None:
@@ -49,12 +55,8 @@ def plan_spec(cfg: PPOConfig) -> ModelSpec | None:
     config; None otherwise (the dry run then has no memory plan to show)."""
     path = cfg.checkpoint.hf_checkpoint
     if path.startswith(GENERATED_PREFIX):
-        from ppo.tiny_model import tiny_config
-
-        return ModelSpec.from_hf(tiny_config())
+        return ModelSpec.from_hf(tiny_config_fields())
     if os.path.exists(os.path.join(path, "config.json")):
         return ModelSpec.from_checkpoint(path)
-    from ppo.make_model import ARCHS, arch_config
-
     arch = os.path.basename(path.rstrip("/")).lower()
-    return ModelSpec.from_hf(arch_config(arch)) if arch in ARCHS else None
+    return ModelSpec.from_hf({"model_type": "qwen3", **ARCHS[arch]}) if arch in ARCHS else None

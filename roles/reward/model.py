@@ -75,10 +75,10 @@ def budget_problem(path: str, *, dtype: str, max_tokens: int, capacity: int) -> 
     for file in Path(path).glob("*.safetensors"):
         with safe_open(str(file), "pt") as f:
             numel += sum(math.prod(f.get_slice(name).get_shape()) for name in f.keys())
-    width = torch.empty((), dtype=getattr(torch, dtype)).element_size()
+    width = getattr(torch, dtype).itemsize
     spec = ModelSpec.from_hf(json.loads((Path(path) / "config.json").read_text()))
     need = numel * width + micro_batch_bytes(spec, num_tokens=max_tokens, num_logit_tokens=0,
-                                             dtype=getattr(torch, dtype), training=False, with_logits=False)
+                                             width=width, training=False, with_logits=False)
     if need <= capacity:
         return None
     return (f"--reward-model-path {path}: its {dtype} weights and one micro-batch of "
@@ -153,7 +153,7 @@ class RewardModel:
                 input_ids[r, :len(ids[i])] = torch.tensor(ids[i])
                 mask[r, :len(ids[i])] = 1
             nbytes = micro_batch_bytes(self.spec, num_tokens=input_ids.numel(), num_logit_tokens=0,
-                                       dtype=self.model.dtype, training=False, with_logits=False)
+                                       width=self.model.dtype.itemsize, training=False, with_logits=False)
             with self.memory.transient("activations", nbytes, phase="reward_model"):
                 device = self.memory.device
                 hidden = base(input_ids.to(device), attention_mask=mask.to(device)).last_hidden_state  # [B, T, H]

@@ -179,7 +179,7 @@ class TrainCore:
         """The micro-batch's activations and logits, charged while it is computed."""
         nbytes = micro_batch_bytes(self.spec, num_tokens=mb.input_ids.numel(),
                                    num_logit_tokens=len(mb.indices) * mb.response_width,
-                                   dtype=self.config.torch_dtype, training=training,
+                                   width=self.config.torch_dtype.itemsize, training=training,
                                    gradient_checkpointing=self.config.gradient_checkpointing,
                                    with_logits=self._has_lm_head)
         return self.memory.transient("activations", nbytes, phase="train" if training else "forward")
