@@ -49,7 +49,7 @@ def main(argv: list[str] | None = None) -> None:
             c = cfg.cluster
             print(format_nodes(plan, master=c.master_addr and f"{c.master_addr}:{c.master_port}",
                                this_node=c.node_rank))
-        from ppo.gpu.dry_run import memory_plan_text  # imports torch (the model spec)
+        from ppo.gpu.dry_run import memory_plan_text  # torch for a megatron recipe only
 
         text, refused = memory_plan_text(cfg, gpu_memory_gb=args.gpu_memory_gb)
         print(text)

@@ -10,6 +10,7 @@ from rich.console import Console
 from bench.runtime import QUICK, main, metrics_of, render, run
 
 
+@pytest.mark.slow  # 22 s, a benchmark's smoke run: `make test` is at its 20 minutes
 @pytest.mark.timeout(120)
 def test_quick_run_of_tandem_and_mp_reports_positive_numbers_and_ratios():
     results = run(["tandem", "mp"], quick=True)

@@ -96,15 +96,14 @@ def until(predicate, within_s: float) -> bool:
     return True
 
 
-def a_start_that_died_alone(port: int, nnodes: int):
+def a_start_that_died_alone(nnodes: int):
     """A store that outlives its starts, as torchrun's agent's does, and the epoch of a start whose
     node 0 died before any other node joined: node 0's entry is there, every other place free."""
     from runtime.rendezvous import host_store
 
     store = host_store("127.0.0.1", nnodes)
     with pytest.raises(RendezvousFailed, match="did not join"):
-        meet("127.0.0.1", port if port else store.port, nnodes=nnodes, entry=entry(0), secret=SECRET,
-             timeout_s=0.3, host=False)
+        meet("127.0.0.1", store.port, nnodes=nnodes, entry=entry(0), secret=SECRET, timeout_s=0.3, host=False)
     return store
 
 
@@ -112,7 +111,7 @@ def test_a_node_that_met_an_earlier_starts_node_0_meets_the_new_one_once_it_open
     """A node of the new start that reads the epochs before the new node 0 opens its own joins the
     earlier start's epoch where its place is free, and meets the dead node 0 there. It learns of
     the new start from the store (Rendezvous.superseded) and meets again, in the new epoch."""
-    store = a_start_that_died_alone(0, 2)
+    store = a_start_that_died_alone(2)
     port, after = store.port, [entry(0), entry(1)]
     stale = meet("127.0.0.1", port, nnodes=2, entry=after[1], secret=SECRET, timeout_s=20, host=False)
     assert stale.epoch == 1 and stale.nodes[0] != after[0] and not stale.superseded()
@@ -127,7 +126,7 @@ def test_a_node_that_met_an_earlier_starts_node_0_meets_the_new_one_once_it_open
 def test_a_node_waiting_in_an_earlier_starts_epoch_moves_to_the_new_one():
     """The same, caught while the node still waits there, for a node the earlier start never had:
     it leaves the earlier epoch once a newer one opens, and every node of the new start meets."""
-    store = a_start_that_died_alone(0, 3)
+    store = a_start_that_died_alone(3)
     port, after = store.port, [entry(0), entry(1), entry(2)]
     with ThreadPoolExecutor(2) as pool:
         node_1 = pool.submit(meet, "127.0.0.1", port, nnodes=3, entry=after[1], secret=SECRET, timeout_s=20,
@@ -157,7 +156,9 @@ def test_a_store_that_ended_supersedes_nothing():
     import gc
 
     gc.collect()  # the server goes with its last reference
-    assert node_1.superseded() is False and node_1.superseded() is False
+    assert node_1.superseded() is False and node_1._store_gone  # it found the store gone ...
+    node_1.store = None  # ... and asks it no more (a call would raise AttributeError)
+    assert node_1.superseded() is False
 
 
 def test_a_lost_node_joins_again_in_a_new_generation():
